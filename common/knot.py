@@ -1,0 +1,332 @@
+"""The .knot container: one object holding a model's quantized tensors and metadata.
+
+Layout (seed section 5; docs/knot-format.md is the long form):
+
+    bytes 0..3          b"KNOT"
+    bytes 4..5          u16 LE version (1)
+    bytes 6..9          u32 LE metaLen = UNPADDED length of the JSON
+    bytes 10..10+metaLen  JSON metadata (UTF-8), no trailing padding
+    ..align-1           NUL pad to a 4-byte boundary (0..3 bytes)
+    byte  align         codec marker 0x40, align = (10 + metaLen + 3) & ~3
+    bytes align+1..     payload: tensors, contiguous in metadata order, then blobs
+
+Pure: no file or network I/O here. Readers pass a `read_range(start, end)` callable.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Mapping
+
+from common.quant import QUANT_TYPES, row_byte_range, tensor_nbytes
+
+MAGIC = b"KNOT"
+VERSION = 1
+MARKER = 0x40  # "FP64 codec marker" byte that sits just before the payload
+PREAMBLE = struct.Struct("<4sHI")  # magic, version, metaLen -> 10 bytes
+# First fetch of a reader. The real models' headers are ~40 KB; a larger
+# header costs one more ranged read (the seed's two-fetch case).
+PROBE_BYTES = 64 * 1024
+
+HPARAM_KEYS = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "head_count",
+    "head_count_kv",
+    "rope_freq_base",
+    "rms_eps",
+    "context_length",
+    "vocab_size",
+)
+
+
+class KnotError(ValueError):
+    """Base of every error raised while reading a knot."""
+
+
+class NotAKnot(KnotError):
+    pass
+
+
+class TruncatedKnot(KnotError):
+    pass
+
+
+class StaleKnotError(KnotError):
+    """The layout disagrees with itself: a pre-2026-04-25 encoding or a cut-off file."""
+
+
+class UnknownTensor(KnotError, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+def payload_offset_for(meta_len: int) -> int:
+    """Absolute offset of the payload for an UNPADDED metadata length."""
+    align = (PREAMBLE.size + meta_len + 3) & ~3
+    return align + 1
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]  # GGUF order: ne0 (row length) first
+    offset: int  # from the payload start
+    length: int  # bytes
+
+    @property
+    def n_rows(self) -> int:
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class BlobEntry:
+    name: str
+    offset: int  # from the payload start, after the tensors
+    length: int
+    encoding: str  # e.g. "zlib+json"
+
+
+@dataclass(frozen=True)
+class KnotHeader:
+    version: int
+    meta_len: int
+    payload_offset: int
+    metadata: dict = field(repr=False)
+    tensors: dict[str, TensorEntry] = field(repr=False)
+    blobs: dict[str, BlobEntry] = field(repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["architecture"]
+
+    @property
+    def hparams(self) -> dict:
+        return self.metadata["hparams"]
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(t.length for t in self.tensors.values()) + sum(b.length for b in self.blobs.values())
+
+    @property
+    def expected_file_size(self) -> int:
+        return self.payload_offset + self.payload_nbytes
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise UnknownTensor(f"unknown tensor {name!r}: the knot has {len(self.tensors)} tensors "
+                                f"(e.g. {', '.join(list(self.tensors)[:3])})") from None
+
+    def tensor_range(self, name: str) -> tuple[int, int]:
+        """Absolute [start, end) file offsets of a tensor's bytes."""
+        t = self.entry(name)
+        start = self.payload_offset + t.offset
+        return start, start + t.length
+
+    def row_range(self, name: str, row_start: int, row_end: int) -> tuple[int, int]:
+        """Absolute [start, end) file offsets of rows [row_start, row_end) of a tensor."""
+        t = self.entry(name)
+        if not 0 <= row_start <= row_end <= t.n_rows:
+            raise KnotError(f"rows {row_start}:{row_end} out of range for {name} with {t.n_rows} rows")
+        a, b = row_byte_range(t.ggml_type, t.shape[0], row_start, row_end)
+        base = self.payload_offset + t.offset
+        return base + a, base + b
+
+    def blob_range(self, name: str) -> tuple[int, int]:
+        try:
+            b = self.blobs[name]
+        except KeyError:
+            raise KnotError(f"the knot has no blob {name!r} (blobs: {sorted(self.blobs)})") from None
+        start = self.payload_offset + b.offset
+        return start, start + b.length
+
+    def check_size(self, file_size: int) -> None:
+        """The stale-knot guard (seed section 5, WARNING)."""
+        want = self.expected_file_size
+        if file_size == want:
+            return
+        if want - file_size == 1:
+            hint = ("the payload starts one byte before payloadOffset: the signature of the "
+                    "pre-2026-04-25 encoder that padded the JSON inside metaLen")
+        elif file_size < want:
+            hint = "the file is cut short (truncated download or upload?)"
+        else:
+            hint = "there are bytes the header does not account for"
+        raise StaleKnotError(
+            f"stale or broken knot: file size {file_size} bytes != payloadOffset {self.payload_offset} "
+            f"+ payload total {self.payload_nbytes} = {want}; {hint}. Knots written by the pre-2026-04-25 "
+            f"encoder (padded metaLen) read as NaN-laced weights: re-encode with `knot encode MODEL.gguf OUT.knot`"
+        )
+
+
+# ---------------------------------------------------------------- writing
+
+def build_metadata(
+    architecture: str,
+    hparams: Mapping[str, Any],
+    tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
+    blobs: Iterable[tuple[str, int, str]] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> dict:
+    """Metadata with offsets laid out contiguously: tensors in the given order, then blobs.
+
+    tensors: (name, ggml_type, shape GGUF order, length bytes); blobs: (name, length, encoding).
+    """
+    missing = [k for k in HPARAM_KEYS if k not in hparams]
+    if missing:
+        raise KnotError(f"hparams lack {missing}")
+    meta: dict[str, Any] = {"format": "knot", "version": VERSION, "architecture": architecture,
+                            "hparams": dict(hparams)}
+    if extra:
+        meta.update(extra)
+    offset = 0
+    table: dict[str, dict] = {}
+    for name, ggml_type, shape, length in tensors:
+        table[name] = {"type": ggml_type, "shape": list(shape), "offset": offset, "length": length}
+        offset += length
+    meta["tensors"] = table
+    blob_table: dict[str, dict] = {}
+    for name, length, encoding in blobs:
+        blob_table[name] = {"offset": offset, "length": length, "encoding": encoding}
+        offset += length
+    meta["blobs"] = blob_table
+    return meta
+
+
+def pack_header(metadata: Mapping[str, Any]) -> bytes:
+    """Bytes 0..payloadOffset-1 of a knot: preamble, JSON, NUL pad, marker."""
+    meta = json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    # metaLen is the UNPADDED length; padding goes after the JSON, outside metaLen.
+    # (The pre-fix encoder padded inside metaLen: the reader then lands one byte late.)
+    pad = (4 - (PREAMBLE.size + len(meta)) % 4) % 4
+    out = PREAMBLE.pack(MAGIC, VERSION, len(meta)) + meta + b"\x00" * pad + bytes([MARKER])
+    assert len(out) == payload_offset_for(len(meta)), (len(out), len(meta))
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+def header_nbytes(prefix: bytes) -> int:
+    """How many leading bytes parse_header needs, from the first 10."""
+    if len(prefix) < PREAMBLE.size:
+        raise TruncatedKnot(f"knot too short: {len(prefix)} bytes, the preamble alone is {PREAMBLE.size}")
+    magic, _version, meta_len = PREAMBLE.unpack_from(prefix)
+    if magic != MAGIC:
+        raise NotAKnot(f"not a knot: magic {magic!r}, expected {MAGIC!r}")
+    return payload_offset_for(meta_len)
+
+
+def parse_header(buf: bytes, file_size: int | None = None) -> KnotHeader:
+    """Parse a knot header from its leading bytes; with file_size, also run the stale guard."""
+    need = header_nbytes(buf)
+    magic, version, meta_len = PREAMBLE.unpack_from(buf)
+    if version != VERSION:
+        raise KnotError(f"unsupported knot version {version}; this reader knows version {VERSION}")
+    if len(buf) < need:
+        raise TruncatedKnot(f"knot header truncated: metaLen {meta_len} needs {need} bytes, got {len(buf)}")
+    try:
+        metadata = json.loads(bytes(buf[PREAMBLE.size:PREAMBLE.size + meta_len]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KnotError(f"knot metadata is not valid JSON ({e}); stale or corrupt knot, re-encode it") from None
+    if not isinstance(metadata, dict) or metadata.get("format") != "knot":
+        raise NotAKnot("knot metadata lacks \"format\": \"knot\"")
+    tensors = _parse_tensor_table(metadata.get("tensors"))
+    blobs = {
+        name: BlobEntry(name, int(b["offset"]), int(b["length"]), str(b.get("encoding", "raw")))
+        for name, b in (metadata.get("blobs") or {}).items()
+    }
+    header = KnotHeader(version, meta_len, need, metadata, tensors, blobs)
+    if file_size is not None:
+        header.check_size(file_size)
+    marker = buf[need - 1]
+    if marker != MARKER:
+        # A second, independent symptom of a misplaced payload.
+        raise StaleKnotError(f"stale or broken knot: byte {need - 1} is 0x{marker:02x}, expected the codec "
+                             f"marker 0x{MARKER:02x} just before payloadOffset {need}; re-encode with `knot encode`")
+    return header
+
+
+def _parse_tensor_table(table: Any) -> dict[str, TensorEntry]:
+    if not isinstance(table, dict):
+        raise KnotError("knot metadata lacks a \"tensors\" table")
+    out: dict[str, TensorEntry] = {}
+    expect_offset = 0
+    for name, t in table.items():
+        # "type" is the on-disk name; "tensor_type" is the backend-shaped alias that a
+        # reader must also accept (seed section 8: reading the wrong one gave undefined -> zeros).
+        ggml_type = t.get("type", t.get("tensor_type"))
+        if ggml_type is None:
+            raise KnotError(f"tensor {name}: metadata has neither \"type\" nor \"tensor_type\"")
+        entry = TensorEntry(name, str(ggml_type), tuple(int(d) for d in t["shape"]),
+                            int(t["offset"]), int(t["length"]))
+        if entry.offset != expect_offset:
+            raise KnotError(f"tensor {name}: offset {entry.offset}, expected {expect_offset} "
+                            f"(tensors lie contiguous in metadata order)")
+        if entry.ggml_type in QUANT_TYPES:
+            want = tensor_nbytes(entry.ggml_type, entry.shape)
+            if entry.length != want:
+                raise KnotError(f"tensor {name}: length {entry.length} bytes, expected {want} "
+                                f"for {entry.ggml_type} {list(entry.shape)}")
+        expect_offset += entry.length
+        out[name] = entry
+    return out
+
+
+ReadRange = Callable[[int, int], Awaitable[bytes]]
+
+
+async def read_header(read_range: ReadRange, file_size: int | None = None,
+                      probe_bytes: int = PROBE_BYTES) -> KnotHeader:
+    """Read a header through a ranged reader: one probe, plus one more read if metaLen needs it."""
+    buf = await read_range(0, probe_bytes)
+    need = header_nbytes(buf)
+    if len(buf) < need:
+        if len(buf) < probe_bytes:
+            raise TruncatedKnot(f"knot header truncated: needs {need} bytes, the object has {len(buf)}")
+        buf = bytes(buf) + await read_range(len(buf), need)
+    return parse_header(buf, file_size)
+
+
+def read_header_sync(read_range: Callable[[int, int], bytes], file_size: int | None = None,
+                     probe_bytes: int = PROBE_BYTES) -> KnotHeader:
+    """Same as read_header, for a blocking reader (local files)."""
+    buf = read_range(0, probe_bytes)
+    need = header_nbytes(buf)
+    if len(buf) < need:
+        if len(buf) < probe_bytes:
+            raise TruncatedKnot(f"knot header truncated: needs {need} bytes, the file has {len(buf)}")
+        buf = bytes(buf) + read_range(len(buf), need)
+    return parse_header(buf, file_size)
+
+
+# ---------------------------------------------------------------- blobs
+
+TOKENIZER_BLOB = "tokenizer"
+TOKENIZER_ENCODING = "zlib+json"
+
+
+def encode_tokenizer_blob(data: Mapping[str, Any]) -> bytes:
+    """Tokenizer data (schema in docs/knot-format.md) -> blob bytes. Kept out of the header JSON,
+    which every station and shard reads at boot: 151,936 tokens + 151,387 merges would make it ~6 MB."""
+    import zlib
+
+    return zlib.compress(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8"), 6)
+
+
+def decode_tokenizer_blob(blob: bytes, encoding: str = TOKENIZER_ENCODING) -> dict:
+    import zlib
+
+    if encoding != TOKENIZER_ENCODING:
+        raise KnotError(f"tokenizer blob encoding {encoding!r} is not {TOKENIZER_ENCODING!r}")
+    try:
+        return json.loads(zlib.decompress(blob).decode("utf-8"))
+    except (zlib.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KnotError(f"tokenizer blob is corrupt ({e}); re-encode the knot") from None

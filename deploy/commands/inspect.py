@@ -1,0 +1,46 @@
+"""knot inspect: header, hparams, tensor table and the stale check of a knot."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from common import knot
+from deploy.knotfile import open_model
+
+NAME = "inspect"
+HELP = "print a knot's header, hparams, tensor table, payload offset and stale-check result"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("file", help="a .knot file")
+    p.add_argument("--json", action="store_true", help="print the header metadata as JSON")
+    p.add_argument("--tensors", type=int, default=None, metavar="N",
+                   help="show only the first N tensors of the table (default: all)")
+
+
+def run(args) -> int:
+    model = open_model(args.file)  # runs the stale guard: raises on a broken knot
+    h = model.header
+    if not isinstance(h, knot.KnotHeader):
+        raise knot.NotAKnot(f"{args.file}: a GGUF, not a knot (encode it with `knot encode`)")
+    if args.json:
+        print(json.dumps(h.metadata, indent=2))
+        return 0
+    size = model.path.stat().st_size
+    print(f"file            {model.path} ({size} bytes)")
+    print(f"format          knot v{h.version}, metaLen {h.meta_len}, payloadOffset {h.payload_offset}")
+    print(f"architecture    {h.architecture}  ({h.metadata.get('name', '')})")
+    print(f"stale check     OK: {size} = payloadOffset {h.payload_offset} + payload {h.payload_nbytes}")
+    print("hparams")
+    for k, v in h.hparams.items():
+        print(f"  {k:22} {v}")
+    for b in h.blobs.values():
+        print(f"blob            {b.name}: {b.length} bytes at payload+{b.offset} ({b.encoding})")
+    types = Counter(t.ggml_type for t in h.tensors.values())
+    print(f"tensors         {len(h.tensors)} ({', '.join(f'{n} {t}' for t, n in types.most_common())})")
+    rows = list(h.tensors.values())[: args.tensors]
+    width = max(len(t.name) for t in rows) if rows else 10
+    print(f"  {'name':{width}}  {'type':5}  {'shape':>16}  {'bytes':>11}  {'offset':>11}")
+    for t in rows:
+        print(f"  {t.name:{width}}  {t.ggml_type:5}  {'x'.join(map(str, t.shape)):>16}  {t.length:>11}  {t.offset:>11}")
+    return 0

