@@ -29,12 +29,16 @@ def register_kernel(ggml_type: str, kernel: Kernel | None) -> Kernel | None:
     return old
 
 
+# Default bound of the float32 tile the numpy path dequantizes at a time.
+DEFAULT_TILE_BYTES = 4 << 20
+
+
 def get_kernel(ggml_type: str) -> Kernel | None:
     """The registered kernel of a ggml type, or None when the numpy path serves it."""
     return _KERNELS.get(ggml_type)
 
 
-def matmul(x: np.ndarray, w: QTensor, tile_bytes: int = 4 << 20) -> np.ndarray:
+def matmul(x: np.ndarray, w: QTensor, tile_bytes: int = DEFAULT_TILE_BYTES) -> np.ndarray:
     """x (T, ne0) or (ne0,) float32 @ W.T, W numpy shape (ne1, ne0) -> (T, ne1) or (ne1,) float32.
 
     tile_bytes bounds the float32 tile of the numpy path (a registered kernel ignores it).
@@ -56,7 +60,7 @@ def matmul(x: np.ndarray, w: QTensor, tile_bytes: int = 4 << 20) -> np.ndarray:
     return y[0] if x.ndim == 1 else y
 
 
-def matmul_tiled(x: np.ndarray, w: QTensor, tile_bytes: int = 4 << 20) -> np.ndarray:
+def matmul_tiled(x: np.ndarray, w: QTensor, tile_bytes: int = DEFAULT_TILE_BYTES) -> np.ndarray:
     """The numpy reference: x (T, ne0) f32 @ W.T -> (T, ne1) f32, W dequantized by row tiles."""
     ne0, ne1 = w.shape
     y = np.empty((len(x), ne1), np.float32)

@@ -1,0 +1,266 @@
+"""Binary frames between services. All integers little-endian. Pure (stdlib only).
+
+Tensor frame (the wardens' self-checking frame), version 1:
+
+    off  size  field
+    0    4     magic        b"KTNS"
+    4    1     version      1
+    5    1     flags        0 (reserved; a decoder rejects unknown bits)
+    6    2     name_len     u16, bytes of the UTF-8 tensor name
+    8    1     type_len     u8, bytes of the ASCII ggml type name ("Q4_K", "F32", ...)
+    9    1     ndim         u8, number of shape dims
+    10   2     reserved     0
+    12   8     row_start    u64, first row of the tensor this frame holds (0 for a whole tensor)
+    20   8     payload_len  u64, bytes of payload
+    28   ..    name         name_len bytes
+    ..   ..    ggml_type    type_len bytes
+    ..   8*nd  shape        u64 each, GGUF order [ne0, ne1, ...] of the rows held (not the whole tensor)
+    ..   ..    payload      payload_len bytes: raw tensor bytes as stored in the knot
+    ..   4     crc32        zlib.crc32 of every byte above, from the magic on
+
+Batch, version 1:
+
+    0    4     magic        b"KTBT"
+    4    1     version      1
+    5    1     flags        0
+    6    2     reserved     0
+    8    4     count        u32, number of tensor frames that follow
+    12   ..    frames       `count` tensor frames back to back, nothing after them
+
+Decoders raise a WireError subclass whose message names the field and the numbers.
+Later frame kinds (the station envelope) get their own magic and reuse _Reader.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+TENSOR_MAGIC = b"KTNS"
+BATCH_MAGIC = b"KTBT"
+VERSION = 1
+
+TENSOR_CONTENT_TYPE = "application/x-knot-tensor"
+BATCH_CONTENT_TYPE = "application/x-knot-tensor-batch"
+
+_TENSOR_HEAD = struct.Struct("<4sBBHBBHQQ")  # magic version flags name_len type_len ndim reserved row_start payload_len
+_BATCH_HEAD = struct.Struct("<4sBBHI")  # magic version flags reserved count
+_CRC = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+MAX_NDIM = 8
+
+
+class WireError(ValueError):
+    """Base of every frame decoding error."""
+
+
+class BadMagic(WireError):
+    pass
+
+
+class UnsupportedVersion(WireError):
+    pass
+
+
+class TruncatedFrame(WireError):
+    pass
+
+
+class ChecksumMismatch(WireError):
+    pass
+
+
+class MalformedFrame(WireError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorFrame:
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]  # GGUF order, of the rows this frame holds
+    payload: bytes
+    row_start: int = 0
+
+
+class _Reader:
+    """Bounds-checked cursor over a buffer; every short read names the field it wanted."""
+
+    def __init__(self, buf: bytes | memoryview, what: str):
+        self.buf = memoryview(buf)
+        self.pos = 0
+        self.what = what
+
+    def take(self, n: int, field: str) -> memoryview:
+        if n > len(self.buf) - self.pos:
+            raise TruncatedFrame(f"{self.what}: {field} needs {n} bytes at offset {self.pos}, "
+                                 f"only {len(self.buf) - self.pos} left of {len(self.buf)}")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, st: struct.Struct, field: str) -> tuple:
+        return st.unpack(self.take(st.size, field))
+
+    def remaining(self) -> int:
+        return len(self.buf) - self.pos
+
+
+def _check_magic_version(what: str, magic: bytes, want_magic: bytes, version: int, flags: int) -> None:
+    if magic != want_magic:
+        raise BadMagic(f"{what}: magic {bytes(magic)!r}, expected {want_magic!r}")
+    if version != VERSION:
+        raise UnsupportedVersion(f"{what}: version {version}, this decoder knows version {VERSION}")
+    if flags != 0:
+        raise MalformedFrame(f"{what}: unknown flags 0x{flags:02x}")
+
+
+# ---------------------------------------------------------------- tensor frame
+
+
+def encode_tensor(frame: TensorFrame) -> bytes:
+    name = frame.name.encode("utf-8")
+    gtype = frame.ggml_type.encode("ascii")
+    if len(name) > 0xFFFF or len(gtype) > 0xFF or len(frame.shape) > MAX_NDIM:
+        raise ValueError(f"tensor frame {frame.name!r}: name {len(name)} B, type {len(gtype)} B, "
+                         f"ndim {len(frame.shape)} exceed the frame's field sizes")
+    head = _TENSOR_HEAD.pack(TENSOR_MAGIC, VERSION, 0, len(name), len(gtype), len(frame.shape), 0,
+                             frame.row_start, len(frame.payload))
+    meta = head + name + gtype + b"".join(_U64.pack(d) for d in frame.shape)
+    crc = zlib.crc32(frame.payload, zlib.crc32(meta))
+    return b"".join((meta, frame.payload, _CRC.pack(crc)))
+
+
+def _read_tensor(r: _Reader) -> TensorFrame:
+    start = r.pos
+    magic, version, flags, name_len, type_len, ndim, reserved, row_start, payload_len = r.unpack(
+        _TENSOR_HEAD, "tensor frame header")
+    _check_magic_version("tensor frame", magic, TENSOR_MAGIC, version, flags)
+    if reserved != 0:
+        raise MalformedFrame(f"tensor frame: reserved field is {reserved}, expected 0")
+    if ndim > MAX_NDIM:
+        raise MalformedFrame(f"tensor frame: ndim {ndim} > {MAX_NDIM}")
+    try:
+        name = bytes(r.take(name_len, "name")).decode("utf-8")
+        ggml_type = bytes(r.take(type_len, "ggml_type")).decode("ascii")
+    except UnicodeDecodeError as e:
+        raise MalformedFrame(f"tensor frame: name or type is not text ({e.reason} at byte {e.start})") from None
+    shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
+    payload = r.take(payload_len, f"payload of {name}")
+    (crc,) = r.unpack(_CRC, f"crc32 of {name}")
+    got = zlib.crc32(r.buf[start:r.pos - _CRC.size])
+    if got != crc:
+        raise ChecksumMismatch(f"tensor frame {name}: crc32 0x{got:08x} over {payload_len} payload bytes, "
+                               f"frame says 0x{crc:08x}")
+    return TensorFrame(name, ggml_type, shape, bytes(payload), row_start)
+
+
+def decode_tensor(buf: bytes | memoryview) -> TensorFrame:
+    r = _Reader(buf, "tensor frame")
+    frame = _read_tensor(r)
+    if r.remaining():
+        raise MalformedFrame(f"tensor frame {frame.name}: {r.remaining()} trailing bytes after the crc")
+    return frame
+
+
+# ---------------------------------------------------------------- batch
+
+
+def encode_batch(frames: Iterable[TensorFrame]) -> bytes:
+    parts = [encode_tensor(f) for f in frames]
+    return b"".join([_BATCH_HEAD.pack(BATCH_MAGIC, VERSION, 0, 0, len(parts)), *parts])
+
+
+def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
+    r = _Reader(buf, "tensor batch")
+    magic, version, flags, reserved, count = r.unpack(_BATCH_HEAD, "batch header")
+    _check_magic_version("tensor batch", magic, BATCH_MAGIC, version, flags)
+    if reserved != 0:
+        raise MalformedFrame(f"tensor batch: reserved field is {reserved}, expected 0")
+    frames = []
+    for i in range(count):
+        r.what = f"tensor batch frame {i} of {count}"
+        frames.append(_read_tensor(r))
+    if r.remaining():
+        raise MalformedFrame(f"tensor batch: {r.remaining()} trailing bytes after {count} frames")
+    return frames
+
+
+# ---------------------------------------------------------------- array envelope (stations, shards)
+# Issue 5's hop frame (seed section 7: request id, position, sequence length, forward mode):
+#
+#     off  size  field
+#     0    4     magic        b"KENV"
+#     4    1     version      1
+#     5    1     mode         0 prefill, 1 decode, 2 embed (shard), 3 logits (shard)
+#     6    1     dtype        0 float32, 1 int32
+#     7    1     ndim         u8, dims of the array (<= MAX_NDIM)
+#     8    4     position     u32, position of the first row of the array in its sequence
+#     12   4     seq_len      u32, sequence length once this frame is applied (position + rows)
+#     16   2     id_len       u16, bytes of the UTF-8 request id
+#     18   2     reserved     0
+#     20   ..    request_id   id_len bytes
+#     ..   8*nd  shape        u64 each, C order (rows first): (T, dim) activations, (T,) tokens
+#     ..   ..    payload      prod(shape) * itemsize bytes, little-endian
+#     ..   4     crc32        zlib.crc32 of every byte above
+
+ENVELOPE_MAGIC = b"KENV"
+ENVELOPE_CONTENT_TYPE = "application/x-knot-envelope"
+MODES = ("prefill", "decode", "embed", "logits")
+DTYPES = ("<f4", "<i4")  # index = dtype code
+_ENV_HEAD = struct.Struct("<4sBBBBIIHH")
+
+
+@dataclass(frozen=True)
+class Envelope:
+    request_id: str
+    mode: str  # one of MODES
+    position: int
+    seq_len: int
+    array: np.ndarray  # float32 activations (T, dim) / logits, or int32 token ids (T,)
+
+
+def encode_envelope(env: Envelope) -> bytes:
+    rid = env.request_id.encode("utf-8")
+    arr = np.ascontiguousarray(env.array)
+    dtype = arr.dtype.newbyteorder("<").str
+    if dtype not in DTYPES:
+        raise ValueError(f"envelope array dtype {arr.dtype} is not float32 or int32")
+    if env.mode not in MODES or len(rid) > 0xFFFF or arr.ndim > MAX_NDIM:
+        raise ValueError(f"envelope: mode {env.mode!r}, id {len(rid)} B or ndim {arr.ndim} out of range")
+    head = _ENV_HEAD.pack(ENVELOPE_MAGIC, VERSION, MODES.index(env.mode), DTYPES.index(dtype), arr.ndim,
+                          env.position, env.seq_len, len(rid), 0)
+    meta = head + rid + b"".join(_U64.pack(d) for d in arr.shape)
+    payload = arr.astype(dtype, copy=False).tobytes()
+    return b"".join((meta, payload, _CRC.pack(zlib.crc32(payload, zlib.crc32(meta)))))
+
+
+def decode_envelope(buf: bytes | memoryview) -> Envelope:
+    r = _Reader(buf, "envelope")
+    magic, version, mode, dtype, ndim, position, seq_len, id_len, reserved = r.unpack(_ENV_HEAD, "envelope header")
+    _check_magic_version("envelope", magic, ENVELOPE_MAGIC, version, 0)
+    if mode >= len(MODES) or dtype >= len(DTYPES) or ndim > MAX_NDIM or reserved:
+        raise MalformedFrame(f"envelope: mode {mode}, dtype {dtype}, ndim {ndim}, reserved {reserved} "
+                             f"(modes 0..{len(MODES) - 1}, dtypes 0..{len(DTYPES) - 1}, ndim <= {MAX_NDIM})")
+    try:
+        rid = bytes(r.take(id_len, "request_id")).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MalformedFrame(f"envelope: request id is not UTF-8 (byte {e.start})") from None
+    shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
+    n = 1
+    for d in shape:
+        n *= d
+    payload = r.take(n * 4, f"payload {shape}")
+    (crc,) = r.unpack(_CRC, "crc32")
+    got = zlib.crc32(r.buf[:r.pos - _CRC.size])
+    if got != crc:
+        raise ChecksumMismatch(f"envelope {rid}: crc32 0x{got:08x}, frame says 0x{crc:08x}")
+    if r.remaining():
+        raise MalformedFrame(f"envelope {rid}: {r.remaining()} trailing bytes after the crc")
+    if seq_len < position:
+        raise MalformedFrame(f"envelope {rid}: seq_len {seq_len} < position {position}")
+    arr = np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
+    return Envelope(rid, MODES[mode], position, seq_len, arr)

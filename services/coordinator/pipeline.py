@@ -1,0 +1,149 @@
+"""The coordinator's hops: shards (embed, LM head) and the station chain, with their timings.
+
+Seed section 3 merge with allSettled semantics: a shard that fails or times out gives zeros
+for its tokens at the embedding and -inf logits for its slice at the head; the rest stay exact,
+and the failure is logged and reported.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common import wire
+from common.runtime import BadGateway, HttpError, Request, Response, ServiceUnavailable
+from common.topology import ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+class SessionLost(Exception):
+    """A station no longer holds the request's KV cache: replay from position 0."""
+
+
+@dataclass
+class Hops:
+    """Per-hop wall time of one request: name -> list of ms."""
+
+    ms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, name: str, t0: float) -> None:
+        self.ms[name].append((time.perf_counter() - t0) * 1e3)
+
+    def summary(self) -> dict:
+        return {k: {"calls": len(v), "total_ms": round(sum(v), 3), "mean_ms": round(sum(v) / len(v), 3)}
+                for k, v in self.ms.items()}
+
+
+@dataclass
+class Degradation:
+    shard: int
+    vocab_start: int
+    vocab_end: int
+    stage: str  # embed / logits
+    error: str
+
+    def as_json(self) -> dict:
+        return {"shard": self.shard, "vocab_start": self.vocab_start, "vocab_end": self.vocab_end,
+                "stage": self.stage, "error": self.error}
+
+
+async def _post_envelope(binding, path: str, env: wire.Envelope, timeout_s: float) -> wire.Envelope:
+    req = Request("POST", f"https://peer{path}", {"Content-Type": wire.ENVELOPE_CONTENT_TYPE}, wire.encode_envelope(env))
+    resp: Response = await asyncio.wait_for(binding.fetch(req), timeout_s)
+    if not resp.ok:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {"message": resp.body[:200].decode("utf-8", "replace")}
+        if resp.status == 409 and body.get("error") == "UnknownSession":
+            raise SessionLost(body.get("message", "unknown session"))
+        raise BadGateway(f"{path}: HTTP {resp.status}: {body.get('message', '')}")
+    try:
+        return wire.decode_envelope(resp.body)
+    except wire.WireError as e:
+        raise BadGateway(f"{path}: malformed reply: {e}") from None
+
+
+class Pipeline:
+    def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
+                 shard_timeout_s: float, station_timeout_s: float):
+        self.stations = stations  # service bindings, entry first
+        self.shards = shards  # (spec, binding), sorted by vocab_start, tiling [0, vocab)
+        self.dim, self.vocab_size = dim, vocab_size
+        self.shard_timeout_s, self.station_timeout_s = shard_timeout_s, station_timeout_s
+
+    async def embed(self, rid: str, tokens: list[int], position: int, hops: Hops,
+                    degraded: list[Degradation]) -> np.ndarray:
+        """tokens (T,) -> (T, dim): sum of the partial embeddings of the shards that own a token."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        frame = wire.Envelope(rid, "embed", position, position + len(tokens), ids)
+        owners = [(s, b) for s, b in self.shards if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_post_envelope(b, "/embed", frame, self.shard_timeout_s) for _, b in owners),
+                                       return_exceptions=True)
+        hops.add("embed", t0)
+        out = np.zeros((len(tokens), self.dim), np.float32)  # (T, dim)
+        for (spec, _), res in zip(owners, results):
+            if isinstance(res, BaseException):
+                self._degrade(spec, "embed", res, degraded)
+                continue  # its tokens stay zero: wrong, but local (seed section 3)
+            if res.array.shape != out.shape:
+                self._degrade(spec, "embed", BadGateway(f"shape {res.array.shape}, expected {out.shape}"), degraded)
+                continue
+            out += res.array  # μ: elementwise sum of disjoint partials
+        return out
+
+    async def logits(self, rid: str, h: np.ndarray, position: int, hops: Hops,
+                     degraded: list[Degradation]) -> np.ndarray:
+        """h (1, dim) final normed hidden -> (vocab,) logits, slices concatenated in vocab order."""
+        frame = wire.Envelope(rid, "logits", position, position + h.shape[0], h)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_post_envelope(b, "/logits", frame, self.shard_timeout_s)
+                                         for _, b in self.shards), return_exceptions=True)
+        hops.add("logits", t0)
+        out = np.full(self.vocab_size, -np.inf, np.float32)
+        ok = 0
+        for (spec, _), res in zip(self.shards, results):
+            want = (h.shape[0], spec.n_rows)
+            if not isinstance(res, BaseException) and res.array.shape != want:
+                res = BadGateway(f"logits shape {res.array.shape}, expected {want}")
+            if isinstance(res, BaseException):
+                self._degrade(spec, "logits", res, degraded)  # its slice stays -inf: never sampled
+                continue
+            out[spec.vocab_start:spec.vocab_end] = res.array[-1]
+            ok += 1
+        if ok == 0:
+            raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled")
+        return out
+
+    async def stations_forward(self, rid: str, mode: str, position: int, x: np.ndarray, hops: Hops) -> np.ndarray:
+        """x (T, dim) through every station in order -> the exit's final normed hidden (1, dim)."""
+        h = x
+        for i, st in enumerate(self.stations):
+            t0 = time.perf_counter()
+            out = await _post_envelope(st, "/forward", wire.Envelope(rid, mode, position, position + h.shape[0], h),
+                                       self.station_timeout_s)
+            hops.add(f"station_{i}", t0)
+            h = out.array
+        return h
+
+    async def release(self, rid: str) -> None:
+        """Free the request's KV caches on every station (best effort, after the response)."""
+        async def one(i, st):
+            try:
+                await asyncio.wait_for(st.fetch(Request("POST", f"https://peer/release/{rid}")), self.station_timeout_s)
+            except (HttpError, TimeoutError) as e:
+                log.warning("release %s on station %d failed: %s", rid, i, e)
+
+        await asyncio.gather(*(one(i, st) for i, st in enumerate(self.stations)))
+
+    @staticmethod
+    def _degrade(spec: ShardSpec, stage: str, err: BaseException, degraded: list[Degradation]) -> None:
+        msg = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        log.warning("shard %d [%d, %d) degraded at %s: %s", spec.index, spec.vocab_start, spec.vocab_end, stage, msg)
+        degraded.append(Degradation(spec.index, spec.vocab_start, spec.vocab_end, stage, msg))

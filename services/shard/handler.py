@@ -1,0 +1,211 @@
+"""Cobordism shard: one slice [VOCAB_START, VOCAB_END) of the vocabulary (seed sections 1, 3).
+
+    POST /embed     envelope mode "embed", int32 tokens (T,) -> float32 (T, dim): the rows of the
+                    tokens this shard owns, zeros for every other token, so the coordinator's sum
+                    over disjoint shards is the full lookup
+    POST /logits    envelope mode "logits", float32 (T, dim) final normed hidden -> (T, n_rows):
+                    this slice of the LM head (rows of output.weight, or token_embd when tied)
+    GET  /stats
+
+Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB); bindings KNOT_BUCKET,
+COBORDISM_WARDEN (DO namespace, optional: the RAM -> KV -> R2 row hierarchy lives behind it).
+
+Why the LM head is here: a 7B's output matrix is ~447 MB in Q6_K, more than any 128 MB exit
+station holds; one eighth of it fits a shard.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from common import wire
+from common.knot import KnotHeader
+from common.quant import QTensor, dequantize_rows
+from common.qwen2 import TOKEN_EMBD, head_tensor_name, lm_head
+from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
+from services.boot import BootCache
+from services.knot_source import KnotSource
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    knot_key: str
+    vocab_start: int
+    vocab_end: int
+    budget_bytes: int
+
+    @property
+    def boot_key(self) -> str:
+        return f"{self.knot_key}|{self.vocab_start}-{self.vocab_end}"
+
+    @classmethod
+    def from_env(cls, env: Env) -> "ShardSettings":
+        vals = {}
+        for name in ("KNOT_KEY", "VOCAB_START", "VOCAB_END"):
+            v = env.get(name)
+            if v is None or str(v) == "":
+                raise ServiceUnavailable(f"shard config {name!r} is missing, and has no default")
+            vals[name] = str(v)
+        try:
+            a, b = int(vals["VOCAB_START"]), int(vals["VOCAB_END"])
+            budget = int(env.get("MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES))
+        except ValueError as e:
+            raise ServiceUnavailable(f"shard config: {e}") from None
+        if not 0 <= a < b:
+            raise ServiceUnavailable(f"shard vocab range [{a}, {b}) is empty or negative")
+        return cls(vals["KNOT_KEY"], a, b, budget)
+
+
+class Shard:
+    def __init__(self, settings: ShardSettings, header: KnotHeader, source: KnotSource, warden, identity: dict):
+        self.settings, self.header, self.source = settings, header, source
+        self.warden, self.identity = warden, identity
+        self.embd = header.entry(TOKEN_EMBD)
+        self.dim = self.embd.shape[0]
+        if settings.vocab_end > self.embd.n_rows:
+            raise ServiceUnavailable(f"shard rows [{settings.vocab_start}, {settings.vocab_end}) exceed the "
+                                     f"{self.embd.n_rows} rows of {TOKEN_EMBD}")
+        self.head_name = head_tensor_name(lambda n: n in header.tensors)
+        self.head: QTensor | None = None
+        self.head_f32: QTensor | None = None
+        self.stats = {"embed_calls": 0, "rows_from_warden": 0, "rows_from_r2": 0, "warden_failures": 0,
+                      "logits_calls": 0}
+
+    async def boot(self) -> None:
+        """The LM-head slice: one ranged read of rows [vocab_start, vocab_end), kept resident."""
+        a, b = self.settings.vocab_start, self.settings.vocab_end
+        e = self.header.entry(self.head_name)
+        data = await self.source.read(*self.header.row_range(self.head_name, a, b))
+        self.head = QTensor(f"{self.head_name}[{a}:{b}]", e.ggml_type, (e.shape[0], b - a),
+                            np.frombuffer(data, dtype=np.uint8))
+        f32_bytes = (b - a) * e.shape[0] * 4
+        if self.head.nbytes + f32_bytes <= self.settings.budget_bytes // 2:
+            # Dequantized once when it fits: the head then costs one float32 matmul per token.
+            w = self.head.dequantize()  # (n_rows, dim)
+            self.head_f32 = QTensor(self.head.name, "F32", self.head.shape, w.reshape(-1).view(np.uint8))
+
+    # -------------------------------------------------------- embeddings
+
+    async def rows(self, rows: list[int]) -> dict[int, np.ndarray]:
+        """row -> float32 (dim,): the warden's hierarchy first, R2 directly if the warden fails."""
+        out: dict[int, np.ndarray] = {}
+        if self.warden is not None:
+            out = await self._from_warden(rows)
+        missing = [r for r in rows if r not in out]
+        for r in missing:
+            data = await self.source.read(*self.header.row_range(TOKEN_EMBD, r, r + 1))
+            out[r] = dequantize_rows(data, self.embd.ggml_type, self.dim, TOKEN_EMBD)[0]
+            self.stats["rows_from_r2"] += 1
+        return out
+
+    async def _from_warden(self, rows: list[int]) -> dict[int, np.ndarray]:
+        req = Request("POST", "https://cobordism-warden/tensors",
+                      self.identity | {"Content-Type": "application/json"}, json.dumps({"rows": rows}).encode())
+        try:
+            resp = await self.warden.fetch(req)
+            if not resp.ok:
+                raise ServiceUnavailable(f"HTTP {resp.status}: {resp.body[:200]!r}")
+            frames = wire.decode_batch(resp.body)
+        except (HttpError, TimeoutError, wire.WireError) as e:
+            self.stats["warden_failures"] += 1
+            log.warning("cobordism warden failed for %d rows, reading R2: %s", len(rows), e)
+            return {}
+        out = {}
+        for f in frames:
+            if f.name != TOKEN_EMBD or f.shape[0] != self.dim or f.row_start not in rows:
+                log.warning("cobordism warden frame %s row %d %s rejected", f.name, f.row_start, f.shape)
+                continue
+            out[f.row_start] = dequantize_rows(f.payload, f.ggml_type, self.dim, TOKEN_EMBD)[0]
+            self.stats["rows_from_warden"] += 1
+        return out
+
+    async def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens (T,) -> (T, dim), zeros where this shard does not own the token."""
+        a, b = self.settings.vocab_start, self.settings.vocab_end
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.header.hparams["vocab_size"]):
+            raise BadRequest(f"token ids must lie in [0, {self.header.hparams['vocab_size']})")
+        out = np.zeros((tokens.shape[0], self.dim), np.float32)  # (T, dim): zero = "not my token"
+        owned = [int(t) for t in tokens if a <= t < b]
+        if owned:
+            got = await self.rows(list(dict.fromkeys(owned)))
+            for i, t in enumerate(tokens):
+                if a <= t < b:
+                    out[i] = got[int(t)]
+        self.stats["embed_calls"] += 1
+        return out
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """h (T, dim) output-normed -> (T, n_rows) logits of this slice."""
+        self.stats["logits_calls"] += 1
+        return lm_head(h, self.head_f32 or self.head)
+
+
+_booted: BootCache[Shard] = BootCache()
+
+
+async def shard_for(env: Env) -> Shard:
+    settings = ShardSettings.from_env(env)
+
+    async def boot() -> Shard:
+        source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
+        header = await source.header()
+        warden = None
+        ns = env.get("COBORDISM_WARDEN")
+        if ns is not None:
+            warden = ns.get(ns.id_from_name(settings.boot_key))
+        identity = {"X-Knot-Id": settings.knot_key, "X-Vocab-Start": str(settings.vocab_start),
+                    "X-Vocab-End": str(settings.vocab_end)}
+        sh = Shard(settings, header, source, warden, identity)
+        await sh.boot()
+        log.info("shard booted: %s, head %s (%d bytes%s)", settings.boot_key, sh.head_name, sh.head.nbytes,
+                 ", float32 cached" if sh.head_f32 else "")
+        return sh
+
+    return await _booted.get(settings.boot_key, boot)
+
+
+async def ready(env: Env) -> None:
+    ShardSettings.from_env(env)
+
+
+def _frame(request: Request, mode: str) -> wire.Envelope:
+    try:
+        env = wire.decode_envelope(request.body)
+    except wire.WireError as e:
+        raise BadRequest(f"malformed envelope: {e}") from None
+    if env.mode != mode:
+        raise BadRequest(f"envelope mode {env.mode!r}, expected {mode!r}")
+    return env
+
+
+async def fetch(request: Request, env: Env, ctx) -> Response:
+    sh = await shard_for(env)
+    path = request.path
+    if path == "/embed" and request.method == "POST":
+        f = _frame(request, "embed")
+        if f.array.dtype != np.int32 or f.array.ndim != 1:
+            raise BadRequest(f"embed envelope holds {f.array.dtype} {f.array.shape}, expected int32 (T,)")
+        out = await sh.embed(f.array)
+        return Response.from_bytes(wire.encode_envelope(wire.Envelope(f.request_id, "embed", f.position,
+                                                                      f.seq_len, out)), wire.ENVELOPE_CONTENT_TYPE)
+    if path == "/logits" and request.method == "POST":
+        f = _frame(request, "logits")
+        h = f.array
+        if h.dtype != np.float32 or h.ndim != 2 or h.shape[1] != sh.dim:
+            raise BadRequest(f"logits envelope holds {h.dtype} {h.shape}, expected float32 (T, {sh.dim})")
+        out = sh.logits(h)
+        return Response.from_bytes(wire.encode_envelope(wire.Envelope(f.request_id, "logits", f.position,
+                                                                      f.seq_len, out)), wire.ENVELOPE_CONTENT_TYPE)
+    if path == "/stats" and request.method == "GET":
+        s = sh.settings
+        return Response.from_json({"boot_key": s.boot_key, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end,
+                                   "head": sh.head_name, "head_bytes": sh.head.nbytes,
+                                   "head_f32_cached": sh.head_f32 is not None, **sh.stats, **sh.source.stats()})
+    raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, GET /stats")

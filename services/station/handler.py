@@ -1,0 +1,310 @@
+"""Layer station: runs layers [SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER) of the model.
+
+    POST /forward            envelope (prefill | decode) -> envelope
+                             entry/middle: (T, dim) hidden states out; exit/solo: the
+                             output-normed hidden state of the last row, (1, dim)
+    POST /release/<rid>      drop a request's attention KV cache
+    GET  /stats              boot key, memory accounting, tensor sources, sessions
+
+Env: KNOT_KEY, SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER, SPECIALIZATION_ROLE,
+MEMORY_BUDGET_BYTES (default 128 MiB), SESSION_TTL_S (default 600); bindings KNOT_BUCKET (R2)
+and LAYER_WARDEN (DO namespace, optional).
+
+Fluid memory (seed section 2): per layer, each of the four phases is loaded, run and evicted
+in turn. A phase's tensors stay only when the budget has room for them after the activations
+and the KV caches; with the default 128 MiB that keeps a 0.5B's layers, while a 7B runs fluid.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from common import wire
+from common.knot import KnotHeader
+from common.kvcache import KVCache
+from common.lru import ByteLRU
+from common.matmul import DEFAULT_TILE_BYTES
+from common.qwen2 import (OUTPUT_NORM, PHASES, Qwen2Config, attn_phase, ffn_down_phase, ffn_gate_phase,
+                          ffn_up_phase, output_norm)
+from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response, ServiceUnavailable
+from common.topology import ROLES, TopologyError
+from services.boot import BootCache
+from services.knot_source import KnotSource
+from services.station.tensors import PhaseLoader
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_BYTES = 128 << 20
+DEFAULT_SESSION_TTL_S = 600.0
+
+
+class UnknownSession(Conflict):
+    """409 with error "UnknownSession": the coordinator replays the prompt as a fresh prefill."""
+
+
+@dataclass(frozen=True)
+class StationSettings:
+    knot_key: str
+    layer_start: int
+    layer_end: int
+    role: str
+    budget_bytes: int
+    session_ttl_s: float
+
+    @property
+    def boot_key(self) -> str:
+        # seed section 1: a change of any of these reboots the station
+        return f"{self.knot_key}|{self.role}|{self.layer_start}-{self.layer_end}"
+
+    @classmethod
+    def from_env(cls, env: Env) -> "StationSettings":
+        def need(name: str) -> str:
+            value = env.get(name)
+            if value is None or str(value) == "":
+                raise ServiceUnavailable(f"station config {name!r} is missing, and has no default")
+            return str(value)
+
+        def integer(name: str, default: str | None = None) -> int:
+            text = str(env.get(name, default)) if default is not None else need(name)
+            try:
+                return int(text)
+            except ValueError:
+                raise ServiceUnavailable(f"station config {name}={text!r} is not an integer") from None
+
+        role = need("SPECIALIZATION_ROLE")
+        if role not in ROLES:
+            raise ServiceUnavailable(f"SPECIALIZATION_ROLE={role!r}, expected one of {ROLES}")
+        s = cls(need("KNOT_KEY"), integer("SPECIALIZATION_START_LAYER"), integer("SPECIALIZATION_END_LAYER"), role,
+                integer("MEMORY_BUDGET_BYTES", str(DEFAULT_BUDGET_BYTES)),
+                float(env.get("SESSION_TTL_S", DEFAULT_SESSION_TTL_S)))
+        if not 0 <= s.layer_start < s.layer_end:
+            raise ServiceUnavailable(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative")
+        return s
+
+
+@dataclass
+class Session:
+    kv: KVCache
+    length: int = 0
+    last_used: float = 0.0
+
+
+class Station:
+    def __init__(self, settings: StationSettings, header: KnotHeader, loader: PhaseLoader, clock=time.monotonic):
+        self.settings, self.header, self.loader, self.clock = settings, header, loader, clock
+        self.cfg = Qwen2Config.from_hparams(header.hparams)
+        if settings.layer_end > self.cfg.n_layer:
+            raise TopologyError(f"station layers [{settings.layer_start}, {settings.layer_end}) exceed the "
+                                f"model's {self.cfg.n_layer} layers")
+        self.emits_final = settings.role in ("exit", "solo")
+        self.resident: dict = {}
+        # Phase tensors kept between forwards while the budget allows; the rest are evicted.
+        self.kept: ByteLRU = ByteLRU(settings.budget_bytes)
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.boots_at = self.clock()
+        self.forwards = 0
+        self.peak_accounted_bytes = 0
+        self.sessions_evicted = 0
+        self._lock = asyncio.Lock()  # one forward at a time: memory is accounted for one
+
+    async def boot(self) -> None:
+        """Load the role's resident set: the small tensors of our layers (norms, biases), output_norm on exit."""
+        names = [n for l in range(self.settings.layer_start, self.settings.layer_end) for p in PHASES
+                 for n in self.loader.names(l, p) if n.endswith(".bias") or "norm" in n]
+        if self.emits_final:
+            names.append(OUTPUT_NORM)
+        self.resident = await self.loader.load(names)
+
+    # -------------------------------------------------------- memory accounting
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(t.nbytes for t in self.resident.values())
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(s.kv.nbytes for s in self.sessions.values())
+
+    def _account(self, phase_bytes: int, activation_bytes: int) -> int:
+        total = (self.resident_bytes + self.kept.bytes_used + phase_bytes + activation_bytes + self.kv_bytes
+                 + DEFAULT_TILE_BYTES)  # matmul's dequantization tile
+        self.peak_accounted_bytes = max(self.peak_accounted_bytes, total)
+        return total
+
+    def _activation_bytes(self, T: int) -> int:
+        # x, the normed x, q/k/v, attention scores over the session, gate/up/act of the FFN
+        return 4 * T * (4 * self.cfg.dim + 3 * self.cfg.ffn_dim)
+
+    # -------------------------------------------------------- sessions
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for rid in [r for r, s in self.sessions.items() if now - s.last_used > self.settings.session_ttl_s]:
+            del self.sessions[rid]
+            self.sessions_evicted += 1
+            log.info("session %s expired after %.0f s idle", rid, self.settings.session_ttl_s)
+
+    def _session(self, env: wire.Envelope) -> Session:
+        T = env.array.shape[0]
+        if env.mode == "prefill" and env.position == 0:
+            s = Session(KVCache(self.cfg.n_kv_head, self.cfg.head_dim))
+            self.sessions[env.request_id] = s
+        else:
+            s = self.sessions.get(env.request_id)
+            if s is None:
+                raise UnknownSession(f"request {env.request_id}: no KV session on this station (expired, evicted "
+                                     f"or the station restarted); replay the prompt from position 0")
+            if s.length != env.position:
+                raise UnknownSession(f"request {env.request_id}: the session holds {s.length} positions, the frame "
+                                     f"starts at {env.position}; replay the prompt from position 0")
+        if env.seq_len != env.position + T:
+            raise BadRequest(f"envelope: seq_len {env.seq_len} != position {env.position} + {T} rows")
+        self.sessions.move_to_end(env.request_id)
+        s.last_used = self.clock()
+        return s
+
+    def _fit_sessions(self, keep: str) -> None:
+        """Evict least recently used sessions (never `keep`) while KV caches overflow half the budget."""
+        while self.kv_bytes > self.settings.budget_bytes // 2 and len(self.sessions) > 1:
+            rid = next(r for r in self.sessions if r != keep)
+            del self.sessions[rid]
+            self.sessions_evicted += 1
+            log.warning("session %s evicted: KV caches exceed half the %d-byte budget", rid, self.settings.budget_bytes)
+
+    def release(self, rid: str) -> bool:
+        return self.sessions.pop(rid, None) is not None
+
+    # -------------------------------------------------------- forward
+
+    async def _phase(self, layer: int, phase: str, T: int) -> dict:
+        names = self.loader.names(layer, phase)
+        w = {n: self.resident[n] for n in names if n in self.resident}
+        for n in names:
+            if n not in w:
+                t = self.kept.get(n)
+                if t is not None:
+                    w[n] = t
+        need = [n for n in names if n not in w]
+        if need:
+            w.update(await self.loader.load(need))
+        self._account(sum(w[n].nbytes for n in need), self._activation_bytes(T))
+        return w
+
+    def _evict_or_keep(self, w: dict, T: int) -> None:
+        """After a phase: keep its big tensors only if they fit beside everything else."""
+        for name, t in w.items():
+            if name in self.resident or name in self.kept:
+                continue
+            room = (self.settings.budget_bytes - self.resident_bytes - self.kv_bytes
+                    - self._activation_bytes(T) - DEFAULT_TILE_BYTES - self.kept.bytes_used)
+            if t.nbytes <= room:
+                self.kept.put(name, t, t.nbytes)
+
+    async def forward(self, env: wire.Envelope, ctx) -> wire.Envelope:
+        async with self._lock:
+            self.loader.wait_until = ctx.wait_until  # invalidations belong to this request's ctx
+            return await self._forward(env)
+
+    async def _forward(self, env: wire.Envelope) -> wire.Envelope:
+        if env.mode not in ("prefill", "decode"):
+            raise BadRequest(f"envelope mode {env.mode!r}: a station runs prefill or decode")
+        x = env.array
+        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.cfg.dim or x.shape[0] == 0:
+            raise BadRequest(f"envelope array {x.dtype} {x.shape}, expected float32 (T>0, {self.cfg.dim})")
+        if not np.isfinite(x).all():
+            raise BadRequest(f"envelope for {env.request_id}: activations contain NaN or inf")
+        self._expire()
+        T = x.shape[0]
+        s = self._session(env)
+        positions = np.arange(env.position, env.position + T, dtype=np.int64)
+        h = np.array(x, dtype=np.float32)  # writable copy: the frame's buffer is read-only
+        cfg = self.cfg
+        try:
+            for l in range(self.settings.layer_start, self.settings.layer_end):
+                w = await self._phase(l, "attn", T)
+                h = attn_phase(cfg, l, h, w, s.kv, positions)
+                self._evict_or_keep(w, T)
+                w = await self._phase(l, "ffn_gate", T)
+                st = ffn_gate_phase(cfg, l, h, w)
+                self._evict_or_keep(w, T)
+                w = await self._phase(l, "ffn_up", T)
+                st = ffn_up_phase(cfg, l, st, w)
+                self._evict_or_keep(w, T)
+                w = await self._phase(l, "ffn_down", T)
+                h = ffn_down_phase(cfg, l, st, w)
+                self._evict_or_keep(w, T)
+                del w
+        except BaseException:
+            # A half-applied chunk leaves the KV cache inconsistent: forget the session.
+            self.sessions.pop(env.request_id, None)
+            raise
+        s.length = env.position + T
+        self._fit_sessions(env.request_id)
+        self.forwards += 1
+        if self.emits_final:
+            h = output_norm(cfg, h[-1:], self.resident[OUTPUT_NORM])  # (1, dim)
+        return wire.Envelope(env.request_id, env.mode, env.position, env.seq_len, h)
+
+    def stats(self) -> dict:
+        s = self.settings
+        return {
+            "boot_key": s.boot_key, "role": s.role, "layer_start": s.layer_start, "layer_end": s.layer_end,
+            "budget_bytes": s.budget_bytes, "peak_accounted_bytes": self.peak_accounted_bytes,
+            "resident_bytes": self.resident_bytes, "kept_bytes": self.kept.bytes_used, "kept_tensors": len(self.kept),
+            "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
+            "forwards": self.forwards, **self.loader.stats, **self.loader.source.stats(),
+        }
+
+
+# ------------------------------------------------------------ the Worker
+
+_booted: BootCache[Station] = BootCache()
+
+
+async def station_for(env: Env, ctx) -> Station:
+    settings = StationSettings.from_env(env)
+
+    async def boot() -> Station:
+        source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
+        header = await source.header()
+        warden = None
+        ns = env.get("LAYER_WARDEN")
+        if ns is not None:
+            warden = ns.get(ns.id_from_name(f"{settings.knot_key}|{settings.layer_start}-{settings.layer_end}"))
+        identity = {"X-Knot-Id": settings.knot_key, "X-Layer-Start": str(settings.layer_start),
+                    "X-Layer-End": str(settings.layer_end)}
+        st = Station(settings, header, PhaseLoader(header, source, warden, identity, ctx.wait_until))
+        await st.boot()
+        log.info("station booted: %s, %d resident tensors (%d bytes), budget %d bytes", settings.boot_key,
+                 len(st.resident), st.resident_bytes, settings.budget_bytes)
+        return st
+
+    return await _booted.get(settings.boot_key, boot)
+
+
+async def ready(env: Env) -> None:
+    """Fail the start with a clear message when the configuration is wrong."""
+    StationSettings.from_env(env)
+
+
+async def fetch(request: Request, env: Env, ctx) -> Response:
+    st = await station_for(env, ctx)
+    path = request.path
+    if path == "/forward" and request.method == "POST":
+        try:
+            frame = wire.decode_envelope(request.body)
+        except wire.WireError as e:
+            raise BadRequest(f"malformed envelope: {e}") from None
+        out = await st.forward(frame, ctx)
+        return Response.from_bytes(wire.encode_envelope(out), wire.ENVELOPE_CONTENT_TYPE)
+    if path.startswith("/release/") and request.method == "POST":
+        rid = path[len("/release/"):]
+        return Response.from_json({"request_id": rid, "released": st.release(rid)})
+    if path == "/stats" and request.method == "GET":
+        return Response.from_json({**st.stats(), "boots": _booted.boots})
+    raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /release/<id>, GET /stats")

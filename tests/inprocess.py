@@ -1,0 +1,77 @@
+"""A whole cluster in one process with embedded bindings, for unit tests of the pipeline:
+any number of stations and shards, the same handlers as the real processes."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.runtime import Env, Request, Response
+from common.topology import split_layers, split_vocab
+from deploy.local.durable import DurableObjectHost, LocalNamespace
+from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
+from deploy.local.tasks import BackgroundTasks
+from services import coordinator, shard, station
+from services.cobordism_warden import CobordismWarden
+from services.layer_warden import LayerWarden
+
+KNOT_KEY = "model.knot"
+
+
+@dataclass
+class Cluster:
+    coordinator: LocalService
+    stations: list[LocalService]
+    shards: list[LocalService]
+    station_envs: list[Env]
+    bucket: DirectoryBucket
+    kv: MemoryKV
+    tasks: BackgroundTasks
+    layer_wardens: DurableObjectHost
+    cobordism_wardens: DurableObjectHost
+    shard_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    async def generate(self, **body) -> Response:
+        return await self.coordinator.fetch(Request("POST", "https://coordinator/generate",
+                                                    {"Content-Type": "application/json"}, json.dumps(body).encode()))
+
+    async def drain(self) -> None:
+        await self.tasks.drain()
+
+
+async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shards: int = 8,
+                        station_budget_bytes: int = 128 << 20, wardens: bool = True) -> Cluster:
+    from deploy.knotfile import open_model
+
+    header = open_model(knot_path).header
+    bucket = DirectoryBucket(tmp / "bucket")
+    await bucket.put(KNOT_KEY, knot_path.read_bytes())
+    kv = MemoryKV()
+    tasks = BackgroundTasks("test wait_until")
+    base = {"KNOT_BUCKET": bucket}
+    lw = DurableObjectHost({"LayerWarden": LayerWarden}, tasks, Env(base))
+    cw = DurableObjectHost({"CobordismWarden": CobordismWarden}, tasks, Env({**base, "EMBED_CACHE": kv}))
+    bindings: dict = {}
+    stations, station_envs = [], []
+    for s in split_layers(int(header.hparams["block_count"]), n_stations):
+        env = Env({**base, **({"LAYER_WARDEN": LocalNamespace(lw, "LayerWarden")} if wardens else {})},
+                  {"KNOT_KEY": KNOT_KEY, "SPECIALIZATION_START_LAYER": str(s.layer_start),
+                   "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
+                   "MEMORY_BUDGET_BYTES": str(station_budget_bytes)})
+        station_envs.append(env)
+        stations.append(LocalService(station.fetch, env, tasks))
+        bindings[f"STATION_{s.index}"] = stations[-1]
+    shards, ranges = [], []
+    for s in split_vocab(int(header.hparams["vocab_size"]), n_shards):
+        env = Env({**base, **({"COBORDISM_WARDEN": LocalNamespace(cw, "CobordismWarden")} if wardens else {})},
+                  {"KNOT_KEY": KNOT_KEY, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end)})
+        shards.append(LocalService(shard.fetch, env, tasks))
+        bindings[f"SHARD_{s.index}"] = shards[-1]
+        ranges.append((s.vocab_start, s.vocab_end))
+    co_env = Env({**base, **bindings}, {
+        "KNOT_KEY": KNOT_KEY,
+        "STATIONS": ",".join(f"STATION_{i}" for i in range(len(stations))),
+        "SHARDS": ",".join(f"SHARD_{i}:{a}-{b}" for i, (a, b) in enumerate(ranges)),
+    })
+    return Cluster(LocalService(coordinator.fetch, co_env, tasks), stations, shards, station_envs, bucket, kv,
+                   tasks, lw, cw, ranges)
