@@ -11,7 +11,8 @@ from common.topology import split_layers, split_vocab
 from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
 from deploy.local.tasks import BackgroundTasks
-from services import coordinator, shard, station
+from services import coordinator, shard, station  # noqa: E402
+import services.coordinator.handler, services.shard.handler, services.station.handler  # noqa: F401,E401
 from services.cobordism_warden import CobordismWarden
 from services.layer_warden import LayerWarden
 
@@ -44,6 +45,8 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
     from deploy.knotfile import open_model
 
     header = open_model(knot_path).header
+    for svc in (station, shard, coordinator):  # a new cluster starts with fresh isolates
+        svc.handler._booted.clear()
     bucket = DirectoryBucket(tmp / "bucket")
     await bucket.put(KNOT_KEY, knot_path.read_bytes())
     kv = MemoryKV()

@@ -156,7 +156,10 @@ _booted: BootCache[Coordinator] = BootCache()
 
 
 async def coordinator_for(env: Env) -> Coordinator:
-    settings = CoordinatorSettings.from_env(env)
+    try:
+        settings = CoordinatorSettings.from_env(env)
+    except TopologyError as e:
+        raise ServiceUnavailable(f"coordinator config: {e}") from None
 
     async def boot() -> Coordinator:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
@@ -175,7 +178,10 @@ async def coordinator_for(env: Env) -> Coordinator:
                            Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
                                     settings.station_timeout_s))
 
-    return await _booted.get(repr(settings), boot)
+    try:
+        return await _booted.get(repr(settings), boot)
+    except TopologyError as e:  # a misconfigured cluster: not the client's fault, and not ready
+        raise ServiceUnavailable(f"coordinator topology: {e}") from None
 
 
 async def _check_stations(stations: list, n_layers: int) -> None:
