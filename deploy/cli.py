@@ -18,6 +18,8 @@ COMMAND_MODULES = (
     "deploy.commands.inspect",
     "deploy.commands.dump",
     "deploy.commands.generate",
+    "deploy.commands.serve",
+    "deploy.commands.cluster",
 )
 
 

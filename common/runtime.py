@@ -1,0 +1,388 @@
+"""The handler contract: Worker-shaped `fetch(request, env, ctx) -> Response`.
+
+Pure (stdlib only): the same handlers run on the local aiohttp host (deploy/local/), in one
+process with embedded bindings (`knot serve --embedded`), and later on Cloudflare's Python
+Workers under Pyodide, where aiohttp, boto3 and redis do not exist. docs/runtime.md is the
+long form.
+
+A service module exports
+    async def fetch(request: Request, env: Env, ctx: Ctx) -> Response
+and optionally DURABLE_OBJECTS = {"ClassName": cls}, each class built as cls(state, env) with
+    async def fetch(self, request: Request) -> Response
+"""
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping, Protocol
+from urllib.parse import parse_qsl, urlsplit
+
+# ---------------------------------------------------------------- headers
+
+
+class Headers(MutableMapping[str, str]):
+    """Case-insensitive header map; keeps the spelling of the last write for output."""
+
+    def __init__(self, items: Mapping[str, str] | Iterable[tuple[str, str]] | None = None):
+        self._d: dict[str, tuple[str, str]] = {}
+        if items is not None:
+            pairs = items.items() if isinstance(items, Mapping) else items
+            for k, v in pairs:
+                self[k] = v
+
+    def __getitem__(self, key: str) -> str:
+        return self._d[key.lower()][1]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self._d[key.lower()] = (key, str(value))
+
+    def __delitem__(self, key: str) -> None:
+        del self._d[key.lower()]
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._d.values())
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"Headers({dict(self.items())!r})"
+
+    def copy(self) -> "Headers":
+        return Headers(self.items())
+
+
+# ---------------------------------------------------------------- request / response
+
+
+@dataclass
+class Request:
+    """An HTTP request with its body already read. `url` is absolute or a path."""
+
+    method: str
+    url: str
+    headers: Headers = field(default_factory=Headers)
+    body: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.method = self.method.upper()
+        if not isinstance(self.headers, Headers):
+            self.headers = Headers(self.headers)
+        self.body = bytes(self.body)
+
+    @property
+    def path(self) -> str:
+        return urlsplit(self.url).path or "/"
+
+    @property
+    def query(self) -> dict[str, str]:
+        """Query parameters; for a repeated key the last value wins."""
+        return dict(parse_qsl(urlsplit(self.url).query, keep_blank_values=True))
+
+    def text(self) -> str:
+        try:
+            return self.body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"request body is not UTF-8 (byte {e.start})") from None
+
+    def json(self) -> Any:
+        """The body parsed as JSON; BadRequest (400) when it is not."""
+        if not self.body:
+            raise BadRequest("request body is empty, expected JSON")
+        try:
+            return _json.loads(self.text())
+        except _json.JSONDecodeError as e:
+            raise BadRequest(f"request body is not JSON: {e.msg} at byte {e.pos}") from None
+
+    def with_url(self, url: str) -> "Request":
+        """A copy aimed at another URL (same method, headers, body)."""
+        return Request(self.method, url, self.headers.copy(), self.body)
+
+
+@dataclass
+class Response:
+    status: int = 200
+    headers: Headers = field(default_factory=Headers)
+    body: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.headers, Headers):
+            self.headers = Headers(self.headers)
+        self.body = bytes(self.body)
+
+    @classmethod
+    def from_json(cls, obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> "Response":
+        h = Headers(headers or {})
+        h["Content-Type"] = "application/json"
+        return cls(status, h, _json.dumps(obj, separators=(",", ":")).encode("utf-8"))
+
+    @classmethod
+    def from_text(cls, text: str, status: int = 200, headers: Mapping[str, str] | None = None) -> "Response":
+        h = Headers(headers or {})
+        h.setdefault("Content-Type", "text/plain; charset=utf-8")
+        return cls(status, h, text.encode("utf-8"))
+
+    @classmethod
+    def from_bytes(cls, body: bytes, content_type: str = "application/octet-stream", status: int = 200,
+                   headers: Mapping[str, str] | None = None) -> "Response":
+        h = Headers(headers or {})
+        h["Content-Type"] = content_type
+        return cls(status, h, body)
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def text(self) -> str:
+        return self.body.decode("utf-8")
+
+    def json(self) -> Any:
+        return _json.loads(self.body)
+
+
+# ---------------------------------------------------------------- errors -> HTTP status
+# The one place that maps errors to statuses; the local host and the Cloudflare adapter both
+# turn exceptions into responses through error_response().
+
+
+class HttpError(Exception):
+    status = 500
+
+    def __init__(self, message: str, *, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.headers = dict(headers or {})
+
+
+class BadRequest(HttpError):
+    status = 400
+
+
+class Forbidden(HttpError):
+    status = 403
+
+
+class NotFound(HttpError):
+    status = 404
+
+
+class MethodNotAllowed(HttpError):
+    status = 405
+
+
+class Conflict(HttpError):
+    status = 409
+
+
+class PayloadTooLarge(HttpError):
+    status = 413
+
+
+class RangeNotSatisfiable(HttpError):
+    status = 416
+
+
+class InternalError(HttpError):
+    status = 500
+
+
+class BadGateway(HttpError):
+    """A peer or binding answered, but wrongly (bad status, malformed reply)."""
+
+    status = 502
+
+
+class ServiceUnavailable(HttpError):
+    """A peer or binding could not be reached, or this service is not ready."""
+
+    status = 503
+
+
+class GatewayTimeout(HttpError):
+    status = 504
+
+
+def status_for(exc: BaseException) -> int:
+    if isinstance(exc, HttpError):
+        return exc.status
+    if isinstance(exc, TimeoutError):  # asyncio.TimeoutError is TimeoutError since 3.11
+        return GatewayTimeout.status
+    return InternalError.status
+
+
+def error_response(exc: BaseException, request_id: str | None = None) -> Response:
+    """JSON error body {"error": type, "message": str, "request_id": ...} with the mapped status."""
+    status = status_for(exc)
+    body: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc) or type(exc).__name__}
+    if request_id:
+        body["request_id"] = request_id
+    headers = exc.headers if isinstance(exc, HttpError) else None
+    return Response.from_json(body, status=status, headers=headers)
+
+
+def raise_for_status(resp: Response, what: str) -> Response:
+    """A peer's non-2xx reply -> the same HttpError class locally (5xx -> BadGateway)."""
+    if resp.ok:
+        return resp
+    try:
+        detail = resp.json().get("message", "")
+    except (ValueError, AttributeError):
+        detail = resp.body[:200].decode("utf-8", "replace")
+    cls = next((c for c in _BY_STATUS if c.status == resp.status), BadGateway)
+    if resp.status >= 500:
+        cls = BadGateway
+    raise cls(f"{what}: HTTP {resp.status}: {detail}")
+
+
+_BY_STATUS = (BadRequest, Forbidden, NotFound, MethodNotAllowed, Conflict, PayloadTooLarge, RangeNotSatisfiable)
+
+
+# ---------------------------------------------------------------- bindings (protocols)
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    key: str
+    size: int  # bytes of the whole object
+    etag: str
+
+
+@dataclass(frozen=True)
+class ObjectBody:
+    key: str
+    size: int  # bytes of the whole object, not of the body
+    etag: str
+    body: bytes
+    range: tuple[int, int] | None = None  # [start, end) that body holds; None = whole object
+
+
+ByteRange = tuple[int, int]  # [start, end_exclusive)
+
+
+class Bucket(Protocol):
+    """R2-like object store. A range must satisfy 0 <= start < end <= size, else RangeNotSatisfiable."""
+
+    async def get(self, key: str, range: ByteRange | None = None) -> ObjectBody | None: ...
+    async def head(self, key: str) -> ObjectMeta | None: ...
+    async def put(self, key: str, value: bytes) -> ObjectMeta: ...
+    async def list(self, prefix: str = "", limit: int = 1000) -> list[ObjectMeta]: ...
+
+
+class KVNamespace(Protocol):
+    """Workers-KV-like store of bytes. Cloudflare needs expiration_ttl >= 60 s."""
+
+    async def get(self, key: str) -> bytes | None: ...
+    async def put(self, key: str, value: bytes, expiration_ttl: int | None = None) -> None: ...
+    async def delete(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class DurableObjectId:
+    name: str  # the name it was derived from
+    hex: str  # stable 64-hex-digit id, the same for the same (namespace, name)
+
+    def __str__(self) -> str:
+        return self.hex
+
+
+class DurableObjectStub(Protocol):
+    async def fetch(self, request: Request) -> Response: ...
+
+
+class DurableObjectNamespace(Protocol):
+    def id_from_name(self, name: str) -> DurableObjectId: ...
+    def get(self, id: DurableObjectId) -> DurableObjectStub: ...
+
+
+class Service(Protocol):
+    """A service binding: another Worker's fetch."""
+
+    async def fetch(self, request: Request) -> Response: ...
+
+
+class Ctx(Protocol):
+    def wait_until(self, awaitable: Awaitable[Any]) -> None: ...
+
+
+class DurableObjectState(Protocol):
+    """What a Durable Object class gets as `state`: its id and a wait_until."""
+
+    id: DurableObjectId
+
+    def wait_until(self, awaitable: Awaitable[Any]) -> None: ...
+
+
+class Context:
+    """A Ctx that hands wait_until work to an owner (the host's task tracker)."""
+
+    def __init__(self, wait_until: Callable[[Awaitable[Any]], None]):
+        self._wait_until = wait_until
+
+    def wait_until(self, awaitable: Awaitable[Any]) -> None:
+        self._wait_until(awaitable)
+
+
+class State(Context):
+    def __init__(self, id: DurableObjectId, wait_until: Callable[[Awaitable[Any]], None]):
+        super().__init__(wait_until)
+        self.id = id
+
+
+class Env:
+    """Bindings and plain vars by attribute: env.KNOT_BUCKET, env.MEMORY_BUDGET_BYTES.
+
+    A missing name raises AttributeError naming what is there, so a missing binding fails loudly.
+    """
+
+    def __init__(self, bindings: Mapping[str, Any] | None = None, vars: Mapping[str, str] | None = None):
+        self._items: dict[str, Any] = {**(vars or {}), **(bindings or {})}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_items"][name]
+        except KeyError:
+            have = ", ".join(sorted(self.__dict__["_items"])) or "nothing"
+            raise AttributeError(f"env has no binding or var {name!r} (it has: {have})") from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._items.get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def update(self, items: Mapping[str, Any]) -> None:
+        """For hosts wiring bindings that point at each other; handlers never call this."""
+        self._items.update(items)
+
+
+Handler = Callable[[Request, Env, Ctx], Awaitable[Response]]
+
+
+async def call_handler(handler: Handler, request: Request, env: Env, ctx: Ctx,
+                       request_id: str | None = None) -> Response:
+    """Run a handler; any exception becomes error_response(). Hosts and adapters use this."""
+    try:
+        resp = await handler(request, env, ctx)
+    except Exception as e:  # noqa: BLE001 - the one mapping point: every error becomes a status
+        return error_response(e, request_id)
+    if not isinstance(resp, Response):
+        return error_response(InternalError(f"handler returned {type(resp).__name__}, not Response"), request_id)
+    return resp
+
+
+# ---------------------------------------------------------------- small helpers for handlers
+
+
+def int_param(value: str | None, what: str, *, minimum: int = 0) -> int:
+    """Parse a non-negative integer from a header/query value; BadRequest naming `what`."""
+    if value is None or value == "":
+        raise BadRequest(f"{what} is missing")
+    try:
+        n = int(value)
+    except ValueError:
+        raise BadRequest(f"{what} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise BadRequest(f"{what} must be >= {minimum}, got {n}")
+    return n

@@ -1,0 +1,65 @@
+"""knot cluster up|down|status: the compose services as local processes (deploy/launcher.py)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from deploy.launcher import Cluster, LauncherError
+
+NAME = "cluster"
+HELP = "run docker-compose.yml's services as local processes (SeaweedFS and Valkey/Redis included)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--run-dir", type=Path, help="state, logs and server data (default .knot-run/ or $KNOT_RUN_DIR)")
+    p.add_argument("--compose-file", type=Path, help="default: docker-compose.yml at the repo root")
+    sub = p.add_subparsers(dest="cluster_action", metavar="ACTION")
+    sub.required = True
+    up = sub.add_parser("up", help="start every service; print the entry URL when all are ready")
+    up.add_argument("--model", help="registered model name or .gguf/.knot path (default: the compose file's)")
+    up.add_argument("--base-port", type=int, help="ports base, base+1, ... (default: free ports; the "
+                    "published service keeps its compose port)")
+    sub.add_parser("down", help="stop every service (server data and logs are kept)")
+    sub.add_parser("status", help="show each service's pid, port and state")
+
+
+def _cluster(args) -> Cluster:
+    kwargs = {"compose_file": args.compose_file} if args.compose_file else {}
+    return Cluster(args.run_dir, **kwargs)
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'service':<20} {'kind':<10} {'pid':>7} {'state':<9} {'url':<28} log"]
+    for r in rows:
+        lines.append(f"{r['name']:<20} {r['kind']:<10} {r['pid']:>7} {r.get('state', ''):<9} "
+                     f"{r['url'] or '-':<28} {r['log']}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    cluster = _cluster(args)
+    try:
+        if args.cluster_action == "up":
+            running = cluster.up(model=args.model, base_port=args.base_port)
+            print(_table(cluster.status()), file=sys.stderr)
+            entry = [r for r in running if r.published]
+            if not entry:
+                print("knot cluster: all services ready; no service publishes a port yet "
+                      "(the coordinator is added to docker-compose.yml with the stations and shards)",
+                      file=sys.stderr)
+            for r in entry:
+                print(r.url, flush=True)  # the coordinator's URL, on a line of its own
+            return 0
+        if args.cluster_action == "down":
+            stopped = cluster.down()
+            print(f"stopped: {', '.join(stopped) or 'nothing was running'}", file=sys.stderr)
+            return 0
+        rows = cluster.status()
+        if not rows:
+            print("no cluster recorded in " + str(cluster.state_path), file=sys.stderr)
+            return 3
+        print(_table(rows))
+        return 0 if all(r["state"] in ("ready", "up", "done") for r in rows) else 3
+    except LauncherError as e:
+        print(f"knot cluster {args.cluster_action}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,71 @@
+"""knot serve: one service from the environment (the container's command), or, with --embedded,
+the whole docker-compose.yml topology in one process with embedded bindings."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from deploy import servers
+from deploy.launcher import default_run_dir, model_env
+from deploy.local import compose, init, logs
+from deploy.local.host import build_app, serve_apps, serve_one
+from deploy.local.settings import HostSettings
+from deploy.local.topology import Topology
+
+NAME = "serve"
+HELP = "serve one service configured by KNOT_SERVICE etc. (see deploy/local/settings.py), or --embedded"
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--embedded", action="store_true",
+                   help="every compose service in this process, with a directory bucket and in-process KV")
+    p.add_argument("--model", help="with --embedded: model name or .gguf/.knot path (default: the compose file's)")
+    p.add_argument("--base-port", type=int, help="with --embedded: ports base, base+1, ... (default: free ports)")
+    p.add_argument("--run-dir", type=Path, help="with --embedded: where the bucket directory lives")
+
+
+def run(args) -> int:
+    if not args.embedded:
+        settings = HostSettings.from_env(os.environ)
+        logs.configure(settings.name, settings.log_format, logging.DEBUG if args.verbose else logging.INFO)
+        asyncio.run(serve_one(settings))
+        return 0
+    logs.configure("embedded", os.environ.get("KNOT_LOG_FORMAT", "text"),
+                   logging.DEBUG if args.verbose else logging.INFO)
+    return asyncio.run(_embedded(args))
+
+
+async def _embedded(args) -> int:
+    env = dict(os.environ)
+    env.update(model_env(args.model, env))
+    specs = compose.plan(compose.load(compose.COMPOSE_FILE, env))
+    run_dir = Path(args.run_dir or default_run_dir()) / "embedded"
+    topo = Topology(specs, run_dir)
+    for s in specs:  # the init service, in-process: the bucket is a directory here
+        if s.oneshot and s.command[-1] == "deploy.local.init":
+            bucket = s.environment["KNOT_BUCKET"].partition("://")[2].strip("/")
+            msg = await asyncio.to_thread(init.run, {**s.environment,
+                                                      "KNOT_BUCKET": f"dir:{topo.bucket_dir(bucket)}"})
+            log.info(msg)
+    ports = servers.free_ports(len(topo.specs)) if args.base_port is None else \
+        [args.base_port + i for i in range(len(topo.specs))]
+    async with contextlib.AsyncExitStack() as stack:
+        runtimes = topo.open(stack)
+        apps = [(build_app(runtimes[s.name]), "127.0.0.1", port) for s, port in zip(topo.specs, ports)]
+
+        def ready() -> None:
+            for s, port in zip(topo.specs, ports):
+                log.info("%s: http://127.0.0.1:%d", s.name, port)
+            for s, port in zip(topo.specs, ports):
+                if s.published_port is not None:
+                    print(f"http://127.0.0.1:{port}", flush=True)
+            print("knot serve --embedded: ready (Ctrl-C stops)", file=sys.stderr, flush=True)
+
+        await serve_apps(apps, on_ready=ready)
+    return 0

@@ -1,0 +1,228 @@
+"""`knot cluster up|down|status`: docker-compose.yml's services as local processes.
+
+The set of processes, their commands, environments and start order come from the compose file
+(deploy/local/compose.py): minio and redis become SeaweedFS and a Redis-protocol server
+(deploy/servers.py), the init service runs to completion (fetch, encode, upload), and every other
+service runs its command with its environment, "service:port" addresses rewritten to 127.0.0.1.
+
+Run directory (default .knot-run/, or KNOT_RUN_DIR):
+    cluster.json         what is running: name, kind, pid, port, url, log
+    logs/<service>.log   one log per service
+    seaweedfs/ redis/    server data (the bucket survives `down`, so only the first `up` uploads)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping
+
+from deploy import servers
+from deploy.local import compose
+from deploy.local.probe import probe
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "cluster.json"
+ONESHOT_TIMEOUT_S = 3600.0  # init may download and encode a model
+READY_TIMEOUT_S = 120.0
+PROCESS_STOP_TIMEOUT_S = 40.0  # above the host's 30 s wait_until drain
+
+
+class LauncherError(RuntimeError):
+    pass
+
+
+@dataclass
+class Running:
+    name: str
+    kind: str  # process | oneshot | seaweedfs | redis
+    pid: int
+    port: int | None
+    url: str | None
+    log: str
+    published: bool = False
+    stop_timeout_s: float = PROCESS_STOP_TIMEOUT_S
+
+
+def default_run_dir() -> Path:
+    return Path(os.environ.get("KNOT_RUN_DIR") or compose.REPO_ROOT / ".knot-run")
+
+
+def model_env(model: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """KNOT_MODEL / KNOT_KEY overrides for --model NAME|PATH (an explicit KNOT_KEY wins)."""
+    if not model:
+        return {}
+    p = Path(model).expanduser()
+    out = {"KNOT_MODEL": str(p.resolve()) if p.exists() else model}
+    if not env.get("KNOT_KEY"):
+        out["KNOT_KEY"] = (p.stem if p.exists() else model) + ".knot"
+    return out
+
+
+def resolve_command(command: list[str]) -> list[str]:
+    """The container's `python` is this interpreter locally."""
+    if command and command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return list(command)
+
+
+def process_env(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], port: int | None,
+                base_env: Mapping[str, str]) -> dict[str, str]:
+    env = dict(base_env)
+    env.update(compose.rewrite_addresses(spec.environment, addresses))
+    if port is not None:
+        env["PORT"], env["HOST"] = str(port), "127.0.0.1"
+    env["KNOT_SERVICE_NAME"] = env.get("KNOT_SERVICE_NAME") or spec.name
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(compose.REPO_ROOT), base_env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def start_process(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], run_dir: Path,
+                  base_env: Mapping[str, str] | None = None) -> Running:
+    """Spawn one compose service as a local process (used by `up` and by the integration tests)."""
+    port = addresses[spec.name][1] if spec.name in addresses else None
+    log_path = run_dir / "logs" / f"{spec.name}.log"
+    env = process_env(spec, addresses, port, base_env if base_env is not None else os.environ)
+    pid = servers.spawn(resolve_command(spec.command), log_path, env=env, cwd=str(compose.REPO_ROOT))
+    url = f"http://127.0.0.1:{port}" if port else None
+    return Running(spec.name, "oneshot" if spec.oneshot else "process", pid, port, url, str(log_path),
+                   published=spec.published_port is not None)
+
+
+def wait_exit(pid: int, timeout_s: float) -> int:
+    """Exit status of our child pid (waits at most timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    raise LauncherError(f"pid {pid} still running after {timeout_s:.0f} s")
+
+
+def wait_ready(r: Running, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not servers.pid_alive(r.pid):
+            raise LauncherError(f"{r.name} exited during startup; {r.log}:\n{servers.tail(Path(r.log))}")
+        if probe(url, timeout_s=2.0):
+            return
+        time.sleep(0.2)
+    raise LauncherError(f"{r.name} not ready at {url} after {timeout_s:.0f} s; {r.log}:\n{servers.tail(Path(r.log))}")
+
+
+class Cluster:
+    def __init__(self, run_dir: Path | None = None, compose_file: Path = compose.COMPOSE_FILE):
+        self.run_dir = Path(run_dir or default_run_dir())
+        self.compose_file = compose_file
+        self.state_path = self.run_dir / STATE_FILE
+
+    # -------------------------------------------------------- state
+
+    def _load(self) -> list[Running]:
+        if not self.state_path.exists():
+            return []
+        return [Running(**r) for r in json.loads(self.state_path.read_text())["services"]]
+
+    def _save(self, running: list[Running]) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"compose_file": str(self.compose_file),
+                                   "services": [asdict(r) for r in running]}, indent=2))
+        os.replace(tmp, self.state_path)
+
+    # -------------------------------------------------------- up
+
+    def plan(self, env: Mapping[str, str]) -> list[compose.ServiceSpec]:
+        return compose.plan(compose.load(self.compose_file, env))
+
+    def allocate(self, specs: list[compose.ServiceSpec], base_port: int | None) -> dict[str, tuple[int, int]]:
+        """service -> (container_port, local_port); published services keep their host port."""
+        serving = [s for s in specs if s.container_port is not None and not s.oneshot]
+        free = servers.free_ports(len(serving)) if base_port is None else []
+        out = {}
+        for i, s in enumerate(serving):
+            if s.published_port is not None and base_port is None:
+                local = s.published_port
+            else:
+                local = base_port + i if base_port is not None else free[i]
+            out[s.name] = (s.container_port, local)
+        return out
+
+    def up(self, model: str | None = None, base_port: int | None = None,
+           env: Mapping[str, str] | None = None) -> list[Running]:
+        alive = [r for r in self._load() if r.kind != "oneshot" and servers.pid_alive(r.pid)]
+        if alive:
+            raise LauncherError(f"cluster already up ({', '.join(f'{r.name}={r.pid}' for r in alive)}); "
+                                f"run `knot cluster down` first")
+        base_env = dict(os.environ if env is None else env)
+        base_env.update(model_env(model, base_env))
+        specs = self.plan(base_env)
+        addresses = self.allocate(specs, base_port)
+        running: list[Running] = []
+        try:
+            for spec in specs:
+                r = self._start(spec, addresses, base_env)
+                running.append(r)
+                self._save(running)
+                log.info("started %s (pid %d%s)", r.name, r.pid, f", port {r.port}" if r.port else "")
+                if spec.oneshot:
+                    code = wait_exit(r.pid, ONESHOT_TIMEOUT_S)
+                    if code != 0:
+                        raise LauncherError(f"{spec.name} exited with status {code}; {r.log}:\n"
+                                            f"{servers.tail(Path(r.log))}")
+                elif spec.kind == "process" and spec.healthcheck_url:
+                    cport, lport = addresses[spec.name]
+                    wait_ready(r, spec.healthcheck_url.replace(f"127.0.0.1:{cport}", f"127.0.0.1:{lport}"))
+        except BaseException:
+            self._stop_all(running)
+            self.state_path.unlink(missing_ok=True)
+            raise
+        return running
+
+    def _start(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
+               base_env: Mapping[str, str]) -> Running:
+        log_path = self.run_dir / "logs" / f"{spec.name}.log"
+        if spec.kind == "seaweedfs":
+            s = servers.start_seaweedfs(self.run_dir / "seaweedfs", addresses[spec.name][1], log_path)
+        elif spec.kind == "redis":
+            s = servers.start_redis(self.run_dir / "redis", addresses[spec.name][1], log_path)
+        else:
+            return start_process(spec, addresses, self.run_dir, base_env)
+        return Running(spec.name, spec.kind, s.pid, s.port, s.url, s.log_path, stop_timeout_s=s.stop_timeout_s)
+
+    # -------------------------------------------------------- down / status
+
+    def _stop_all(self, running: list[Running]) -> list[str]:
+        stopped = []
+        for r in reversed(running):
+            if r.kind == "oneshot" or not servers.pid_alive(r.pid):
+                continue
+            servers.stop_pid(r.pid, r.stop_timeout_s)
+            stopped.append(r.name)
+        return stopped
+
+    def down(self) -> list[str]:
+        stopped = self._stop_all(self._load())
+        self.state_path.unlink(missing_ok=True)
+        return stopped
+
+    def status(self) -> list[dict]:
+        out = []
+        for r in self._load():
+            alive = servers.pid_alive(r.pid)
+            if r.kind == "oneshot":
+                state = "done"
+            elif not alive:
+                state = "dead"
+            elif r.kind == "process" and r.url:
+                state = "ready" if probe(r.url + "/readyz", 2.0) else ("up" if probe(r.url + "/healthz") else "unhealthy")
+            else:
+                state = "up"
+            out.append({**asdict(r), "state": state})
+        return out

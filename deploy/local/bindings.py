@@ -1,0 +1,253 @@
+"""Real bindings: S3 through boto3, KV through Redis, services and Durable Objects over HTTP.
+
+Every call has a timeout; failures become the runtime's typed errors (ServiceUnavailable when a
+server cannot be reached, GatewayTimeout when it is too slow, BadGateway when it answers wrongly).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import aiohttp
+import boto3
+import botocore.exceptions
+import redis.asyncio as aioredis
+import redis.exceptions
+from botocore.config import Config
+
+from common.runtime import (BadGateway, DurableObjectId, GatewayTimeout, Headers, ObjectBody, ObjectMeta,
+                            RangeNotSatisfiable, Request, Response, ServiceUnavailable)
+from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
+from deploy.local.embedded import check_range
+from deploy.local.logs import REQUEST_ID_HEADER, request_id_var
+
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    endpoint_url: str | None
+    access_key_id: str | None
+    secret_access_key: str | None
+    region: str = "us-east-1"
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+
+
+def s3_client(s: S3Settings):
+    """A boto3 S3 client with socket timeouts and bounded retries (path-style, for MinIO/SeaweedFS)."""
+    config = Config(connect_timeout=s.connect_timeout_s, read_timeout=s.read_timeout_s,
+                    retries={"max_attempts": 2, "mode": "standard"}, s3={"addressing_style": "path"},
+                    max_pool_connections=16)
+    return boto3.client("s3", endpoint_url=s.endpoint_url, aws_access_key_id=s.access_key_id,
+                        aws_secret_access_key=s.secret_access_key, region_name=s.region, config=config)
+
+
+class S3Bucket:
+    """R2-like bucket over S3. boto3 blocks, so every call runs in this binding's thread pool."""
+
+    def __init__(self, settings: S3Settings, bucket: str, max_threads: int = 8):
+        self.bucket = bucket
+        self._client = s3_client(settings)
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"s3-{bucket}")
+        # Overall deadline per call, above botocore's per-socket ones (connect + read, 2 attempts).
+        self._timeout_s = 2 * (settings.connect_timeout_s + settings.read_timeout_s)
+
+    async def _call(self, what: str, fn: Callable, **kwargs) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self._pool, functools.partial(fn, **kwargs)),
+                                          self._timeout_s)
+        except (TimeoutError, botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError):
+            raise GatewayTimeout(f"S3 {what}: no answer within {self._timeout_s:.0f} s") from None
+        except botocore.exceptions.EndpointConnectionError as e:
+            raise ServiceUnavailable(f"S3 {what}: cannot reach the endpoint: {e}") from None
+
+    @staticmethod
+    def _code(e: botocore.exceptions.ClientError) -> str:
+        return str(e.response.get("Error", {}).get("Code", ""))
+
+    async def head(self, key: str) -> ObjectMeta | None:
+        try:
+            r = await self._call(f"head {key}", self._client.head_object, Bucket=self.bucket, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if self._code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise BadGateway(f"S3 head {self.bucket}/{key}: {self._code(e)}: {e}") from None
+        return ObjectMeta(key, int(r["ContentLength"]), r.get("ETag", "").strip('"'))
+
+    async def get(self, key: str, range: tuple[int, int] | None = None) -> ObjectBody | None:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
+        if range is not None:
+            start, end = range
+            if not 0 <= start < end:
+                raise RangeNotSatisfiable(f"{key}: invalid byte range [{start}, {end})")
+            kwargs["Range"] = f"bytes={start}-{end - 1}"  # HTTP Range: bytes=a-b includes byte b
+
+        def fetch(**kw):
+            r = self._client.get_object(**kw)
+            with r["Body"] as stream:
+                return r, stream.read()
+
+        try:
+            r, body = await self._call(f"get {key}", fetch, **kwargs)
+        except botocore.exceptions.ClientError as e:
+            code = self._code(e)
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return None
+            if code in ("InvalidRange", "416"):
+                raise RangeNotSatisfiable(f"{key}: byte range {range} is outside the object") from None
+            raise BadGateway(f"S3 get {self.bucket}/{key}: {code}: {e}") from None
+        etag = r.get("ETag", "").strip('"')
+        if range is None:
+            return ObjectBody(key, len(body), etag, body)
+        # "bytes a-b/size": the whole object's size comes from Content-Range.
+        size = int(str(r.get("ContentRange", "")).rpartition("/")[2] or -1)
+        check_range(key, range, size)
+        if len(body) != range[1] - range[0]:
+            raise BadGateway(f"S3 get {key} {range}: got {len(body)} bytes, expected {range[1] - range[0]}")
+        return ObjectBody(key, size, etag, body, range)
+
+    async def put(self, key: str, value: bytes) -> ObjectMeta:
+        try:
+            r = await self._call(f"put {key}", self._client.put_object, Bucket=self.bucket, Key=key,
+                                 Body=bytes(value))
+        except botocore.exceptions.ClientError as e:
+            raise BadGateway(f"S3 put {self.bucket}/{key}: {self._code(e)}: {e}") from None
+        return ObjectMeta(key, len(value), r.get("ETag", "").strip('"'))
+
+    async def list(self, prefix: str = "", limit: int = 1000) -> list[ObjectMeta]:
+        try:
+            r = await self._call(f"list {prefix}", self._client.list_objects_v2, Bucket=self.bucket,
+                                 Prefix=prefix, MaxKeys=limit)
+        except botocore.exceptions.ClientError as e:
+            raise BadGateway(f"S3 list {self.bucket}/{prefix}: {self._code(e)}: {e}") from None
+        return [ObjectMeta(o["Key"], int(o["Size"]), o.get("ETag", "").strip('"')) for o in r.get("Contents", [])]
+
+    async def ping(self) -> None:
+        try:
+            await self._call("head_bucket", self._client.head_bucket, Bucket=self.bucket)
+        except botocore.exceptions.ClientError as e:
+            raise ServiceUnavailable(f"S3 bucket {self.bucket}: {self._code(e)}") from None
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._client.close()
+
+
+class RedisKV:
+    """Workers-KV-like namespace on Redis: keys under `prefix`, TTL through SET EX."""
+
+    def __init__(self, url: str, prefix: str, timeout_s: float = 5.0):
+        self.prefix = prefix
+        self._timeout_s = timeout_s
+        self._r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    async def _call(self, what: str, coro) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await coro
+        except (TimeoutError, redis.exceptions.TimeoutError):
+            raise GatewayTimeout(f"KV {what}: no answer within {self._timeout_s} s") from None
+        except redis.exceptions.ConnectionError as e:
+            raise ServiceUnavailable(f"KV {what}: cannot reach Redis: {e}") from None
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._call(f"get {key}", self._r.get(self.prefix + key))
+
+    async def put(self, key: str, value: bytes, expiration_ttl: int | None = None) -> None:
+        if expiration_ttl is not None and expiration_ttl <= 0:
+            raise ValueError(f"KV put {key}: expiration_ttl must be > 0 s, got {expiration_ttl}")
+        await self._call(f"put {key}", self._r.set(self.prefix + key, bytes(value), ex=expiration_ttl))
+
+    async def delete(self, key: str) -> None:
+        await self._call(f"delete {key}", self._r.delete(self.prefix + key))
+
+    async def ping(self) -> None:
+        await self._call("ping", self._r.ping())
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+
+# ---------------------------------------------------------------- HTTP: services and DO stubs
+
+_HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+async def http_fetch(session: aiohttp.ClientSession, url: str, request: Request, timeout_s: float,
+                     extra_headers: dict[str, str] | None = None) -> Response:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+    rid = request_id_var.get()
+    if rid and REQUEST_ID_HEADER.lower() not in {k.lower() for k in headers}:
+        headers[REQUEST_ID_HEADER] = rid  # propagate the caller's request id
+    headers.update(extra_headers or {})
+    try:
+        async with session.request(request.method, url, headers=headers, data=request.body or None,
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            body = await r.read()
+            return Response(r.status, Headers((k, v) for k, v in r.headers.items()
+                                              if k.lower() not in _HOP_BY_HOP), body)
+    except TimeoutError:
+        raise GatewayTimeout(f"{request.method} {url}: no answer within {timeout_s} s") from None
+    except aiohttp.ClientConnectionError as e:
+        raise ServiceUnavailable(f"{request.method} {url}: {e}") from None
+    except aiohttp.ClientError as e:
+        raise BadGateway(f"{request.method} {url}: {e}") from None
+
+
+def _path_and_query(url: str) -> str:
+    u = urlsplit(url)
+    return (u.path or "/") + (f"?{u.query}" if u.query else "")
+
+
+class HttpService:
+    """Service binding: the request goes to base_url with the caller's path and query."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float):
+        self.base_url = base_url.rstrip("/")
+        self._session, self._timeout_s = session, timeout_s
+
+    async def fetch(self, request: Request) -> Response:
+        return await http_fetch(self._session, self.base_url + _path_and_query(request.url), request,
+                                self._timeout_s)
+
+    async def ping(self) -> None:
+        resp = await http_fetch(self._session, self.base_url + "/healthz", Request("GET", "/healthz"),
+                                self._timeout_s)
+        if not resp.ok:
+            raise ServiceUnavailable(f"{self.base_url}/healthz: HTTP {resp.status}")
+
+
+class HttpStub:
+    def __init__(self, ns: "HttpNamespace", id: DurableObjectId):
+        self._ns, self.id = ns, id
+
+    async def fetch(self, request: Request) -> Response:
+        ns = self._ns
+        url = f"{ns.base_url}{DO_ROUTE_PREFIX}{ns.class_name}{_path_and_query(request.url)}"
+        return await http_fetch(ns.session, url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name})
+
+
+class HttpNamespace:
+    """DO namespace binding onto the process that hosts the class (its /__do/{class} route)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, class_name: str, timeout_s: float):
+        self.session, self.base_url = session, base_url.rstrip("/")
+        self.class_name, self.timeout_s = class_name, timeout_s
+
+    def id_from_name(self, name: str) -> DurableObjectId:
+        return object_id(self.class_name, name)
+
+    def get(self, id: DurableObjectId) -> HttpStub:
+        return HttpStub(self, id)
+
+    async def ping(self) -> None:
+        resp = await http_fetch(self.session, self.base_url + "/healthz", Request("GET", "/healthz"),
+                                self.timeout_s)
+        if not resp.ok:
+            raise ServiceUnavailable(f"{self.base_url}/healthz: HTTP {resp.status}")
+

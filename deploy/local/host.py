@@ -1,0 +1,255 @@
+"""The aiohttp host: one service per process (`knot serve`), or many in one (`knot serve --embedded`).
+
+Per request: aiohttp request -> common.runtime.Request -> handler(request, env, ctx) ->
+Response -> aiohttp response. Every app also answers
+    GET /healthz                 the process is up (and its wait_until counters)
+    GET /readyz                  every binding answers (S3 head_bucket, Redis PING, peers' /healthz)
+    ANY /__do/{class}{path}      a hosted Durable Object, instance named by X-Durable-Object-Name
+Requests carry X-Request-Id (taken from the caller or made here) into logs, replies and peers.
+On SIGTERM/SIGINT: stop accepting, finish in-flight requests, drain wait_until work, close clients.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from common.runtime import BadRequest, Context, Env, Handler, Headers, Request, Response, call_handler, error_response
+from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket
+from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectHost, LocalNamespace
+from deploy.local.embedded import DirectoryBucket, MemoryKV
+from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
+from deploy.local.settings import ConfigError, HostSettings, binding_scheme
+from deploy.local.tasks import BackgroundTasks
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ServiceModule:
+    handler: Handler
+    durable_objects: dict[str, type]
+    ready: Callable[[Env], Awaitable[None]] | None
+
+
+def load_service(module_path: str) -> ServiceModule:
+    module = importlib.import_module(module_path)
+    handler = getattr(module, "fetch", None)
+    if handler is None:
+        raise ConfigError(f"service module {module_path} has no fetch(request, env, ctx)")
+    return ServiceModule(handler, dict(getattr(module, "DURABLE_OBJECTS", {})), getattr(module, "ready", None))
+
+
+@dataclass
+class ServiceRuntime:
+    """Everything one service needs at request time."""
+
+    name: str
+    handler: Handler
+    env: Env
+    tasks: BackgroundTasks
+    do_host: DurableObjectHost | None = None
+    ready: Callable[[Env], Awaitable[None]] | None = None
+    checks: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+
+
+# ---------------------------------------------------------------- translation
+
+
+async def to_runtime_request(request: web.Request, url: str | None = None) -> Request:
+    return Request(request.method, url or str(request.url), Headers(request.headers.items()), await request.read())
+
+
+def to_aiohttp_response(resp: Response) -> web.Response:
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
+    return web.Response(status=resp.status, body=resp.body, headers=headers)
+
+
+# ---------------------------------------------------------------- the app
+
+RUNTIME = web.AppKey("runtime", ServiceRuntime)
+
+
+@web.middleware
+async def request_context(request: web.Request, handler) -> web.StreamResponse:
+    rid = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+    token = request_id_var.set(rid)
+    service_token = service_var.set(request.app[RUNTIME].name)
+    t0 = time.perf_counter()
+    try:
+        try:
+            resp = await handler(request)
+        except web.HTTPException as e:  # aiohttp's own (413 body too large, ...), same JSON shape
+            resp = web.json_response({"error": type(e).__name__, "message": e.reason, "request_id": rid},
+                                     status=e.status)
+        resp.headers[REQUEST_ID_HEADER] = rid
+        if request.path not in ("/healthz", "/readyz"):
+            log.info("%s %s -> %d", request.method, request.path, resp.status,
+                     extra={"method": request.method, "path": request.path, "status": resp.status,
+                            "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+        return resp
+    finally:
+        request_id_var.reset(token)
+        service_var.reset(service_token)
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    return web.json_response({"ok": True, "service": rt.name, "pid": os.getpid(),
+                              "uptime_s": round(time.monotonic() - rt.started_at, 3),
+                              "wait_until": rt.tasks.stats(),
+                              "durable_objects": len(rt.do_host.stats()) if rt.do_host else 0})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    checks = dict(rt.checks)
+    if rt.ready is not None:
+        checks["service"] = lambda: rt.ready(rt.env)
+
+    async def run(fn) -> str | None:
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await fn()
+            return None
+        except Exception as e:  # noqa: BLE001 - any failure means "not ready", reported by name
+            return f"{type(e).__name__}: {e}"
+
+    results = dict(zip(checks, await asyncio.gather(*(run(f) for f in checks.values()))))
+    failed = {k: v for k, v in results.items() if v is not None}
+    body = {"ready": not failed, "service": rt.name, "checks": {k: v or "ok" for k, v in results.items()}}
+    return web.json_response(body, status=503 if failed else 200)
+
+
+async def _durable_object(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    rest = request.path[len(DO_ROUTE_PREFIX):]
+    class_name, _, tail = rest.partition("/")
+    name = request.headers.get(DO_NAME_HEADER)
+    if rt.do_host is None or not name:
+        why = "this process hosts no Durable Objects" if rt.do_host is None else f"{DO_NAME_HEADER} is missing"
+        return to_aiohttp_response(error_response(BadRequest(why), request_id_var.get()))
+    url = str(request.url.with_path("/" + tail, encoded=False))
+    if request.query_string:
+        url += "?" + request.query_string
+    req = await to_runtime_request(request, url)
+    return to_aiohttp_response(await rt.do_host.fetch(class_name, name, req))
+
+
+async def _worker(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    req = await to_runtime_request(request)
+    resp = await call_handler(rt.handler, req, rt.env, Context(rt.tasks.add), request_id_var.get())
+    return to_aiohttp_response(resp)
+
+
+def build_app(rt: ServiceRuntime, max_body_bytes: int = 256 << 20) -> web.Application:
+    app = web.Application(middlewares=[request_context], client_max_size=max_body_bytes)
+    app[RUNTIME] = rt
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_route("*", DO_ROUTE_PREFIX + "{rest:.*}", _durable_object)
+    app.router.add_route("*", "/{tail:.*}", _worker)
+    return app
+
+
+# ---------------------------------------------------------------- real runtime (one service per process)
+
+
+def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.ClientSession,
+                 do_host: DurableObjectHost | None) -> Any:
+    scheme = binding_scheme(name, url)
+    rest = url.partition(":")[2]
+    if scheme == "s3":
+        return S3Bucket(settings.s3, rest.lstrip("/").strip("/"))
+    if scheme == "dir":
+        return DirectoryBucket(rest)
+    if scheme == "redis":
+        base, _, query = url.partition("?")
+        params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+        return RedisKV(base, params.get("prefix", f"{name}:"), settings.call_timeout_s)
+    if scheme == "memory":
+        return MemoryKV()
+    if scheme == "do+http":
+        base, _, class_name = url.removeprefix("do+").rpartition("/")
+        return HttpNamespace(session, base, class_name, settings.call_timeout_s)
+    if scheme == "do+local":
+        if do_host is None or rest not in do_host.classes:
+            raise ConfigError(f"binding {name}={url}: this process does not host {rest!r} "
+                              f"(KNOT_DURABLE_OBJECTS={','.join(settings.durable_objects)})")
+        return LocalNamespace(do_host, rest)
+    return HttpService(session, url, settings.call_timeout_s)
+
+
+async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack) -> ServiceRuntime:
+    """Build a service's env from real bindings; `stack` closes them (after draining wait_until)."""
+    svc = load_service(settings.service)
+    missing = [c for c in settings.durable_objects if c not in svc.durable_objects]
+    if missing:
+        raise ConfigError(f"KNOT_DURABLE_OBJECTS names {missing}, but {settings.service} defines "
+                          f"{sorted(svc.durable_objects)}")
+    tasks = BackgroundTasks(f"{settings.name} wait_until")
+    session = aiohttp.ClientSession()
+    stack.push_async_callback(session.close)
+    do_host = (DurableObjectHost({c: svc.durable_objects[c] for c in settings.durable_objects}, tasks)
+               if settings.durable_objects else None)
+    bindings, checks = {}, {}
+    for name, url in settings.bindings.items():
+        b = real_binding(name, url, settings, session, do_host)
+        if hasattr(b, "close"):
+            stack.push_async_callback(b.close)
+        if hasattr(b, "ping"):
+            checks[name] = b.ping
+        bindings[name] = b
+    env = Env(bindings, settings.vars)
+    if do_host is not None:
+        do_host.env = env
+    # Exit callbacks run last-in first-out: wait_until work drains before any client closes.
+    stack.push_async_callback(tasks.drain, settings.shutdown_timeout_s)
+    return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks)
+
+
+async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Callable[[], None] | None = None,
+                     stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop`), then shut down gracefully."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runners = []
+    try:
+        for app, host, port in apps:
+            runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=30.0, access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, host, port).start()
+        if on_ready:
+            on_ready()
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_one(settings: HostSettings) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        rt = await open_runtime(settings, stack)
+        app = build_app(rt, settings.max_body_bytes)
+        await serve_apps([(app, settings.host, settings.port)],
+                         on_ready=lambda: log.info("listening on %s:%d", settings.host, settings.port,
+                                                   extra={"port": settings.port}))
+    log.info("stopped", extra={"wait_until": rt.tasks.stats()})

@@ -1,0 +1,119 @@
+"""The compose `init` service: fetch the model, encode it to a .knot, upload it to the bucket once.
+
+    KNOT_MODEL   a registered model name (deploy.models) or a local .gguf/.knot path
+    KNOT_KEY     the object key in the bucket
+    KNOT_BUCKET  s3://BUCKET (S3_ENDPOINT_URL, AWS_* as for the services) or dir:PATH
+
+Idempotent: an object already at KNOT_KEY whose header parses and whose size passes the
+stale-knot guard is left alone, so only the first start uploads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Mapping
+
+import botocore.exceptions
+from boto3.s3.transfer import TransferConfig
+
+from common.knot import KnotError, read_header_sync
+from deploy.local.bindings import s3_client
+from deploy.local.settings import ConfigError, HostSettings, binding_scheme
+
+log = logging.getLogger("deploy.local.init")
+MULTIPART_CHUNK_BYTES = 64 << 20
+
+
+def _need(env: Mapping[str, str], key: str) -> str:
+    v = env.get(key)
+    if not v:
+        raise ConfigError(f"Config {key!r} is missing, and has no default.")
+    return v
+
+
+def knot_for(model: str) -> Path:
+    from deploy.models import ensure_knot  # fetch (pip) + encode, both cached
+
+    return ensure_knot(model)
+
+
+def _valid_remote(read_range, size: int) -> bool:
+    try:
+        read_header_sync(read_range, file_size=size)
+        return True
+    except KnotError as e:
+        log.warning("the bucket's knot is unusable (%s): uploading again", e)
+        return False
+
+
+def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
+    settings = HostSettings.from_env({**env, "KNOT_SERVICE": "init"})
+    s3 = s3_client(settings.s3)
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except botocore.exceptions.ClientError:
+        log.info("creating bucket %s", bucket)
+        s3.create_bucket(Bucket=bucket)
+    try:
+        size = int(s3.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except botocore.exceptions.ClientError:
+        size = None
+    if size is not None:
+        def read_range(a: int, b: int) -> bytes:
+            r = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={a}-{min(b, size) - 1}")  # inclusive end
+            return r["Body"].read()
+
+        if _valid_remote(read_range, size):
+            return f"s3://{bucket}/{key} already present ({size} bytes), not uploading"
+    path = knot_for(model)
+    s3.upload_file(str(path), bucket, key, Config=TransferConfig(multipart_chunksize=MULTIPART_CHUNK_BYTES))
+    got = int(s3.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    if got != path.stat().st_size:
+        raise ConfigError(f"upload of {path} to s3://{bucket}/{key}: {got} bytes landed, expected {path.stat().st_size}")
+    return f"uploaded {path} ({got} bytes) to s3://{bucket}/{key}"
+
+
+def upload_dir(root: Path, key: str, model: str) -> str:
+    dest = root / key
+    if dest.is_file():
+        with open(dest, "rb") as f:
+            def read_range(a: int, b: int) -> bytes:
+                f.seek(a)
+                return f.read(b - a)
+
+            if _valid_remote(read_range, dest.stat().st_size):
+                return f"{dest} already present, not copying"
+    path = knot_for(model)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.copyfile(path, tmp)
+    os.replace(tmp, dest)
+    return f"copied {path} to {dest}"
+
+
+def run(env: Mapping[str, str]) -> str:
+    model, key, url = _need(env, "KNOT_MODEL"), _need(env, "KNOT_KEY"), _need(env, "KNOT_BUCKET")
+    scheme = binding_scheme("KNOT_BUCKET", url)
+    if scheme == "s3":
+        return upload_s3(env, url.partition("://")[2].strip("/"), key, model)
+    if scheme == "dir":
+        return upload_dir(Path(url.partition(":")[2]), key, model)
+    raise ConfigError(f"KNOT_BUCKET={url}: init knows s3:// and dir: buckets")
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s init: %(message)s")
+    try:
+        log.info(run(os.environ))
+    except (ConfigError, KnotError, OSError, ValueError, botocore.exceptions.BotoCoreError,
+            botocore.exceptions.ClientError) as e:
+        log.error("%s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

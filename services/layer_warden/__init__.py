@@ -1,0 +1,18 @@
+"""LayerWarden service: a Worker that routes each request to the LayerWarden DO named by its identity.
+
+Stations reach it through a service binding; it reaches the DO class through env.LAYER_WARDEN.
+"""
+from __future__ import annotations
+
+from common.runtime import Ctx, Env, Request, Response
+from services.layer_warden.warden import FIELDS, LayerWarden, is_resident
+from services.warden_base import route_to_warden
+
+DURABLE_OBJECTS = {"LayerWarden": LayerWarden}
+
+
+async def fetch(request: Request, env: Env, ctx: Ctx) -> Response:
+    return await route_to_warden(request, env.LAYER_WARDEN, FIELDS)
+
+
+__all__ = ["DURABLE_OBJECTS", "LayerWarden", "fetch", "is_resident"]

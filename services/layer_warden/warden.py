@@ -1,0 +1,114 @@
+"""LayerWarden Durable Object: a layer station's tensor cache (seed sections 4, 7, 8).
+
+    L1  this DO's RAM: LRU with a byte budget (default 1 GiB) and the residency rule below
+    L3  R2 (env.KNOT_BUCKET) ranged reads          (L2, KV, is not used for layer tensors)
+
+Endpoints (identity "{knot_key}|{layer_start}-{layer_end}"):
+    POST /configure         {"knot_key", "layer_start", "layer_end", "budget_bytes"?}
+    GET  /tensor/<name>     one tensor, as a tensor frame (common.wire)
+    POST /tensors           {"names": [...]} -> a batch of tensor frames, in request order
+    POST /invalidate/<name> drop one entry (a station that rejected a frame asks for this)
+    GET  /stats             hits, misses, bytes_resident, r2_bytes_read, ...
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+from common import wire
+from common.knot import KnotHeader, UnknownTensor
+from common.lru import ByteLRU
+from common.runtime import BadRequest, NotFound, Request, Response
+from services.warden_base import Identity, IdentityFields, WardenBase, budget_from
+
+DEFAULT_BUDGET_BYTES = 1 << 30
+RESIDENT_NAMES = frozenset({"token_embd.weight", "output_norm.weight", "output.weight"})
+RESIDENT_BELOW_BYTES = 1 << 20
+MAX_BATCH = 256
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+FIELDS = IdentityFields("layer_start", "layer_end", "X-Layer-Start", "X-Layer-End")
+
+
+def is_resident(name: str, nbytes: int) -> bool:
+    """Seed section 4 (loader.rs pick_resident_names): never evicted once cached."""
+    return "norm" in name or name in RESIDENT_NAMES or nbytes < RESIDENT_BELOW_BYTES
+
+
+class LayerWarden(WardenBase):
+    FIELDS = FIELDS
+    ROUTES = {
+        ("POST", "/configure"): "configure",
+        ("GET", "/tensor/"): "tensor",
+        ("POST", "/tensors"): "tensors",
+        ("POST", "/invalidate/"): "invalidate",
+        ("GET", "/stats"): "stats",
+    }
+
+    def __init__(self, state, env):
+        super().__init__(state, env)
+        self.header: KnotHeader | None = None
+        self.cache: ByteLRU[str, wire.TensorFrame] = ByteLRU(DEFAULT_BUDGET_BYTES, is_resident)
+
+    def _validate(self, identity: Identity, header: KnotHeader) -> None:
+        n_layers = int(header.hparams["block_count"])
+        if identity.end > n_layers:
+            raise BadRequest(f"layers [{identity.start}, {identity.end}) exceed the knot's {n_layers} layers")
+
+    async def _on_configure(self, header: KnotHeader, body: dict) -> None:
+        self.header = header
+        self.cache = ByteLRU(budget_from(body, self.env, DEFAULT_BUDGET_BYTES), is_resident)
+
+    # -------------------------------------------------------- tensors
+
+    async def _frame(self, name: str) -> wire.TensorFrame:
+        assert self.identity is not None and self.header is not None and self.source is not None
+        m = _BLOCK.match(name)
+        if m and not self.identity.start <= int(m.group(1)) < self.identity.end:
+            raise BadRequest(f"tensor {name} is outside this warden's layers "
+                             f"[{self.identity.start}, {self.identity.end})")
+        try:
+            entry = self.header.entry(name)
+        except UnknownTensor as e:
+            raise NotFound(str(e)) from None
+        frame = self.cache.get(name)
+        if frame is None:
+            start, end = self.header.tensor_range(name)
+            data = await self.source.read(start, end)
+            frame = wire.TensorFrame(name, entry.ggml_type, entry.shape, data)
+            self.cache.put(name, frame, len(data))
+        return frame
+
+    async def tensor(self, request: Request, name: str) -> Response:
+        await self._identified(request)
+        if not name:
+            raise BadRequest("GET /tensor/<name>: the name is missing")
+        frame = await self._frame(name)
+        return Response.from_bytes(wire.encode_tensor(frame), wire.TENSOR_CONTENT_TYPE)
+
+    async def tensors(self, request: Request, _rest: str) -> Response:
+        await self._identified(request)
+        body = request.json()
+        names = body.get("names") if isinstance(body, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise BadRequest('POST /tensors body must be {"names": [str, ...]}')
+        if len(names) > MAX_BATCH:
+            raise BadRequest(f"batch of {len(names)} tensors exceeds {MAX_BATCH}")
+        # One missing tensor fails the whole batch (seed section 8: no silent partial loads).
+        unique = list(dict.fromkeys(names))
+        got = dict(zip(unique, await asyncio.gather(*(self._frame(n) for n in unique))))
+        return Response.from_bytes(wire.encode_batch(got[n] for n in names), wire.BATCH_CONTENT_TYPE)
+
+    async def invalidate(self, request: Request, name: str) -> Response:
+        await self._identified(request)
+        dropped = self.cache.pop(name) is not None
+        return Response.from_json({"name": name, "dropped": dropped})
+
+    def _stats(self) -> dict[str, Any]:
+        c = self.cache
+        return {"layer_start": self.identity.start, "layer_end": self.identity.end,
+                "hits": c.stats.hits, "misses": c.stats.misses, "evictions": c.stats.evictions,
+                "refused": c.stats.refused, "entries": len(c), "bytes_resident": c.bytes_used,
+                "pinned_bytes": c.resident_bytes, "budget_bytes": c.budget_bytes,
+                "cached": list(c.keys())}

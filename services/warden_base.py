@@ -1,0 +1,161 @@
+"""What both warden Durable Objects share: identity, /configure, the knot source, the route table.
+
+A warden's identity is "{knot_key}|{start}-{end}" (layers for the LayerWarden, vocabulary rows for
+the CobordismWarden). It is set once, by POST /configure {"knot_key", start, end} or by identity
+headers on the first call, and a request that names another identity gets 409: a warden never
+silently serves a different knot (seed section 8, "bucket binding mismatch": knot_key is always
+explicit, never an env default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from common.runtime import (BadRequest, Conflict, DurableObjectState, Env, Headers, MethodNotAllowed, NotFound,
+                            Request, Response, int_param)
+from services.knot_source import KnotSource
+
+KNOT_ID_HEADER = "X-Knot-Id"
+
+
+@dataclass(frozen=True)
+class Identity:
+    knot_key: str
+    start: int
+    end: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.knot_key}|{self.start}-{self.end}"
+
+
+class IdentityFields:
+    """Where a warden kind reads its identity: JSON fields of /configure and request headers."""
+
+    def __init__(self, start_field: str, end_field: str, start_header: str, end_header: str):
+        self.start_field, self.end_field = start_field, end_field
+        self.start_header, self.end_header = start_header, end_header
+
+    def from_json(self, body: Any) -> Identity:
+        if not isinstance(body, dict):
+            raise BadRequest("configure body must be a JSON object")
+        knot_key = body.get("knot_key")
+        if not isinstance(knot_key, str) or not knot_key:
+            raise BadRequest("configure needs an explicit knot_key (there is no default knot)")
+        return self._make(knot_key, body.get(self.start_field), body.get(self.end_field))
+
+    def from_headers(self, headers: Headers) -> Identity | None:
+        if KNOT_ID_HEADER not in headers:
+            return None
+        return self._make(headers[KNOT_ID_HEADER], headers.get(self.start_header), headers.get(self.end_header),
+                          self.start_header, self.end_header)
+
+    def _make(self, knot_key: str, start: Any, end: Any, start_what: str | None = None,
+              end_what: str | None = None) -> Identity:
+        a = int_param(None if start is None else str(start), start_what or self.start_field)
+        b = int_param(None if end is None else str(end), end_what or self.end_field)
+        if a >= b:
+            raise BadRequest(f"empty range: {start_what or self.start_field}={a} >= {end_what or self.end_field}={b}")
+        return Identity(knot_key, a, b)
+
+
+Route = Callable[[Request, str], Awaitable[Response]]
+
+
+class WardenBase:
+    """A DO class: cls(state, env) with async fetch(request). Subclasses set FIELDS and ROUTES."""
+
+    FIELDS: IdentityFields
+    ROUTES: dict[tuple[str, str], str]  # (method, path prefix) -> method name; the rest of the path is passed
+
+    def __init__(self, state: DurableObjectState, env: Env):
+        self.state, self.env = state, env
+        self.identity: Identity | None = None
+        self.source: KnotSource | None = None
+
+    async def fetch(self, request: Request) -> Response:
+        path = request.path
+        for (method, prefix), attr in self.ROUTES.items():
+            if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+                if request.method != method:
+                    raise MethodNotAllowed(f"{request.method} {path}: use {method}")
+                return await getattr(self, attr)(request, path[len(prefix):])
+        raise NotFound(f"no route {request.method} {path}")
+
+    # -------------------------------------------------------- identity
+
+    def _check_name(self, identity: Identity) -> None:
+        name = getattr(self.state.id, "name", "")
+        if name and name != identity.name:
+            raise Conflict(f"this warden instance is {name!r}; a request for {identity.name!r} was misrouted")
+
+    async def _adopt(self, identity: Identity, body: dict | None) -> None:
+        self._check_name(identity)
+        if self.identity is not None:
+            if identity != self.identity:
+                raise Conflict(f"warden is configured as {self.identity.name!r}, request is for {identity.name!r}")
+            return
+        source = KnotSource(self.env.KNOT_BUCKET, identity.knot_key)
+        header = await source.header()
+        self._validate(identity, header)
+        self.identity, self.source = identity, source
+        await self._on_configure(header, body or {})
+
+    async def _identified(self, request: Request) -> Identity:
+        """The identity for a data request: from headers on the first call, checked on later ones."""
+        identity = self.FIELDS.from_headers(request.headers)
+        if identity is not None:
+            await self._adopt(identity, None)
+        if self.identity is None:
+            raise Conflict(f"warden is not configured: POST /configure with knot_key first, or send "
+                           f"{KNOT_ID_HEADER}, {self.FIELDS.start_header} and {self.FIELDS.end_header}")
+        return self.identity
+
+    async def configure(self, request: Request, _rest: str) -> Response:
+        body = request.json()
+        await self._adopt(self.FIELDS.from_json(body), body)
+        return Response.from_json(await self.stats_dict())
+
+    async def stats(self, request: Request, _rest: str) -> Response:
+        identity = self.FIELDS.from_headers(request.headers)
+        if identity is not None:  # a first call may be /stats too
+            await self._adopt(identity, None)
+        return Response.from_json(await self.stats_dict())
+
+    async def stats_dict(self) -> dict[str, Any]:
+        if self.identity is None:
+            return {"configured": False}
+        assert self.source is not None
+        return {"configured": True, "identity": self.identity.name, "knot_key": self.identity.knot_key,
+                "knot_etag": self.source.etag, "knot_bytes": self.source.size, **self.source.stats(),
+                **self._stats()}
+
+    # -------------------------------------------------------- subclass hooks
+
+    def _validate(self, identity: Identity, header) -> None:
+        raise NotImplementedError
+
+    async def _on_configure(self, header, body: dict) -> None:
+        raise NotImplementedError
+
+    def _stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def budget_from(body: dict, env: Env, default: int) -> int:
+    """budget_bytes from the configure body, else the MEMORY_BUDGET_BYTES var, else the default."""
+    raw = body.get("budget_bytes", env.get("MEMORY_BUDGET_BYTES"))
+    return default if raw in (None, "") else int_param(str(raw), "budget_bytes")
+
+
+async def route_to_warden(request: Request, namespace, fields: IdentityFields) -> Response:
+    """The warden Worker's fetch: pick the DO instance named by the request's identity."""
+    if request.path == "/configure" and request.method == "POST":
+        identity = fields.from_json(request.json())
+    else:
+        identity = fields.from_headers(request.headers)
+        if identity is None:
+            raise BadRequest(f"{request.method} {request.path}: send {KNOT_ID_HEADER}, {fields.start_header} "
+                             f"and {fields.end_header} so the request reaches the right warden")
+    stub = namespace.get(namespace.id_from_name(identity.name))
+    return await stub.fetch(request)

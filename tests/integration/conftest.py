@@ -1,0 +1,174 @@
+"""Real servers, started here: SeaweedFS (S3), a Redis-protocol server, and the project's services
+as real processes, launched from docker-compose.yml's own service definitions.
+
+No mocks of S3 or Redis. Everything listens on free 127.0.0.1 ports and is stopped at the end.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from common.knot import read_header_sync
+from deploy import launcher, servers
+from deploy.encoder import encode
+from deploy.local import compose
+from deploy.local.bindings import S3Settings, s3_client
+from tests.synth import TinySpec, write_tiny_gguf
+
+BUCKET = "knots"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "knot", "AWS_SECRET_ACCESS_KEY": "knot-secret-key", "AWS_REGION": "us-east-1"}
+# hidden 1024: the attention and FFN matrices are above the 1 MiB residency threshold (evictable);
+# token_embd is Q4_K so the embedding rows exercise a K-quant.
+SPEC = TinySpec(hidden=1024, ffn=1536, n_head=8, n_kv_head=2, overrides={"token_embd.weight": Q.Q4_K})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@dataclass
+class Knot:
+    path: Path
+    data: bytes
+    header: object
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("run")
+
+
+@pytest.fixture(scope="session")
+def s3_server(run_dir):
+    s = servers.start_seaweedfs(run_dir / "seaweedfs", log_path=run_dir / "logs" / "seaweedfs.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(run_dir):
+    s = servers.start_redis(run_dir / "redis", log_path=run_dir / "logs" / "redis.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_settings(s3_server) -> S3Settings:
+    return S3Settings(s3_server.url, CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                      connect_timeout_s=2.0, read_timeout_s=10.0)
+
+
+@pytest.fixture(scope="session")
+def knot(tmp_path_factory) -> Knot:
+    d = tmp_path_factory.mktemp("knot")
+    path = d / "tiny.knot"
+    encode(write_tiny_gguf(d / "tiny.gguf", SPEC), path, progress=False)
+    data = path.read_bytes()
+    return Knot(path, data, read_header_sync(lambda a, b: data[a:b], len(data)))
+
+
+@pytest.fixture(scope="session")
+def upload(s3_settings, knot):
+    """upload(key) puts the test knot into the bucket under key (one key per test keeps tests apart)."""
+    client = s3_client(s3_settings)
+    client.create_bucket(Bucket=BUCKET)
+    done = set()
+
+    def put(key: str) -> str:
+        if key not in done:
+            client.upload_file(str(knot.path), BUCKET, key)
+            done.add(key)
+        return key
+
+    return put
+
+
+class Procs:
+    """Project services as real processes, from the compose file's definitions."""
+
+    def __init__(self, run_dir: Path, addresses: dict, specs: dict):
+        self.run_dir, self.addresses, self.specs = run_dir, addresses, specs
+        self.running: dict[str, launcher.Running] = {}
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.addresses[name][1]}"
+
+    def start(self, name: str) -> launcher.Running:
+        spec = self.specs[name]
+        r = launcher.start_process(spec, self.addresses, self.run_dir)
+        self.running[name] = r
+        launcher.wait_ready(r, self.url(name) + "/readyz", timeout_s=60)
+        return r
+
+    def stop(self, name: str) -> None:
+        """SIGTERM: graceful, the host drains wait_until work before exiting."""
+        r = self.running.pop(name)
+        servers.stop_pid(r.pid, launcher.PROCESS_STOP_TIMEOUT_S)
+
+    def restart(self, name: str) -> None:
+        self.stop(name)
+        self.start(name)
+
+    def stop_all(self) -> None:
+        for name in list(self.running):
+            self.stop(name)
+
+
+def probe_spec(port_var: str = "probe") -> compose.ServiceSpec:
+    env = {
+        "KNOT_SERVICE": "tests.integration.probe_service", "KNOT_SERVICE_NAME": "probe",
+        "KNOT_DURABLE_OBJECTS": "Sequencer", "KNOT_BINDINGS": "KV,SEQUENCER,SELF",
+        "KV": "redis://redis:6379/0?prefix=probe:", "SEQUENCER": f"do+http://{port_var}:8080/Sequencer",
+        "SELF": f"http://{port_var}:8080", "PORT": "8080", "KNOT_SHUTDOWN_TIMEOUT_S": "20",
+    }
+    return compose.ServiceSpec(port_var, "process", ["python", "-m", "deploy.cli", "serve"], env, 8080, {},
+                               healthcheck_url="http://127.0.0.1:8080/readyz")
+
+
+@pytest.fixture(scope="session")
+def procs(run_dir, s3_server, redis_server, upload):
+    """The wardens exactly as docker-compose.yml defines them, plus the probe service."""
+    env = {**CREDENTIALS}
+    specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, env))}
+    specs["probe"], specs["probe-2"] = probe_spec("probe"), probe_spec("probe-2")
+    addresses = {"minio": (9000, s3_server.port), "redis": (6379, redis_server.port)}
+    names = ["layer-warden", "cobordism-warden", "probe", "probe-2"]
+    for name, port in zip(names, servers.free_ports(len(names))):
+        addresses[name] = (8080, port)
+    p = Procs(run_dir, addresses, specs)
+    try:
+        for name in ("layer-warden", "cobordism-warden", "probe"):
+            p.start(name)
+        yield p
+    finally:
+        p.stop_all()
+
+
+def http(method: str, url: str, body: dict | bytes | None = None, headers: dict | None = None,
+         timeout_s: float = 30.0) -> tuple[int, dict, bytes]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def wait_for(check, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not met within {timeout_s} s")

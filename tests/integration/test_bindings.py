@@ -1,0 +1,62 @@
+"""The real bindings against real servers: S3Bucket on SeaweedFS, RedisKV on Valkey/Redis."""
+import asyncio
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from common.runtime import RangeNotSatisfiable
+from deploy.local.bindings import RedisKV, S3Bucket
+
+OBJECT = os.urandom(300_001)
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_settings, upload):
+    upload("tests/bindings-marker.knot")  # makes sure the bucket exists
+    b = S3Bucket(s3_settings, "knots")
+    asyncio.run(b.put("tests/object.bin", OBJECT))
+    return b
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(start=st.integers(0, len(OBJECT) - 1), n=st.one_of(st.integers(1, 16), st.integers(1, len(OBJECT))))
+def test_range_read_equals_slice(bucket, start, n):
+    end = min(start + n, len(OBJECT))
+    obj = asyncio.run(bucket.get("tests/object.bin", range=(start, end)))
+    assert obj.body == OBJECT[start:end]
+    assert (obj.size, obj.range) == (len(OBJECT), (start, end))
+
+
+async def test_bucket_contract(bucket):
+    whole = await bucket.get("tests/object.bin")
+    assert whole.body == OBJECT and whole.size == len(OBJECT) and whole.etag
+    assert (await bucket.get("tests/object.bin", range=(len(OBJECT) - 1, len(OBJECT)))).body == OBJECT[-1:]
+    meta = await bucket.head("tests/object.bin")
+    assert (meta.size, meta.etag) == (len(OBJECT), whole.etag)
+    assert await bucket.get("tests/absent") is None and await bucket.head("tests/absent") is None
+    assert "tests/object.bin" in [m.key for m in await bucket.list("tests/")]
+    with pytest.raises(RangeNotSatisfiable, match="runs past the object's 300001 bytes"):
+        await bucket.get("tests/object.bin", range=(10, len(OBJECT) + 5))
+    with pytest.raises(RangeNotSatisfiable):
+        await bucket.get("tests/object.bin", range=(len(OBJECT) + 1, len(OBJECT) + 9))
+    await bucket.ping()
+
+
+async def test_kv_put_get_delete_and_ttl_expiry(redis_server):
+    kv = RedisKV(redis_server.url, "test-kv:", timeout_s=2.0)
+    try:
+        await kv.put("plain", b"\x00\x01")
+        await kv.put("short", b"x", expiration_ttl=1)
+        assert await kv.get("plain") == b"\x00\x01" and await kv.get("short") == b"x"
+        await asyncio.sleep(1.3)
+        assert await kv.get("short") is None  # expired by the server
+        assert await kv.get("plain") == b"\x00\x01"
+        await kv.delete("plain")
+        assert await kv.get("plain") is None
+        other = RedisKV(redis_server.url, "other-ns:", timeout_s=2.0)
+        await kv.put("k", b"1")
+        assert await other.get("k") is None  # namespaces do not see each other
+        await other.close()
+    finally:
+        await kv.close()

@@ -1,0 +1,55 @@
+"""`knot cluster up|status|down` end to end: its processes are docker-compose.yml's services."""
+import asyncio
+import json
+import subprocess
+import sys
+
+from deploy import servers
+from deploy.local import compose
+from deploy.local.bindings import S3Settings, S3Bucket
+
+from .conftest import http
+
+
+def knot_cli(run_dir, *args, timeout_s=300):
+    cmd = [sys.executable, "-m", "deploy.cli", "cluster", "--run-dir", str(run_dir), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=compose.REPO_ROOT)
+
+
+def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
+    run_dir = tmp_path / "cluster"
+    up = knot_cli(run_dir, "up", "--model", str(knot.path))
+    try:
+        assert up.returncode == 0, up.stderr
+        state = json.loads((run_dir / "cluster.json").read_text())["services"]
+        planned = compose.plan(compose.load(compose.COMPOSE_FILE, {}))
+        assert [s["name"] for s in state] == [s.name for s in planned]  # the process set is the file's
+        by_name = {s["name"]: s for s in state}
+        assert (by_name["minio"]["kind"], by_name["redis"]["kind"], by_name["init"]["kind"]) == \
+               ("seaweedfs", "redis", "oneshot")
+        for name in ("layer-warden", "cobordism-warden"):
+            status, _, body = http("GET", by_name[name]["url"] + "/healthz")
+            assert status == 200 and json.loads(body)["service"] == name
+            assert (run_dir / "logs" / f"{name}.log").read_text().count('"msg": "listening on') == 1
+
+        status = knot_cli(run_dir, "status")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert status.stdout.count(" ready ") == 2 and status.stdout.count(" done ") == 1
+
+        # init uploaded the knot under the key derived from --model.
+        bucket = S3Bucket(S3Settings(by_name["minio"]["url"], "knot", "knot-secret-key"), "knots")
+        meta = asyncio.run(bucket.head("tiny.knot"))
+        asyncio.run(bucket.close())
+        assert meta is not None and meta.size == len(knot.data)
+    finally:
+        down = knot_cli(run_dir, "down")
+    assert down.returncode == 0, down.stderr
+    assert not any(servers.pid_alive(s["pid"]) for s in state)
+    assert knot_cli(run_dir, "status").returncode == 3
+
+    again = knot_cli(run_dir, "up", "--model", str(knot.path))
+    try:
+        assert again.returncode == 0, again.stderr
+        assert "already present" in (run_dir / "logs" / "init.log").read_text()  # only the first start uploads
+    finally:
+        assert knot_cli(run_dir, "down").returncode == 0

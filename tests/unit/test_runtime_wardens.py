@@ -1,0 +1,197 @@
+"""Both wardens on embedded bindings: identity, LRU budget and residency, invalidate, the KV tier.
+
+The same behaviours are proven against real SeaweedFS and Redis in tests/integration/.
+"""
+import json
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import services.cobordism_warden as cw
+import services.layer_warden as lw
+from common import wire
+from common.knot import read_header_sync
+from common.quant import dequantize_rows
+from common.runtime import Context, Env, Request, ServiceUnavailable, call_handler
+from deploy.encoder import encode
+from deploy.local.durable import DurableObjectHost, LocalNamespace
+from deploy.local.embedded import DirectoryBucket, MemoryKV
+from deploy.local.tasks import BackgroundTasks
+from services.embed_cache import row_key
+from tests.synth import TinySpec, write_tiny_gguf
+
+KEY = "models/tiny.knot"
+# hidden 1024: attn_q/attn_output (1.06 MiB) and the ffn matrices (1.6 MiB) are above the 1 MiB
+# residency threshold, so they are the evictable ones; token_embd is Q4_K to exercise a K-quant.
+SPEC = TinySpec(hidden=1024, ffn=1536, n_head=8, n_kv_head=2, overrides={"token_embd.weight": Q.Q4_K})
+
+
+@pytest.fixture(scope="module")
+def knot(tmp_path_factory):
+    d = tmp_path_factory.mktemp("knot")
+    path = d / "tiny.knot"
+    encode(write_tiny_gguf(d / "tiny.gguf", SPEC), path, progress=False)
+    data = path.read_bytes()
+    return data, read_header_sync(lambda a, b: data[a:b], len(data))
+
+
+class World:
+    """Bucket + KV + one DO host (a 'process'); restart() drops the host, as a DO eviction does."""
+
+    def __init__(self, tmp_path, data, kv=None):
+        self.bucket = DirectoryBucket(tmp_path / "bucket")
+        (tmp_path / "bucket" / "models").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "bucket" / KEY).write_bytes(data)
+        self.kv = kv or MemoryKV()
+        self.restart()
+
+    def restart(self):
+        self.tasks = BackgroundTasks()
+        host = DurableObjectHost({**lw.DURABLE_OBJECTS, **cw.DURABLE_OBJECTS}, self.tasks)
+        self.env = Env({"KNOT_BUCKET": self.bucket, "EMBED_CACHE": self.kv,
+                        "LAYER_WARDEN": LocalNamespace(host, "LayerWarden"),
+                        "COBORDISM_WARDEN": LocalNamespace(host, "CobordismWarden")})
+        host.env = self.env
+
+    async def call(self, service, method, path, headers=None, body=None):
+        raw = json.dumps(body).encode() if body is not None else b""
+        return await call_handler(service.fetch, Request(method, path, headers or {}, raw), self.env,
+                                  Context(self.tasks.add))
+
+
+LAYER = {"X-Knot-Id": KEY, "X-Layer-Start": "0", "X-Layer-End": "1"}
+VOCAB = {"X-Knot-Id": KEY, "X-Vocab-Start": "0", "X-Vocab-End": "200"}
+
+
+async def test_layer_warden_identity_and_configure(tmp_path, knot):
+    w = World(tmp_path, knot[0])
+    r = await w.call(lw, "POST", "/configure", body={"layer_start": 0, "layer_end": 1})
+    assert r.status == 400 and "explicit knot_key" in r.json()["message"]
+    r = await w.call(lw, "POST", "/configure", body={"knot_key": "nope.knot", "layer_start": 0, "layer_end": 1})
+    assert r.status == 404 and "nope.knot" in r.json()["message"]
+    r = await w.call(lw, "POST", "/configure", body={"knot_key": KEY, "layer_start": 0, "layer_end": 9})
+    assert r.status == 400 and "exceed the knot's 2 layers" in r.json()["message"]
+    r = await w.call(lw, "POST", "/configure", body={"knot_key": KEY, "layer_start": 0, "layer_end": 1})
+    assert r.status == 200 and r.json()["identity"] == f"{KEY}|0-1"
+    assert r.json()["budget_bytes"] == 1 << 30
+    # The worker routes by identity; a DO reached under another name refuses (misrouting guard).
+    ns = w.env.LAYER_WARDEN
+    r = await ns.get(ns.id_from_name(f"{KEY}|0-1")).fetch(Request("GET", "/stats", {**LAYER, "X-Layer-End": "2"}))
+    assert r.status == 409 and "misrouted" in r.json()["message"]
+    r = await w.call(lw, "GET", "/stats")
+    assert r.status == 400 and "X-Knot-Id" in r.json()["message"]
+
+
+async def test_layer_warden_serves_exact_bytes_in_frames(tmp_path, knot):
+    data, header = knot
+    w = World(tmp_path, data)
+    r = await w.call(lw, "GET", "/tensor/blk.0.attn_q.weight", LAYER)
+    assert r.headers["content-type"] == wire.TENSOR_CONTENT_TYPE
+    f = wire.decode_tensor(r.body)
+    a, b = header.tensor_range("blk.0.attn_q.weight")
+    assert (f.name, f.ggml_type, f.shape, f.payload) == ("blk.0.attn_q.weight", "Q8_0", (1024, 1024), data[a:b])
+    names = ["blk.0.ffn_norm.weight", "blk.0.attn_q.bias", "blk.0.attn_norm.weight"]
+    r = await w.call(lw, "POST", "/tensors", LAYER, {"names": names})
+    frames = wire.decode_batch(r.body)
+    assert [f.name for f in frames] == names
+    assert all(f.payload == data[slice(*header.tensor_range(f.name))] for f in frames)
+    r = await w.call(lw, "GET", "/tensor/blk.1.attn_q.weight", LAYER)
+    assert r.status == 400 and "outside this warden's layers [0, 1)" in r.json()["message"]
+    r = await w.call(lw, "POST", "/tensors", LAYER, {"names": ["blk.0.attn_q.weight", "blk.0.nope"]})
+    assert r.status == 404 and "blk.0.nope" in r.json()["message"]
+
+
+async def test_layer_warden_lru_budget_residency_and_invalidate(tmp_path, knot):
+    data, header = knot
+    w = World(tmp_path, data)
+    budget = 4 << 20
+    await w.call(lw, "POST", "/configure", body={"knot_key": KEY, "layer_start": 0, "layer_end": 2,
+                                                 "budget_bytes": budget})
+    hdrs = {**LAYER, "X-Layer-End": "2"}
+    names = [n for n in header.tensors if n.startswith("blk.")]
+    resident = {n for n in names if "norm" in n or header.tensors[n].length < 1 << 20}
+    for _ in range(2):
+        for n in names:
+            assert (await w.call(lw, "GET", f"/tensor/{n}", hdrs)).status == 200
+            s = (await w.call(lw, "GET", "/stats", hdrs)).json()
+            assert s["bytes_resident"] <= budget
+    assert resident <= set(s["cached"]) and s["evictions"] > 0
+    before = s["r2_reads"]
+    for n in sorted(resident):  # all hits: no R2 read
+        await w.call(lw, "GET", f"/tensor/{n}", hdrs)
+    assert (await w.call(lw, "GET", "/stats", hdrs)).json()["r2_reads"] == before
+    r = await w.call(lw, "POST", "/invalidate/blk.0.attn_norm.weight", hdrs)
+    assert r.json() == {"name": "blk.0.attn_norm.weight", "dropped": True}
+    s = (await w.call(lw, "GET", "/stats", hdrs)).json()
+    assert "blk.0.attn_norm.weight" not in s["cached"]
+    await w.call(lw, "GET", "/tensor/blk.0.attn_norm.weight", hdrs)
+    assert (await w.call(lw, "GET", "/stats", hdrs)).json()["r2_reads"] == before + 1
+
+
+def embed_rows(data, header, rows):
+    e = header.tensors["token_embd.weight"]
+    a, b = header.row_range("token_embd.weight", rows[0], rows[-1] + 1)
+    return dequantize_rows(data[a:b], e.ggml_type, e.shape[0])
+
+
+async def test_cobordism_warden_rows_kv_tier_and_restart(tmp_path, knot):
+    data, header = knot
+    w = World(tmp_path, data)
+    rows = [7, 3, 4, 7, 150]
+    r = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": rows})
+    frames = wire.decode_batch(r.body)
+    assert [f.row_start for f in frames] == [7, 3, 4, 150]
+    for f in frames:
+        assert (f.ggml_type, f.shape) == ("Q4_K", (1024, 1))
+        assert f.payload == data[slice(*header.row_range("token_embd.weight", f.row_start, f.row_start + 1))]
+    s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
+    assert (s["misses"], s["kv_misses"], s["r2_reads"] - 1) == (4, 4, 3)  # 3, 4 coalesce into one read
+    await w.tasks.drain(5)  # the KV writes went through wait_until
+    ns = f"{KEY}@{s['knot_etag']}"
+    for row in (3, 4, 7, 150):
+        np.testing.assert_array_equal(np.frombuffer(await w.kv.get(row_key(ns, row)), "<f4"),
+                                      embed_rows(data, header, [row])[0])
+
+    w.restart()  # RAM is gone; KV is not
+    r = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [3, 150]})
+    frames = wire.decode_batch(r.body)
+    assert [(f.row_start, f.ggml_type) for f in frames] == [(3, "F32"), (150, "F32")]
+    np.testing.assert_array_equal(np.frombuffer(frames[0].payload, "<f4"), embed_rows(data, header, [3])[0])
+    s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
+    assert s["kv_hits"] == 2 and s["r2_bytes_read"] == s["r2_header_bytes_read"]
+    await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [3, 150]})
+    s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
+    assert (s["hits"], s["kv_hits"]) == (2, 2)  # re-warmed RAM
+
+    r = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [199, 200]})
+    assert r.status == 400 and "[0, 200)" in r.json()["message"]
+
+
+async def test_cobordism_warden_poisoned_kv_row_is_deleted_and_refetched(tmp_path, knot):
+    data, header = knot
+    w = World(tmp_path, data)
+    etag = (await w.call(cw, "GET", "/stats", VOCAB)).json()["knot_etag"]
+    key = row_key(f"{KEY}@{etag}", 5)
+    w.restart()
+    await w.kv.put(key, b"\x00" * 1024)  # a Q4_K-sized row written as if it were float32
+    r = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [5]})
+    (f,) = wire.decode_batch(r.body)
+    assert f.ggml_type == "Q4_K"  # refetched from R2, not the poisoned bytes
+    s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
+    assert (s["kv_poisoned"], s["kv_hits"]) == (1, 0)
+    await w.tasks.drain(5)
+    np.testing.assert_array_equal(np.frombuffer(await w.kv.get(key), "<f4"), embed_rows(data, header, [5])[0])
+
+
+class DownKV(MemoryKV):
+    async def get(self, key):
+        raise ServiceUnavailable("KV get: cannot reach Redis")
+
+
+async def test_cobordism_warden_survives_an_unreachable_kv(tmp_path, knot):
+    data, header = knot
+    w = World(tmp_path, data, kv=DownKV())
+    r = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [1]})
+    assert r.status == 200 and wire.decode_batch(r.body)[0].ggml_type == "Q4_K"
+    assert (await w.call(cw, "GET", "/stats", VOCAB)).json()["kv_errors"] == 1

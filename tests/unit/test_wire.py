@@ -1,0 +1,72 @@
+"""Tensor frames and batches: decode(encode(x)) == x; every corruption names what is wrong."""
+import struct
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from common import wire
+from common.wire import TensorFrame
+
+frames = st.builds(
+    TensorFrame,
+    name=st.text(min_size=0, max_size=40),
+    ggml_type=st.sampled_from(["F32", "F16", "Q4_K", "Q6_K", "Q8_0"]),
+    shape=st.lists(st.integers(0, 2**40), max_size=4).map(tuple),
+    payload=st.binary(max_size=300),
+    row_start=st.integers(0, 2**63),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(frames)
+def test_tensor_roundtrip(frame):
+    assert wire.decode_tensor(wire.encode_tensor(frame)) == frame
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(frames, max_size=6))
+def test_batch_roundtrip(batch):
+    assert wire.decode_batch(wire.encode_batch(batch)) == batch
+
+
+FRAME = TensorFrame("blk.0.attn_q.weight", "Q8_0", (32, 2), bytes(range(68)), row_start=3)
+
+
+def test_layout_of_the_fixed_header():
+    buf = wire.encode_tensor(FRAME)
+    magic, version, flags, name_len, type_len, ndim, _, row_start, payload_len = struct.unpack_from(
+        "<4sBBHBBHQQ", buf)
+    assert (magic, version, flags) == (b"KTNS", 1, 0)
+    assert (name_len, type_len, ndim, row_start, payload_len) == (19, 4, 2, 3, 68)
+    assert len(buf) == 28 + 19 + 4 + 16 + 68 + 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_any_single_flipped_byte_is_detected(data):
+    buf = bytearray(wire.encode_tensor(FRAME))
+    i = data.draw(st.integers(0, len(buf) - 1))
+    buf[i] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(wire.WireError):
+        wire.decode_tensor(bytes(buf))
+
+
+def test_errors_name_the_problem():
+    buf = wire.encode_tensor(FRAME)
+    with pytest.raises(wire.BadMagic, match="magic b'XTNS'"):
+        wire.decode_tensor(b"X" + buf[1:])
+    with pytest.raises(wire.UnsupportedVersion, match="version 9"):
+        wire.decode_tensor(buf[:4] + b"\x09" + buf[5:])
+    with pytest.raises(wire.TruncatedFrame, match="payload of blk.0.attn_q.weight needs 68 bytes"):
+        wire.decode_tensor(buf[:80])
+    corrupt = bytearray(buf)
+    corrupt[80] ^= 1  # inside the payload
+    with pytest.raises(wire.ChecksumMismatch, match="68 payload bytes"):
+        wire.decode_tensor(bytes(corrupt))
+    with pytest.raises(wire.MalformedFrame, match="3 trailing bytes"):
+        wire.decode_tensor(buf + b"abc")
+    batch = wire.encode_batch([FRAME, FRAME])
+    with pytest.raises(wire.TruncatedFrame, match="frame 1 of 2"):
+        wire.decode_batch(batch[:-10])
+    with pytest.raises(wire.BadMagic):
+        wire.decode_batch(buf)
