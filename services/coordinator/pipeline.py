@@ -71,11 +71,12 @@ async def _post_envelope(binding, path: str, env: wire.Envelope, timeout_s: floa
 
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
-                 shard_timeout_s: float, station_timeout_s: float):
+                 shard_timeout_s: float, station_timeout_s: float, station_retry_s: float = 60.0):
         self.stations = stations  # service bindings, entry first
         self.shards = shards  # (spec, binding), sorted by vocab_start, tiling [0, vocab)
         self.dim, self.vocab_size = dim, vocab_size
         self.shard_timeout_s, self.station_timeout_s = shard_timeout_s, station_timeout_s
+        self.station_retry_s = station_retry_s
 
     async def embed(self, rid: str, tokens: list[int], position: int, hops: Hops,
                     degraded: list[Degradation]) -> np.ndarray:
@@ -126,11 +127,26 @@ class Pipeline:
         h = x
         for i, st in enumerate(self.stations):
             t0 = time.perf_counter()
-            out = await _post_envelope(st, "/forward", wire.Envelope(rid, mode, position, position + h.shape[0], h),
-                                       self.station_timeout_s)
+            frame = wire.Envelope(rid, mode, position, position + h.shape[0], h)
+            out = await self._forward_one(i, st, frame)
             hops.add(f"station_{i}", t0)
             h = out.array
         return h
+
+    async def _forward_one(self, i: int, st, frame: wire.Envelope) -> wire.Envelope:
+        """One station hop. A station that cannot be reached (restarting) is retried with backoff
+        for up to station_retry_s; once it is back it answers UnknownSession and we replay."""
+        deadline = time.monotonic() + self.station_retry_s
+        delay = 0.1
+        while True:
+            try:
+                return await _post_envelope(st, "/forward", frame, self.station_timeout_s)
+            except ServiceUnavailable as e:
+                if time.monotonic() + delay > deadline:
+                    raise ServiceUnavailable(f"station {i} unreachable for {self.station_retry_s:.0f} s: {e}") from None
+                log.warning("station %d unreachable (%s); retrying in %.1f s", i, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     async def release(self, rid: str) -> None:
         """Free the request's KV caches on every station (best effort, after the response)."""

@@ -82,8 +82,11 @@ def test_addresses_are_rewritten_to_local_ports(doc):
 def test_interpolation_and_model_overrides():
     assert compose.interpolate("${A:-x}/${B-y}/${C}/$$", {"A": "", "B": ""}) == "x///$"
     assert model_env("qwen2.5-coder-1.5b", {}) == {"KNOT_MODEL": "qwen2.5-coder-1.5b",
-                                                   "KNOT_KEY": "qwen2.5-coder-1.5b.knot"}
-    assert model_env("qwen2.5-coder-1.5b", {"KNOT_KEY": "k"}) == {"KNOT_MODEL": "qwen2.5-coder-1.5b"}
+                                                   "KNOT_KEY": "qwen2.5-coder-1.5b.knot",
+                                                   "KNOT_N_LAYERS": "28", "KNOT_SPLIT_LAYER": "14"}
+    assert model_env("qwen2.5-coder-1.5b", {"KNOT_KEY": "k", "KNOT_N_LAYERS": "28"}) == {
+        "KNOT_MODEL": "qwen2.5-coder-1.5b"}
+    assert model_env(None, {}) == {"KNOT_N_LAYERS": "24", "KNOT_SPLIT_LAYER": "12"}  # the default 0.5B
 
 
 def test_ports_are_allocated_per_serving_service(tmp_path, doc):
@@ -102,7 +105,8 @@ async def test_embedded_topology_runs_the_compose_services_in_process(tmp_path, 
 
     specs = compose.plan(doc)
     topo = Topology(specs, tmp_path)
-    assert [s.name for s in topo.specs] == ["layer-warden", "cobordism-warden"]
+    assert {s.name for s in topo.specs} == {"layer-warden", "cobordism-warden", "station-0", "station-1",
+                                            "coordinator", *(f"shard-{i}" for i in range(8))}
     bucket = topo.bucket_dir("knots")
     bucket.mkdir(parents=True)
     encode(write_tiny_gguf(tmp_path / "t.gguf"), bucket / "m.knot", progress=False)
