@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# README command 1: set up, fetch the default model, encode it to a knot and inspect it.
+# README command 1: set up, then bring up the local cluster with the default model
+# (fetched, encoded to a .knot and uploaded to the bucket on first start), and print a curl line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 model="${KNOT_MODEL:-qwen2.5-coder-0.5b}"
-knot_path="$(.venv/bin/knot fetch-model --encode "$model")"
-.venv/bin/knot inspect --tensors 12 "$knot_path"
-echo
-echo "Next: .venv/bin/knot generate $knot_path --chat \"Write a Python function that reverses a string.\""
+.venv/bin/knot fetch-model --encode "$model" >/dev/null
+url="$(.venv/bin/knot cluster up --model "$model" | tail -n 1)"
+cat <<MSG
+
+The cluster is up: coordinator at $url (logs in .knot-run/logs/). Try:
+
+  curl -s $url/generate -H 'Content-Type: application/json' \\
+       -d '{"prompt": "def fibonacci(n):", "max_tokens": 32}'
+
+Stop it with: .venv/bin/knot cluster down
+MSG
