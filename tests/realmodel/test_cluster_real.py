@@ -1,0 +1,72 @@
+"""Issue 5 acceptance on the real weights: `knot cluster up` (the launcher, from docker-compose.yml,
+on real SeaweedFS and Valkey), then POST /generate gives the tokens of the single-process engine."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from common.sampling import SamplingParams
+from deploy import launcher, servers
+from deploy.engine_local import LocalEngine
+from tests.integration.conftest import http
+
+pytestmark = [pytest.mark.realmodel, pytest.mark.integration]
+
+PROMPTS = ["def fibonacci(n):", "<|im_start|>user\nWhat is a Python list?<|im_end|>\n<|im_start|>assistant\n"]
+MAX_TOKENS = 8
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """VmHWM: the process's peak resident set."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def real_cluster(request, tmp_path_factory):
+    name = request.param
+    request.getfixturevalue("real_knot_05b" if "0.5b" in name else "real_knot_15b")  # fetched + encoded
+    run_dir = tmp_path_factory.mktemp(f"cluster-{name}")
+    env = {**os.environ, "KNOT_PORT": str(servers.free_ports(1)[0])}
+    env.pop("KNOT_KEY", None)
+    cluster = launcher.Cluster(run_dir)
+    running = cluster.up(model=name, env=env)
+    try:
+        yield name, cluster, {r.name: r for r in running}
+    finally:
+        cluster.down()
+
+
+def test_cluster_equals_knot_generate_and_respects_the_budget(real_cluster, record_property):
+    name, cluster, running = real_cluster
+    from deploy import models
+
+    engine = LocalEngine.open(models.model_path(name))
+    url = running["coordinator"].url
+    for prompt in PROMPTS:
+        for sampling in ({}, {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 11}):
+            status, _, raw = http("POST", url + "/generate", {"prompt": prompt, "max_tokens": MAX_TOKENS, **sampling},
+                                  timeout_s=900)
+            assert status == 200, raw
+            body = json.loads(raw)
+            want = engine.generate(engine.tokenizer.encode(prompt), SamplingParams(**sampling), max_tokens=MAX_TOKENS)
+            assert body["prompt_tokens"] == want.prompt_ids
+            assert body["tokens"] == want.token_ids, (prompt, sampling, body["text"], want.text)
+            assert body["degraded_shards"] == []
+    report = {}
+    for st in ("station-0", "station-1"):
+        status, _, raw = http("GET", running[st].url + "/stats")
+        s = json.loads(raw)
+        report[st] = {"peak_accounted_bytes": s["peak_accounted_bytes"], "budget_bytes": s["budget_bytes"],
+                      "kept_tensors": s["kept_tensors"], "warden_bytes": s["warden_bytes"]}
+        # the fluid-memory invariant, as accounted: tensors + activations + KV caches
+        assert s["peak_accounted_bytes"] <= s["budget_bytes"] == 128 << 20, s
+    rss = {n: peak_rss_bytes(r.pid) for n, r in running.items() if r.kind == "process" and servers.pid_alive(r.pid)}
+    report["peak_rss_mib"] = {n: round(b / 2**20, 1) for n, b in rss.items()}
+    record_property("cluster_memory", json.dumps(report))
+    print(f"\n{name}: {json.dumps(report, indent=1)}")
