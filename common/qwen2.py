@@ -1,0 +1,327 @@
+"""Qwen2 math: config, the four phases of a layer, vocabulary-slice embedding and LM head.
+
+Pure numpy, float32 throughout. Every weight product goes through common.matmul.matmul
+(y = x @ W.T for a quantized W), so a faster kernel can replace it without touching this file.
+
+A layer runs as four phases so a station can hold one phase of one layer at a time
+(seed section 2, the fluid-memory invariant):
+    attn      attn_norm, q/k/v (+ biases), RoPE, causal GQA, o, residual
+    ffn_gate  ffn_norm, silu(gate)            -> FfnState (gate weights may then be evicted)
+    ffn_up    act *= up(xn)                   -> FfnState
+    ffn_down  h = residual + down(act)
+
+Order of operations mirrors llama.cpp's qwen2 graph (src/llama-model.cpp, llm_build_qwen2) and
+ggml's CPU ops where the order changes float32 results; the refs are cited at each place.
+llama.cpp's Q8 activation quantization and f16 KV cache are deliberately not emulated:
+docs/fidelity.md measures why (it brings us no closer to llama.cpp's logits).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from common.kvcache import KVCache
+from common.matmul import matmul
+from common.quant import QTensor
+
+PHASES = ("attn", "ffn_gate", "ffn_up", "ffn_down")
+
+# GGUF tensor names of each phase, as suffixes of "blk.{layer}.".
+# Qwen2 has biases on q/k/v but not on o.
+_PHASE_SUFFIXES = {
+    "attn": (
+        "attn_norm.weight",
+        "attn_q.weight", "attn_q.bias",
+        "attn_k.weight", "attn_k.bias",
+        "attn_v.weight", "attn_v.bias",
+        "attn_output.weight",
+    ),
+    "ffn_gate": ("ffn_norm.weight", "ffn_gate.weight"),
+    "ffn_up": ("ffn_up.weight",),
+    "ffn_down": ("ffn_down.weight",),
+}
+
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT_NORM = "output_norm.weight"
+OUTPUT = "output.weight"
+
+
+class MissingTensorError(KeyError):
+    """A phase was run without one of its tensors (seed section 8: never skip silently)."""
+
+    def __init__(self, phase: str, layer: int, tensor: str):
+        self.phase, self.layer, self.tensor = phase, layer, tensor
+        super().__init__(f"phase {phase} of layer {layer}: missing tensor {tensor}")
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+@dataclass(frozen=True)
+class Qwen2Config:
+    n_layer: int
+    dim: int            # embedding_length
+    ffn_dim: int        # feed_forward_length
+    n_head: int
+    n_kv_head: int
+    rope_base: float
+    norm_eps: float
+    context_length: int
+    vocab_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @classmethod
+    def from_hparams(cls, hp: Mapping) -> "Qwen2Config":
+        """From the knot header's hparams (keys as in common/knot.py HPARAM_KEYS)."""
+        cfg = cls(
+            n_layer=int(hp["block_count"]),
+            dim=int(hp["embedding_length"]),
+            ffn_dim=int(hp["feed_forward_length"]),
+            n_head=int(hp["head_count"]),
+            n_kv_head=int(hp["head_count_kv"]),
+            rope_base=float(hp["rope_freq_base"]),
+            norm_eps=float(hp["rms_eps"]),
+            context_length=int(hp["context_length"]),
+            vocab_size=int(hp["vocab_size"]),
+        )
+        if cfg.dim % cfg.n_head or cfg.n_head % cfg.n_kv_head or cfg.head_dim % 2:
+            raise ValueError(f"hparams: dim {cfg.dim}, n_head {cfg.n_head}, n_kv_head "
+                             f"{cfg.n_kv_head} do not give an even head_dim with whole groups")
+        return cfg
+
+
+def phase_tensors(layer: int, phase: str) -> list[str]:
+    """The GGUF names of exactly the tensors `phase` of `layer` reads."""
+    if phase not in _PHASE_SUFFIXES:
+        raise ValueError(f"unknown phase {phase!r}, expected one of {PHASES}")
+    return [f"blk.{layer}.{s}" for s in _PHASE_SUFFIXES[phase]]
+
+
+def head_tensor_name(has_tensor: Callable[[str], bool]) -> str:
+    """Tensor of the LM head. There may be no output.weight: then the head is tied to token_embd."""
+    return OUTPUT if has_tensor(OUTPUT) else TOKEN_EMBD
+
+
+def _take(w: Mapping[str, QTensor], layer: int, phase: str) -> list[QTensor]:
+    out = []
+    for name in phase_tensors(layer, phase):
+        t = w.get(name)
+        if t is None:
+            raise MissingTensorError(phase, layer, name)
+        out.append(t)
+    return out
+
+
+def _vec(t: QTensor) -> np.ndarray:
+    """A 1-D tensor (norm weight, bias) as float32 (n,)."""
+    return t.dequantize().reshape(-1).astype(np.float32, copy=False)
+
+
+# ---------------------------------------------------------------------------- math
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (T, d) f32 -> (T, d) f32: x * (1/sqrt(mean(x^2) + eps)) * weight."""
+    # ref: ggml-cpu ops.cpp ggml_compute_forward_rms_norm_f32: the sum of squares is in
+    # double, the scale in float, then ggml_mul by the weight as a separate op.
+    mean = (np.square(x.astype(np.float64)).sum(axis=-1, keepdims=True) / x.shape[-1])
+    scale = (1.0 / np.sqrt(mean.astype(np.float32) + np.float32(eps))).astype(np.float32)
+    return (x * scale) * weight
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """positions (T,) int -> cos, sin (T, head_dim/2) f32, theta_i = pos * base^(-2i/head_dim)."""
+    # ref: ggml-cpu ops.cpp ggml_rope_cache_init: theta starts at pos and is multiplied by
+    # theta_scale = powf(base, -2/n_dims) once per pair, in float32. Mirrored step by step so
+    # angles at large positions round as llama.cpp's do.
+    theta_scale = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(head_dim)))
+    theta = np.asarray(positions, dtype=np.float32).copy()          # (T,)
+    thetas = np.empty((theta.shape[0], head_dim // 2), np.float32)  # (T, hd/2)
+    for i in range(head_dim // 2):
+        thetas[:, i] = theta
+        theta = theta * theta_scale
+    return np.cos(thetas), np.sin(thetas)
+
+
+def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (T, n_h, hd), cos/sin (T, hd/2) -> (T, n_h, hd); NeoX pairing: (i, i + hd/2)."""
+    # Qwen2 is a NeoX-style rope (rotate-half), not the interleaved (2i, 2i+1) of LLaMA's GGUF.
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half], x[..., half:]                  # (T, n_h, hd/2) each
+    c, s = cos[:, None, :], sin[:, None, :]                 # (T, 1, hd/2)
+    return np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis with max subtraction; -inf entries get 0."""
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    # ref: ggml_vec_soft_max_f32 sums in double, then scales by 1/sum.
+    inv = (1.0 / e.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    return e * inv
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+              q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """Causal grouped-query attention.
+
+    q (T, n_head, hd), k/v (S, n_kv, hd), q_pos (T,), k_pos (S,) -> (T, n_head * hd) f32.
+    Query t sees key s iff k_pos[s] <= q_pos[t], so chunked prefill and decode need no
+    other bookkeeping than the positions.
+    """
+    T, n_head, hd = q.shape
+    S, n_kv, _ = k.shape
+    g = n_head // n_kv  # query heads per kv head: head h reads kv head h // g (ggml broadcast)
+    qg = q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3)        # (T, n_kv, g, hd) -> (n_kv, g, T, hd)
+    kt = k.transpose(1, 2, 0)[:, None]                          # (S, n_kv, hd) -> (n_kv, 1, hd, S)
+    vt = v.transpose(1, 0, 2)[:, None]                          # (S, n_kv, hd) -> (n_kv, 1, S, hd)
+    scores = np.matmul(qg, kt)                                  # (n_kv, g, T, hd) @ (n_kv, 1, hd, S) -> (n_kv, g, T, S)
+    # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
+    scores *= np.float32(1.0 / np.sqrt(np.float32(hd)))
+    masked = k_pos[None, :] > q_pos[:, None]                    # (T, S)
+    scores[..., masked] = -np.inf
+    p = softmax(scores)                                         # (n_kv, g, T, S)
+    out = np.matmul(p, vt)                                      # (n_kv, g, T, S) @ (n_kv, 1, S, hd) -> (n_kv, g, T, hd)
+    return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)    # -> (T, n_kv, g, hd) -> (T, n_head * hd)
+
+
+# ---------------------------------------------------------------------------- phases
+
+@dataclass
+class FfnState:
+    """What the FFN carries between its phases, so gate can be evicted before up is loaded."""
+    residual: np.ndarray   # (T, dim) the attn phase output, added back by ffn_down
+    xn: np.ndarray | None  # (T, dim) ffn_norm(residual); dropped once ffn_up has used it
+    act: np.ndarray        # (T, ffn_dim) silu(gate) after ffn_gate, silu(gate) * up after ffn_up
+
+
+def attn_phase(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str, QTensor],
+               kv: KVCache, positions: np.ndarray) -> np.ndarray:
+    """x (T, dim) -> x + attn(attn_norm(x)) (T, dim). Appends this chunk's k, v to `kv`."""
+    norm_w, wq, bq, wk, bk, wv, bv, wo = _take(w, layer, "attn")
+    T = x.shape[0]
+    hd = cfg.head_dim
+    positions = np.asarray(positions, dtype=np.int64)
+    assert x.shape == (T, cfg.dim) and positions.shape == (T,), f"{x.shape=} {positions.shape=}"
+    xn = rmsnorm(x, _vec(norm_w), cfg.norm_eps)
+    q = matmul(xn, wq) + _vec(bq)                               # (T, dim) @ Wq.T -> (T, n_head * hd)
+    k = matmul(xn, wk) + _vec(bk)                               # (T, dim) @ Wk.T -> (T, n_kv * hd)
+    v = matmul(xn, wv) + _vec(bv)                               # (T, dim) @ Wv.T -> (T, n_kv * hd)
+    cos, sin = rope_cos_sin(positions, hd, cfg.rope_base)
+    q = rope_neox(q.reshape(T, cfg.n_head, hd), cos, sin)       # (T, n_head, hd)
+    k = rope_neox(k.reshape(T, cfg.n_kv_head, hd), cos, sin)    # (T, n_kv, hd)
+    v = v.reshape(T, cfg.n_kv_head, hd)                         # (T, n_kv, hd)
+    k_all, v_all, k_pos = kv.append(layer, k, v, positions)     # (S, n_kv, hd) x2, (S,)
+    a = attention(q, k_all, v_all, positions, k_pos)            # (T, n_head * hd)
+    return x + matmul(a, wo)                                    # (T, dim) @ Wo.T -> (T, dim); no o bias
+
+
+def ffn_gate_phase(cfg: Qwen2Config, layer: int, x: np.ndarray,
+                   w: Mapping[str, QTensor]) -> FfnState:
+    """x (T, dim) -> FfnState(residual=x, xn=ffn_norm(x), act=silu(xn @ Wg.T) (T, ffn_dim))."""
+    norm_w, wg = _take(w, layer, "ffn_gate")
+    xn = rmsnorm(x, _vec(norm_w), cfg.norm_eps)
+    gate = matmul(xn, wg)                                       # (T, dim) @ Wg.T -> (T, ffn_dim)
+    return FfnState(residual=x, xn=xn, act=silu(gate))
+
+
+def ffn_up_phase(cfg: Qwen2Config, layer: int, st: FfnState,
+                 w: Mapping[str, QTensor]) -> FfnState:
+    """act = silu(gate) * (xn @ Wu.T), (T, ffn_dim); xn is no longer needed after this."""
+    (wu,) = _take(w, layer, "ffn_up")
+    assert st.xn is not None, "ffn_up ran twice on the same state"
+    up = matmul(st.xn, wu)                                      # (T, dim) @ Wu.T -> (T, ffn_dim)
+    # ref: ggml_vec_swiglu_f32: silu(g) * u, the same float32 product as here.
+    return FfnState(residual=st.residual, xn=None, act=st.act * up)
+
+
+def ffn_down_phase(cfg: Qwen2Config, layer: int, st: FfnState,
+                   w: Mapping[str, QTensor]) -> np.ndarray:
+    """-> residual + act @ Wd.T, (T, dim)."""
+    (wd,) = _take(w, layer, "ffn_down")
+    assert st.xn is None, "ffn_down before ffn_up"
+    return st.residual + matmul(st.act, wd)                     # (T, ffn_dim) @ Wd.T -> (T, dim)
+
+
+LoadPhase = Callable[[int, str], Mapping[str, QTensor]]
+Release = Callable[[list[str]], None]
+
+
+@contextmanager
+def _phase(load_phase: LoadPhase, release: Release | None, layer: int, phase: str):
+    w = load_phase(layer, phase)
+    try:
+        yield w
+    finally:
+        if release is not None:
+            release(phase_tensors(layer, phase))
+
+
+def forward_range(cfg: Qwen2Config, x: np.ndarray, layer_start: int, layer_end: int,
+                  load_phase: LoadPhase, kv: KVCache, positions: Sequence[int],
+                  release: Release | None = None) -> np.ndarray:
+    """Run layers [layer_start, layer_end) over one chunk: x (T, dim) -> (T, dim) f32.
+
+    For each layer and phase: w = load_phase(layer, phase); run; release(phase_tensors(...)).
+    The caller decides what load and release mean (range fetch + evict on a station,
+    dict lookups in a resident engine), so at most one phase is ever needed at a time.
+    kv is the sequence's KVCache; positions (T,) are the absolute positions of x's rows.
+    """
+    if not 0 <= layer_start <= layer_end <= cfg.n_layer:
+        raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {cfg.n_layer})")
+    positions = np.asarray(positions, dtype=np.int64)
+    h = np.ascontiguousarray(x, dtype=np.float32)
+    for l in range(layer_start, layer_end):
+        with _phase(load_phase, release, l, "attn") as w:
+            h = attn_phase(cfg, l, h, w, kv, positions)
+        with _phase(load_phase, release, l, "ffn_gate") as w:
+            st = ffn_gate_phase(cfg, l, h, w)
+        with _phase(load_phase, release, l, "ffn_up") as w:     # gate is already released
+            st = ffn_up_phase(cfg, l, st, w)
+        with _phase(load_phase, release, l, "ffn_down") as w:
+            h = ffn_down_phase(cfg, l, st, w)
+    return h
+
+
+# ---------------------------------------------------------------------------- vocab slices
+
+def embed(tokens: Sequence[int] | np.ndarray, token_embd_rows: QTensor,
+          vocab_start: int, vocab_end: int) -> np.ndarray:
+    """tokens (T,) -> (T, dim) f32; token_embd_rows holds rows [vocab_start, vocab_end).
+
+    Tokens outside the slice give all-zero rows, so the sum over disjoint slices that cover
+    the vocabulary is the full lookup (seed section 3).
+    """
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    dim = token_embd_rows.row_len
+    if token_embd_rows.n_rows != vocab_end - vocab_start:
+        raise ValueError(f"{token_embd_rows.name}: {token_embd_rows.n_rows} rows for slice "
+                         f"[{vocab_start}, {vocab_end})")
+    out = np.zeros((tokens.shape[0], dim), np.float32)          # (T, dim), zero = "not my token"
+    for i, t in enumerate(tokens):
+        if vocab_start <= t < vocab_end:
+            r = int(t) - vocab_start
+            out[i] = token_embd_rows.rows(r, r + 1).dequantize().reshape(dim)
+    return out
+
+
+def output_norm(cfg: Qwen2Config, h: np.ndarray, norm_w: QTensor) -> np.ndarray:
+    """h (T, dim) -> (T, dim), the final RMSNorm before the LM head."""
+    return rmsnorm(h, _vec(norm_w), cfg.norm_eps)
+
+
+def lm_head(h: np.ndarray, output_rows: QTensor) -> np.ndarray:
+    """h (T, dim), already output-normed -> logits (T, n_rows) for the rows' vocabulary slice.
+
+    Concatenating the slices in vocabulary order gives the full head.
+    """
+    return matmul(h, output_rows)                               # (T, dim) @ W.T -> (T, n_rows)

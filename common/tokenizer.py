@@ -1,0 +1,214 @@
+"""Byte-level BPE tokenizer and chat template, built from a knot's tokenizer data.
+
+Input is the dict of docs/architecture.md ("tokens", "merges", "token_types", ids, "chat_template").
+The goal is llama.cpp's ids for the same text (llama_tokenize with parse_special=true), so the
+pipeline mirrors llama.cpp's llm_tokenizer_bpe for pre="qwen2":
+  1. split out special tokens first (control = type 3 only when special=True, user-defined =
+     type 4 always; ref: llama-vocab.cpp tokenizer_st_partition);
+  2. split the rest with the qwen2 regex;
+  3. map bytes to GPT-2's printable unicode alphabet and apply the BPE merges by rank.
+No NFC normalizer: HF's Qwen2 tokenizer.json has one, llama.cpp does not, and llama.cpp is the
+reference here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# ref: llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2
+QWEN2_PRE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_REGEXES = {"qwen2": QWEN2_PRE_REGEX}
+
+# GGUF tokenizer.ggml.token_type values (gguf-py TokenType / llama_token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Besides eos, these end a generation when present (ref: llama-vocab.cpp special_eog_ids).
+_EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters."""
+    # ref: openai/gpt-2 encoder.py bytes_to_unicode
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer:
+    def __init__(self, data: Mapping):
+        if data.get("model") != "gpt2":
+            raise TokenizerError(f"tokenizer model {data.get('model')!r}: only gpt2 (byte-level BPE) is supported")
+        pre = data.get("pre") or "qwen2"
+        if pre not in PRE_REGEXES:
+            raise TokenizerError(f"pre-tokenizer {pre!r}: only {sorted(PRE_REGEXES)} are supported")
+        tokens: list[str] = list(data["tokens"])
+        types: list[int] = list(data.get("token_types") or [TOKEN_NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise TokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
+        self.tokens, self.token_types = tokens, types
+        self.bos_id = data.get("bos_token_id")
+        self.eos_id = data.get("eos_token_id")
+        self.add_bos = bool(data.get("add_bos_token", False))
+        self.chat_template: str | None = data.get("chat_template")
+        self.special_ids = {i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+        self.control_ids = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
+        self.eog_ids = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i in self.control_ids}
+        if self.eos_id is not None:
+            self.eog_ids.add(int(self.eos_id))
+        self._hf = self._build(tokens, types, data["merges"], PRE_REGEXES[pre])
+        self._piece_cache: dict[int, bytes] = {}
+
+    @staticmethod
+    def _build(tokens, types, merges, pattern) -> HFTokenizer:
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise TokenizerError(f"{len(tokens) - len(vocab)} duplicate token strings")
+        pairs = []
+        for m in merges:
+            a, sep, b = m.partition(" ")  # byte-level tokens never contain a raw space
+            if not sep:
+                raise TokenizerError(f"merge {m!r} is not two tokens separated by a space")
+            pairs.append((a, b))
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel()
+        # Specials are stored as plain text, not byte-level encoded; they split the input before
+        # the regex does. Control tokens are "special" so encode_special_tokens can turn them off.
+        added = [AddedToken(tokens[i], special=types[i] == TOKEN_CONTROL, normalized=False)
+                 for i in range(len(tokens)) if types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        tok.add_tokens(added)
+        for a in added:
+            if tok.token_to_id(a.content) != vocab[a.content]:
+                raise TokenizerError(f"special token {a.content!r} did not keep its id {vocab[a.content]}")
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """text -> ids, no BOS. special=True parses control tokens (<|im_start|>) as such."""
+        self._hf.encode_special_tokens = not special
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (control and user-defined tokens: their text)."""
+        b = self._piece_cache.get(token_id)
+        if b is None:
+            text = self.tokens[token_id]
+            if token_id in self.special_ids:
+                b = text.encode("utf-8")
+            else:
+                try:
+                    b = bytes(_BYTE_OF_CHAR[c] for c in text)
+                except KeyError:  # e.g. the [PAD...] fillers, which are not byte-level
+                    b = text.encode("utf-8")
+            self._piece_cache[token_id] = b
+        return b
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """ids -> text; bytes that are not valid UTF-8 become U+FFFD."""
+        return b"".join(self.token_bytes(int(i)) for i in ids
+                        if not (skip_special and int(i) in self.control_ids)).decode("utf-8", errors="replace")
+
+    def stream(self, skip_special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special)
+
+    def render_chat(self, messages: Sequence[Mapping | ChatMessage], add_generation_prompt: bool = True,
+                    **extra) -> str:
+        """Render the model's own chat template (jinja2, sandboxed, as transformers does)."""
+        if not self.chat_template:
+            raise TokenizerError("the model has no chat template")
+        msgs = [m if isinstance(m, Mapping) else {"role": m.role, "content": m.content} for m in messages]
+        bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
+        eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
+        return _compile_template(self.chat_template).render(
+            messages=msgs, add_generation_prompt=add_generation_prompt,
+            bos_token=bos, eos_token=eos, **extra)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: push ids, get text once its UTF-8 bytes are complete."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = False):
+        self.tok, self.skip_special = tok, skip_special
+        self._pending = b""
+
+    def push(self, token_id: int) -> str:
+        if self.skip_special and token_id in self.tok.control_ids:
+            return ""
+        buf = self._pending + self.tok.token_bytes(token_id)
+        # A character may be split across tokens: hold back an incomplete UTF-8 tail
+        # (at most 3 bytes) until the next token completes it.
+        cut = _complete_prefix_len(buf)
+        self._pending = buf[cut:]
+        return buf[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        out, self._pending = self._pending.decode("utf-8", errors="replace"), b""
+        return out
+
+
+def _complete_prefix_len(buf: bytes) -> int:
+    """Length of buf without a trailing, possibly-incomplete UTF-8 sequence."""
+    for back in range(1, min(4, len(buf)) + 1):
+        b = buf[-back]
+        if b & 0xC0 != 0x80:             # a lead byte (or ASCII)
+            need = 1 if b < 0x80 else 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+            return len(buf) if back >= need else len(buf) - back
+    return len(buf)  # only continuation bytes: invalid anyway, let decode replace them
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers overrides jinja2's tojson, which would HTML-escape <, >, & and '.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+_TEMPLATE_CACHE: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # ref: transformers utils/chat_template_utils.py _compile_jinja_template
+    t = _TEMPLATE_CACHE.get(source)
+    if t is None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        t = _TEMPLATE_CACHE[source] = env.from_string(source)
+    return t

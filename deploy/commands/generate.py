@@ -1,0 +1,84 @@
+"""`knot generate MODEL "prompt"`: run the whole model in this process and stream the text."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+NAME = "generate"
+HELP = ("generate text from a .gguf or .knot (or a named model) in one process; "
+        "greedy by default (--temperature 0), so the output is reproducible")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="path to a .gguf or .knot, or a model name known to `knot fetch-model`")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, the default: deterministic and comparable with llama.cpp")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max (0 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler (same seed, same output)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system message")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable); TEXT is not printed")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (prompt ids, generated ids, text, timings) instead of streaming")
+    p.add_argument("--stats", action="store_true", help="print prefill and decode tok/s to stderr")
+    p.add_argument("--no-weight-cache", action="store_true",
+                   help="do not keep float32 copies of the weights (slower, less memory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.sampling import SamplingParams
+    from deploy.engine_local import LocalEngine
+    from deploy.models import model_path
+
+    t0 = time.perf_counter()
+    engine = LocalEngine.open(model_path(args.model), cache_f32=False if args.no_weight_cache else None)
+    tok = engine.tokenizer
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        prompt_text = tok.render_chat(messages, add_generation_prompt=True)
+    else:
+        prompt_text = args.prompt
+    prompt_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(prompt_text)
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to no tokens")
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed)
+    load_s = time.perf_counter() - t0
+
+    def on_text(s: str) -> None:
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    gen = engine.generate(prompt_ids, params, max_tokens=args.max_tokens, stop=args.stop,
+                          on_text=None if args.json else on_text)
+    if args.json:
+        print(json.dumps({
+            "prompt_token_ids": gen.prompt_ids,
+            "token_ids": gen.token_ids,
+            "text": gen.text,
+            "finish_reason": gen.finish_reason,
+            "timings": {"load_s": round(load_s, 4), "prefill_s": round(gen.prefill_s, 4),
+                        "decode_s": round(gen.decode_s, 4),
+                        "prefill_tok_s": round(gen.prefill_tok_s, 2), "decode_tok_s": round(gen.decode_tok_s, 2)},
+        }, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if args.stats:
+        print(f"prompt {len(gen.prompt_ids)} tokens: prefill {gen.prefill_s:.2f} s, {gen.prefill_tok_s:.1f} tok/s; "
+              f"generated {len(gen.token_ids)} tokens: decode {gen.decode_s:.2f} s, {gen.decode_tok_s:.2f} tok/s "
+              f"(finish: {gen.finish_reason})", file=sys.stderr)
+    return 0

@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from common.tokenizer import Tokenizer, TokenizerError, _bytes_to_unicode
+
+BYTE_TOKENS = [c for _, c in sorted(_bytes_to_unicode().items())]  # id == byte value
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ Ġ", "ĠĠ ĠĠ", "d e", "de f", "Ċ Ċ"]
+MERGED = ["Ġt", "he", "Ġthe", "in", "ĠĠ", "ĠĠĠĠ", "de", "def", "ĊĊ"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>"]
+SPECIAL_TYPES = [3, 3, 3, 4]  # control, control, control, user-defined
+
+# A cut-down Qwen2.5 template: same jinja features (whitespace control, loop, raise_exception).
+QWEN_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('unknown role ' + message.role) }}
+    {%- elif (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def tiny_data(**over) -> dict:
+    tokens = BYTE_TOKENS + MERGED + SPECIALS
+    return {"model": "gpt2", "pre": "qwen2", "tokens": tokens, "merges": MERGES,
+            "token_types": [1] * (len(tokens) - len(SPECIALS)) + SPECIAL_TYPES,
+            "bos_token_id": None, "eos_token_id": tokens.index("<|im_end|>"), "padding_token_id": None,
+            "add_bos_token": False, "chat_template": QWEN_TEMPLATE} | over
+
+
+TOK = Tokenizer(tiny_data())
+ID = {t: i for i, t in enumerate(TOK.tokens)}
+
+
+def test_bpe_merges_and_pretokenizer():
+    # "def" merges, " the" merges to one token, the leading "the" has no space so stays "t"+"he".
+    assert TOK.encode("def the") == [ID["def"], ID["Ġthe"]]
+    assert TOK.encode("the") == [ID["t"], ID["he"]]
+    # qwen2 splits digits one by one, and contractions apart from the word.
+    assert TOK.encode("123") == [ID["1"], ID["2"], ID["3"]]
+    assert TOK.encode("we'll") == [ID["w"], ID["e"], ID["'"], ID["l"], ID["l"]]
+    # whitespace runs: "\s+(?!\S)" leaves the last space to join the next word.
+    assert TOK.encode("    the") == [ID["ĠĠ"], ID["Ġ"], ID["Ġthe"]]
+    assert TOK.encode("a\n\nb") == [ID["a"], ID["ĊĊ"], ID["b"]]
+
+
+def test_special_tokens_encode_to_single_ids():
+    ids = TOK.encode("<|im_start|>user\nin<|im_end|><tool_call>")
+    assert ids == [ID["<|im_start|>"], ID["u"], ID["s"], ID["e"], ID["r"], ID["Ċ"], ID["in"],
+                   ID["<|im_end|>"], ID["<tool_call>"]]
+    # special=False: control tokens are plain text, user-defined ones still match (llama.cpp).
+    plain = TOK.encode("<|im_end|><tool_call>", special=False)
+    assert ID["<|im_end|>"] not in plain and plain[-1] == ID["<tool_call>"]
+    assert TOK.decode(plain) == "<|im_end|><tool_call>"
+    assert TOK.eog_ids == {ID["<|im_end|>"], ID["<|endoftext|>"]}
+
+
+def test_decode_and_skip_special():
+    ids = TOK.encode("<|im_start|>héllo 🤖<|im_end|>")
+    assert TOK.decode(ids) == "<|im_start|>héllo 🤖<|im_end|>"
+    assert TOK.decode(ids, skip_special=True) == "héllo 🤖"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=40) |
+       st.lists(st.sampled_from(["def", " the", "  ", "\n", "\r\n", "\t", "'s", "1", "é", "日本", "🤖",
+                                 "<|im_start|>", "<tool_call>", "<|end", "|>"]), max_size=12).map("".join))
+def test_roundtrip_and_streaming(text):
+    ids = TOK.encode(text)
+    assert TOK.decode(ids) == text
+    sd = TOK.stream()
+    pieces = [sd.push(i) for i in ids] + [sd.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)  # a split character is held back, never mangled
+
+
+def test_streaming_holds_back_split_utf8():
+    ids = TOK.encode("🤖")  # 4 bytes, 4 byte tokens here
+    assert len(ids) == 4
+    sd = TOK.stream()
+    assert [sd.push(i) for i in ids] == ["", "", "", "🤖"]
+
+
+def test_chat_template():
+    out = TOK.render_chat([{"role": "user", "content": "Write fizzbuzz"}])
+    assert out == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                   "<|im_end|>\n<|im_start|>user\nWrite fizzbuzz<|im_end|>\n<|im_start|>assistant\n")
+    out = TOK.render_chat([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+                          add_generation_prompt=False)
+    assert out == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+    with pytest.raises(Exception, match="unknown role tool"):
+        TOK.render_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(TokenizerError, match="no chat template"):
+        Tokenizer(tiny_data(chat_template=None)).render_chat([{"role": "user", "content": "x"}])
+
+
+def test_bad_data_raises():
+    with pytest.raises(TokenizerError, match="only gpt2"):
+        Tokenizer(tiny_data(model="llama"))
+    with pytest.raises(TokenizerError, match="pre-tokenizer"):
+        Tokenizer(tiny_data(pre="deepseek-coder"))
+    with pytest.raises(TokenizerError, match="token types"):
+        Tokenizer(tiny_data(token_types=[1]))
+
+
+@pytest.mark.realmodel
+def test_real_qwen_ids():
+    try:
+        from deploy.knotfile import open_model
+        from deploy.models import knot_cache_path, model_path
+        path = model_path("qwen2.5-coder-0.5b")
+    except Exception as e:  # not fetched
+        pytest.skip(f"qwen2.5-coder-0.5b not available: {e}")
+    knot = knot_cache_path(path)  # reads its tokenizer 70x faster than the GGUF
+    tok = Tokenizer(open_model(knot if knot.is_file() else path).tokenizer_data())
+    assert tok.encode("Hello world") == [9707, 1879]
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [151644, 872, 198, 6023, 151645]
+    assert tok.eos_id == 151645 and tok.eog_ids >= {151643, 151645}
