@@ -39,7 +39,7 @@ class TokenizerError(ValueError):
     pass
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable characters."""
     # ref: openai/gpt-2 encoder.py bytes_to_unicode
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -53,7 +53,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from common.topology import split_layers, split_vocab
 from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
 from deploy.local.tasks import BackgroundTasks
-from services import coordinator, shard, station  # noqa: E402
-import services.coordinator.handler, services.shard.handler, services.station.handler  # noqa: F401,E401
+from services.coordinator import handler as coordinator
+from services.shard import handler as shard
+from services.station import handler as station
 from services.cobordism_warden import CobordismWarden
 from services.layer_warden import LayerWarden
 
@@ -46,7 +47,7 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
 
     header = open_model(knot_path).header
     for svc in (station, shard, coordinator):  # a new cluster starts with fresh isolates
-        svc.handler._booted.clear()
+        svc._booted.clear()
     bucket = DirectoryBucket(tmp / "bucket")
     await bucket.put(KNOT_KEY, knot_path.read_bytes())
     kv = MemoryKV()

@@ -8,18 +8,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode map (byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+from common.tokenizer import bytes_to_unicode
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -27,6 +27,7 @@ from common.quant import QTensor, dequantize_rows
 from common.qwen2 import TOKEN_EMBD, head_tensor_name, lm_head
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
 from services.boot import BootCache
+from services.config import int_var, var
 from services.knot_source import KnotSource
 
 log = logging.getLogger(__name__)
@@ -47,20 +48,11 @@ class ShardSettings:
 
     @classmethod
     def from_env(cls, env: Env) -> "ShardSettings":
-        vals = {}
-        for name in ("KNOT_KEY", "VOCAB_START", "VOCAB_END"):
-            v = env.get(name)
-            if v is None or str(v) == "":
-                raise ServiceUnavailable(f"shard config {name!r} is missing, and has no default")
-            vals[name] = str(v)
-        try:
-            a, b = int(vals["VOCAB_START"]), int(vals["VOCAB_END"])
-            budget = int(env.get("MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES))
-        except ValueError as e:
-            raise ServiceUnavailable(f"shard config: {e}") from None
-        if not 0 <= a < b:
-            raise ServiceUnavailable(f"shard vocab range [{a}, {b}) is empty or negative")
-        return cls(vals["KNOT_KEY"], a, b, budget)
+        s = cls(var(env, "KNOT_KEY"), int_var(env, "VOCAB_START"), int_var(env, "VOCAB_END"),
+                int_var(env, "MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES))
+        if not 0 <= s.vocab_start < s.vocab_end:
+            raise ServiceUnavailable(f"shard vocab range [{s.vocab_start}, {s.vocab_end}) is empty or negative")
+        return s
 
 
 class Shard:

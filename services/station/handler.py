@@ -34,6 +34,7 @@ from common.qwen2 import (OUTPUT_NORM, PHASES, Qwen2Config, attn_phase, ffn_down
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response, ServiceUnavailable
 from common.topology import ROLES, TopologyError
 from services.boot import BootCache
+from services.config import float_var, int_var, var
 from services.knot_source import KnotSource
 from services.station.tensors import PhaseLoader
 
@@ -63,25 +64,13 @@ class StationSettings:
 
     @classmethod
     def from_env(cls, env: Env) -> "StationSettings":
-        def need(name: str) -> str:
-            value = env.get(name)
-            if value is None or str(value) == "":
-                raise ServiceUnavailable(f"station config {name!r} is missing, and has no default")
-            return str(value)
-
-        def integer(name: str, default: str | None = None) -> int:
-            text = str(env.get(name, default)) if default is not None else need(name)
-            try:
-                return int(text)
-            except ValueError:
-                raise ServiceUnavailable(f"station config {name}={text!r} is not an integer") from None
-
-        role = need("SPECIALIZATION_ROLE")
+        role = var(env, "SPECIALIZATION_ROLE")
         if role not in ROLES:
             raise ServiceUnavailable(f"SPECIALIZATION_ROLE={role!r}, expected one of {ROLES}")
-        s = cls(need("KNOT_KEY"), integer("SPECIALIZATION_START_LAYER"), integer("SPECIALIZATION_END_LAYER"), role,
-                integer("MEMORY_BUDGET_BYTES", str(DEFAULT_BUDGET_BYTES)),
-                float(env.get("SESSION_TTL_S", DEFAULT_SESSION_TTL_S)))
+        s = cls(var(env, "KNOT_KEY"), int_var(env, "SPECIALIZATION_START_LAYER"),
+                int_var(env, "SPECIALIZATION_END_LAYER"), role,
+                int_var(env, "MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES),
+                float_var(env, "SESSION_TTL_S", DEFAULT_SESSION_TTL_S))
         if not 0 <= s.layer_start < s.layer_end:
             raise ServiceUnavailable(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative")
         return s

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import threading
-import time
 
 import numpy as np
 import pytest

@@ -2,8 +2,6 @@
 the single-process engine's tokens; failures degrade or recover as issue 5 says."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 

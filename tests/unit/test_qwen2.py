@@ -285,8 +285,8 @@ def test_tied_head_falls_back_to_token_embd():
 # ------------------------------------------------------------------ the engine on a tiny GGUF, golden ids
 
 def _byte_tokens() -> list[str]:
-    from common.tokenizer import _bytes_to_unicode
-    return [c for _, c in sorted(_bytes_to_unicode().items())]
+    from common.tokenizer import bytes_to_unicode
+    return [c for _, c in sorted(bytes_to_unicode().items())]
 
 
 def write_tiny_gguf(path, tied: bool = False, seed: int = 0) -> None:

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common.tokenizer import Tokenizer, TokenizerError, _bytes_to_unicode
+from common.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode
 
-BYTE_TOKENS = [c for _, c in sorted(_bytes_to_unicode().items())]  # id == byte value
+BYTE_TOKENS = [c for _, c in sorted(bytes_to_unicode().items())]  # id == byte value
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ Ġ", "ĠĠ ĠĠ", "d e", "de f", "Ċ Ċ"]
 MERGED = ["Ġt", "he", "Ġthe", "in", "ĠĠ", "ĠĠĠĠ", "de", "def", "ĊĊ"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>"]
