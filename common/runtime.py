@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping, Protocol
 from urllib.parse import parse_qsl, urlsplit
 
 # ---------------------------------------------------------------- headers
@@ -101,9 +101,17 @@ class Request:
 
 @dataclass
 class Response:
+    """A reply. `body` is bytes; a streaming reply has `stream` instead (and body b"").
+
+    `stream` is an async iterator of bytes chunks, written one by one as they come (Workers: a
+    ReadableStream body). The host either iterates it to the end or, when the client goes away,
+    stops and calls aclose_stream(), so a producer's `finally` always runs (cancel work, free state).
+    """
+
     status: int = 200
     headers: Headers = field(default_factory=Headers)
     body: bytes = b""
+    stream: AsyncIterator[bytes] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, Headers):
@@ -129,15 +137,42 @@ class Response:
         h["Content-Type"] = content_type
         return cls(status, h, body)
 
+    @classmethod
+    def from_stream(cls, chunks: AsyncIterator[bytes], content_type: str = "application/octet-stream",
+                    status: int = 200, headers: Mapping[str, str] | None = None) -> "Response":
+        """A streaming reply: `chunks` is iterated by the host, and closed (aclose) if it stops early."""
+        h = Headers(headers or {})
+        h["Content-Type"] = content_type
+        return cls(status, h, b"", chunks)
+
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+    async def buffered(self) -> "Response":
+        """This reply with its stream read to the end into `body` (a buffering client); the stream is closed."""
+        if self.stream is None:
+            return self
+        chunks = []
+        try:
+            async for chunk in self.stream:
+                chunks.append(bytes(chunk))
+        finally:
+            await aclose_stream(self.stream)
+        return Response(self.status, self.headers.copy(), b"".join(chunks))
 
     def text(self) -> str:
         return self.body.decode("utf-8")
 
     def json(self) -> Any:
         return _json.loads(self.body)
+
+
+async def aclose_stream(stream: Any) -> None:
+    """Close a response stream (run its producer's cleanup); a no-op for iterators without aclose."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
 
 
 # ---------------------------------------------------------------- errors -> HTTP status

@@ -180,6 +180,7 @@ _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "kee
 
 async def http_fetch(session: aiohttp.ClientSession, url: str, request: Request, timeout_s: float,
                      extra_headers: dict[str, str] | None = None) -> Response:
+    """One HTTP call; the reply is buffered, so a peer's streamed (chunked) body arrives whole as `body`."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
     rid = request_id_var.get()
     if rid and REQUEST_ID_HEADER.lower() not in {k.lower() for k in headers}:

@@ -113,7 +113,11 @@ class MemoryKV:
 
 
 class LocalService:
-    """Service binding to a handler in this process; its wait_until work goes to `tasks`."""
+    """Service binding to a handler in this process; its wait_until work goes to `tasks`.
+
+    A streaming Response passes through as it is: the caller iterates it, and closes it (aclose)
+    if it stops early, exactly as the host would.
+    """
 
     def __init__(self, handler: Handler, env: Env, tasks: BackgroundTasks):
         self.handler, self.env, self.tasks = handler, env, tasks

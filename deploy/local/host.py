@@ -1,7 +1,8 @@
 """The aiohttp host: one service per process (`knot serve`), or many in one (`knot serve --embedded`).
 
 Per request: aiohttp request -> common.runtime.Request -> handler(request, env, ctx) ->
-Response -> aiohttp response. Every app also answers
+Response -> aiohttp response (a streaming Response is written chunk by chunk through a
+web.StreamResponse; a client that goes away closes the handler's stream). Every app also answers
     GET /healthz                 the process is up (and its wait_until counters)
     GET /readyz                  every binding answers (S3 head_bucket, Redis PING, peers' /healthz)
     ANY /__do/{class}{path}      a hosted Durable Object, instance named by X-Durable-Object-Name
@@ -23,7 +24,8 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from common.runtime import BadRequest, Context, Env, Handler, Headers, Request, Response, call_handler, error_response
+from common.runtime import (BadRequest, Context, Env, Handler, Headers, Request, Response, aclose_stream, call_handler,
+                            error_response)
 from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, MemoryKV
@@ -71,9 +73,36 @@ async def to_runtime_request(request: web.Request, url: str | None = None) -> Re
     return Request(request.method, url or str(request.url), Headers(request.headers.items()), await request.read())
 
 
+def _reply_headers(resp: Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
+
+
 def to_aiohttp_response(resp: Response) -> web.Response:
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
-    return web.Response(status=resp.status, body=resp.body, headers=headers)
+    assert resp.stream is None, "a streaming Response goes through send_response()"
+    return web.Response(status=resp.status, body=resp.body, headers=_reply_headers(resp))
+
+
+async def send_response(request: web.Request, resp: Response) -> web.StreamResponse:
+    """A Response to aiohttp; a streaming one is written chunk by chunk (chunked transfer encoding).
+
+    aiohttp does not cancel a handler whose client disconnects; the next write fails instead. Then,
+    or on any other early exit (cancellation at shutdown, a failing producer), the stream is closed
+    with aclose so its producer's cleanup runs (e.g. the coordinator frees the stations' KV caches).
+    """
+    if resp.stream is None:
+        return to_aiohttp_response(resp)
+    out = web.StreamResponse(status=resp.status, headers=_reply_headers(resp))
+    out.headers[REQUEST_ID_HEADER] = request_id_var.get()  # sent with the headers, before the body
+    try:
+        await out.prepare(request)
+        async for chunk in resp.stream:
+            await out.write(chunk)
+        await out.write_eof()
+    except ConnectionError as e:  # the client went away (aiohttp's ClientConnectionResetError is one)
+        log.info("client disconnected mid-stream: %s; closing the stream", e or type(e).__name__)
+    finally:
+        await aclose_stream(resp.stream)
+    return out
 
 
 # ---------------------------------------------------------------- the app
@@ -132,7 +161,7 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=503 if failed else 200)
 
 
-async def _durable_object(request: web.Request) -> web.Response:
+async def _durable_object(request: web.Request) -> web.StreamResponse:
     rt = request.app[RUNTIME]
     rest = request.path[len(DO_ROUTE_PREFIX):]
     class_name, _, tail = rest.partition("/")
@@ -144,14 +173,14 @@ async def _durable_object(request: web.Request) -> web.Response:
     if request.query_string:
         url += "?" + request.query_string
     req = await to_runtime_request(request, url)
-    return to_aiohttp_response(await rt.do_host.fetch(class_name, name, req))
+    return await send_response(request, await rt.do_host.fetch(class_name, name, req))
 
 
-async def _worker(request: web.Request) -> web.Response:
+async def _worker(request: web.Request) -> web.StreamResponse:
     rt = request.app[RUNTIME]
     req = await to_runtime_request(request)
     resp = await call_handler(rt.handler, req, rt.env, Context(rt.tasks.add), request_id_var.get())
-    return to_aiohttp_response(resp)
+    return await send_response(request, resp)
 
 
 def build_app(rt: ServiceRuntime, max_body_bytes: int = 256 << 20) -> web.Application:

@@ -1,39 +1,45 @@
 """Coordinator: the public API. Tokenizes, fans embeddings out to the shards, chains the
 stations, gathers the LM-head slices and samples (seed sections 1-3).
 
-    POST /generate   {"prompt": str | "messages": [...], "max_tokens", sampling params, "stop"}
-                     -> {"text", "tokens", "prompt_tokens", "finish_reason", "timings",
-                         "degraded_shards", "replays", "usage"}
-    GET  /topology   the stations and shards it chains
+    POST /generate               {"prompt": str | "messages": [...], "max_tokens", sampling params, "stop"}
+                                 -> {"text", "tokens", "prompt_tokens", "finish_reason", "timings",
+                                     "degraded_shards", "replays", "usage"}
+    POST /v1/completions         OpenAI-compatible (openai_api.py, docs/api.md), stream=true: SSE
+    POST /v1/chat/completions    the same, with the model's own chat template
+    GET  /v1/models              the one model served
+    GET  /metrics                Prometheus text format (metrics.py)
+    GET  /topology               the stations and shards it chains
+
+Every generation goes through generation.Coordinator.events() and the admission queue.
 
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
 SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S,
-STATION_RETRY_S (how long an unreachable station is retried);
-bindings KNOT_BUCKET and the named service bindings.
+STATION_RETRY_S (how long an unreachable station is retried); MAX_CONCURRENT_REQUESTS (generations
+at once, default 4), MAX_QUEUED_REQUESTS (waiting beyond those, default 16; more get 429),
+RETRY_AFTER_S (the 429's Retry-After, default 1); MODEL_NAME (the id /v1 reports, default KNOT_KEY
+without ".knot"); bindings KNOT_BUCKET and the named service bindings.
 """
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
-from common.generation import StopText
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
-from common.kvcache import prefill_chunks
 from common.qwen2 import Qwen2Config
-from common.runtime import BadRequest, Env, NotFound, Request, Response, ServiceUnavailable
-from common.sampling import Sampler
+from common.runtime import Env, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
-from services.coordinator.params import GenerateRequest, parse_generate
-from services.coordinator.pipeline import Degradation, Hops, Pipeline, SessionLost
 from services.boot import BootCache
+from services.config import float_var, int_var, var
+from services.coordinator import openai_api
+from services.coordinator.errors import openai_error_response
+from services.coordinator.generation import Coordinator
+from services.coordinator.params import parse_generate
+from services.coordinator.pipeline import Pipeline
 from services.knot_source import KnotSource
 
 log = logging.getLogger(__name__)
-
-MAX_REPLAYS = 3
 
 
 @dataclass(frozen=True)
@@ -44,114 +50,34 @@ class CoordinatorSettings:
     shard_timeout_s: float
     station_timeout_s: float
     station_retry_s: float
+    max_concurrent: int  # generations at once
+    max_queued: int  # requests waiting beyond those; more get 429
+    retry_after_s: int
+    model_name: str | None  # None: KNOT_KEY without ".knot"
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
-        def need(name: str) -> str:
-            v = env.get(name)
-            if v is None or str(v).strip() == "":
-                raise TopologyError(f"coordinator config {name!r} is missing, and has no default")
-            return str(v)
-
-        stations = tuple(s.strip() for s in need("STATIONS").split(",") if s.strip())
+        stations = tuple(s.strip() for s in var(env, "STATIONS").split(",") if s.strip())
         shards = []
-        for item in need("SHARDS").split(","):
+        for item in var(env, "SHARDS").split(","):
             name, _, rng = item.strip().partition(":")
             if not rng:
                 raise TopologyError(f"SHARDS entry {item!r}: expected BINDING:START-END")
             a, b = parse_range(rng, f"SHARDS entry {item!r}")
             shards.append((name, a, b))
-        return cls(need("KNOT_KEY"), stations, tuple(shards), float(env.get("SHARD_TIMEOUT_S", 30)),
-                   float(env.get("STATION_TIMEOUT_S", 300)), float(env.get("STATION_RETRY_S", 60)))
+        s = cls(var(env, "KNOT_KEY"), stations, tuple(shards), float_var(env, "SHARD_TIMEOUT_S", 30),
+                float_var(env, "STATION_TIMEOUT_S", 300), float_var(env, "STATION_RETRY_S", 60),
+                int_var(env, "MAX_CONCURRENT_REQUESTS", 4), int_var(env, "MAX_QUEUED_REQUESTS", 16),
+                int_var(env, "RETRY_AFTER_S", 1), var(env, "MODEL_NAME", "") or None)
+        for name, value, lo in (("MAX_CONCURRENT_REQUESTS", s.max_concurrent, 1),
+                                ("MAX_QUEUED_REQUESTS", s.max_queued, 0), ("RETRY_AFTER_S", s.retry_after_s, 1)):
+            if value < lo:
+                raise ServiceUnavailable(f"config {name}={value}: must be >= {lo}")
+        return s
 
-
-class Coordinator:
-    def __init__(self, settings: CoordinatorSettings, cfg: Qwen2Config, tokenizer: Tokenizer, pipeline: Pipeline):
-        self.settings, self.cfg, self.tokenizer, self.pipeline = settings, cfg, tokenizer, pipeline
-
-    async def generate(self, g: GenerateRequest, ctx) -> dict:
-        tok, cfg = self.tokenizer, self.cfg
-        prompt_ids = tok.encode(tok.render_chat(g.messages) if g.messages is not None else g.prompt)
-        if not prompt_ids:
-            raise BadRequest("the prompt encodes to no tokens")
-        if len(prompt_ids) + g.max_tokens > cfg.context_length:
-            raise BadRequest(f"prompt of {len(prompt_ids)} tokens + max_tokens {g.max_tokens} exceeds the context "
-                             f"length {cfg.context_length}")
-        rid = uuid.uuid4().hex
-        hops, degraded, replays = Hops(), [], 0
-        sampler = Sampler(g.sampling)
-        stream = tok.stream(skip_special=True)
-        stop = StopText(g.stop)
-        out_ids: list[int] = []
-        history = list(prompt_ids)
-        finish = "length"
-        t0 = time.perf_counter()
-        try:
-            logits = await self._prefill(rid, history, hops, degraded)
-            t_first = time.perf_counter()
-            for i in range(g.max_tokens):
-                tid = sampler(logits, history)
-                if tid in tok.eog_ids:
-                    finish = "stop"
-                    break
-                out_ids.append(tid)
-                history.append(tid)
-                _, stopped = stop.push(stream.push(tid))
-                if stopped:
-                    finish = "stop"
-                    break
-                if i + 1 == g.max_tokens:
-                    break
-                try:
-                    logits = await self._step(rid, tid, len(history) - 1, hops, degraded)
-                except SessionLost as e:
-                    # A station restarted or evicted us: replay everything so far as one prefill.
-                    replays += 1
-                    if replays > MAX_REPLAYS:
-                        raise ServiceUnavailable(f"request {rid}: stations lost the session {replays} times: {e}")
-                    log.warning("request %s: %s; replaying %d tokens", rid, e, len(history))
-                    logits = await self._prefill(rid, history, hops, degraded)
-            if not stop.stopped:
-                stop.finish(stream.flush())
-        finally:
-            ctx.wait_until(self.pipeline.release(rid))  # free the stations' KV caches after the response
-        t_end = time.perf_counter()
-        n_decode = max(0, len(out_ids) - 1)
-        return {
-            "id": rid,
-            "text": stop.text,
-            "tokens": out_ids,
-            "prompt_tokens": prompt_ids,
-            "finish_reason": finish,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out_ids),
-                      "total_tokens": len(prompt_ids) + len(out_ids)},
-            "timings": {"time_to_first_token_ms": round((t_first - t0) * 1e3, 3),
-                        "decode_ms": round((t_end - t_first) * 1e3, 3),
-                        "decode_tok_s": round(n_decode / (t_end - t_first), 3) if n_decode and t_end > t_first else None,
-                        "hops": hops.summary()},
-            "degraded_shards": [d.as_json() for d in degraded],
-            "replays": replays,
-        }
-
-    async def _prefill(self, rid: str, ids: list[int], hops: Hops, degraded: list[Degradation]):
-        h = None
-        for a, b in prefill_chunks(len(ids)):
-            x = await self.pipeline.embed(rid, ids[a:b], a, hops, degraded)
-            for attempt in range(2):
-                try:
-                    h = await self.pipeline.stations_forward(rid, "prefill", a, x, hops)
-                    break
-                except SessionLost:
-                    # a station restarted between our chunks: start over from position 0
-                    if attempt or a == 0:
-                        raise
-                    return await self._prefill(rid, ids, hops, degraded)
-        return await self.pipeline.logits(rid, h, len(ids) - 1, hops, degraded)
-
-    async def _step(self, rid: str, tid: int, pos: int, hops: Hops, degraded: list[Degradation]):
-        x = await self.pipeline.embed(rid, [tid], pos, hops, degraded)
-        h = await self.pipeline.stations_forward(rid, "decode", pos, x, hops)
-        return await self.pipeline.logits(rid, h, pos, hops, degraded)
+    @property
+    def model_id(self) -> str:
+        return self.model_name or self.knot_key.rsplit("/", 1)[-1].removesuffix(".knot")
 
 
 _booted: BootCache[Coordinator] = BootCache()
@@ -178,7 +104,7 @@ async def coordinator_for(env: Env) -> Coordinator:
         log.info("coordinator booted: %d stations, %d shards, vocab %d", len(stations), len(shards), cfg.vocab_size)
         return Coordinator(settings, cfg, tokenizer,
                            Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
-                                    settings.station_timeout_s, settings.station_retry_s))
+                                    settings.station_timeout_s, settings.station_retry_s), settings.model_id)
 
     try:
         return await _booted.get(repr(settings), boot)
@@ -205,12 +131,70 @@ async def ready(env: Env) -> None:
     await coordinator_for(env)
 
 
+async def _counted(co: Coordinator, endpoint: str, run: Callable[[], Awaitable[Response]]) -> Response:
+    """Run an endpoint and count it by status (a streamed reply counts as its status line)."""
+    try:
+        resp = await run()
+    except Exception as e:
+        co.metrics.requests.labels(endpoint, str(status_for(e))).inc()
+        raise
+    co.metrics.requests.labels(endpoint, str(resp.status)).inc()
+    return resp
+
+
+async def _generate(request: Request, co: Coordinator, ctx) -> Response:
+    g = parse_generate(request.json())
+    gen = co.prepare(g)
+    async with co.slot():
+        async for _ in co.events(gen, ctx):
+            pass
+    return Response.from_json(gen.summary())
+
+
+async def _openai(request: Request, env: Env, ctx) -> Response:
+    """The /v1 routes; every error in OpenAI's shape."""
+    path, method = request.path.rstrip("/"), request.method
+    routes = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET"}
+    try:
+        want = routes.get(path, "GET" if path.startswith("/v1/models/") else None)
+        if want is None:
+            raise NotFound(f"{method} {request.path}: no such endpoint; the coordinator serves POST /v1/completions, "
+                           f"POST /v1/chat/completions, GET /v1/models")
+        if method != want:
+            raise MethodNotAllowed(f"{method} {request.path}: use {want}")
+        co = await coordinator_for(env)
+        if path == "/v1/models":
+            return openai_api.models(co)
+        if path.startswith("/v1/models/"):
+            if path.removeprefix("/v1/models/") != co.model_id:
+                raise NotFound(f"model {path.removeprefix('/v1/models/')!r} does not exist; this server has "
+                               f"{co.model_id!r}")
+            return Response.from_json(openai_api.model_card(co))
+        parse = openai_api.parse_chat if path == "/v1/chat/completions" else openai_api.parse_completion
+        endpoint = "chat_completions" if path == "/v1/chat/completions" else "completions"
+
+        async def run() -> Response:
+            g, opts = parse(request.json())
+            return await openai_api.complete(co, g, opts, ctx)
+
+        return await _counted(co, endpoint, run)
+    except Exception as e:  # noqa: BLE001 - OpenAI's error shape, with the runtime's status mapping
+        if status_for(e) >= 500:
+            log.warning("%s %s failed: %s: %s", method, request.path, type(e).__name__, e)
+        return openai_error_response(e)
+
+
 async def fetch(request: Request, env: Env, ctx) -> Response:
     path = request.path
+    if path.startswith("/v1/"):
+        return await _openai(request, env, ctx)
     if path == "/generate" and request.method == "POST":
-        g = parse_generate(request.json())
         co = await coordinator_for(env)
-        return Response.from_json(await co.generate(g, ctx))
+        return await _counted(co, "generate", lambda: _generate(request, co, ctx))
+    if path == "/metrics" and request.method == "GET":
+        co = await coordinator_for(env)
+        await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
+        return co.metrics.exposition()
     if path == "/topology" and request.method == "GET":
         co = await coordinator_for(env)
         return Response.from_json({
@@ -220,4 +204,5 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
             "hparams": {"n_layer": co.cfg.n_layer, "dim": co.cfg.dim, "vocab_size": co.cfg.vocab_size,
                         "context_length": co.cfg.context_length},
         })
-    raise NotFound(f"{request.method} {path}: the coordinator serves POST /generate, GET /topology")
+    raise NotFound(f"{request.method} {path}: the coordinator serves POST /generate, POST /v1/completions, "
+                   f"POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /topology")

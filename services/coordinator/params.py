@@ -1,11 +1,15 @@
-"""POST /generate body -> GenerateRequest, every bad field a 400 that names it."""
+"""Request bodies -> GenerateRequest, every bad field a 400 that names it.
+
+parse_generate() reads POST /generate; the field readers below are shared with the OpenAI
+endpoints (services/coordinator/openai_api.py).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from common.runtime import BadRequest
 from common.sampling import SamplingParams
+from services.coordinator.errors import InvalidParam
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -14,58 +18,79 @@ DEFAULT_MAX_TOKENS = 128
 class GenerateRequest:
     prompt: str | None
     messages: list[dict] | None
-    max_tokens: int
+    max_tokens: int | None  # None: up to the context length
     sampling: SamplingParams
     stop: tuple[str, ...]
+    prompt_ids: tuple[int, ...] | None = None  # a prompt given as token ids (OpenAI completions)
+    logprobs: int | None = None  # alternatives reported per token; None: no logprobs at all
 
 
-def _number(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
-            integer: bool = False) -> Any:
+def number(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None,
+           integer: bool = False) -> Any:
+    """body[name] as a number (JSON null = absent); booleans are not numbers."""
     v = body.get(name, default)
     if v is None:
         v = default
+    if v is None:
+        return None
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok:
-        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}")
+        raise InvalidParam(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
     if lo is not None and v < lo:
-        raise BadRequest(f"{name} must be >= {lo}, got {v}")
+        raise InvalidParam(f"{name} must be >= {lo}, got {v}", name)
     if hi is not None and v > hi:
-        raise BadRequest(f"{name} must be <= {hi}, got {v}")
+        raise InvalidParam(f"{name} must be <= {hi}, got {v}", name)
     return v
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise InvalidParam("stop must be a string or a list of strings", "stop")
+    return tuple(stop)
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidParam(f"seed must be an integer, got {seed!r}", "seed")
+    top_k = number(body, "top_k", 0, lo=-1, integer=True)  # -1 = off, as vLLM spells it
+    sampling = SamplingParams(
+        temperature=float(number(body, "temperature", 0.0, lo=0)),
+        top_k=max(top_k, 0),
+        top_p=float(number(body, "top_p", 1.0, lo=0, hi=1)),
+        min_p=float(number(body, "min_p", 0.0, lo=0, hi=1)),
+        repetition_penalty=float(number(body, "repetition_penalty", 1.0, lo=1e-6)),
+        presence_penalty=float(number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
+        frequency_penalty=float(number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
+        seed=seed,
+    )
+    if sampling.top_p == 0:
+        raise InvalidParam("top_p must be > 0", "top_p")
+    return sampling
+
+
+def check_messages(messages: Any, param: str = "messages") -> list[dict]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise InvalidParam('messages must be a non-empty list of {"role": str, "content": str}', param)
+    return messages
 
 
 def parse_generate(body: Any) -> GenerateRequest:
     if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+        raise InvalidParam("the body must be a JSON object")
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
-        raise BadRequest('give exactly one of "prompt" (a string) or "messages" (a list of {role, content})')
+        raise InvalidParam('give exactly one of "prompt" (a string) or "messages" (a list of {role, content})')
     if prompt is not None and not isinstance(prompt, str):
-        raise BadRequest(f"prompt must be a string, got {type(prompt).__name__}")
+        raise InvalidParam(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
     if messages is not None:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise BadRequest("messages must be a non-empty list of {\"role\": str, \"content\": str}")
-    max_tokens = _number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
-    stop = body.get("stop", [])
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"seed must be an integer, got {seed!r}")
-    sampling = SamplingParams(
-        temperature=float(_number(body, "temperature", 0.0, lo=0)),
-        top_k=_number(body, "top_k", 0, lo=0, integer=True),
-        top_p=float(_number(body, "top_p", 1.0, lo=0, hi=1)),
-        min_p=float(_number(body, "min_p", 0.0, lo=0, hi=1)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, lo=1e-6)),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
-        seed=seed,
-    )
-    if sampling.top_p == 0:
-        raise BadRequest("top_p must be > 0")
-    return GenerateRequest(prompt, messages, max_tokens, sampling, tuple(stop))
+        check_messages(messages)
+    max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
+    return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body))

@@ -11,6 +11,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -27,12 +28,16 @@ class SessionLost(Exception):
 
 @dataclass
 class Hops:
-    """Per-hop wall time of one request: name -> list of ms."""
+    """Per-hop wall time of one request: name -> list of ms; each hop also goes to `observe` (s)."""
 
     ms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    observe: Callable[[str, float], None] | None = None
 
     def add(self, name: str, t0: float) -> None:
-        self.ms[name].append((time.perf_counter() - t0) * 1e3)
+        s = time.perf_counter() - t0
+        self.ms[name].append(s * 1e3)
+        if self.observe is not None:
+            self.observe(name, s)
 
     def summary(self) -> dict:
         return {k: {"calls": len(v), "total_ms": round(sum(v), 3), "mean_ms": round(sum(v) / len(v), 3)}

@@ -1,0 +1,124 @@
+"""GET /metrics: Prometheus text format through prometheus-client, one registry per coordinator.
+
+Counted here as requests run: requests, tokens, generations by outcome, time to first token,
+inter-token latency, per-hop latency (embed, station_i, logits), shard degradations, replays,
+queue wait. Gathered at scrape time from the services through the coordinator's bindings
+(GET /stats of every station and shard): where their tensors and embedding rows came from
+(warden vs R2), hence the warden hit ratios, and the stations' live KV sessions.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from common.runtime import HttpError, Request, Response
+
+log = logging.getLogger(__name__)
+
+PREFIX = "knot"
+STATS_TIMEOUT_S = 2.0
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def _ratio(hits: float, misses: float) -> float:
+    total = hits + misses
+    return hits / total if total else float("nan")
+
+
+class ServiceStats:
+    """A custom collector over the last snapshot of the stations' and shards' /stats."""
+
+    def __init__(self) -> None:
+        self.stations: list[dict | None] = []
+        self.shards: list[dict | None] = []
+
+    def collect(self) -> Iterable:
+        up = GaugeMetricFamily(f"{PREFIX}_peer_stats_up", "1 if the peer answered GET /stats at the last scrape",
+                               labels=["peer"])
+        loads = CounterMetricFamily(f"{PREFIX}_station_tensor_loads", "tensors a station loaded, by source",
+                                    labels=["station", "source"])
+        sessions = GaugeMetricFamily(f"{PREFIX}_station_kv_sessions", "live KV-cache sessions on a station",
+                                     labels=["station"])
+        rows = CounterMetricFamily(f"{PREFIX}_shard_embedding_rows", "embedding rows a shard read, by source",
+                                   labels=["shard", "source"])
+        ratio = GaugeMetricFamily(f"{PREFIX}_warden_hit_ratio",
+                                  "share of reads served by the warden cache rather than R2",
+                                  labels=["service"])
+        tot = {"station": [0, 0], "shard": [0, 0]}
+        for i, s in enumerate(self.stations):
+            up.add_metric([f"station_{i}"], 0 if s is None else 1)
+            if s is None:
+                continue
+            w, r = s.get("warden_tensors", 0), s.get("r2_tensors", 0)
+            loads.add_metric([str(i), "warden"], w)
+            loads.add_metric([str(i), "r2"], r)
+            sessions.add_metric([str(i)], s.get("sessions", 0))
+            ratio.add_metric([f"station_{i}"], _ratio(w, r))
+            tot["station"][0] += w
+            tot["station"][1] += r
+        for i, s in enumerate(self.shards):
+            up.add_metric([f"shard_{i}"], 0 if s is None else 1)
+            if s is None:
+                continue
+            w, r = s.get("rows_from_warden", 0), s.get("rows_from_r2", 0)
+            rows.add_metric([str(i), "warden"], w)
+            rows.add_metric([str(i), "r2"], r)
+            ratio.add_metric([f"shard_{i}"], _ratio(w, r))
+            tot["shard"][0] += w
+            tot["shard"][1] += r
+        ratio.add_metric(["stations"], _ratio(*tot["station"]))
+        ratio.add_metric(["shards"], _ratio(*tot["shard"]))
+        yield from (up, loads, sessions, rows, ratio)
+
+
+class CoordinatorMetrics:
+    def __init__(self, admission) -> None:
+        r = self.registry = CollectorRegistry()  # per coordinator, never the process-global one
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.tokens = Counter(f"{PREFIX}_tokens", "tokens processed, by kind (prompt, completion)", ["kind"],
+                              registry=r)
+        self.generations = Counter(f"{PREFIX}_generations", "generations by outcome (stop, length, cancelled, error)",
+                                   ["outcome"], registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "from admission to the first sampled token",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "between two consecutive sampled tokens",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.hops = Histogram(f"{PREFIX}_hop_latency_seconds", "one hop of the pipeline (embed, station_i, logits)",
+                              ["hop"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "time a request waited for a generation slot",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.degradations = Counter(f"{PREFIX}_shard_degradations", "shard failures merged as zeros / -inf",
+                                    ["shard", "stage"], registry=r)
+        self.replays = Counter(f"{PREFIX}_session_replays", "prompts replayed after a station lost a KV session",
+                               registry=r)
+        Gauge(f"{PREFIX}_requests_active", "generations running", registry=r).set_function(lambda: admission.active)
+        Gauge(f"{PREFIX}_requests_queued", "requests waiting for a slot", registry=r).set_function(
+            lambda: admission.queued)
+        self.services = ServiceStats()
+        r.register(self.services)
+
+    def observe_hop(self, name: str, seconds: float) -> None:
+        self.hops.labels(name).observe(seconds)
+
+    async def gather(self, stations: list, shards: list) -> None:
+        """Refresh the services' snapshot: GET /stats of each station and shard, concurrently."""
+        async def one(binding) -> dict | None:
+            try:
+                resp = await asyncio.wait_for(binding.fetch(Request("GET", "https://peer/stats")), STATS_TIMEOUT_S)
+                return resp.json() if resp.ok else None
+            except (HttpError, TimeoutError, ValueError) as e:
+                log.warning("metrics: /stats failed: %s", e)
+                return None
+
+        got = await asyncio.gather(*(one(b) for b in [*stations, *shards]))
+        self.services.stations, self.services.shards = got[:len(stations)], got[len(stations):]
+
+    def exposition(self) -> Response:
+        return Response.from_bytes(generate_latest(self.registry), CONTENT_TYPE_LATEST)

@@ -1,0 +1,274 @@
+"""The OpenAI-compatible API (docs/api.md):
+
+    POST /v1/completions         prompt -> text          (stream: SSE "text_completion" chunks)
+    POST /v1/chat/completions    messages -> message     (stream: SSE "chat.completion.chunk" chunks)
+    GET  /v1/models, /v1/models/<id>
+
+Both generation endpoints run Coordinator.events(); a stream ends with `data: [DONE]`. Errors use
+OpenAI's shape (services/coordinator/errors.py); once a stream has started, an error is sent as a
+`data: {"error": ...}` event before [DONE], since the status line is already out.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from common.runtime import Response, status_for
+from services.coordinator.errors import InvalidParam, openai_error_body
+from services.coordinator.generation import Coordinator, FinishEvent, Generation, TokenEvent
+from services.coordinator.params import GenerateRequest, number, sampling_params, stop_strings
+from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Options:
+    chat: bool
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidParam("the body must be a JSON object")
+    return body
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidParam(f"{name} must be a boolean, got {v!r}", name)
+    return v
+
+
+def _unsupported(body: dict, name: str, why: str) -> None:
+    """A feature we lack: absent, null, false or empty is fine; anything else is a 400 naming it."""
+    v = body.get(name)
+    if v is not None and v is not False and v != "" and v != [] and v != {}:
+        raise InvalidParam(f"{name}={v!r} is not supported ({why})", name)
+
+
+def _common(body: dict, chat: bool) -> Options:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidParam(f"model must be a string, got {model!r}", "model")
+    n = number(body, "n", 1, integer=True)
+    if n != 1:
+        raise InvalidParam(f"n={n} is not supported: only n=1 (one choice per request); send {n} requests "
+                           f"instead", "n")
+    _unsupported(body, "logit_bias", "no logit bias")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise InvalidParam("stream_options must be an object", "stream_options")
+    include_usage = stream and _bool(opts or {}, "include_usage")
+    return Options(chat, stream, include_usage)
+
+
+def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
+    body = _object(body)
+    opts = _common(body, chat=False)
+    prompt, prompt_ids = body.get("prompt"), None
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        elif len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise InvalidParam(f"prompt: a batch of {len(prompt)} prompts is not supported; send one prompt "
+                               f"per request", "prompt")
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidParam("prompt must be a string, or a non-empty list of token ids", "prompt")
+        prompt_ids, prompt = tuple(prompt), None
+    elif not isinstance(prompt, str):
+        raise InvalidParam(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
+    _unsupported(body, "echo", "the prompt is not echoed")
+    _unsupported(body, "suffix", "no fill-in-the-middle suffix")
+    best_of = number(body, "best_of", 1, integer=True)
+    if best_of != 1:
+        raise InvalidParam(f"best_of={best_of} is not supported (only 1)", "best_of")
+    logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    max_tokens = number(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, integer=True)
+    g = GenerateRequest(prompt, None, max_tokens, sampling_params(body), stop_strings(body), prompt_ids, logprobs)
+    return g, opts
+
+
+def _message(m: Any, i: int) -> dict:
+    """One chat message; content as a string (a list of text parts is joined)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise InvalidParam(f"messages[{i}] must be an object with a string role", "messages")
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidParam(f"messages[{i}].content: only text parts are supported, got {part!r}",
+                                   "messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise InvalidParam(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return {**m, "content": content}
+
+
+def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
+    body = _object(body)
+    opts = _common(body, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParam("messages must be a non-empty list of {\"role\", \"content\"}", "messages")
+    messages = [_message(m, i) for i, m in enumerate(messages)]
+    _unsupported(body, "tools", "no tool calling")
+    _unsupported(body, "functions", "no function calling")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise InvalidParam(f"response_format={fmt!r} is not supported (only {{\"type\": \"text\"}})",
+                           "response_format")
+    max_tokens = number(body, "max_completion_tokens", None, lo=1, integer=True)
+    if max_tokens is None:
+        max_tokens = number(body, "max_tokens", None, lo=1, integer=True)
+    top = number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    want_logprobs = _bool(body, "logprobs")
+    if top is not None and not want_logprobs:
+        raise InvalidParam("top_logprobs needs logprobs=true", "top_logprobs")
+    g = GenerateRequest(None, messages, max_tokens, sampling_params(body), stop_strings(body), None,
+                        (top or 0) if want_logprobs else None)
+    return g, opts
+
+
+# ---------------------------------------------------------------- shapes
+
+
+class Shape:
+    """OpenAI's JSON for one generation, whole or as chunks (chat and completions differ)."""
+
+    def __init__(self, co: Coordinator, gen: Generation, opts: Options):
+        self.co, self.gen, self.opts = co, gen, opts
+        self.created = int(time.time())
+        self.id = f"{'chatcmpl' if opts.chat else 'cmpl'}-{gen.rid}"
+        self.text_offset = 0
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.co.model_id,
+                "system_fingerprint": None, "choices": choices}
+
+    def _token_str(self, tid: int) -> str:
+        return self.co.tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
+
+    def logprobs(self, events: list[TokenEvent]) -> dict | None:
+        if self.gen.request.logprobs is None:
+            return None
+        if self.opts.chat:
+            def entry(tid: int, lp: float) -> dict:
+                return {"token": self._token_str(tid), "logprob": lp,
+                        "bytes": list(self.co.tokenizer.token_bytes(tid))}
+
+            return {"content": [{**entry(e.id, e.logprobs.logprob),
+                                 "top_logprobs": [entry(t, lp) for t, lp in e.logprobs.top]} for e in events]}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in events:
+            s = self._token_str(e.id)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(e.logprobs.logprob)
+            top: dict[str, float] = {}
+            for t, lp in e.logprobs.top:  # best first: where two tokens print alike, the likelier one stays
+                top.setdefault(self._token_str(t), lp)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(s)
+        return out
+
+    def whole(self, events: list[TokenEvent]) -> dict:
+        g = self.gen
+        if self.opts.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": g.text},
+                      "logprobs": self.logprobs(events), "finish_reason": g.finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": g.text, "logprobs": self.logprobs(events), "finish_reason": g.finish_reason}
+            body = self._envelope("text_completion", [choice])
+        return {**body, "usage": g.usage()}
+
+    def chunk(self, text: str | None, finish: str | None = None, events: list[TokenEvent] = (),
+              role: bool = False) -> dict:
+        lp = self.logprobs(list(events)) if events else None
+        if self.opts.chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": lp,
+                                                   "finish_reason": finish}])
+
+    def usage_chunk(self) -> dict:
+        obj = "chat.completion.chunk" if self.opts.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": self.gen.usage()}
+
+
+# ---------------------------------------------------------------- running
+
+
+async def complete(co: Coordinator, g: GenerateRequest, opts: Options, ctx) -> Response:
+    gen = co.prepare(g)  # 400s (context length, bad template) before taking a slot
+    if not opts.stream:
+        events: list[TokenEvent] = []
+        async with co.slot():
+            async for ev in co.events(gen, ctx):
+                if isinstance(ev, TokenEvent):
+                    events.append(ev)
+        return Response.from_json(Shape(co, gen, opts).whole(events))
+    await co.admit()  # 429 here, while a status can still be sent; the stream gives the slot back
+    chunks = ClosingStream(_sse(co, gen, opts, ctx), co.release)
+    return Response.from_stream(chunks, "text/event-stream; charset=utf-8", headers=SSE_HEADERS)
+
+
+async def _sse(co: Coordinator, gen: Generation, opts: Options, ctx) -> AsyncIterator[bytes]:
+    shape = Shape(co, gen, opts)
+    want_lp = gen.request.logprobs is not None
+    if opts.chat:
+        yield sse(shape.chunk(None, role=True))
+    events = co.events(gen, ctx)
+    try:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                if ev.text or want_lp:
+                    yield sse(shape.chunk(ev.text, events=[ev] if want_lp else ()))
+            elif isinstance(ev, FinishEvent):
+                if ev.text and opts.chat:
+                    yield sse(shape.chunk(ev.text))
+                    yield sse(shape.chunk(None, ev.reason))
+                else:
+                    yield sse(shape.chunk(ev.text, ev.reason))
+        if opts.include_usage:
+            yield sse(shape.usage_chunk())
+    except Exception as e:  # noqa: BLE001 - the status line is out: report the failure in the stream
+        log.warning("stream %s failed: %s: %s", gen.rid, type(e).__name__, e)
+        yield sse(openai_error_body(e, status_for(e)))
+    finally:
+        await events.aclose()  # runs events()' finally at once (KV release), whoever stopped the stream
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------- models
+
+
+def model_card(co: Coordinator) -> dict:
+    return {"id": co.model_id, "object": "model", "created": co.created, "owned_by": "knot-cluster",
+            "context_length": co.cfg.context_length}
+
+
+def models(co: Coordinator) -> Response:
+    return Response.from_json({"object": "list", "data": [model_card(co)]})

@@ -1,0 +1,413 @@
+"""The OpenAI-compatible API on a whole cluster in one process (embedded bindings, the real handlers),
+plus the host's streaming contract on a real aiohttp server."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from common.runtime import Env, Request, Response, ServiceUnavailable
+from common.sampling import SamplingParams
+from deploy.engine_local import LocalEngine
+from deploy.local.host import ServiceRuntime, build_app
+from deploy.local.tasks import BackgroundTasks
+from services.coordinator import handler as co_handler
+from tests.inprocess import build_cluster
+
+PROMPT = "the def the"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_knot):
+    return LocalEngine.open(tiny_knot)
+
+
+def reference(engine, prompt_ids, max_tokens, **sampling):
+    return engine.generate(prompt_ids, SamplingParams(**sampling), max_tokens=max_tokens)
+
+
+async def post(c, path: str, body) -> Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return await c.coordinator.fetch(Request("POST", f"https://coordinator{path}",
+                                             {"Content-Type": "application/json"}, data))
+
+
+async def read_sse(resp: Response, limit: int | None = None) -> list:
+    """The events of a streamed reply: parsed JSON objects, and "[DONE]"."""
+    assert resp.stream is not None and resp.headers["Content-Type"].startswith("text/event-stream")
+    buf, events = b"", []
+    try:
+        async for chunk in resp.stream:
+            buf += chunk
+            while b"\n\n" in buf:
+                line, buf = buf.split(b"\n\n", 1)
+                assert line.startswith(b"data: "), line
+                data = line[len(b"data: "):]
+                events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+            if limit is not None and len(events) >= limit:
+                break
+    finally:
+        await resp.stream.aclose()
+    return events
+
+
+async def station_sessions(c) -> list[int]:
+    return [(await st.fetch(Request("GET", "/stats"))).json()["sessions"] for st in c.stations]
+
+
+@pytest.fixture
+async def cluster(tiny_knot, tmp_path):
+    c = await build_cluster(tiny_knot, tmp_path, 2, 4)
+    yield c
+    await c.drain()
+
+
+# ---------------------------------------------------------------- completions and chat
+
+
+async def test_completion_equals_generate_and_the_engine(cluster, engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    want = reference(engine, ids, 8)
+    r = await post(cluster, "/v1/completions", {"model": "whatever", "prompt": PROMPT, "max_tokens": 8})
+    assert r.status == 200, r.body
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "model"
+    (choice,) = body["choices"]
+    assert choice["text"] == want.text and choice["index"] == 0 and choice["logprobs"] is None
+    assert choice["finish_reason"] == ("length" if len(want.token_ids) == 8 else "stop")
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want.token_ids),
+                             "total_tokens": len(ids) + len(want.token_ids)}
+    gen = (await cluster.generate(prompt=PROMPT, max_tokens=8)).json()
+    assert gen["text"] == choice["text"] and gen["tokens"] == want.token_ids
+    # a prompt of token ids, and a batch of one, give the same
+    for prompt in (ids, [ids], [PROMPT]):
+        again = (await post(cluster, "/v1/completions", {"prompt": prompt, "max_tokens": 8})).json()
+        assert again["choices"][0]["text"] == want.text
+
+
+async def test_completion_stream_matches_the_whole_reply(cluster, engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    want = reference(engine, ids, 10)
+    r = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "stream": True,
+                                                "stream_options": {"include_usage": True}})
+    assert r.status == 200 and r.headers["Cache-Control"] == "no-cache"
+    events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    usage, chunks = events[-2], events[:-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(want.token_ids)
+    assert all(e["object"] == "text_completion" and e["id"] == chunks[0]["id"] for e in chunks)
+    assert "".join(e["choices"][0]["text"] for e in chunks) == want.text
+    assert [e["choices"][0]["finish_reason"] for e in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert await station_sessions(cluster) in ([0, 0], [1, 1])  # the release is in flight (wait_until)
+    await cluster.drain()
+    assert await station_sessions(cluster) == [0, 0]
+
+
+async def test_chat_uses_the_models_template(cluster, engine):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = engine.tokenizer.encode(engine.tokenizer.render_chat(messages))
+    want = reference(engine, ids, 6)
+    r = await post(cluster, "/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 6})
+    assert r.status == 200, r.body
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": want.text}
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    # content as a list of text parts, and max_completion_tokens, mean the same
+    parts = [{"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+             messages[1]]
+    again = (await post(cluster, "/v1/chat/completions", {"messages": parts, "max_completion_tokens": 6})).json()
+    assert again["choices"][0]["message"]["content"] == want.text
+    # streamed: a role chunk first, then content deltas, then the finish chunk
+    events = await read_sse(await post(cluster, "/v1/chat/completions",
+                                       {"messages": messages, "max_tokens": 6, "stream": True}))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in chunks)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in chunks) == want.text
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_sampling_params_and_stop(cluster, engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    params = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=1234, presence_penalty=0.5,
+                  frequency_penalty=0.25)
+    want = reference(engine, ids, 12, **params)
+    body = (await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, **params})).json()
+    assert body["choices"][0]["text"] == want.text
+    full = reference(engine, ids, 12).text
+    if len(full) > 3:
+        stop = full[2:4]
+        for s in (stop, [stop, "zzzz"]):
+            body = (await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "stop": s})).json()
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert body["choices"][0]["text"] == full[:full.index(stop)]
+
+
+async def test_logprobs(cluster, engine):
+    body = (await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "logprobs": 3})).json()
+    lp = body["choices"][0]["logprobs"]
+    n = body["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    for tok, p, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert p <= 0 and len(top) <= 3
+        assert max(top.values()) == pytest.approx(p)  # greedy: the chosen token is the most likely one
+    body = (await post(cluster, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 3, "logprobs": True, "top_logprobs": 2})).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] == pytest.approx(c["top_logprobs"][0]["logprob"])
+               for c in content)
+
+
+async def test_models(cluster):
+    body = (await cluster.coordinator.fetch(Request("GET", "/v1/models"))).json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["model"]
+    assert (await cluster.coordinator.fetch(Request("GET", "/v1/models/model"))).json()["id"] == "model"
+    r = await cluster.coordinator.fetch(Request("GET", "/v1/models/gpt-4"))
+    assert r.status == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("path,body,param,code,needle", [
+    ("/v1/completions", b"{not json", None, None, "not JSON"),
+    ("/v1/completions", b"[1, 2]", None, None, "JSON object"),
+    ("/v1/completions", {"prompt": 5}, "prompt", None, "prompt must be"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", None, "must be a number"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None, "max_tokens must be >= 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens", None, "max_tokens must be >= 1"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature", None, "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n", None, "only n=1"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", None, "boolean"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, "stop", None, "stop must be"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", None, "batch of 2"),
+    ("/v1/completions", {"prompt": "the " * 300}, "prompt", "context_length_exceeded", "context length is 256"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, "max_tokens", "context_length_exceeded",
+     "exceeds the context length 256"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", None, "messages must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages", None, "content must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", None, "only n=1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the " * 300}]}, "messages",
+     "context_length_exceeded", "context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", None,
+     ">= 1"),
+])
+async def test_errors_in_openai_shape(cluster, path, body, param, code, needle):
+    r = await post(cluster, path, body)
+    assert r.status == 400, r.body
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+    assert needle in err["message"], err
+
+
+async def test_unknown_route_and_method(cluster):
+    r = await cluster.coordinator.fetch(Request("POST", "/v1/embeddings", {}, b"{}"))
+    assert r.status == 404 and "no such endpoint" in r.json()["error"]["message"]
+    r = await cluster.coordinator.fetch(Request("GET", "/v1/completions"))
+    assert r.status == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_error_mid_stream_is_an_event(cluster):
+    class Dead:
+        async def fetch(self, request):
+            raise ServiceUnavailable("shard killed by the test")
+
+    for i in range(len(cluster.shards)):
+        cluster.coordinator.env._items[f"SHARD_{i}"] = Dead()
+    co_handler._booted.clear()
+    # Boot checks only the stations, so the request starts; every shard fails at the LM head.
+    events = await read_sse(await post(cluster, "/v1/chat/completions",
+                                       {"messages": [{"role": "user", "content": "x"}], "stream": True}))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "server_error" and "every shard failed" in events[-2]["error"]["message"]
+    await cluster.drain()
+    assert await station_sessions(cluster) == [0, 0]
+    co_handler._booted.clear()
+
+
+# ---------------------------------------------------------------- cancellation and concurrency
+
+
+async def test_closing_a_stream_stops_generation_and_frees_the_kv(cluster):
+    r = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 200, "stream": True})
+    events = await read_sse(r, limit=2)  # reads two chunks, then closes the stream like a client that left
+    assert len(events) == 2 and "[DONE]" not in events
+    co = await co_handler.coordinator_for(cluster.coordinator.env)
+    assert co.admission.active == 0, "the slot is given back"
+    await cluster.drain()
+    assert await station_sessions(cluster) == [0, 0]
+    forwards = (await cluster.stations[1].fetch(Request("GET", "/stats"))).json()["forwards"]
+    assert forwards < 20, f"generation stopped early, {forwards} forwards"
+    metrics = (await cluster.coordinator.fetch(Request("GET", "/metrics"))).text()
+    assert 'knot_generations_total{outcome="cancelled"} 1.0' in metrics
+
+
+async def test_concurrent_requests_do_not_cross_talk(cluster, engine):
+    prompts = [PROMPT, "def the def", "the the", "x = def"]
+    alone = [reference(engine, engine.tokenizer.encode(p), 8).text for p in prompts]
+    bodies = await asyncio.gather(*(post(cluster, "/v1/completions", {"prompt": p, "max_tokens": 8})
+                                    for p in prompts))
+    assert [b.json()["choices"][0]["text"] for b in bodies] == alone
+    await cluster.drain()
+    assert await station_sessions(cluster) == [0, 0]
+
+
+async def test_queue_bound_gives_429_with_retry_after(cluster, engine):
+    env = cluster.coordinator.env._items
+    env.update({"MAX_CONCURRENT_REQUESTS": "1", "MAX_QUEUED_REQUESTS": "1", "RETRY_AFTER_S": "3"})
+    first = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stream": True})
+    # `first` holds the only slot until its stream ends; the next request waits in the queue,
+    queued = asyncio.create_task(post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}))
+    await asyncio.sleep(0.05)
+    assert not queued.done()
+    # and one more finds the queue full.
+    r = await post(cluster, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert r.status == 429 and r.headers["Retry-After"] == "3"
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+    assert "MAX_QUEUED_REQUESTS=1" in err["message"]
+    r = await cluster.generate(prompt=PROMPT, max_tokens=2)
+    assert r.status == 429 and r.headers["Retry-After"] == "3"
+    want = reference(engine, engine.tokenizer.encode(PROMPT), 4).text
+    events = await read_sse(first)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
+    assert (await queued).json()["choices"][0]["text"] == want
+    co = await co_handler.coordinator_for(cluster.coordinator.env)
+    assert co.admission.active == 0 and co.admission.queued == 0
+    metrics = (await cluster.coordinator.fetch(Request("GET", "/metrics"))).text()
+    assert 'knot_requests_total{endpoint="chat_completions",status="429"} 1.0' in metrics
+
+
+# ---------------------------------------------------------------- metrics
+
+
+async def test_metrics(cluster):
+    await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+    await cluster.generate(prompt=PROMPT, max_tokens=3)
+    await post(cluster, "/v1/completions", {"prompt": "x", "max_tokens": 0})
+    r = await cluster.coordinator.fetch(Request("GET", "/metrics"))
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+    text = r.text()
+    for line in ['knot_requests_total{endpoint="completions",status="200"} 1.0',
+                 'knot_requests_total{endpoint="completions",status="400"} 1.0',
+                 'knot_requests_total{endpoint="generate",status="200"} 1.0',
+                 'knot_time_to_first_token_seconds_count 2.0',
+                 'knot_hop_latency_seconds_count{hop="station_0"}',
+                 'knot_hop_latency_seconds_count{hop="embed"}',
+                 'knot_hop_latency_seconds_count{hop="logits"}',
+                 'knot_peer_stats_up{peer="shard_3"} 1.0',
+                 'knot_station_kv_sessions{station="1"}',
+                 'knot_warden_hit_ratio{service="stations"}',
+                 'knot_warden_hit_ratio{service="shards"}',
+                 'knot_requests_active 0.0']:
+        assert line in text, line
+    completion = next(ln for ln in text.splitlines() if ln.startswith('knot_tokens_total{kind="completion"}'))
+    assert float(completion.split()[-1]) >= 1
+    itl = next(ln for ln in text.splitlines() if ln.startswith("knot_inter_token_latency_seconds_count"))
+    assert float(itl.split()[-1]) >= 1
+
+
+async def test_degradations_are_counted(cluster, engine):
+    class Dead:
+        async def fetch(self, request):
+            raise ServiceUnavailable("shard killed by the test")
+
+    ids = engine.tokenizer.encode(PROMPT)
+    victim = next(i for i, (a, b) in enumerate(cluster.shard_ranges) if any(a <= t < b for t in ids))
+    cluster.coordinator.env._items[f"SHARD_{victim}"] = Dead()
+    co_handler._booted.clear()
+    await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    text = (await cluster.coordinator.fetch(Request("GET", "/metrics"))).text()
+    assert f'knot_shard_degradations_total{{shard="{victim}",stage="embed"}} 1.0' in text
+    assert f'knot_peer_stats_up{{peer="shard_{victim}"}} 0.0' in text
+    co_handler._booted.clear()
+
+
+# ---------------------------------------------------------------- the host's streaming contract
+
+
+class Producer:
+    """A streaming handler whose chunks come slowly; it records whether its stream was closed."""
+
+    def __init__(self, n: int):
+        self.n, self.sent, self.closed = n, 0, asyncio.Event()
+
+    async def chunks(self):
+        try:
+            for i in range(self.n):
+                yield f"chunk {i}\n".encode()
+                self.sent += 1
+                await asyncio.sleep(0.02)
+        finally:
+            self.closed.set()
+
+    async def fetch(self, request, env, ctx) -> Response:
+        return Response.from_stream(self.chunks(), "text/plain", headers={"X-Kind": "stream"})
+
+
+async def _serve(handler):
+    rt = ServiceRuntime("streamer", handler, Env(), BackgroundTasks("test"))
+    runner = web.AppRunner(build_app(rt))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_host_streams_chunk_by_chunk_and_closes_on_disconnect():
+    p = Producer(5)
+    runner, url = await _serve(p.fetch)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/x") as r:
+                assert r.status == 200 and r.headers["X-Kind"] == "stream" and "X-Request-Id" in r.headers
+                assert r.headers.get("Transfer-Encoding") == "chunked"
+                first = await r.content.readline()
+                assert first == b"chunk 0\n" and p.sent < 5, "the first chunk arrives before the last is made"
+                assert await r.content.read() == b"".join(f"chunk {i}\n".encode() for i in range(1, 5))
+        assert p.closed.is_set()
+        slow = Producer(10_000)
+        runner2, url2 = await _serve(slow.fetch)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url2 + "/x") as r:
+                    await r.content.readline()
+                    r.close()  # the client goes away mid-stream
+            await asyncio.wait_for(slow.closed.wait(), 5)
+            assert slow.sent < 10_000
+        finally:
+            await runner2.cleanup()
+    finally:
+        await runner.cleanup()
+
+
+async def test_admission_queue_is_bounded_and_survives_cancellation():
+    from services.coordinator.admission import Admission
+    from services.coordinator.errors import TooManyRequests
+
+    a = Admission(max_active=1, max_queued=2, retry_after_s=1)
+    await a.acquire()
+    w1, w2 = asyncio.create_task(a.acquire()), asyncio.create_task(a.acquire())
+    await asyncio.sleep(0)
+    assert (a.active, a.queued) == (1, 2)
+    with pytest.raises(TooManyRequests) as e:
+        await a.acquire()
+    assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+    w1.cancel()  # a queued client that gave up leaves the line
+    await asyncio.gather(w1, return_exceptions=True)
+    assert a.queued == 1
+    a.release()  # the slot goes to the next in line
+    await w2
+    assert (a.active, a.queued) == (1, 0)
+    a.release()
+    assert a.active == 0
