@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
+from common.topology import split_vocab
 from deploy import servers
 from deploy.local import compose
 from deploy.local.probe import probe
@@ -53,6 +54,9 @@ def default_run_dir() -> Path:
     return Path(os.environ.get("KNOT_RUN_DIR") or compose.REPO_ROOT / ".knot-run")
 
 
+COMPOSE_SHARDS = 8  # shard-0 .. shard-7 in docker-compose.yml
+
+
 def model_env(model: str | None, env: Mapping[str, str]) -> dict[str, str]:
     """KNOT_MODEL / KNOT_KEY overrides for --model NAME|PATH (an explicit KNOT_KEY wins), and the
     layer split of the stations (KNOT_N_LAYERS, KNOT_SPLIT_LAYER: half the layers)."""
@@ -68,14 +72,20 @@ def model_env(model: str | None, env: Mapping[str, str]) -> dict[str, str]:
     if p.is_file():
         from deploy.knotfile import open_model
 
-        n_layers = int(open_model(p).header.hparams["block_count"])
+        hparams = open_model(p).header.hparams
+        n_layers, vocab = int(hparams["block_count"]), int(hparams["vocab_size"])
     elif name in models.MODELS:
-        n_layers = models.MODELS[name].block_count
+        n_layers, vocab = models.MODELS[name].block_count, models.MODELS[name].vocab_size
     else:
         raise LauncherError(f"--model {name}: neither a file nor a known model ({', '.join(models.MODELS)})")
     if not env.get("KNOT_N_LAYERS"):
         out["KNOT_N_LAYERS"] = str(n_layers)
         out["KNOT_SPLIT_LAYER"] = str(n_layers // 2)
+    if not env.get("KNOT_VOCAB_SIZE"):
+        # the compose file's 8 shards tile [0, vocab): bounds vocab * i // 8 (common.topology.split_vocab)
+        shards = split_vocab(vocab, COMPOSE_SHARDS)
+        out["KNOT_VOCAB_SIZE"] = str(vocab)
+        out.update({f"KNOT_SHARD_BOUND_{s.index}": str(s.vocab_start) for s in shards[1:]})
     return out
 
 

@@ -32,6 +32,7 @@ class ModelSpec:
     size_bytes: int
     sha256: str
     block_count: int  # layers: the cluster splits its stations at half
+    vocab_size: int = 151_936  # the shards tile it
 
     @property
     def gguf_name(self) -> str:

@@ -125,9 +125,23 @@ class Station:
         self.peak_accounted_bytes = max(self.peak_accounted_bytes, total)
         return total
 
-    def _activation_bytes(self, T: int) -> int:
-        # x, the normed x, q/k/v, attention scores over the session, gate/up/act of the FFN
-        return 4 * T * (4 * self.cfg.dim + 3 * self.cfg.ffn_dim)
+    def _activation_bytes(self, T: int, S: int) -> int:
+        """Float32 temporaries of a phase over T new rows attending to S positions: x, the normed x,
+        q/k/v and the attention output, the (n_head, T, S) scores, gate/up/act of the FFN."""
+        return 4 * T * (4 * self.cfg.dim + 3 * self.cfg.ffn_dim + self.cfg.n_head * S)
+
+    def _fixed_bytes(self, T: int, S: int) -> int:
+        """Everything a phase needs besides its own tensors and the kept ones."""
+        return self.resident_bytes + self.kv_bytes + self._activation_bytes(T, S) + DEFAULT_TILE_BYTES
+
+    def _make_room(self, need_bytes: int, T: int, S: int) -> None:
+        """Evict kept tensors, least recently used first, until a phase of need_bytes fits the budget."""
+        limit = self.settings.budget_bytes - self._fixed_bytes(T, S) - need_bytes
+        while self.kept.bytes_used > max(limit, 0) and len(self.kept):
+            self.kept.pop(next(self.kept.keys()))
+        if limit < 0:
+            log.warning("a phase of %d bytes does not fit the %d-byte budget even alone (fixed %d bytes)",
+                        need_bytes, self.settings.budget_bytes, self._fixed_bytes(T, S))
 
     # -------------------------------------------------------- sessions
 
@@ -170,7 +184,7 @@ class Station:
 
     # -------------------------------------------------------- forward
 
-    async def _phase(self, layer: int, phase: str, T: int) -> dict:
+    async def _phase(self, layer: int, phase: str, T: int, S: int) -> dict:
         names = self.loader.names(layer, phase)
         w = {n: self.resident[n] for n in names if n in self.resident}
         for n in names:
@@ -180,18 +194,17 @@ class Station:
                     w[n] = t
         need = [n for n in names if n not in w]
         if need:
+            self._make_room(sum(self.header.tensors[n].length for n in need), T, S)
             w.update(await self.loader.load(need))
-        self._account(sum(w[n].nbytes for n in need), self._activation_bytes(T))
+        self._account(sum(w[n].nbytes for n in need), self._activation_bytes(T, S))
         return w
 
-    def _evict_or_keep(self, w: dict, T: int) -> None:
+    def _evict_or_keep(self, w: dict, T: int, S: int) -> None:
         """After a phase: keep its big tensors only if they fit beside everything else."""
         for name, t in w.items():
             if name in self.resident or name in self.kept:
                 continue
-            room = (self.settings.budget_bytes - self.resident_bytes - self.kv_bytes
-                    - self._activation_bytes(T) - DEFAULT_TILE_BYTES - self.kept.bytes_used)
-            if t.nbytes <= room:
+            if t.nbytes <= self.settings.budget_bytes - self._fixed_bytes(T, S) - self.kept.bytes_used:
                 self.kept.put(name, t, t.nbytes)
 
     async def forward(self, env: wire.Envelope, ctx) -> wire.Envelope:
@@ -209,24 +222,25 @@ class Station:
             raise BadRequest(f"envelope for {env.request_id}: activations contain NaN or inf")
         self._expire()
         T = x.shape[0]
+        S = env.position + T  # positions attended to by the last row
         s = self._session(env)
         positions = np.arange(env.position, env.position + T, dtype=np.int64)
         h = np.array(x, dtype=np.float32)  # writable copy: the frame's buffer is read-only
         cfg = self.cfg
         try:
             for l in range(self.settings.layer_start, self.settings.layer_end):
-                w = await self._phase(l, "attn", T)
+                w = await self._phase(l, "attn", T, S)
                 h = attn_phase(cfg, l, h, w, s.kv, positions)
-                self._evict_or_keep(w, T)
-                w = await self._phase(l, "ffn_gate", T)
+                self._evict_or_keep(w, T, S)
+                w = await self._phase(l, "ffn_gate", T, S)
                 st = ffn_gate_phase(cfg, l, h, w)
-                self._evict_or_keep(w, T)
-                w = await self._phase(l, "ffn_up", T)
+                self._evict_or_keep(w, T, S)
+                w = await self._phase(l, "ffn_up", T, S)
                 st = ffn_up_phase(cfg, l, st, w)
-                self._evict_or_keep(w, T)
-                w = await self._phase(l, "ffn_down", T)
+                self._evict_or_keep(w, T, S)
+                w = await self._phase(l, "ffn_down", T, S)
                 h = ffn_down_phase(cfg, l, st, w)
-                self._evict_or_keep(w, T)
+                self._evict_or_keep(w, T, S)
                 del w
         except BaseException:
             # A half-applied chunk leaves the KV cache inconsistent: forget the session.

@@ -34,7 +34,14 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
 
         status = knot_cli(run_dir, "status")
         assert status.returncode == 0, status.stdout + status.stderr
-        assert status.stdout.count(" ready ") == 2 and status.stdout.count(" done ") == 1
+        serving = [s for s in planned if s.kind == "process" and not s.oneshot]
+        assert len(serving) == 13  # 2 wardens, 2 stations, 8 shards, the coordinator
+        assert status.stdout.count(" ready ") == len(serving) and status.stdout.count(" done ") == 1
+        # the last line of `up` is the coordinator's URL, and it serves
+        url = up.stdout.strip().splitlines()[-1]
+        assert url == by_name["coordinator"]["url"]
+        code, _, body = http("POST", url + "/generate", {"prompt": "the def", "max_tokens": 3}, timeout_s=120)
+        assert code == 200 and len(json.loads(body)["tokens"]) == 3, body
 
         # init uploaded the knot under the key derived from --model.
         bucket = S3Bucket(S3Settings(by_name["minio"]["url"], "knot", "knot-secret-key"), "knots")

@@ -13,7 +13,7 @@ from aiohttp import ClientSession, web
 
 from common.sampling import SamplingParams
 from common.topology import split_vocab
-from deploy import servers
+from deploy import launcher, servers
 from deploy.engine_local import LocalEngine
 from deploy.local import compose
 from tests.integration.conftest import CREDENTIALS, http, wait_for
@@ -32,19 +32,9 @@ def engine(knot):
 def cluster(procs, upload, knot):
     """Adds the pipeline services of docker-compose.yml to the running wardens (procs)."""
     upload(KNOT_KEY)
-    n_layers = int(knot.header.hparams["block_count"])
-    env = {**CREDENTIALS, "KNOT_KEY": KNOT_KEY, "KNOT_N_LAYERS": str(n_layers), "KNOT_SPLIT_LAYER": str(n_layers // 2)}
+    # What `knot cluster up --model PATH` derives from the model: the layer split, the shard bounds.
+    env = {**CREDENTIALS, **launcher.model_env(str(knot.path), {}), "KNOT_KEY": KNOT_KEY}
     specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, env))}
-    # The compose file slices the real 151,936-token vocabulary; this model has fewer tokens.
-    shards = split_vocab(int(knot.header.hparams["vocab_size"]), 8)
-    for s in shards:
-        spec = specs[f"shard-{s.index}"]
-        specs[spec.name] = dataclasses.replace(spec, environment={
-            **spec.environment, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end)})
-    co = specs["coordinator"]
-    specs["coordinator"] = dataclasses.replace(co, environment={
-        **co.environment, "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
-        "STATION_RETRY_S": "60"})
     for name, port in zip(PIPELINE, servers.free_ports(len(PIPELINE))):
         procs.specs[name] = specs[name]
         procs.addresses[name] = (8080, port)

@@ -81,12 +81,29 @@ def test_addresses_are_rewritten_to_local_ports(doc):
 
 def test_interpolation_and_model_overrides():
     assert compose.interpolate("${A:-x}/${B-y}/${C}/$$", {"A": "", "B": ""}) == "x///$"
-    assert model_env("qwen2.5-coder-1.5b", {}) == {"KNOT_MODEL": "qwen2.5-coder-1.5b",
-                                                   "KNOT_KEY": "qwen2.5-coder-1.5b.knot",
-                                                   "KNOT_N_LAYERS": "28", "KNOT_SPLIT_LAYER": "14"}
-    assert model_env("qwen2.5-coder-1.5b", {"KNOT_KEY": "k", "KNOT_N_LAYERS": "28"}) == {
+    env = model_env("qwen2.5-coder-1.5b", {})
+    assert {k: env[k] for k in ("KNOT_MODEL", "KNOT_KEY", "KNOT_N_LAYERS", "KNOT_SPLIT_LAYER", "KNOT_VOCAB_SIZE")} == {
+        "KNOT_MODEL": "qwen2.5-coder-1.5b", "KNOT_KEY": "qwen2.5-coder-1.5b.knot", "KNOT_N_LAYERS": "28",
+        "KNOT_SPLIT_LAYER": "14", "KNOT_VOCAB_SIZE": "151936"}
+    assert [env[f"KNOT_SHARD_BOUND_{i}"] for i in range(1, 8)] == [str(18992 * i) for i in range(1, 8)]
+    assert model_env("qwen2.5-coder-1.5b", {"KNOT_KEY": "k", "KNOT_N_LAYERS": "28", "KNOT_VOCAB_SIZE": "1"}) == {
         "KNOT_MODEL": "qwen2.5-coder-1.5b"}
-    assert model_env(None, {}) == {"KNOT_N_LAYERS": "24", "KNOT_SPLIT_LAYER": "12"}  # the default 0.5B
+    assert model_env(None, {})["KNOT_N_LAYERS"] == "24"  # the default 0.5B
+
+
+def test_compose_shards_tile_any_vocabulary():
+    """The shard bounds the launcher derives from the model tile its vocabulary in the compose file."""
+    from common.topology import ShardSpec, check_vocab_tiling
+
+    for vocab in (151_936, 270, 1000):
+        env = {"KNOT_VOCAB_SIZE": str(vocab),
+               **{f"KNOT_SHARD_BOUND_{i}": str(vocab * i // 8) for i in range(1, 8)}}
+        specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, env))}
+        shards = [ShardSpec(i, int(specs[f"shard-{i}"].environment["VOCAB_START"]),
+                            int(specs[f"shard-{i}"].environment["VOCAB_END"])) for i in range(8)]
+        check_vocab_tiling(shards, vocab)
+        coord = specs["coordinator"].environment["SHARDS"].split(",")
+        assert [c.split(":")[1] for c in coord] == [f"{s.vocab_start}-{s.vocab_end}" for s in shards]
 
 
 def test_ports_are_allocated_per_serving_service(tmp_path, doc):
