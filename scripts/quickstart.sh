@@ -11,8 +11,13 @@ cat <<MSG
 
 The cluster is up: coordinator at $url (logs in .knot-run/logs/). Try:
 
+  curl -s $url/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"max_tokens": 64, "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}'
+
   curl -s $url/generate -H 'Content-Type: application/json' \\
        -d '{"prompt": "def fibonacci(n):", "max_tokens": 32}'
+
+More examples: docs/api.md.
 
 Stop it with: .venv/bin/knot cluster down
 MSG
