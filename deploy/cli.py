@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from deploy import kernels
+
+    kernels.install()  # quantized matmul kernels when the C extension is built; numpy otherwise
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

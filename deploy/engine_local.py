@@ -18,6 +18,7 @@ import numpy as np
 from common import qwen2
 from common.generation import StopText
 from common.kvcache import KVCache, prefill_chunks
+from common.matmul import get_kernel
 from common.quant import QTensor
 from common.sampling import Sampler, SamplingParams
 from common.tokenizer import Tokenizer
@@ -71,7 +72,7 @@ class LocalEngine:
         self.head_name = qwen2.head_tensor_name(model.has_tensor)
         self.kv_dtype = kv_dtype
         self._tokenizer: Tokenizer | None = None
-        self._f32: dict[str, QTensor] = {}
+        self._weights: dict[str, QTensor] = {}
         f32_bytes = self.matmul_weights_f32_bytes()
         if cache_f32 is None:
             avail = _mem_available_bytes()
@@ -102,15 +103,16 @@ class LocalEngine:
         return sum(4 * prod(ents[n].shape) for n in self._matmul_weight_names() if n in ents)
 
     def weight(self, name: str) -> QTensor:
-        """The tensor as stored, or its float32 copy when the cache is on (2-D weights only)."""
-        w = self._f32.get(name)
+        """The tensor as stored (built once, a view of the mmap), or its float32 copy when the cache
+        is on and no quantized kernel serves its type (2-D weights only)."""
+        w = self._weights.get(name)
         if w is not None:
             return w
-        t = self.model.tensor(name)
-        if not self.cache_f32 or len(t.shape) != 2 or t.ggml_type == "F32":
-            return t
-        a = np.ascontiguousarray(t.dequantize(), dtype=np.float32)   # (ne1, ne0)
-        w = self._f32[name] = QTensor(name, "F32", t.shape, a.reshape(-1).view(np.uint8))
+        w = self.model.tensor(name)
+        if self.cache_f32 and len(w.shape) == 2 and w.ggml_type != "F32" and get_kernel(w.ggml_type) is None:
+            a = np.ascontiguousarray(w.dequantize(), dtype=np.float32)   # (ne1, ne0)
+            w = QTensor(name, "F32", w.shape, a.reshape(-1).view(np.uint8))
+        self._weights[name] = w
         return w
 
     def load_phase(self, layer: int, phase: str) -> dict[str, QTensor]:

@@ -5,7 +5,28 @@ import os
 
 import pytest
 
+from common import matmul as mm
+from deploy import kernels
 from tests.synth import TinySpec, write_tiny_gguf
+
+# The same matmul path as the services (`knot serve` installs them too): the C kernels when built.
+# Tests of the numpy reference itself uninstall them locally (see numpy_matmul).
+kernels.install()
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_registry():
+    """Whatever a test registers or removes, the next test sees the session's kernels."""
+    saved = dict(mm._KERNELS)
+    yield
+    mm._KERNELS.clear()
+    mm._KERNELS.update(saved)
+
+
+@pytest.fixture
+def numpy_matmul():
+    """Route matmul to the numpy reference for one test."""
+    mm._KERNELS.clear()
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ import numpy as np
 
 from common import wire
 from common.knot import KnotHeader
+from common.matmul import get_kernel
 from common.quant import QTensor, dequantize_rows
 from common.qwen2 import TOKEN_EMBD, head_tensor_name, lm_head
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
@@ -78,8 +79,8 @@ class Shard:
         self.head = QTensor(f"{self.head_name}[{a}:{b}]", e.ggml_type, (e.shape[0], b - a),
                             np.frombuffer(data, dtype=np.uint8))
         f32_bytes = (b - a) * e.shape[0] * 4
-        if self.head.nbytes + f32_bytes <= self.settings.budget_bytes // 2:
-            # Dequantized once when it fits: the head then costs one float32 matmul per token.
+        if get_kernel(e.ggml_type) is None and self.head.nbytes + f32_bytes <= self.settings.budget_bytes // 2:
+            # Without a quantized kernel, dequantize once when it fits: one float32 matmul per token.
             w = self.head.dequantize()  # (n_rows, dim)
             self.head_f32 = QTensor(self.head.name, "F32", self.head.shape, w.reshape(-1).view(np.uint8))
 

@@ -12,6 +12,8 @@ from common.matmul import get_kernel, matmul, matmul_tiled, register_kernel
 from common.quant import QUANT_TYPES, QTensor, UnsupportedQuantType
 from tests.unit.test_quant import random_raw
 
+pytestmark = pytest.mark.usefixtures("numpy_matmul")  # these test the numpy reference itself
+
 
 def qtensor(ggml_type: str, ne0: int, ne1: int, seed: int = 0) -> QTensor:
     raw = random_raw(ggml_type, ne1, ne0, np.random.default_rng(seed))

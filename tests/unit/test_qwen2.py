@@ -268,7 +268,7 @@ def test_kvcache_grows_and_truncates():
     assert k.shape == (11, 2, 4) and pos[-1] == 10 and kv.n_tokens(1) == 0
 
 
-def test_tied_head_falls_back_to_token_embd():
+def test_tied_head_falls_back_to_token_embd(numpy_matmul):
     assert qwen2.head_tensor_name(lambda n: False) == "token_embd.weight"
     assert qwen2.head_tensor_name(lambda n: n == "output.weight") == "output.weight"
     ws = to_qtensors(tiny_weights(tied=True))
@@ -332,7 +332,8 @@ GOLDEN_PROMPT = "the cat in the hat"
 GOLDEN = [198, 194, 259, 243, 44, 235, 118, 67, 228, 55, 224, 30]
 
 
-def test_engine_matches_phase_code_and_golden(tiny_gguf):
+def test_engine_matches_phase_code_and_golden(tiny_gguf, numpy_matmul):
+    """The golden ids are the numpy reference path's."""
     from common.sampling import SamplingParams
     from deploy.engine_local import LocalEngine
 
@@ -391,7 +392,8 @@ def test_generate_stops_at_stop_string_and_streams(tiny_gguf):
     assert cut.text == text[:text.find(stop)] == "".join(pieces)
 
 
-def test_cli_generate_json(tiny_gguf, capsys):
+def test_cli_generate_json(tiny_gguf, capsys, numpy_matmul, monkeypatch):
+    monkeypatch.setenv("KNOT_KERNELS", "off")  # the golden ids are the numpy reference path's
     from deploy.cli import main
 
     assert main(["generate", str(tiny_gguf), GOLDEN_PROMPT, "--max-tokens", "12", "--json"]) == 0

@@ -1,0 +1,111 @@
+"""Matmul kernels that compute on the quantized blocks (the C extension `_qmatmul`).
+
+`install()` registers them into common.matmul's kernel registry, so every caller of
+common.matmul.matmul uses them for the types they support. The extension is optional: when
+it was not built, install() logs why and registers nothing, and matmul stays on numpy.
+
+Numerics follow llama.cpp's CPU path: each activation row is quantized to Q8_0 (Q4_0, Q5_0,
+Q8_0 weights) or Q8_K (Q4_K, Q6_K), then integer block dot products are scaled per block.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+import numpy as np
+
+from common.matmul import Kernel, register_kernel
+from common.quant import QTensor
+
+log = logging.getLogger(__name__)
+
+try:
+    from deploy.kernels import _qmatmul
+    UNAVAILABLE_REASON = ""
+except ImportError as e:  # not built: no compiler, or the optional build failed
+    _qmatmul = None
+    UNAVAILABLE_REASON = f"C extension deploy.kernels._qmatmul not built ({e})"
+
+THREADS_ENV = "KNOT_THREADS"
+_installed: list[str] = []
+
+
+def available() -> bool:
+    return _qmatmul is not None
+
+
+def supported_types() -> list[str]:
+    """ggml type names the extension has kernels for ([] when it is not built)."""
+    return sorted(_qmatmul.TYPES) if _qmatmul else []
+
+
+def threads_from_env(env: Mapping[str, str]) -> int:
+    """KNOT_THREADS, default: the CPUs this process may run on."""
+    raw = env.get(THREADS_ENV)
+    if raw is None or raw == "":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{THREADS_ENV}={raw!r} is not an integer") from None
+    if not 1 <= n <= 256:
+        raise ValueError(f"{THREADS_ENV}={n} must be in [1, 256]")
+    return n
+
+
+def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Kernel:
+    """kernel(x (T, ne0) float32, w (ne1, ne0) of ggml_type) -> (T, ne1) float32.
+
+    simd=False runs the portable reference code, parallel=False the caller's thread only;
+    both give the same bits as the defaults (tests check it)."""
+    type_id = _qmatmul.TYPES[ggml_type]
+
+    def kernel(x: np.ndarray, w: QTensor) -> np.ndarray:
+        ne0, ne1 = w.shape
+        x = np.ascontiguousarray(x, np.float32)
+        data = w.data
+        if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        y = np.empty((len(x), ne1), np.float32)
+        _qmatmul.matmul(type_id, x, data, y, len(x), ne0, ne1, simd, parallel)  # (T, ne0) @ W.T -> (T, ne1)
+        return y
+
+    kernel.__name__ = f"qmatmul_{ggml_type}"
+    return kernel
+
+
+def describe() -> str:
+    """e.g. "avx2+avx512vnni, 2 threads" (the ISA the extension was built for)."""
+    return f"{_qmatmul.ISA}, {_qmatmul.get_threads()} threads" if _qmatmul else UNAVAILABLE_REASON
+
+
+def set_threads(n: int) -> None:
+    """Threads per matmul, the calling thread included."""
+    _qmatmul.set_threads(n)
+
+
+def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> list[str]:
+    """Register the C kernels for every type they support; return those types ([] if not built).
+
+    threads: per matmul, the caller included (default: KNOT_THREADS, else the CPU count).
+    KNOT_KERNELS=off keeps the numpy reference path (what Cloudflare's Python Workers run)."""
+    if env.get("KNOT_KERNELS", "").lower() in ("off", "0", "no", "numpy"):
+        log.info("matmul stays on numpy: KNOT_KERNELS=%s", env["KNOT_KERNELS"])
+        return []
+    if _qmatmul is None:
+        log.info("matmul stays on numpy: %s", UNAVAILABLE_REASON)
+        return []
+    _qmatmul.set_threads(threads if threads is not None else threads_from_env(env))
+    for name in supported_types():
+        register_kernel(name, make_kernel(name))
+        if name not in _installed:
+            _installed.append(name)
+    log.info("matmul kernels (%s): %s", describe(), ", ".join(_installed))
+    return list(_installed)
+
+
+def uninstall() -> None:
+    """Route the installed types back to the numpy path."""
+    while _installed:
+        register_kernel(_installed.pop(), None)

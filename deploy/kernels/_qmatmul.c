@@ -1,0 +1,309 @@
+/* y = x @ W.T computed on the quantized blocks of W, as llama.cpp's CPU path does.
+ *
+ * Each activation row is quantized like ggml's quantize_row_q8_0 (for Q4_0, Q5_0, Q8_0) or
+ * quantize_row_q8_K (for Q4_K, Q6_K); then each output is a sum of integer block dot products
+ * times the block scales (ref: ggml-cpu/arch/x86/quants.c ggml_vec_dot_*).
+ *
+ *   quants.h       block geometry, activation quantization, the reference dot products: they
+ *                  define the numerics (exact integer lanes, then float32 multiply and add in a
+ *                  fixed order, no FMA: built with -ffp-contract=off)
+ *   quants_avx2.h  the same numbers on AVX2 (+ AVX-512 VNNI), one token or four at a time
+ *   pool.h         the thread pool
+ *
+ * So a result does not depend on the ISA, on the thread count (a row is computed by one thread),
+ * or on how many tokens share the call. The GIL is released while computing. Only the buffer
+ * protocol is used (no numpy headers): x float32 (T, ne0), w uint8 raw rows, y float32 (T, ne1)
+ * written in place.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "quants.h"
+#include "quants_avx2.h"
+#include "pool.h"
+
+/* ------------------------------------------------------------------ type table */
+
+typedef struct {
+    int type;
+    const char *name;
+    int block_elems, block_bytes;
+    int act_k;  /* 0: Q8_0 activations, 1: Q8_K */
+    dot_fn ref, simd;
+    dot4_fn simd4;  /* 4 tokens at once, or NULL */
+    int corr_offset;  /* the simd kernel reads corr lanes of this offset (VNNI legacy kernels) */
+} qtype_t;
+
+#if HAVE_VNNI
+#define Q8_0_CORR Q8_0_OFFSET
+#define Q4_0_CORR Q4_0_OFFSET
+#define Q5_0_CORR Q5_0_OFFSET
+#else
+#define Q8_0_CORR 0
+#define Q4_0_CORR 0
+#define Q5_0_CORR 0
+#endif
+
+static const qtype_t QTYPES[] = {
+#if HAVE_AVX2
+    {GGML_Q4_0, "Q4_0", QK, Q4_0_BYTES, 0, dot_q4_0_ref, dot_q4_0_avx2, dot4_q4_0_avx2, Q4_0_CORR},
+    {GGML_Q5_0, "Q5_0", QK, Q5_0_BYTES, 0, dot_q5_0_ref, dot_q5_0_avx2, dot4_q5_0_avx2, Q5_0_CORR},
+    {GGML_Q8_0, "Q8_0", QK, Q8_0_BYTES, 0, dot_q8_0_ref, dot_q8_0_avx2, dot4_q8_0_avx2, Q8_0_CORR},
+    {GGML_Q4_K, "Q4_K", QK_K, Q4_K_BYTES, 1, dot_q4_K_ref, dot_q4_K_avx2, dot4_q4_K_avx2, 0},
+    {GGML_Q6_K, "Q6_K", QK_K, Q6_K_BYTES, 1, dot_q6_K_ref, dot_q6_K_avx2, dot4_q6_K_avx2, 0},
+#else
+    {GGML_Q4_0, "Q4_0", QK, Q4_0_BYTES, 0, dot_q4_0_ref, dot_q4_0_ref, NULL, 0},
+    {GGML_Q5_0, "Q5_0", QK, Q5_0_BYTES, 0, dot_q5_0_ref, dot_q5_0_ref, NULL, 0},
+    {GGML_Q8_0, "Q8_0", QK, Q8_0_BYTES, 0, dot_q8_0_ref, dot_q8_0_ref, NULL, 0},
+    {GGML_Q4_K, "Q4_K", QK_K, Q4_K_BYTES, 1, dot_q4_K_ref, dot_q4_K_ref, NULL, 0},
+    {GGML_Q6_K, "Q6_K", QK_K, Q6_K_BYTES, 1, dot_q6_K_ref, dot_q6_K_ref, NULL, 0},
+#endif
+};
+#define N_QTYPES ((int)(sizeof(QTYPES) / sizeof(QTYPES[0])))
+
+static const qtype_t *find_qtype(int type) {
+    for (int i = 0; i < N_QTYPES; i++)
+        if (QTYPES[i].type == type) return &QTYPES[i];
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+typedef struct {
+    const float *x;
+    act_t a;
+    int ne0, act_k, simd;
+    int corr_offset;  /* > 0: fill a.corr for the VNNI legacy kernels */
+    int rows_per_task;
+} quant_ctx;
+
+static void quant_task(void *vctx, int task) {  /* one task = rows_per_task activation rows */
+    const quant_ctx *c = vctx;
+    const int nblk = c->ne0 / (c->act_k ? QK_K : QK);
+    for (int t = task * c->rows_per_task, end = t + c->rows_per_task; t < end; t++) {
+        const float *x = c->x + (size_t)t * c->ne0;
+        int8_t *qs = c->a.qs + (size_t)t * c->ne0;
+        float *d = c->a.d + (size_t)t * nblk;
+        if (c->act_k) quantize_row_q8_K(x, qs, d, c->a.bsums + (size_t)t * (c->ne0 / 16), c->ne0);
+#if HAVE_AVX2
+        else if (c->simd) quantize_row_q8_0_avx2(x, qs, d, c->ne0);
+#endif
+        else quantize_row_q8_0(x, qs, d, c->ne0);
+        if (c->corr_offset) lane_corr(qs, c->a.corr + (size_t)t * (c->ne0 / 4), c->ne0, c->corr_offset);
+    }
+}
+
+typedef struct {
+    dot_fn dot;
+    dot4_fn dot4;
+    const uint8_t *w;
+    size_t row_bytes;
+    int ne0, ne1, nb, T;
+    act_t a;
+    float *y;
+    int rows_per_task, tok_tile;
+} mm_ctx;
+
+static inline const void *act_aux(const mm_ctx *c, int t) {  /* token t's bsums or corr lanes */
+    return c->a.bsums ? (const void *)(c->a.bsums + (size_t)t * (c->ne0 / 16))
+         : c->a.corr ? (const void *)(c->a.corr + (size_t)t * (c->ne0 / 4)) : NULL;
+}
+
+static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of W, all tokens */
+    const mm_ctx *c = vctx;
+    const int r0 = task * c->rows_per_task;
+    const int r1 = r0 + c->rows_per_task < c->ne1 ? r0 + c->rows_per_task : c->ne1;
+    const toks_t tk0 = {c->a.qs, c->a.d, act_aux(c, 0), (size_t)c->ne0, (size_t)c->nb,
+                        c->a.bsums ? (size_t)(c->ne0 / 16) : (size_t)(c->ne0 / 4)};
+    for (int t0 = 0; t0 < c->T; t0 += c->tok_tile) {
+        const int t1 = t0 + c->tok_tile < c->T ? t0 + c->tok_tile : c->T;
+        for (int r = r0; r < r1; r++) {
+            const uint8_t *wr = c->w + (size_t)r * c->row_bytes;
+            int t = t0;
+            for (; c->dot4 && t + 4 <= t1; t += 4) {  /* 4 tokens per pass over the row */
+                toks_t tk = tk0;
+                tk.q += (size_t)t * tk.q_stride;
+                tk.d += (size_t)t * tk.d_stride;
+                tk.aux = act_aux(c, t);
+                float out[4];
+                c->dot4(wr, tk, c->nb, out);
+                for (int i = 0; i < 4; i++) c->y[(size_t)(t + i) * c->ne1 + r] = out[i];
+            }
+            for (; t < t1; t++)
+                c->y[(size_t)t * c->ne1 + r] = c->dot(wr, c->a.qs + (size_t)t * c->ne0,
+                                                      c->a.d + (size_t)t * c->nb, act_aux(c, t), c->nb);
+        }
+    }
+}
+
+/* y (T, ne1) = x (T, ne0) @ W.T; returns 0, or -1 when out of memory */
+static int qmatmul(const qtype_t *qt, const float *x, const uint8_t *w, float *y,
+                   int T, int ne0, int ne1, int simd, int parallel) {
+    const int nb = ne0 / qt->block_elems;
+    const int nblk_act = ne0 / (qt->act_k ? QK_K : QK);
+    act_t a = {0};
+    a.qs = malloc((size_t)T * ne0);
+    a.d = malloc((size_t)T * nblk_act * sizeof(float));
+    const int corr_offset = simd && HAVE_AVX2 ? qt->corr_offset : 0;
+    if (qt->act_k) a.bsums = malloc((size_t)T * (ne0 / 16) * sizeof(int16_t));
+    if (corr_offset) a.corr = malloc((size_t)T * (ne0 / 4) * sizeof(int32_t));
+    if (!a.qs || !a.d || (qt->act_k && !a.bsums) || (corr_offset && !a.corr)) {
+        free(a.qs); free(a.d); free(a.bsums); free(a.corr);
+        return -1;
+    }
+    quant_ctx qc = {x, a, ne0, qt->act_k, simd, corr_offset, T >= 16 ? 4 : 1};
+    const int n_qtasks = T / qc.rows_per_task;
+    parallel_for(quant_task, &qc, n_qtasks, parallel && T >= 16);
+    quant_ctx rest = qc;
+    rest.rows_per_task = 1;
+    for (int t = n_qtasks * qc.rows_per_task; t < T; t++) quant_task(&rest, t);  /* remainder rows */
+
+    mm_ctx c = {simd && HAVE_AVX2 ? qt->simd : qt->ref, simd && HAVE_AVX2 ? qt->simd4 : NULL,
+                w, (size_t)nb * qt->block_bytes,
+                ne0, ne1, nb, T, a, y, 1, 1};
+    /* tokens per tile: a multiple of 4 whose activations (qs, corr lanes) stay in L1 while the
+     * task's rows of W go by */
+    const size_t act_bytes = (size_t)ne0 * (corr_offset ? 2 : 1) + (size_t)(ne0 / 16) * 2;
+    c.tok_tile = (int)((16u << 10) / act_bytes) / 4 * 4;
+    if (c.tok_tile < 4) c.tok_tile = 4;
+    /* rows per task: about 16 KiB of W, and at least 4 tasks per thread when there are rows */
+    const size_t bytes_total = c.row_bytes * (size_t)ne1;
+    int rpt = (int)((16u << 10) / c.row_bytes);
+    if (rpt < 1) rpt = 1;
+    const int min_tasks = 4 * P.n_threads;
+    if (ne1 / rpt < min_tasks) rpt = ne1 / min_tasks > 0 ? ne1 / min_tasks : 1;
+    c.rows_per_task = rpt;
+    const int n_tasks = (ne1 + rpt - 1) / rpt;
+    /* small products cost less than a wake-up of the workers */
+    const int par = parallel && (bytes_total * (size_t)T >= (32u << 10));
+    parallel_for(mm_task, &c, n_tasks, par);
+    free(a.qs); free(a.d); free(a.bsums); free(a.corr);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Python bindings */
+
+static int get_buf(PyObject *o, Py_buffer *b, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"ggml_type", "x", "w", "y", "T", "ne0", "ne1", "simd", "parallel", NULL};
+    int type, T, ne0, ne1, simd = 1, parallel = 1;
+    PyObject *xo, *wo, *yo;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOiii|pp", kwlist, &type, &xo, &wo, &yo,
+                                     &T, &ne0, &ne1, &simd, &parallel))
+        return NULL;
+    const qtype_t *qt = find_qtype(type);
+    if (!qt) return PyErr_Format(PyExc_ValueError, "no kernel for ggml type id %d", type);
+    if (T < 0 || ne0 <= 0 || ne1 < 0 || ne0 % qt->block_elems)
+        return PyErr_Format(PyExc_ValueError, "%s: bad shape T=%d ne0=%d ne1=%d (ne0 must be a "
+                            "multiple of %d)", qt->name, T, ne0, ne1, qt->block_elems);
+    Py_buffer xb, wb, yb;
+    if (get_buf(xo, &xb, 0, "x")) return NULL;
+    if (get_buf(wo, &wb, 0, "w")) { PyBuffer_Release(&xb); return NULL; }
+    if (get_buf(yo, &yb, 1, "y")) { PyBuffer_Release(&xb); PyBuffer_Release(&wb); return NULL; }
+    PyObject *ret = NULL;
+    const Py_ssize_t row_bytes = (Py_ssize_t)(ne0 / qt->block_elems) * qt->block_bytes;
+    if (xb.len != (Py_ssize_t)T * ne0 * 4)
+        PyErr_Format(PyExc_ValueError, "x: %zd bytes, expected %zd for float32 (%d, %d)", xb.len, (Py_ssize_t)T * ne0 * 4, T, ne0);
+    else if (wb.len != row_bytes * ne1)
+        PyErr_Format(PyExc_ValueError, "w: %zd bytes, expected %zd for %s (%d, %d)", wb.len, row_bytes * ne1, qt->name, ne1, ne0);
+    else if (yb.len != (Py_ssize_t)T * ne1 * 4)
+        PyErr_Format(PyExc_ValueError, "y: %zd bytes, expected %zd for float32 (%d, %d)", yb.len, (Py_ssize_t)T * ne1 * 4, T, ne1);
+    else {
+        int rc = 0;
+        if (T > 0 && ne1 > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            rc = qmatmul(qt, xb.buf, wb.buf, yb.buf, T, ne0, ne1, simd, parallel);
+            Py_END_ALLOW_THREADS
+        }
+        if (rc) PyErr_NoMemory();
+        else ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&yb);
+    return ret;
+}
+
+/* quantize(x float32 (T, ne0) buffer, T, ne0, k) -> (qs bytes, d bytes float32, bsums bytes int16 | None) */
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo;
+    int T, ne0, k, simd = 1;
+    if (!PyArg_ParseTuple(args, "Oiip|p", &xo, &T, &ne0, &k, &simd)) return NULL;
+    const int blk = k ? QK_K : QK;
+    if (T < 0 || ne0 <= 0 || ne0 % blk) return PyErr_Format(PyExc_ValueError, "ne0=%d is not a multiple of %d", ne0, blk);
+    Py_buffer xb;
+    if (get_buf(xo, &xb, 0, "x")) return NULL;
+    if (xb.len != (Py_ssize_t)T * ne0 * 4) {
+        PyBuffer_Release(&xb);
+        return PyErr_Format(PyExc_ValueError, "x: %zd bytes, expected %zd", xb.len, (Py_ssize_t)T * ne0 * 4);
+    }
+    PyObject *qs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)T * ne0);
+    PyObject *d = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)T * (ne0 / blk) * 4);
+    PyObject *bs = k ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)T * (ne0 / 16) * 2) : Py_NewRef(Py_None);
+    if (!qs || !d || !bs) { Py_XDECREF(qs); Py_XDECREF(d); Py_XDECREF(bs); PyBuffer_Release(&xb); return NULL; }
+    quant_ctx c = {xb.buf, {(int8_t *)PyBytes_AS_STRING(qs), (float *)PyBytes_AS_STRING(d),
+                            k ? (int16_t *)PyBytes_AS_STRING(bs) : NULL, NULL}, ne0, k, simd, 0, T};
+    if (T) quant_task(&c, 0);
+    PyBuffer_Release(&xb);
+    return Py_BuildValue("(NNN)", qs, d, bs);
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    (void)self;
+    int n;
+    double spin_us = -1;
+    if (!PyArg_ParseTuple(args, "i|d", &n, &spin_us)) return NULL;
+    if (n < 1 || n > MAX_THREADS) return PyErr_Format(PyExc_ValueError, "threads must be in [1, %d], got %d", MAX_THREADS, n);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&P.busy);
+    if (P.pid == getpid()) pool_stop();
+    P.n_threads = n;
+    if (spin_us >= 0) P.spin_ns = (long)(spin_us * 1000.0);
+    pthread_mutex_unlock(&P.busy);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_threads(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyLong_FromLong(P.n_threads);
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS,
+     "matmul(ggml_type, x, w, y, T, ne0, ne1, simd=True, parallel=True): y (T, ne1) = x (T, ne0) @ W.T"},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(x, T, ne0, k, simd=True) -> (qs, d, bsums|None): the Q8_0 (k false) or Q8_K activation"},
+    {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): threads per matmul, caller included"},
+    {"get_threads", py_get_threads, METH_NOARGS, "threads per matmul, caller included"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", "Quantized matmul kernels (ggml blocks).", -1,
+                                     methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__qmatmul(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *types = PyDict_New();
+    for (int i = 0; i < N_QTYPES; i++) {
+        PyObject *v = PyLong_FromLong(QTYPES[i].type);
+        PyDict_SetItemString(types, QTYPES[i].name, v);
+        Py_DECREF(v);
+    }
+    PyModule_AddObject(m, "TYPES", types);  /* name -> ggml type id */
+    PyModule_AddStringConstant(m, "ISA", HAVE_VNNI ? "avx2+avx512vnni" : HAVE_AVX2 ? "avx2" : "scalar");
+    static int forked_hook = 0;
+    if (!forked_hook) { pthread_atfork(NULL, NULL, after_fork_child); forked_hook = 1; }
+    return m;
+}

@@ -1,0 +1,361 @@
+/* AVX2 kernels (with AVX-512 VNNI where built for it): the same numbers as the reference dot
+ * products of quants.h, bit for bit, computed on 32-byte vectors. Included once, by _qmatmul.c. */
+#ifndef KNOT_QUANTS_AVX2_H
+#define KNOT_QUANTS_AVX2_H
+
+#include "quants.h"
+
+/* ------------------------------------------------------------------ dot products: AVX2 */
+#if HAVE_AVX2
+
+static inline float hsum8_ps(__m256 a) {
+    float v[8];
+    _mm256_storeu_ps(v, a);
+    return hsum8(v);
+}
+
+static inline __m256 lanes_acc(__m256 acc, __m256i s, float d) {
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d)));
+}
+
+static inline __m256i nibbles_32(const uint8_t *p) {  /* 16 bytes -> low nibbles | high nibbles */
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+#if HAVE_VNNI
+    __m256i b = _mm256_broadcastsi128_si256(t);
+    b = _mm256_mask_srli_epi16(b, 0xFF00, b, 4);  /* the upper 128 bits: high nibbles */
+#else
+    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+#endif
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+}
+
+#if HAVE_VNNI
+/* The 32 weight quants of a legacy block plus an offset, unsigned, for vpdpbusd; the activation's
+ * corr lanes (-offset * sums of 4) make the dot signed again. */
+#define Q8_0_OFFSET 128
+#define Q4_0_OFFSET 8
+#define Q5_0_OFFSET 16
+static inline __m256i unpack_q8_0(const uint8_t *w) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_set1_epi8((char)0x80));
+}
+
+static inline __m256i unpack_q4_0(const uint8_t *w) { return nibbles_32(w + 2); }
+
+static inline __m256i unpack_q5_0(const uint8_t *w) {
+    uint32_t qh; memcpy(&qh, w + 2, 4);
+    const __m256i x = nibbles_32(w + 6);
+    return _mm256_mask_add_epi8(x, (__mmask32)qh, x, _mm256_set1_epi8(16));  /* 5th bit: +16 */
+}
+
+/* ref: ggml_vec_dot_q8_0_q8_0 / q4_0 / q5_0, AVX2 branch (mul + add in place of its fmadd) */
+#define LEGACY_DOTS(name, BYTES)                                                                   \
+static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *ad,                \
+                               const void *aux, int nb) {                                         \
+    const int32_t *corr = aux;                                                                     \
+    __m256 acc = _mm256_setzero_ps();                                                              \
+    _Pragma("GCC unroll 2")                                                                        \
+    for (int b = 0; b < nb; b++, w += BYTES, q += QK, corr += 8) {                                \
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)corr),         \
+                                              unpack_##name(w), _mm256_loadu_si256((const __m256i *)q)); \
+        acc = lanes_acc(acc, s, f16_to_f32(rd16(w)) * ad[b]);                                      \
+    }                                                                                              \
+    return hsum8_ps(acc);                                                                          \
+}
+#define LEGACY_DOT4(name, BYTES)                                                                   \
+static void dot4_##name##_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {              \
+    const int8_t *q = tk.q;                                                                        \
+    const int32_t *corr = tk.aux;                                                                  \
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+    for (int b = 0; b < nb; b++, w += BYTES, q += QK, corr += 8) {                                \
+        const __m256i x = unpack_##name(w);                                                        \
+        const float wd = f16_to_f32(rd16(w));                                                      \
+        for (int i = 0; i < 4; i++) {                                                              \
+            const __m256i s = _mm256_dpbusd_epi32(                                                 \
+                _mm256_loadu_si256((const __m256i *)(corr + i * tk.aux_stride)), x,               \
+                _mm256_loadu_si256((const __m256i *)(q + i * tk.q_stride)));                       \
+            acc[i] = lanes_acc(acc[i], s, wd * tk.d[b + i * tk.d_stride]);                         \
+        }                                                                                          \
+    }                                                                                              \
+    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]);                                         \
+}
+#else
+/* The 32 signed weight quants of a legacy block. */
+static inline __m256i unpack_q8_0(const uint8_t *w) { return _mm256_loadu_si256((const __m256i *)(w + 2)); }
+
+static inline __m256i unpack_q4_0(const uint8_t *w) {
+    return _mm256_sub_epi8(nibbles_32(w + 2), _mm256_set1_epi8(8));
+}
+
+static inline __m256i unpack_q5_0(const uint8_t *w) {
+    uint32_t qh; memcpy(&qh, w + 2, 4);
+    const __m256i x = nibbles_32(w + 6);
+    /* ref: bytes_from_bits_32; bytes without the 5th bit get 0xF0 (= nibble - 16) */
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+    hb = _mm256_cmpeq_epi8(_mm256_or_si256(hb, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(x, _mm256_andnot_si256(hb, _mm256_set1_epi8((char)0xF0)));
+}
+
+/* signed x * signed y, summed in int32 lanes of 4 (|y| <= 127, so no int16 saturation) */
+static inline __m256i dot_i8_lanes(__m256i x, __m256i y) {
+    const __m256i ax = _mm256_sign_epi8(x, x), sy = _mm256_sign_epi8(y, x);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+}
+
+/* ref: ggml_vec_dot_q8_0_q8_0 / q4_0 / q5_0, AVX2 branch (mul + add in place of its fmadd) */
+#define LEGACY_DOTS(name, BYTES)                                                                   \
+static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *ad,                \
+                               const void *aux, int nb) {                                         \
+    (void)aux;                                                                                     \
+    __m256 acc = _mm256_setzero_ps();                                                              \
+    _Pragma("GCC unroll 2")                                                                        \
+    for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
+        const __m256i y = _mm256_loadu_si256((const __m256i *)q);                                 \
+        acc = lanes_acc(acc, dot_i8_lanes(unpack_##name(w), y), f16_to_f32(rd16(w)) * ad[b]);    \
+    }                                                                                              \
+    return hsum8_ps(acc);                                                                          \
+}
+#define LEGACY_DOT4(name, BYTES)                                                                   \
+static void dot4_##name##_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {              \
+    const int8_t *q = tk.q;                                                                        \
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+    for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
+        const __m256i x = unpack_##name(w);                                                        \
+        const float wd = f16_to_f32(rd16(w));                                                      \
+        for (int i = 0; i < 4; i++) {                                                              \
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(q + i * tk.q_stride));         \
+            acc[i] = lanes_acc(acc[i], dot_i8_lanes(x, y), wd * tk.d[b + i * tk.d_stride]);       \
+        }                                                                                          \
+    }                                                                                              \
+    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]);                                         \
+}
+#endif
+
+LEGACY_DOTS(q8_0, Q8_0_BYTES)
+LEGACY_DOTS(q4_0, Q4_0_BYTES)
+LEGACY_DOTS(q5_0, Q5_0_BYTES)
+LEGACY_DOT4(q8_0, Q8_0_BYTES)
+LEGACY_DOT4(q4_0, Q4_0_BYTES)
+LEGACY_DOT4(q5_0, Q5_0_BYTES)
+
+static inline float hsum4_ps(__m128 a) {
+    float v[4];
+    _mm_storeu_ps(v, a);
+    return hsum4(v);
+}
+
+/* The 12 packed bytes at w + 4 -> sc0..7 | m0..7, as q4_k_scales (reads 4 bytes past them, in qs):
+ *   sc j<4: s[j] & 63         sc j>=4: (s[j+4] & 15) | (s[j-4] >> 6) << 4
+ *   m  j<4: s[j+4] & 63       m  j>=4: (s[j+4] >> 4) | (s[j] >> 6) << 4 */
+static inline __m128i q4_k_scales_sse(const uint8_t *w) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(w + 4));
+    const __m128i lo = _mm_and_si128(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, -1, -1, -1, -1)),
+                                     _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i nib = _mm_and_si128(_mm_shuffle_epi8(_mm_srli_epi16(v, 4), _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 8, 9, 10, 11)),
+                                      _mm_set1_epi8(15));
+    const __m128i top = _mm_and_si128(_mm_shuffle_epi8(_mm_srli_epi16(v, 2), _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7)),
+                                      _mm_set1_epi8(0x30));
+    return _mm_or_si128(_mm_or_si128(lo, nib), top);
+}
+
+/* broadcast int16 lane i of the Q4_K scales (ref: get_scale_shuffle_k4) */
+static const uint8_t Q4_K_SHUFFLE[8][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1},
+    {2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5},
+    {6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9},
+    {10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13},
+    {14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
+};
+
+/* ref: ggml_vec_dot_q4_K_q8_K, AVX2 branch: 8 float lanes for the scales, 4 for the mins */
+static float dot_q4_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
+    const int16_t *bs = aux;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++, w += Q4_K_BYTES, q += QK_K, bs += QK_K / 16) {
+        const __m256i sm = _mm256_cvtepu8_epi16(q4_k_scales_sse(w));  /* sc0..7 | m0..7 as int16 */
+        /* mins: lane i = m[2i] * bsum32[2i] + m[2i+1] * bsum32[2i+1] */
+        const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
+                                            _mm_loadu_si128((const __m128i *)(bs + 8)));
+        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bs32);
+        accm = _mm_add_ps(accm, _mm_mul_ps(_mm_cvtepi32_ps(prod), _mm_set1_ps(ad[b] * f16_to_f32(rd16(w + 2)))));
+        const __m128i sc128 = _mm256_castsi256_si128(sm);
+        const __m256i scales = _mm256_inserti128_si256(_mm256_castsi128_si256(sc128), sc128, 1);
+        const uint8_t *qs = w + 16;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 64; j++) {
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j]));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j + 1]));
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            const __m256i ql = _mm256_and_si256(bits, m4);
+            const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m256i yl = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+            const __m256i yh = _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32));
+            const __m256i pl = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(ql, yl));
+            const __m256i ph = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(qh, yh));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+        }
+        acc = lanes_acc(acc, sumi, ad[b] * f16_to_f32(rd16(w)));
+    }
+    return hsum8_ps(acc) - hsum4_ps(accm);
+}
+
+/* bytes: Q6_K scale 2i x8, scale 2i+1 x8 (ref: get_scale_shuffle) */
+static const uint8_t Q6_K_SHUFFLE[8][16] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+    {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+    {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+    {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+    {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+
+/* ref: ggml_vec_dot_q6_K_q8_K, AVX2 branch, with the -32 offset taken from the activation's
+ * 16-element sums (as its AVX branch does) */
+static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
+    const int16_t *bs = aux;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += Q6_K_BYTES, q += QK_K, bs += QK_K / 16) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
+        /* lane k: 32 * (sc[2k] * bsum[2k] + sc[2k+1] * bsum[2k+1]), the -32 offset of the quants */
+        const __m256i corr = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales),
+                                               _mm256_loadu_si256((const __m256i *)bs));
+        __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+        for (int h = 0; h < 2; h++) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i bh = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(b1, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
+            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(b2, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4));
+            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4));
+            const int8_t *y = q + 128 * h;
+            __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *)(y + 0)));
+            __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *)(y + 32)));
+            __m256i p2 = _mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *)(y + 64)));
+            __m256i p3 = _mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *)(y + 96)));
+            p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 0]))), p0);
+            p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 1]))), p1);
+            p2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 2]))), p2);
+            p3 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 3]))), p3);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+        }
+        acc = lanes_acc(acc, sumi, ad[b] * f16_to_f32(rd16(w + 208)));
+    }
+    return hsum8_ps(acc);
+}
+
+static void dot4_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[4];
+    __m128 accm[4];
+    for (int i = 0; i < 4; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b++, w += Q4_K_BYTES) {
+        const __m256i sm = _mm256_cvtepu8_epi16(q4_k_scales_sse(w));
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        const float wd = f16_to_f32(rd16(w)), wdmin = f16_to_f32(rd16(w + 2));
+        const __m128i sc128 = _mm256_castsi256_si128(sm);
+        const __m256i scales = _mm256_inserti128_si256(_mm256_castsi128_si256(sc128), sc128, 1);
+        __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int j = 0; j < QK_K / 64; j++) {
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j]));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j + 1]));
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m256i ql = _mm256_and_si256(bits, m4);
+            const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            for (int i = 0; i < 4; i++) {
+                const int8_t *q = tk.q + i * tk.q_stride + (size_t)b * QK_K + 64 * j;
+                const __m256i pl = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)q)));
+                const __m256i ph = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(q + 32))));
+                sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(pl, ph));
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            const int16_t *bs = (const int16_t *)tk.aux + i * tk.aux_stride + (size_t)b * (QK_K / 16);
+            const float ad = tk.d[b + i * tk.d_stride];
+            const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+            accm[i] = _mm_add_ps(accm[i], _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(ad * wdmin)));
+            acc[i] = lanes_acc(acc[i], sumi[i], ad * wd);
+        }
+    }
+    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]) - hsum4_ps(accm[i]);
+}
+
+static void dot4_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++, w += Q6_K_BYTES) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(scales);
+        const float wd = f16_to_f32(rd16(w + 208));
+        __m256i sumi[4];
+        for (int i = 0; i < 4; i++) {
+            const int16_t *bs = (const int16_t *)tk.aux + i * tk.aux_stride + (size_t)b * (QK_K / 16);
+            sumi[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                       _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)bs)), 5));
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i bh = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i qv[4], sv[4];
+            qv[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
+            qv[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m3), 4));
+            qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m3), 4));
+            qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4));
+            for (int k = 0; k < 4; k++)
+                sv[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + k])));
+            for (int i = 0; i < 4; i++) {
+                const int8_t *y = tk.q + i * tk.q_stride + (size_t)b * QK_K + 128 * h;
+                const __m256i p0 = _mm256_madd_epi16(sv[0], _mm256_maddubs_epi16(qv[0], _mm256_loadu_si256((const __m256i *)(y + 0))));
+                const __m256i p1 = _mm256_madd_epi16(sv[1], _mm256_maddubs_epi16(qv[1], _mm256_loadu_si256((const __m256i *)(y + 32))));
+                const __m256i p2 = _mm256_madd_epi16(sv[2], _mm256_maddubs_epi16(qv[2], _mm256_loadu_si256((const __m256i *)(y + 64))));
+                const __m256i p3 = _mm256_madd_epi16(sv[3], _mm256_maddubs_epi16(qv[3], _mm256_loadu_si256((const __m256i *)(y + 96))));
+                sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+            }
+        }
+        for (int i = 0; i < 4; i++) acc[i] = lanes_acc(acc[i], sumi[i], tk.d[b + i * tk.d_stride] * wd);
+    }
+    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]);
+}
+
+/* AVX2 q8_0 quantization: same operations as quantize_row_q8_0 above, 32 at a time */
+static void quantize_row_q8_0_avx2(const float *x, int8_t *qs, float *d, int ne0) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < ne0 / QK; b++, x += QK, qs += QK) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(x + 8 * k);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        d[b] = round_f16(amax / 127.f);
+        const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.f / amax : 0.0f);
+        __m256i i[4];
+        for (int k = 0; k < 4; k++)
+            i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)qs, p);
+    }
+}
+#endif /* HAVE_AVX2 */
+
+#endif

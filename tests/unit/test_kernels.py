@@ -1,0 +1,411 @@
+"""deploy.kernels (the C extension _qmatmul): matmul on the quantized blocks, as llama.cpp's CPU path.
+
+Three kinds of proof:
+- exact: the activation quantization (Q8_0 / Q8_K) and the whole product equal a pure-numpy
+  emulation of the same integer block dot products and float32 operations, bit for bit;
+- invariance: the AVX2 code equals the portable C reference, any thread count equals one
+  thread, and a T-token call equals T one-token calls, bit for bit;
+- closeness: against the numpy reference x @ dequantize(W).T, the error stays within the
+  bound of the activation's rounding to 8 bits: sum_i |w_i| * (half a quantization step of x_i).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from common import matmul as mm
+from common.quant import QUANT_TYPES, QTensor
+from deploy import kernels
+from tests.unit.test_quant import random_raw
+
+if not kernels.available():
+    pytest.skip(f"matmul kernels not built: {kernels.UNAVAILABLE_REASON}. They are optional "
+                "(pip install -e . compiles them when gcc is present); numpy serves matmul.",
+                allow_module_level=True)
+
+from deploy.kernels import _qmatmul  # noqa: E402
+
+TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
+K_TYPES = {"Q4_K", "Q6_K"}  # activations quantized to Q8_K; the others to Q8_0
+f32 = np.float32
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    kernels.set_threads(2)  # two threads even on a one-CPU machine: the split is what is tested
+    yield
+    kernels.uninstall()
+
+
+def qtensor(ggml_type: str, ne0: int, ne1: int, seed: int = 0) -> QTensor:
+    """Random blocks with finite f16 scales (tiny, subnormal and negative ones too)."""
+    raw = random_raw(ggml_type, ne1, ne0, np.random.default_rng(seed))
+    return QTensor(f"blk.0.{ggml_type}.weight", ggml_type, (ne0, ne1), raw.reshape(-1))
+
+
+def activations(T: int, ne0: int, seed: int = 1) -> np.ndarray:
+    """Normal rows with a wide dynamic range across 32-element blocks, and one all-zero block."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, ne0)).astype(f32)
+    x *= (10.0 ** rng.integers(-3, 3, (T, ne0 // 32, 1))).repeat(32, axis=2).reshape(T, ne0).astype(f32)
+    x[:, 32:64] = 0
+    return x
+
+
+# ---- numpy emulation: activation quantization
+# ref: x86 quants.c quantize_row_q8_0 (AVX2: id = 127 / amax, round half to even, d stored f16)
+
+def q8_0_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, ne0) -> qs int8 (T, ne0), d float32 (T, ne0 / 32) as the dot product reads it."""
+    T, ne0 = x.shape
+    xb = x.reshape(T, ne0 // 32, 32)
+    amax = np.abs(xb).max(axis=2)
+    d = (amax / f32(127)).astype(np.float16).astype(f32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax != 0, f32(127) / amax, f32(0)).astype(f32)
+    qs = np.rint(xb * idv[..., None]).astype(np.int8)
+    return qs.reshape(T, ne0), d
+
+
+# ref: ggml-quants.c quantize_row_q8_K_ref (iscale = -127 / signed max, d = 1 / iscale in f32)
+def q8_k_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (T, ne0) -> qs int8 (T, ne0), d float32 (T, ne0 / 256), bsums int16 (T, ne0 / 16)."""
+    T, ne0 = x.shape
+    xb = x.reshape(T, ne0 // 256, 256)
+    mx = np.take_along_axis(xb, np.abs(xb).argmax(axis=2)[..., None], axis=2)[..., 0]  # first max
+    zero = mx == 0
+    with np.errstate(divide="ignore"):
+        iscale = np.where(zero, f32(0), f32(-127) / np.where(zero, f32(1), mx)).astype(f32)
+    qs = np.minimum(np.rint(xb * iscale[..., None]), 127).astype(np.int8)
+    d = np.where(zero, f32(0), f32(1) / np.where(zero, f32(1), iscale)).astype(f32)
+    bsums = qs.reshape(T, ne0 // 16, 16).sum(axis=2, dtype=np.int64).astype(np.int16)
+    return qs.reshape(T, ne0), d, bsums
+
+
+# ---- numpy emulation: weight quants as integers (independent of common.quant)
+
+def f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(f32)[:, 0]
+
+
+def legacy_ints(w: QTensor) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 / Q5_0 / Q8_0 -> signed quants int64 (ne1, nb, 32), d float32 (ne1, nb)."""
+    ne0, ne1 = w.shape
+    t = QUANT_TYPES[w.ggml_type]
+    blocks = w.data.reshape(-1, t.block_bytes)
+    if w.ggml_type == "Q8_0":
+        q = blocks[:, 2:].view(np.int8).astype(np.int64)
+    else:
+        at = 2 if w.ggml_type == "Q4_0" else 6
+        qs = blocks[:, at:at + 16].astype(np.int64)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # elements 0..15 low, 16..31 high nibbles
+        if w.ggml_type == "Q4_0":
+            q -= 8
+        else:
+            qh = blocks[:, 2:6].copy().view(np.uint32).astype(np.int64)  # (n, 1)
+            q |= ((qh >> np.arange(32)) & 1) << 4
+            q -= 16
+    return q.reshape(ne1, -1, 32), f16(blocks, 0).reshape(ne1, -1)
+
+
+def q4_k_ints(w: QTensor):
+    """-> q int64 (ne1, nb, 256) in 0..15, sc, m int64 (ne1, nb, 8), d, dmin float32 (ne1, nb)."""
+    ne0, ne1 = w.shape
+    blocks = w.data.reshape(-1, QUANT_TYPES["Q4_K"].block_bytes)
+    s = blocks[:, 4:16].astype(np.int64)
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:].astype(np.int64).reshape(-1, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)  # 64j + l low, 64j + 32 + l high
+    return (q.reshape(ne1, -1, 256), sc.reshape(ne1, -1, 8), m.reshape(ne1, -1, 8),
+            f16(blocks, 0).reshape(ne1, -1), f16(blocks, 2).reshape(ne1, -1))
+
+
+def q6_k_ints(w: QTensor):
+    """-> q int64 (ne1, nb, 256) in -32..31, sc int64 (ne1, nb, 16), d float32 (ne1, nb)."""
+    ne0, ne1 = w.shape
+    blocks = w.data.reshape(-1, QUANT_TYPES["Q6_K"].block_bytes)
+    ql = blocks[:, :128].astype(np.int64).reshape(-1, 2, 2, 32)  # (n, half, 32-byte run, l)
+    qh = blocks[:, 128:192].astype(np.int64).reshape(-1, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # (n, half, k, l): k = 0, 1 low; 2, 3 high
+    high = (qh >> (2 * np.arange(4)).reshape(1, 1, 4, 1)) & 3
+    q = (low | high << 4) - 32
+    sc = blocks[:, 192:208].view(np.int8).astype(np.int64)
+    return q.reshape(ne1, -1, 256), sc.reshape(ne1, -1, 16), f16(blocks, 208).reshape(ne1, -1)
+
+
+def hsum8(a: np.ndarray) -> np.ndarray:
+    """ggml's hsum_float_8 order over the last axis of 8 lanes."""
+    a = [a[..., k] for k in range(8)]
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+
+
+def hsum4(a: np.ndarray) -> np.ndarray:
+    return (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
+
+
+def accumulate(lanes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """lanes int (T, ne1, nb, L), d float32 (T, ne1, nb) -> float32 (T, ne1, L): acc += lane * d,
+    block after block, as the kernels do (a multiply, then an add: no fused multiply-add)."""
+    acc = np.zeros(lanes.shape[:2] + lanes.shape[3:], f32)
+    for b in range(lanes.shape[2]):
+        acc = acc + lanes[:, :, b].astype(f32) * d[:, :, b, None]
+    return acc
+
+
+def matmul_numpy(x: np.ndarray, w: QTensor) -> np.ndarray:
+    """The kernels' arithmetic in numpy: exact integer lanes per block (lane k holds elements
+    4k..4k+3 of each run of 32), then float32 ops in the kernels' order."""
+    T = len(x)
+    if w.ggml_type in K_TYPES:
+        aq, ad, bs = q8_k_numpy(x)
+        nb = aq.shape[1] // 256
+        aq = aq.astype(np.int64).reshape(T, 1, nb, 256)
+        bs = bs.astype(np.int64).reshape(T, 1, nb, 16)
+        if w.ggml_type == "Q4_K":
+            q, sc, m, d, dmin = q4_k_ints(w)  # element 64j + 32h + l: sub-block 2j + h, lane l // 4
+            prod = (q[None] * aq).reshape(T, *q.shape[:2], 4, 2, 8, 4).sum(-1)
+            lanes = (prod * sc.reshape(*sc.shape[:2], 4, 2, 1)[None]).sum((3, 4))
+            bs32 = bs.reshape(T, 1, nb, 8, 2).sum(-1)
+            mins = (m[None] * bs32).reshape(T, *m.shape[:2], 4, 2).sum(-1)  # lane i: sub-blocks 2i, 2i+1
+            return (hsum8(accumulate(lanes, ad[:, None] * d[None]))
+                    - hsum4(accumulate(mins, ad[:, None] * dmin[None])))
+        q, sc, d = q6_k_ints(w)  # element 32c + l: scale (32c + l) // 16, lane l // 4
+        prod = (q[None] + 32) * aq * sc.repeat(16, axis=2)[None]
+        lanes = prod.reshape(T, *q.shape[:2], 8, 8, 4).sum((3, 5))
+        lanes -= 32 * (sc[None] * bs).reshape(T, *sc.shape[:2], 8, 2).sum(-1)
+        return hsum8(accumulate(lanes, ad[:, None] * d[None]))
+    aq, ad = q8_0_numpy(x)
+    q, d = legacy_ints(w)
+    aq = aq.astype(np.int64).reshape(T, 1, -1, 32)
+    lanes = (q[None] * aq).reshape(T, *q.shape[:2], 8, 4).sum(-1)  # (T, ne1, nb, 8)
+    return hsum8(accumulate(lanes, d[None] * ad[:, None]))  # f16(w.d) * x.d
+
+
+def assert_bits(a: np.ndarray, b: np.ndarray):
+    assert a.dtype == b.dtype == f32 and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# ---- exact
+
+@pytest.mark.parametrize("k", [False, True])
+@pytest.mark.parametrize("simd", [True, False])
+def test_activation_quantization_equals_numpy(k, simd):
+    x = activations(5, 1024)
+    x[2, :256] = 0  # a whole zero super-block: d = 0, qs = 0
+    qs, d, bs = _qmatmul.quantize(x, 5, 1024, k, simd)
+    want = q8_k_numpy(x) if k else q8_0_numpy(x)
+    np.testing.assert_array_equal(np.frombuffer(qs, np.int8).reshape(5, 1024), want[0])
+    np.testing.assert_array_equal(np.frombuffer(d, f32).view(np.uint32), want[1].reshape(-1).view(np.uint32))
+    if k:
+        np.testing.assert_array_equal(np.frombuffer(bs, np.int16).reshape(5, -1), want[2])
+    else:
+        assert bs is None
+
+
+CASES = [("Q8_0", 896, 37), ("Q4_0", 896, 19), ("Q5_0", 896, 41), ("Q4_K", 1024, 23), ("Q6_K", 512, 29)]
+
+
+@pytest.mark.parametrize("ggml_type, ne0, ne1", CASES)
+@pytest.mark.parametrize("T", [1, 3])
+def test_kernel_equals_numpy_emulation(ggml_type, ne0, ne1, T):
+    w = qtensor(ggml_type, ne0, ne1)
+    x = activations(T, ne0)
+    assert_bits(kernels.make_kernel(ggml_type)(x, w), matmul_numpy(x, w))
+
+
+def test_hand_computed_q8_0():
+    # one Q8_0 block, d = 0.5: w = (1, -2, 0, ..., 0, 127); x = (2, 1, 0, ..., 0, -1) * 127 / 127
+    block = np.zeros(34, np.uint8)
+    block[:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    block[2:] = np.array([1, -2] + [0] * 29 + [127], np.int8).view(np.uint8)
+    w = QTensor("w", "Q8_0", (32, 1), block)
+    x = np.zeros((1, 32), f32)
+    x[0, :2] = (127, 63.5)
+    x[0, 31] = -127  # amax 127: d = 1, q = x exactly (63.5 rounds to the even 64)
+    y = kernels.make_kernel("Q8_0")(x, w)
+    assert y.tolist() == [[0.5 * (1 * 127 - 2 * 64 - 127 * 127)]]
+
+
+# ---- invariance
+
+ODD = [("Q8_0", 896, 301), ("Q4_0", 64, 33), ("Q5_0", 896, 131), ("Q4_K", 1024, 77), ("Q6_K", 768, 53)]
+
+
+@pytest.mark.parametrize("ggml_type, ne0, ne1", ODD)
+@pytest.mark.parametrize("T", [1, 2, 17])
+def test_simd_threads_and_batch_agree_bit_for_bit(ggml_type, ne0, ne1, T):
+    w = qtensor(ggml_type, ne0, ne1, seed=T)
+    x = activations(T, ne0, seed=T + 1)
+    y = kernels.make_kernel(ggml_type)(x, w)  # AVX2 (when built for it), 2 threads
+    assert_bits(kernels.make_kernel(ggml_type, simd=False, parallel=False)(x, w), y)
+    assert_bits(kernels.make_kernel(ggml_type, parallel=False)(x, w), y)
+    kernels.set_threads(3)
+    assert_bits(kernels.make_kernel(ggml_type)(x, w), y)
+    one = kernels.make_kernel(ggml_type)
+    assert_bits(np.concatenate([one(x[t:t + 1], w) for t in range(T)]), y)
+
+
+def test_big_product_splits_across_threads_bit_for_bit():
+    # large enough for the pool (>= 32 KiB of W), many tasks, an odd row count
+    w = qtensor("Q4_K", 2048, 1001)
+    x = activations(1, 2048)
+    y = kernels.make_kernel("Q4_K")(x, w)
+    for n in (1, 2, 4):
+        kernels.set_threads(n)
+        for _ in range(3):
+            assert_bits(kernels.make_kernel("Q4_K")(x, w), y)
+
+
+# ---- closeness to the numpy reference
+
+def activation_error_bound(x: np.ndarray, k: bool) -> np.ndarray:
+    """Per element of x, the largest |x - dequantized q8 x|: half a step, plus the f16 rounding
+    of the Q8_0 scale (|q| <= 127 times half an f16 ulp), with a little float slack."""
+    T, ne0 = x.shape
+    n = 256 if k else 32
+    amax = np.abs(x.reshape(T, ne0 // n, n)).max(axis=2, keepdims=True)
+    step = amax / 127 * (0.5 + (0 if k else 127 * 2.0 ** -11) + 1e-5)
+    return np.broadcast_to(step, (T, ne0 // n, n)).reshape(T, ne0)
+
+
+@pytest.mark.parametrize("ggml_type, ne0, ne1", ODD)
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("wide", [False, True])
+def test_close_to_dequantized_reference(ggml_type, ne0, ne1, T, wide):
+    w = qtensor(ggml_type, ne0, ne1)
+    W = w.dequantize()  # (ne1, ne0)
+    x = activations(T, ne0) if wide else np.random.default_rng(T).standard_normal((T, ne0)).astype(f32)
+    y = kernels.make_kernel(ggml_type)(x, w)
+    ref = x.astype(np.float64) @ W.T.astype(np.float64)
+    scale = np.abs(x) @ np.abs(W.T)  # sum |x_i w_i|
+    bound = activation_error_bound(x, ggml_type in K_TYPES).astype(np.float64) @ np.abs(W.T) + 1e-5 * scale
+    err = np.abs(y - ref)
+    assert np.all(err <= bound), float(np.max(err / bound))
+    rel = float(np.max(err[scale > 0] / scale[scale > 0]))
+    print(f"{ggml_type} T={T} {'wide-range' if wide else 'normal'} x: "
+          f"max |y - x @ W.T| / sum|x w| = {rel:.2e}, max err / bound = {np.max(err[bound > 0] / bound[bound > 0]):.2f}")
+    if not wide:  # one scale per block of 32 (Q8_0) or 256 (Q8_K) of a normal row: about 1/254
+        assert rel < 1e-2
+
+
+# ---- registry and errors
+
+def test_install_routes_matmul_and_uninstall_restores():
+    w = qtensor("Q5_0", 896, 40)
+    x = activations(2, 896)
+    assert set(kernels.install(threads=2)) == set(TYPES) == set(kernels.supported_types())
+    assert mm.get_kernel("Q5_0") is not None and mm.get_kernel("Q4_1") is None
+    assert_bits(mm.matmul(x, w), kernels.make_kernel("Q5_0")(x, w))
+    assert_bits(mm.matmul(x[0], w), kernels.make_kernel("Q5_0")(x[:1], w)[0])  # 1-D x
+    kernels.uninstall()
+    assert mm.get_kernel("Q5_0") is None
+    assert_bits(mm.matmul(x, w), mm.matmul_tiled(x, w))
+
+
+def test_rows_view_and_zero_input():
+    w = qtensor("Q8_0", 896, 50)
+    x = activations(3, 896)
+    k = kernels.make_kernel("Q8_0")
+    assert_bits(k(x, w.rows(10, 33)), k(x, w)[:, 10:33])
+    assert not np.any(k(np.zeros((2, 896), f32), w))
+
+
+def test_threads_from_env():
+    assert kernels.threads_from_env({"KNOT_THREADS": "3"}) == 3
+    assert kernels.threads_from_env({}) >= 1
+    for bad in ("zero", "0", "-2"):
+        with pytest.raises(ValueError, match="KNOT_THREADS"):
+            kernels.threads_from_env({"KNOT_THREADS": bad})
+
+
+def test_bad_shapes_raise():
+    w = qtensor("Q4_K", 512, 4)
+    y = np.empty((1, 4), f32)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        _qmatmul.matmul(_qmatmul.TYPES["Q4_K"], np.zeros((1, 500), f32), w.data, y, 1, 500, 4)
+    with pytest.raises(ValueError, match="x: .* bytes"):
+        _qmatmul.matmul(_qmatmul.TYPES["Q4_K"], np.zeros((1, 256), f32), w.data, y, 1, 512, 4)
+    with pytest.raises(ValueError, match="w: .* bytes"):
+        _qmatmul.matmul(_qmatmul.TYPES["Q4_K"], np.zeros((1, 512), f32), w.data[:-1], y, 1, 512, 4)
+    with pytest.raises(ValueError, match="no kernel"):
+        _qmatmul.matmul(3, np.zeros((1, 512), f32), w.data, y, 1, 512, 4)
+
+
+# ---- the thread pool
+
+def test_concurrent_callers_get_their_own_results():
+    # Python threads calling at once (the GIL is released): one uses the pool, the others run
+    # on their own thread; every result equals the single-threaded one.
+    import threading
+
+    cases = [(qtensor(t, ne0, ne1, seed=i), activations(1 + i % 3, ne0, seed=i))
+             for i, (t, ne0, ne1) in enumerate(ODD * 2)]
+    want = [kernels.make_kernel(w.ggml_type, parallel=False)(x, w) for w, x in cases]
+    got: list = [None] * len(cases)
+
+    def run(i):
+        w, x = cases[i]
+        for _ in range(20):
+            got[i] = kernels.make_kernel(w.ggml_type)(x, w)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g, w in zip(got, want):
+        assert_bits(g, w)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_starts_its_own_workers():
+    # The pool's workers do not survive fork; the child must not wait for them.
+    w = qtensor("Q4_K", 2048, 301)
+    x = activations(1, 2048)
+    k = kernels.make_kernel("Q4_K")
+    want = k(x, w)  # the parent's pool is running now
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: compute with the pool, report through the pipe, exit at once
+        try:
+            os.write(wfd, k(x, w).tobytes())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    import select
+
+    if not select.select([r], [], [], 60)[0]:  # a hung child would otherwise hang the test run
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish its matmul in 60 s")
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    assert_bits(np.frombuffer(data, f32).reshape(want.shape), want)
+
+
+# ---- the real weights
+
+@pytest.mark.realmodel
+def test_real_model_blocks_equal_numpy_emulation(real_gguf_05b):
+    # Real scales and quants of every type the 0.5b uses: Q5_0, Q8_0, Q4_K, Q6_K.
+    from deploy.knotfile import open_model
+
+    model = open_model(real_gguf_05b)
+    seen = {}
+    for name, e in model.header.tensors.items():
+        if len(e.shape) == 2 and e.ggml_type in TYPES and e.ggml_type not in seen:
+            seen[e.ggml_type] = model.tensor(name).rows(0, 37)  # rows [0, 37): a zero-copy view
+    assert {"Q5_0", "Q8_0", "Q4_K", "Q6_K"} <= set(seen)
+    for ggml_type, w in seen.items():
+        x = np.random.default_rng(0).standard_normal((5, w.shape[0])).astype(f32)
+        y = kernels.make_kernel(ggml_type)(x, w)
+        assert_bits(y, matmul_numpy(x, w))
+        W = w.dequantize()
+        bound = (activation_error_bound(x, ggml_type in K_TYPES).astype(np.float64) @ np.abs(W.T)
+                 + 1e-5 * (np.abs(x) @ np.abs(W.T)))
+        assert np.all(np.abs(y - x.astype(np.float64) @ W.T) <= bound), ggml_type
