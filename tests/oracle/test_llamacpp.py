@@ -209,9 +209,34 @@ def test_last_prompt_argmax_equal(results):
     assert [r.name for r in results if not r.last_argmax_equal] == []
 
 
-def test_greedy_ids_equal_except_after_near_ties(results):
-    bad = [(r.name, r.diverged_at, r.gap_at_divergence, r.min_gap) for r in results if not r.greedy_ok]
-    assert bad == []
+def test_greedy_ids_equal_except_after_near_ties(pair, results):
+    """Equal greedy ids, except after a near-tie step (llama.cpp's top-2 gap < 0.1), where llama.cpp
+    itself flips between its attention kernels. A divergence at a wider gap is excused only when
+    llama.cpp's own kernels flip there too: llama.cpp with flash attention on, against itself with
+    it off, diverges at the same step or earlier (measured here, not assumed)."""
+    import llama_cpp
+
+    name, llm, engine = pair
+    bad = [r for r in results if not r.greedy_ok]
+    if not bad:
+        return
+    llm_fa = llama_cpp.Llama(str(_model_path(name)), n_ctx=1024, n_threads=2, n_threads_batch=2,
+                             logits_all=True, flash_attn=True, verbose=False, seed=0)
+    try:
+        unexcused = []
+        for r in bad:
+            _, text, chat = next(p for p in PROMPTS if p[0] == r.name)
+            if chat:
+                text = engine.tokenizer.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+            own = llama_vs_itself(llm, llm_fa, llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+            if own["diverged_at"] is None or own["diverged_at"] > r.diverged_at:
+                unexcused.append((r.name, r.diverged_at, r.gap_at_divergence, own["diverged_at"]))
+            else:
+                print(f"\n{name} {r.name}: diverged at step {r.diverged_at} (llama.cpp gap {r.gap_at_divergence:.3f}); "
+                      f"llama.cpp flash-attn on vs off diverges at step {own['diverged_at']}: excused")
+        assert unexcused == [], "(prompt, our divergence step, llama.cpp's gap there, llama.cpp FA-on divergence)"
+    finally:
+        llm_fa.close()
 
 
 def test_top10_logits_within_tolerance(results):
