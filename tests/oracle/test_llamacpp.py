@@ -252,6 +252,11 @@ def fa_div(f: dict) -> str:
 def main(argv: list[str]) -> int:
     import llama_cpp
 
+    from deploy import kernels
+
+    # The matmul path the services run (`knot` installs it too); KNOT_KERNELS=off: the numpy reference.
+    print(f"matmul: {', '.join(kernels.install()) or 'numpy'} ({kernels.describe()})")
+
     for name in argv or MODELS:
         t0 = time.perf_counter()
         llm, engine = open_pair(name)
