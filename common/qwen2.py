@@ -136,6 +136,11 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def rope_cos_sin(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
     """positions (T,) int -> cos, sin (T, head_dim/2) f32, theta_i = pos * base^(-2i/head_dim)."""
+    # Every layer of a forward asks for the same positions: the last answer is kept (read-only).
+    key = (np.asarray(positions, dtype=np.int64).tobytes(), head_dim, float(base))
+    last = _rope_last[0]  # one read: another thread may replace it meanwhile
+    if last is not None and last[0] == key:
+        return last[1], last[2]
     # ref: ggml-cpu ops.cpp ggml_rope_cache_init: theta starts at pos and is multiplied by
     # theta_scale = powf(base, -2/n_dims) once per pair, in float32. Mirrored step by step so
     # angles at large positions round as llama.cpp's do.
@@ -145,7 +150,13 @@ def rope_cos_sin(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.
     for i in range(head_dim // 2):
         thetas[:, i] = theta
         theta = theta * theta_scale
-    return np.cos(thetas), np.sin(thetas)
+    cos, sin = np.cos(thetas), np.sin(thetas)
+    cos.flags.writeable = sin.flags.writeable = False
+    _rope_last[0] = (key, cos, sin)
+    return cos, sin
+
+
+_rope_last: list = [None]  # [(key, cos, sin)] of the last call
 
 
 def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
