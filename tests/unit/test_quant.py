@@ -2,7 +2,6 @@
 row ranges equal slices of the whole, and the traps (alignment, unknown types, short data)."""
 from __future__ import annotations
 
-import os
 
 import gguf
 import numpy as np
@@ -311,16 +310,13 @@ def test_f32_1d_and_3d_shapes():
 
 # ---- the real model
 
-REAL_GGUF = os.environ.get("KNOT_TEST_GGUF_05B")
 MAX_WHOLE_ELEMS = 8 << 20  # larger tensors (token_embd) are checked on row ranges
 
 
 @pytest.mark.realmodel
-@pytest.mark.skipif(not REAL_GGUF, reason="set KNOT_TEST_GGUF_05B to the Qwen2.5-Coder-0.5B GGUF")
-def test_real_model_every_type_bit_exact():
-    if not os.path.isfile(REAL_GGUF):
-        pytest.skip(f"KNOT_TEST_GGUF_05B={REAL_GGUF} is not a file")
-    reader = gguf.GGUFReader(REAL_GGUF)
+def test_real_model_every_type_bit_exact(real_gguf_05b):
+    """Every (type, shape) of the real 0.5B (fetched and cached by the shared fixture)."""
+    reader = gguf.GGUFReader(real_gguf_05b)
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for t in reader.tensors:
         ggml_type = t.tensor_type.name
