@@ -178,7 +178,8 @@ def start_seaweedfs(data_dir: str | Path, s3_port: int | None = None, log_path: 
            f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
            f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3_grpc']}",
            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
-           "-volume.max=16", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0"]
+           # 256 MiB volumes, up to 64 of them: 16 GiB, room for a 7B-shaped knot (4.4 GiB, `knot synth`)
+           "-volume.max=64", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0"]
     pid = spawn(cmd, log_path)
     url = f"http://127.0.0.1:{ports['s3']}"
     # Ready = the S3 gateway answers ListBuckets, and on a restart the master has registered

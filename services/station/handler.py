@@ -134,14 +134,19 @@ class Station:
         """Everything a phase needs besides its own tensors and the kept ones."""
         return self.resident_bytes + self.kv_bytes + self._activation_bytes(T, S) + DEFAULT_TILE_BYTES
 
-    def _make_room(self, need_bytes: int, T: int, S: int) -> None:
-        """Evict kept tensors, least recently used first, until a phase of need_bytes fits the budget."""
+    def _make_room(self, need_bytes: int, T: int, S: int, protect: set[str]) -> None:
+        """Before a phase runs: evict kept tensors, least recently used first (never the phase's own,
+        `protect`), until the phase's new tensors (need_bytes) and its activations fit the budget.
+        Runs even when nothing is loaded: a long prefill needs room that a decode step did not."""
         limit = self.settings.budget_bytes - self._fixed_bytes(T, S) - need_bytes
-        while self.kept.bytes_used > max(limit, 0) and len(self.kept):
-            self.kept.pop(next(self.kept.keys()))
-        if limit < 0:
-            log.warning("a phase of %d bytes does not fit the %d-byte budget even alone (fixed %d bytes)",
-                        need_bytes, self.settings.budget_bytes, self._fixed_bytes(T, S))
+        for name in list(self.kept.keys()):  # least recently used first
+            if self.kept.bytes_used <= limit:
+                break
+            if name not in protect:
+                self.kept.pop(name)
+        if self.kept.bytes_used > max(limit, 0):
+            log.warning("phase needs %d new bytes; %d fixed + %d kept exceed the %d-byte budget",
+                        need_bytes, self._fixed_bytes(T, S), self.kept.bytes_used, self.settings.budget_bytes)
 
     # -------------------------------------------------------- sessions
 
@@ -193,8 +198,8 @@ class Station:
                 if t is not None:
                     w[n] = t
         need = [n for n in names if n not in w]
+        self._make_room(sum(self.header.tensors[n].length for n in need), T, S, protect=set(names))
         if need:
-            self._make_room(sum(self.header.tensors[n].length for n in need), T, S)
             w.update(await self.loader.load(need))
         self._account(sum(w[n].nbytes for n in need), self._activation_bytes(T, S))
         return w

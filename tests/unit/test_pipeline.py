@@ -183,3 +183,20 @@ async def test_stop_strings_and_chat(tiny_knot, tmp_path, engine):
     want = engine.tokenizer.encode(engine.tokenizer.render_chat([{"role": "user", "content": "hi"}]))
     assert body["prompt_tokens"] == want
     await c.drain()
+
+
+async def test_station_budget_holds_when_a_long_prefill_follows_decode(tiny_knot, tmp_path):
+    """Decode steps keep tensors (little activation memory); a long prefill after them must evict
+    kept tensors to make room for its activations instead of overshooting the budget."""
+    budget = 6 << 20  # tile 4 MiB + the tiny model's ~1.5 MiB of matrices: all kept while decoding
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=budget)
+    await c.generate(prompt="the", max_tokens=8)
+    kept = (await c.stations[0].fetch(Request("GET", "/stats"))).json()["kept_tensors"]
+    assert kept > 0, "decode keeps tensors when they fit"
+    long_prompt = " ".join(["the def"] * 60)
+    r = await c.generate(prompt=long_prompt, max_tokens=2)
+    assert r.status == 200, r.body
+    for st in c.stations:
+        s = (await st.fetch(Request("GET", "/stats"))).json()
+        assert s["peak_accounted_bytes"] <= budget, s
+    await c.drain()

@@ -1,0 +1,353 @@
+"""`knot bench [--model NAME|PATH]`: the cluster and llama.cpp side by side, in one run, one table.
+
+Measures (issue 7's benchmark):
+    decode / prefill / ttft           the cluster's POST /generate timings (prefill: a ~512-token
+                                      prompt's tokens over its time to first token)
+    single-process decode             deploy.engine_local.LocalEngine on the same file
+    aggregate tok/s @C                C threads posting /generate at once: completion tokens / wall time
+    R2 bytes per token                sum of the r2_bytes_read deltas over the stations and shards
+                                      during the decode run, over its generated tokens (the wardens'
+                                      /stats are per identity, so a plain GET does not count them)
+    fluid profile                     the cluster runs with STATION_MEMORY_BUDGET_BYTES (default
+                                      128 MiB, the fluid profile): warden bytes per token from the
+                                      stations' warden_bytes deltas
+    peak RSS <service>                VmHWM of each service process at the end
+llama.cpp (llama-cpp-python, when installed) runs on the same GGUF with the same thread count:
+decode = N greedy tokens after a short prompt (the eval loop timed), prefill = one 512-token eval.
+
+Benchmarks are records, never tests: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+NAME = "bench"
+HELP = "benchmark the cluster against llama.cpp on the same GGUF and print one table with the ratios"
+
+SHORT_PROMPT = "def fibonacci(n):"
+FLUID_BUDGET_BYTES = 134217728
+
+
+# ---------------------------------------------------------------------------------------------
+# the table (pure: unit tested in tests/unit/test_bench.py)
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    ours: float | None
+    llama: float | None = None
+    unit: str = ""          # "tok/s" | "ms" | "B" | "MiB" (value in bytes) | ""
+
+
+def format_value(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "tok/s":
+        return f"{v:.1f} tok/s"
+    if unit == "ms":
+        return f"{v:.0f} ms"
+    if unit == "B":
+        return f"{v:,.0f} B"
+    if unit == "MiB":
+        return f"{v / 2**20:.0f} MiB"
+    return f"{v:g}"
+
+
+def ratio(ours: float | None, llama: float | None) -> float | None:
+    """ours / llama.cpp; None when either side is missing or llama.cpp's is 0."""
+    if ours is None or llama is None or llama == 0:
+        return None
+    return ours / llama
+
+
+def table_rows(figures: list[Figure]) -> list[tuple[str, str, str, str]]:
+    out = []
+    for f in figures:
+        r = ratio(f.ours, f.llama)
+        out.append((f.name, format_value(f.ours, f.unit), format_value(f.llama, f.unit),
+                    "-" if r is None else f"{r:.2f}"))
+    return out
+
+
+def render_table(figures: list[Figure]) -> str:
+    """A Markdown table: figure | ours | llama.cpp | ratio (ours / llama.cpp)."""
+    header = ("figure", "ours", "llama.cpp", "ratio (ours / llama.cpp)")
+    rows = [header] + table_rows(figures)
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(rows[0]), sep] + [line(r) for r in rows[1:]])
+
+
+def per_token(before: dict[str, int], after: dict[str, int], tokens: int) -> float | None:
+    """Sum of the counters' deltas over the tokens generated between the two readings."""
+    if tokens <= 0:
+        return None
+    return sum(after.get(k, 0) - before.get(k, 0) for k in after) / tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+def progress(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model name known to `knot fetch-model`, or a .gguf path "
+                   "(default: the project's default model)")
+    p.add_argument("--tokens", type=int, default=64, metavar="N", help="tokens generated per decode run (default 64)")
+    p.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
+                   help="prompt length of the prefill figure (default 512)")
+    p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrent request counts (default 1,4,8)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2, like the kernels)")
+    p.add_argument("--budget-bytes", type=int, default=FLUID_BUDGET_BYTES,
+                   help="STATION_MEMORY_BUDGET_BYTES of the cluster run (default 128 MiB: the fluid profile)")
+    p.add_argument("--run-dir", default=None, help="cluster run directory (default: $TMPDIR/knot-bench; "
+                   "the bucket survives, so later runs skip the upload)")
+    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--no-cluster", action="store_true", help="skip the cluster (single process and llama.cpp only)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the raw measurements to FILE")
+
+
+def _http_json(method: str, url: str, body: dict | None = None, timeout_s: float = 1800.0) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{method} {url}: HTTP {e.code}: {e.read()[:300]!r}") from None
+
+
+def long_prompt_ids(tokenizer, n: int) -> list[int]:
+    """About n tokens of plausible Python (repeated functions), cut to exactly n ids."""
+    parts, i = [], 0
+    while True:
+        parts.append(f"def function_{i}(values, scale={i}):\n    total = 0\n    for v in values:\n"
+                     f"        total += v * scale - {i}\n    return total / max(1, len(values))\n\n")
+        ids = tokenizer.encode("".join(parts))
+        if len(ids) >= n:
+            return ids[:n]
+        i += 1
+
+
+def measure_llama(gguf: Path, threads: int, tokens: int, short_ids: list[int], long_ids: list[int]) -> dict:
+    import numpy as np
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), n_ctx=max(1024, len(long_ids) + 16, len(short_ids) + tokens + 16),
+                          n_batch=512, n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
+    out = {}
+    # prefill: one eval of the long prompt (after a warm-up eval)
+    llm.reset(); llm.eval(long_ids[:16])
+    llm.reset()
+    t0 = time.perf_counter(); llm.eval(long_ids); dt = time.perf_counter() - t0
+    out["prefill_tok_s"] = len(long_ids) / dt
+    # decode: greedy tokens after the short prompt, the eval loop timed
+    llm.reset(); llm.eval(short_ids)
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    out["decode_tok_s"] = tokens / (time.perf_counter() - t0)
+    del llm
+    return out
+
+
+def measure_local(path: Path, tokens: int, short_ids: list[int]) -> dict:
+    from common.sampling import SamplingParams
+    from deploy.engine_local import LocalEngine
+
+    engine = LocalEngine.open(path)
+    engine.generate(short_ids, SamplingParams(), max_tokens=2)  # warm-up
+    g = engine.generate(short_ids, SamplingParams(), max_tokens=tokens)
+    return {"decode_tok_s": g.decode_tok_s, "tokens": len(g.token_ids), "prefill_tok_s": g.prefill_tok_s}
+
+
+def _counters(running: dict, key: str) -> dict[str, int]:
+    out = {}
+    for name, r in running.items():
+        if r.kind != "process" or not r.url or name == "coordinator":
+            continue
+        try:
+            s = _http_json("GET", r.url + "/stats", timeout_s=30)
+        except Exception:
+            continue
+        if key in s:
+            out[name] = int(s[key])
+    return out
+
+
+def peak_rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int]) -> dict:
+    from deploy import launcher, servers
+
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / "knot-bench"
+    env = {**os.environ, "KNOT_PORT": str(servers.free_ports(1)[0]),
+           "STATION_MEMORY_BUDGET_BYTES": str(args.budget_bytes)}
+    env.pop("KNOT_KEY", None)
+    cluster = launcher.Cluster(run_dir)
+    progress(f"starting the cluster in {run_dir} (budget {args.budget_bytes} B per station)")
+    running = {r.name: r for r in cluster.up(model=model, env=env)}
+    out: dict = {"services": sorted(running)}
+    try:
+        url = running["coordinator"].url + "/generate"
+        gen = lambda prompt, n: _http_json("POST", url, {"prompt": prompt, "max_tokens": n, "temperature": 0})
+        progress("cluster warm-up")
+        gen(SHORT_PROMPT, 4)
+
+        r2_0, w_0 = _counters(running, "r2_bytes_read"), _counters(running, "warden_bytes")
+        generated = 0
+        progress(f"cluster decode: {tokens} tokens")
+        body = gen(SHORT_PROMPT, tokens)
+        out["decode_tok_s"] = body["timings"]["decode_tok_s"]
+        out["decode_tokens"] = body["usage"]["completion_tokens"]
+        out["hops"] = body["timings"].get("hops")
+        generated += body["usage"]["completion_tokens"]
+        r2_1, w_1 = _counters(running, "r2_bytes_read"), _counters(running, "warden_bytes")
+        out["r2_bytes_per_token"] = per_token(r2_0, r2_1, generated)
+        out["warden_bytes_per_token"] = per_token(w_0, w_1, generated)
+        out["r2_by_service"] = {k: r2_1.get(k, 0) - r2_0.get(k, 0) for k in r2_1}
+        out["warden_by_station"] = {k: w_1.get(k, 0) - w_0.get(k, 0) for k in w_1}
+
+        progress("cluster prefill: the long prompt")
+        body = gen(long_text, 1)
+        n_prompt = body["usage"]["prompt_tokens"]
+        ttft_s = body["timings"]["time_to_first_token_ms"] / 1e3
+        out["prefill_prompt_tokens"] = n_prompt
+        out["prefill_tok_s"] = n_prompt / ttft_s
+        out["prefill_ttft_ms"] = ttft_s * 1e3
+        body = gen(SHORT_PROMPT, 1)
+        out["ttft_ms"] = body["timings"]["time_to_first_token_ms"]
+        out["ttft_prompt_tokens"] = body["usage"]["prompt_tokens"]
+
+        out["aggregate"] = {}
+        for c in concurrency:
+            progress(f"cluster aggregate: {c} concurrent requests of {tokens} tokens")
+            results: list = [None] * c
+            errors: list = []
+
+            def worker(i):
+                try:
+                    results[i] = gen(SHORT_PROMPT, tokens)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(c)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            if errors:
+                progress(f"  {len(errors)} of {c} requests failed: {errors[0]}")
+            done = sum(r["usage"]["completion_tokens"] for r in results if r)
+            out["aggregate"][c] = done / wall if done else None
+
+        out["peak_rss"] = {n: peak_rss_bytes(r.pid) for n, r in running.items()
+                           if r.kind == "process" and servers.pid_alive(r.pid)}
+        out["station_stats"] = {}
+        for n, r in running.items():
+            if n.startswith("station"):
+                s = _http_json("GET", r.url + "/stats", timeout_s=30)
+                out["station_stats"][n] = {k: s.get(k) for k in ("peak_accounted_bytes", "budget_bytes",
+                                                                  "warden_bytes", "r2_bytes")}
+    finally:
+        progress("stopping the cluster")
+        cluster.down()
+    return out
+
+
+def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurrency: list[int],
+                  budget_bytes: int) -> list[Figure]:
+    cl, ll = cl or {}, ll or {}
+    figs = [
+        Figure("decode", cl.get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"),
+        Figure("prefill", cl.get("prefill_tok_s"), ll.get("prefill_tok_s"), "tok/s"),
+        Figure("single-process decode", (local or {}).get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"),
+        Figure("ttft", cl.get("ttft_ms"), None, "ms"),
+    ]
+    for c in concurrency:
+        figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c), None, "tok/s"))
+    figs.append(Figure("R2 bytes per token", cl.get("r2_bytes_per_token"), None, "B"))
+    mib = budget_bytes / 2**20
+    figs.append(Figure(f"fluid ({mib:g} MiB stations) decode", cl.get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"))
+    figs.append(Figure(f"fluid ({mib:g} MiB stations) warden bytes per token", cl.get("warden_bytes_per_token"),
+                       None, "B"))
+    for n, b in sorted(cl.get("peak_rss", {}).items()):
+        figs.append(Figure(f"peak RSS {n}", b, None, "MiB"))
+    return figs
+
+
+def run(args: argparse.Namespace) -> int:
+    from deploy import models
+
+    concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    model = args.model or models.DEFAULT_MODEL
+    progress(f"model {model}: fetching / encoding if needed")
+    knot = models.ensure_knot(model)
+    gguf = models.model_path(model)
+    if gguf.suffix != ".gguf":
+        progress(f"{gguf} is not a GGUF: llama.cpp is skipped")
+        args.no_llama = True
+
+    from deploy.engine_local import LocalEngine
+
+    tok = LocalEngine.open(knot).tokenizer
+    short_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(SHORT_PROMPT)
+    long_ids = long_prompt_ids(tok, args.prompt_tokens)
+    long_text = tok.decode(long_ids)
+
+    ll = None
+    if not args.no_llama:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            progress("llama-cpp-python is not installed: llama.cpp column left empty")
+        else:
+            progress(f"llama.cpp: prefill {len(long_ids)} tokens, decode {args.tokens} tokens, {args.threads} threads")
+            ll = measure_llama(gguf, args.threads, args.tokens, short_ids, long_ids)
+    progress(f"single process: decode {args.tokens} tokens")
+    local = measure_local(knot, args.tokens, short_ids)
+    cl = None
+    if not args.no_cluster:
+        cl = measure_cluster(args.model, args, args.tokens, long_text, concurrency)
+
+    figures = build_figures(cl, local, ll, concurrency, args.budget_bytes)
+    print(f"knot bench: {model} ({gguf.name}), {args.tokens} tokens, prompt {len(long_ids)} tokens, "
+          f"llama.cpp {args.threads} threads")
+    print(render_table(figures))
+    if cl:
+        print(f"\nprefill prompt: {cl.get('prefill_prompt_tokens')} tokens; ttft prompt: "
+              f"{cl.get('ttft_prompt_tokens')} tokens; decode run: {cl.get('decode_tokens')} tokens")
+        print(f"R2 bytes by service during the decode run: {cl.get('r2_by_service')}")
+        print(f"warden bytes by station during the decode run: {cl.get('warden_by_station')}")
+        print(f"station stats: {json.dumps(cl.get('station_stats'))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cluster": cl, "local": local, "llama": ll}, indent=1, default=str))
+    return 0

@@ -1,0 +1,56 @@
+"""`knot bench`'s table: ratios and formatting, no servers."""
+from __future__ import annotations
+
+from deploy.commands.bench import Figure, build_figures, format_value, per_token, ratio, render_table
+
+
+def test_ratio_is_ours_over_llama_and_missing_sides_give_none():
+    assert ratio(30.0, 45.0) == 30.0 / 45.0
+    assert ratio(None, 45.0) is None
+    assert ratio(30.0, None) is None
+    assert ratio(30.0, 0.0) is None
+
+
+def test_format_value_by_unit():
+    assert format_value(None, "tok/s") == "-"
+    assert format_value(28.64, "tok/s") == "28.6 tok/s"
+    assert format_value(68.7, "ms") == "69 ms"
+    assert format_value(1234567, "B") == "1,234,567 B"
+    assert format_value(248 * 2**20, "MiB") == "248 MiB"
+
+
+def test_render_table_has_the_header_and_one_row_per_figure_with_the_ratio():
+    text = render_table([Figure("decode", 22.5, 45.0, "tok/s"), Figure("ttft", 69.0, None, "ms")])
+    lines = text.splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["figure", "ours", "llama.cpp",
+                                                                  "ratio (ours / llama.cpp)"]
+    assert set(lines[1]) <= {"|", "-"}
+    decode = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert decode == ["decode", "22.5 tok/s", "45.0 tok/s", "0.50"]
+    ttft = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert ttft == ["ttft", "69 ms", "-", "-"]
+    assert len({len(line) for line in lines}) == 1  # columns aligned
+
+
+def test_per_token_sums_the_deltas():
+    assert per_token({"a": 10, "b": 5}, {"a": 30, "b": 25}, 4) == 10.0
+    assert per_token({}, {"a": 8}, 2) == 4.0
+    assert per_token({"a": 1}, {"a": 2}, 0) is None
+
+
+def test_build_figures_names_the_required_rows():
+    cl = {"decode_tok_s": 28.0, "prefill_tok_s": 135.0, "ttft_ms": 69.0, "aggregate": {1: 27.0, 4: 31.0, 8: 31.0},
+          "r2_bytes_per_token": 0.0, "warden_bytes_per_token": 12.0, "peak_rss": {"station-0": 2**28}}
+    figs = build_figures(cl, {"decode_tok_s": 50.0}, {"decode_tok_s": 45.0, "prefill_tok_s": 220.0}, [1, 4, 8],
+                         134217728)
+    names = [f.name for f in figs]
+    for want in ("decode", "prefill", "single-process decode", "ttft", "aggregate tok/s @1", "aggregate tok/s @4",
+                 "aggregate tok/s @8", "R2 bytes per token", "peak RSS station-0"):
+        assert want in names
+    assert any("fluid" in n and "decode" in n for n in names)
+    assert any("fluid" in n and "warden bytes per token" in n for n in names)
+    by = {f.name: f for f in figs}
+    assert ratio(by["decode"].ours, by["decode"].llama) == 28.0 / 45.0
+    assert by["aggregate tok/s @4"].llama is None
+    # nothing measured: every cell renders, no crash
+    assert "decode" in render_table(build_figures(None, None, None, [1], 134217728))
