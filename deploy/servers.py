@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from deploy.local.probe import probe
+
 WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 STATE_FILE = "servers.json"
 
@@ -145,14 +147,6 @@ def tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
-def http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _registered_volumes(master_status_url: str) -> int:
     try:
         with urllib.request.urlopen(master_status_url, timeout=2.0) as r:
@@ -187,7 +181,7 @@ def start_seaweedfs(data_dir: str | Path, s3_port: int | None = None, log_path: 
     # heartbeat, and a GET in between fails with "volume N not found".
     on_disk = len(list(data_dir.rglob("*.dat")))
     master = f"http://127.0.0.1:{ports['master']}/vol/status"
-    _wait(lambda: http_ok(url + "/") and _registered_volumes(master) >= on_disk,
+    _wait(lambda: probe(url + "/", 2.0) and _registered_volumes(master) >= on_disk,
           f"SeaweedFS (s3 port {ports['s3']}, {on_disk} volumes on disk)", pid, log_path, timeout_s)
     # `weed server` does not act on SIGTERM within 20 s; its volume files are written through,
     # so a short grace and then SIGKILL loses nothing we rely on (uploads are complete by then).
