@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -86,18 +87,46 @@ def stop_pid(pid: int, timeout_s: float = 15.0) -> None:
     raise ServerError(f"process {pid} survived SIGKILL for 5 s")
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct ports that were free a moment ago (bound together, then released)."""
-    socks = []
+_handed_out: set[int] = set()  # this process never hands the same port out twice
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local end of outgoing connections (Linux; the IANA range elsewhere)."""
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_ports(n: int, low: int = 20000) -> list[int]:
+    """n distinct ports that are free now, chosen below the kernel's ephemeral range.
+
+    Why not bind to port 0: that draws from the ephemeral range, the same pool the kernel uses
+    for the local end of every outgoing connection. Between our check and a service's own bind,
+    the cluster's boto3 and redis clients open hundreds of connections, and one of them can land
+    on the port (CI saw shard-1 fail with EADDRINUSE). Ports below the range are never handed
+    out implicitly, so only an explicit bind can take them.
+    """
+    eph_lo, eph_hi = ephemeral_port_range()
+    lo, hi = (low, eph_lo - 1) if eph_lo - low > 4 * n + 64 else (1024, 65535)
+    out: list[int] = []
+    candidates = random.Random().sample(range(lo, hi + 1), min(hi - lo + 1, 50 * n + 200))
+    for port in candidates:
+        if len(out) == n:
+            break
+        if port in _handed_out or (hi == 65535 and eph_lo <= port <= eph_hi):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+        _handed_out.add(port)
+    if len(out) < n:
+        raise ServerError(f"found only {len(out)} of {n} free ports in {lo}..{hi}")
+    return out
 
 
 def weed_binary() -> str:
