@@ -25,13 +25,14 @@ class KVCache:
         self._v: dict[int, np.ndarray] = {}
         self._pos: dict[int, np.ndarray] = {}  # layer -> (capacity,) int64
         self._n: dict[int, int] = {}
+        self._nbytes = 0  # of the arrays above, kept current by _reserve (stations read it per phase)
 
     def n_tokens(self, layer: int) -> int:
         return self._n.get(layer, 0)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for d in (self._k, self._v, self._pos) for a in d.values())
+        return self._nbytes
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray):
         """Add k, v (T, n_kv, hd) at positions (T,); return all (S, n_kv, hd) x2 and (S,) so far."""
@@ -65,6 +66,9 @@ class KVCache:
         k, v, pos = np.empty(shape, self.dtype), np.empty(shape, self.dtype), np.empty(cap, np.int64)
         if n:
             k[:n], v[:n], pos[:n] = self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
+        if layer in self._k:
+            self._nbytes -= self._k[layer].nbytes + self._v[layer].nbytes + self._pos[layer].nbytes
+        self._nbytes += k.nbytes + v.nbytes + pos.nbytes
         self._k[layer], self._v[layer], self._pos[layer] = k, v, pos
 
 

@@ -120,6 +120,8 @@ def _take(w: Mapping[str, QTensor], layer: int, phase: str) -> list[QTensor]:
 
 def _vec(t: QTensor) -> np.ndarray:
     """A 1-D tensor (norm weight, bias) as float32 (n,)."""
+    if t.ggml_type == "F32":  # the usual case: a read-only view, no copy per phase and token
+        return t.data.view(np.float32)
     return t.dequantize().reshape(-1).astype(np.float32, copy=False)
 
 

@@ -28,6 +28,7 @@ except ImportError as e:  # not built: no compiler, or the optional build failed
     UNAVAILABLE_REASON = f"C extension deploy.kernels._qmatmul not built ({e})"
 
 THREADS_ENV = "KNOT_THREADS"
+SPIN_ENV = "KNOT_SPIN_US"
 _installed: list[str] = []
 
 
@@ -52,6 +53,23 @@ def threads_from_env(env: Mapping[str, str]) -> int:
     if not 1 <= n <= 256:
         raise ValueError(f"{THREADS_ENV}={n} must be in [1, 256]")
     return n
+
+
+def spin_us_from_env(env: Mapping[str, str]) -> float | None:
+    """KNOT_SPIN_US: how long an idle pool worker spins before it sleeps (None: the pool's 1,000 us).
+
+    Why it matters: one process alone wants its workers hot between back-to-back matmuls, but
+    13 services sharing 2 cores lose a core for that long after every forward."""
+    raw = env.get(SPIN_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        us = float(raw)
+    except ValueError:
+        raise ValueError(f"{SPIN_ENV}={raw!r} is not a number") from None
+    if not 0 <= us <= 1e6:
+        raise ValueError(f"{SPIN_ENV}={us} must be in [0, 1000000] microseconds")
+    return us
 
 
 def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Kernel:
@@ -96,7 +114,9 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
     if _qmatmul is None:
         log.info("matmul stays on numpy: %s", UNAVAILABLE_REASON)
         return []
-    _qmatmul.set_threads(threads if threads is not None else threads_from_env(env))
+    spin = spin_us_from_env(env)
+    n = threads if threads is not None else threads_from_env(env)
+    _qmatmul.set_threads(n) if spin is None else _qmatmul.set_threads(n, spin)
     for name in supported_types():
         register_kernel(name, make_kernel(name))
         if name not in _installed:

@@ -92,6 +92,7 @@ class Station:
                                 f"model's {self.cfg.n_layer} layers")
         self.emits_final = settings.role in ("exit", "solo")
         self.resident: dict = {}
+        self._resident_bytes = 0  # fixed after boot; summed once, not per phase
         # Phase tensors kept between forwards while the budget allows; the rest are evicted.
         self.kept: ByteLRU = ByteLRU(settings.budget_bytes)
         self.sessions: OrderedDict[str, Session] = OrderedDict()
@@ -108,12 +109,13 @@ class Station:
         if self.emits_final:
             names.append(OUTPUT_NORM)
         self.resident = await self.loader.load(names)
+        self._resident_bytes = sum(t.nbytes for t in self.resident.values())
 
     # -------------------------------------------------------- memory accounting
 
     @property
     def resident_bytes(self) -> int:
-        return sum(t.nbytes for t in self.resident.values())
+        return self._resident_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -135,11 +137,18 @@ class Station:
         return self.resident_bytes + self.kv_bytes + self._activation_bytes(T, S) + DEFAULT_TILE_BYTES
 
     def _make_room(self, need_bytes: int, T: int, S: int, protect: set[str]) -> None:
-        """Before a phase runs: evict kept tensors, least recently used first (never the phase's own,
+        """Before a phase runs: evict kept tensors, most recently used first (never the phase's own,
         `protect`), until the phase's new tensors (need_bytes) and its activations fit the budget.
-        Runs even when nothing is loaded: a long prefill needs room that a decode step did not."""
+        Runs even when nothing is loaded: a long prefill needs room that a decode step did not.
+
+        Why most recently used: a station reads its layers in the same cyclic order every forward,
+        and under a cyclic scan LRU evicts exactly the tensor needed next, so a budget one tensor
+        short of the whole range would hit nothing. Evicting the newest keeps the first layers that
+        fit and streams the rest: the fewest bytes from the warden per forward (Belady's choice)."""
         limit = self.settings.budget_bytes - self._fixed_bytes(T, S) - need_bytes
-        for name in list(self.kept.keys()):  # least recently used first
+        if self.kept.bytes_used <= limit:
+            return
+        for name in reversed(list(self.kept.keys())):  # most recently used first
             if self.kept.bytes_used <= limit:
                 break
             if name not in protect:
@@ -206,10 +215,11 @@ class Station:
 
     def _evict_or_keep(self, w: dict, T: int, S: int) -> None:
         """After a phase: keep its big tensors only if they fit beside everything else."""
+        room = self.settings.budget_bytes - self._fixed_bytes(T, S)
         for name, t in w.items():
             if name in self.resident or name in self.kept:
                 continue
-            if t.nbytes <= self.settings.budget_bytes - self._fixed_bytes(T, S) - self.kept.bytes_used:
+            if t.nbytes <= room - self.kept.bytes_used:
                 self.kept.put(name, t, t.nbytes)
 
     async def forward(self, env: wire.Envelope, ctx) -> wire.Envelope:

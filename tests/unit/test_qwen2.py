@@ -268,6 +268,17 @@ def test_kvcache_grows_and_truncates():
     assert k.shape == (11, 2, 4) and pos[-1] == 10 and kv.n_tokens(1) == 0
 
 
+def test_kvcache_nbytes_counts_every_array_as_it_grows():
+    kv = KVCache(2, 4)
+    rng = np.random.default_rng(1)
+    for i in range(70):
+        for layer in (3, 5):
+            x = rng.normal(size=(i % 3 + 1, 2, 4)).astype(np.float32)
+            kv.append(layer, x, x, np.arange(x.shape[0]))
+            arrays = [d[l] for d in (kv._k, kv._v, kv._pos) for l in d]
+            assert kv.nbytes == sum(a.nbytes for a in arrays) > 0
+
+
 def test_tied_head_falls_back_to_token_embd(numpy_matmul):
     assert qwen2.head_tensor_name(lambda n: False) == "token_embd.weight"
     assert qwen2.head_tensor_name(lambda n: n == "output.weight") == "output.weight"
