@@ -200,3 +200,27 @@ async def test_station_budget_holds_when_a_long_prefill_follows_decode(tiny_knot
         s = (await st.fetch(Request("GET", "/stats"))).json()
         assert s["peak_accounted_bytes"] <= budget, s
     await c.drain()
+
+
+async def test_fluid_station_streams_only_what_it_cannot_keep(tiny_knot, tmp_path):
+    """A budget that holds about half a station's matrices. Layers are read in the same cyclic
+    order every forward; evicting least recently used there would evict exactly the tensor needed
+    next and hit nothing. The station keeps a stable set instead: each decode forward moves from
+    the warden only the bytes it does not keep."""
+    c = await build_cluster(tiny_knot, tmp_path, 1, 1, station_budget_bytes=(4 << 20) + (800 << 10))
+    st = c.stations[0]
+    await c.generate(prompt="the", max_tokens=3)
+    s0 = (await st.fetch(Request("GET", "/stats"))).json()
+    await c.generate(prompt="the", max_tokens=7)
+    s1 = (await st.fetch(Request("GET", "/stats"))).json()
+    forwards = s1["forwards"] - s0["forwards"]
+    per_forward = (s1["warden_bytes"] - s0["warden_bytes"]) / forwards
+    header = (await station_handler.station_for(c.station_envs[0], None)).header
+    sizes = [e.length for n, e in header.tensors.items()
+             if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n]
+    matrices = sum(sizes)
+    assert 0 < s1["kept_bytes"] < matrices, s1
+    assert per_forward > 0, "the budget is too small to keep everything: this station is fluid"
+    # Every kept byte is a hit, except the streamed tail's last tensor, which the next miss evicts.
+    assert per_forward <= matrices - s1["kept_bytes"] + max(sizes), (per_forward, matrices, s1["kept_bytes"])
+    await c.drain()
