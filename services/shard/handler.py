@@ -7,8 +7,12 @@
                     this slice of the LM head (rows of output.weight, or token_embd when tied)
     GET  /stats
 
-Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB); bindings KNOT_BUCKET,
-COBORDISM_WARDEN (DO namespace, optional: the RAM -> KV -> R2 row hierarchy lives behind it).
+Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB), ROW_CACHE_BYTES
+(default 4 MiB, 0 = off); bindings KNOT_BUCKET, COBORDISM_WARDEN (DO namespace, optional: the
+RAM -> KV -> R2 row hierarchy lives behind it).
+
+Rows also stay in a small isolate-local LRU in front of the warden: a decode step embeds one
+token, and without it every step paid a second hop (shard -> warden) on the critical path.
 
 Why the LM head is here: a 7B's output matrix is ~447 MB in Q6_K, more than any 128 MB exit
 station holds; one eighth of it fits a shard.
@@ -26,6 +30,7 @@ from common.knot import KnotHeader
 from common.matmul import get_kernel
 from common.quant import QTensor, dequantize_rows
 from common.qwen2 import TOKEN_EMBD, head_tensor_name, lm_head
+from common.lru import ByteLRU
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
 from services.boot import BootCache
 from services.config import int_var, var
@@ -34,6 +39,7 @@ from services.knot_source import KnotSource
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = 128 << 20
+DEFAULT_ROW_CACHE_BYTES = 4 << 20  # ~1,100 rows of a 0.5B (3.5 KiB each), ~290 of a 7B
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class ShardSettings:
     vocab_start: int
     vocab_end: int
     budget_bytes: int
+    row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
 
     @property
     def boot_key(self) -> str:
@@ -50,9 +57,12 @@ class ShardSettings:
     @classmethod
     def from_env(cls, env: Env) -> "ShardSettings":
         s = cls(var(env, "KNOT_KEY"), int_var(env, "VOCAB_START"), int_var(env, "VOCAB_END"),
-                int_var(env, "MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES))
+                int_var(env, "MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES),
+                int_var(env, "ROW_CACHE_BYTES", DEFAULT_ROW_CACHE_BYTES))
         if not 0 <= s.vocab_start < s.vocab_end:
             raise ServiceUnavailable(f"shard vocab range [{s.vocab_start}, {s.vocab_end}) is empty or negative")
+        if not 0 <= s.row_cache_bytes <= s.budget_bytes // 2:
+            raise ServiceUnavailable(f"ROW_CACHE_BYTES={s.row_cache_bytes} must lie in [0, MEMORY_BUDGET_BYTES / 2]")
         return s
 
 
@@ -68,8 +78,9 @@ class Shard:
         self.head_name = head_tensor_name(lambda n: n in header.tensors)
         self.head: QTensor | None = None
         self.head_f32: QTensor | None = None
-        self.stats = {"embed_calls": 0, "rows_from_warden": 0, "rows_from_r2": 0, "warden_failures": 0,
-                      "logits_calls": 0}
+        self.row_cache: ByteLRU[int, np.ndarray] = ByteLRU(settings.row_cache_bytes)  # row -> (dim,) f32
+        self.stats = {"embed_calls": 0, "rows_from_local": 0, "rows_from_warden": 0, "rows_from_r2": 0,
+                      "warden_failures": 0, "logits_calls": 0}
 
     async def boot(self) -> None:
         """The LM-head slice: one ranged read of rows [vocab_start, vocab_end), kept resident."""
@@ -87,15 +98,23 @@ class Shard:
     # -------------------------------------------------------- embeddings
 
     async def rows(self, rows: list[int]) -> dict[int, np.ndarray]:
-        """row -> float32 (dim,): the warden's hierarchy first, R2 directly if the warden fails."""
+        """row -> float32 (dim,): the local LRU, then the warden's hierarchy, R2 directly if the warden fails."""
         out: dict[int, np.ndarray] = {}
-        if self.warden is not None:
-            out = await self._from_warden(rows)
-        missing = [r for r in rows if r not in out]
-        for r in missing:
+        for r in rows:
+            v = self.row_cache.get(r)
+            if v is not None:
+                out[r] = v
+        self.stats["rows_from_local"] += len(out)
+        fetch = [r for r in rows if r not in out]
+        if fetch and self.warden is not None:
+            out.update(await self._from_warden(fetch))
+        for r in [r for r in fetch if r not in out]:
             data = await self.source.read(*self.header.row_range(TOKEN_EMBD, r, r + 1))
             out[r] = dequantize_rows(data, self.embd.ggml_type, self.dim, TOKEN_EMBD)[0]
             self.stats["rows_from_r2"] += 1
+        for r in fetch:
+            out[r].flags.writeable = False  # shared by later lookups: nobody may write into it
+            self.row_cache.put(r, out[r], out[r].nbytes)
         return out
 
     async def _from_warden(self, rows: list[int]) -> dict[int, np.ndarray]:

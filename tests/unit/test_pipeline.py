@@ -224,3 +224,22 @@ async def test_fluid_station_streams_only_what_it_cannot_keep(tiny_knot, tmp_pat
     # Every kept byte is a hit, except the streamed tail's last tensor, which the next miss evicts.
     assert per_forward <= matrices - s1["kept_bytes"] + max(sizes), (per_forward, matrices, s1["kept_bytes"])
     await c.drain()
+
+
+async def test_shard_row_cache_serves_repeats_within_its_bytes(tiny_knot, tmp_path):
+    from common.runtime import Env
+    from services.shard.handler import ShardSettings
+
+    c = await build_cluster(tiny_knot, tmp_path, 1, 1)
+    sh = c.shards[0]
+    frame = lambda ids: Request("POST", "https://shard/embed", {}, wire.encode_envelope(
+        wire.Envelope("r", "embed", 0, len(ids), np.asarray(ids, np.int32))))
+    a = wire.decode_envelope((await sh.fetch(frame([5, 7, 5]))).body).array
+    b = wire.decode_envelope((await sh.fetch(frame([7, 5]))).body).array
+    np.testing.assert_array_equal(b, a[[1, 0]])  # the local copy is the warden's row, bit for bit
+    s = (await sh.fetch(Request("GET", "/stats"))).json()
+    assert s["rows_from_warden"] == 2 and s["rows_from_local"] == 2
+    with pytest.raises(ServiceUnavailable, match="ROW_CACHE_BYTES"):
+        ShardSettings.from_env(Env({"KNOT_KEY": "k", "VOCAB_START": "0", "VOCAB_END": "9",
+                                    "MEMORY_BUDGET_BYTES": "1000", "ROW_CACHE_BYTES": "600"}))
+    await c.drain()
