@@ -220,22 +220,41 @@ class FfnState:
 def attn_phase(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str, QTensor],
                kv: KVCache, positions: np.ndarray) -> np.ndarray:
     """x (T, dim) -> x + attn(attn_norm(x)) (T, dim). Appends this chunk's k, v to `kv`."""
+    return attn_phase_batch(cfg, layer, x, w, [(kv, positions)])
+
+
+def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str, QTensor],
+                     seqs: Sequence[tuple[KVCache, np.ndarray]]) -> np.ndarray:
+    """The attn phase of several sequences at once: x (N, dim) holds their rows back to back,
+    seqs[i] = (kv_i, positions_i (T_i,)) with sum T_i = N -> (N, dim).
+
+    The weight products run once over all N rows (the weights are read once for every
+    sequence: batched decode); RoPE, the KV append and attention stay per sequence. Each row's
+    result equals its own attn_phase's: the kernels compute every row independently.
+    """
     norm_w, wq, bq, wk, bk, wv, bv, wo = _take(w, layer, "attn")
-    T = x.shape[0]
+    N = x.shape[0]
     hd = cfg.head_dim
-    positions = np.asarray(positions, dtype=np.int64)
-    assert x.shape == (T, cfg.dim) and positions.shape == (T,), f"{x.shape=} {positions.shape=}"
+    pos = [np.asarray(p, dtype=np.int64) for _, p in seqs]
+    positions = pos[0] if len(pos) == 1 else np.concatenate(pos)  # (N,)
+    assert x.shape == (N, cfg.dim) and positions.shape == (N,), f"{x.shape=} {positions.shape=}"
     xn = rmsnorm(x, _vec(norm_w), cfg.norm_eps)
-    q = matmul(xn, wq) + _vec(bq)                               # (T, dim) @ Wq.T -> (T, n_head * hd)
-    k = matmul(xn, wk) + _vec(bk)                               # (T, dim) @ Wk.T -> (T, n_kv * hd)
-    v = matmul(xn, wv) + _vec(bv)                               # (T, dim) @ Wv.T -> (T, n_kv * hd)
+    q = matmul(xn, wq) + _vec(bq)                               # (N, dim) @ Wq.T -> (N, n_head * hd)
+    k = matmul(xn, wk) + _vec(bk)                               # (N, dim) @ Wk.T -> (N, n_kv * hd)
+    v = matmul(xn, wv) + _vec(bv)                               # (N, dim) @ Wv.T -> (N, n_kv * hd)
     cos, sin = rope_cos_sin(positions, hd, cfg.rope_base)
-    q = rope_neox(q.reshape(T, cfg.n_head, hd), cos, sin)       # (T, n_head, hd)
-    k = rope_neox(k.reshape(T, cfg.n_kv_head, hd), cos, sin)    # (T, n_kv, hd)
-    v = v.reshape(T, cfg.n_kv_head, hd)                         # (T, n_kv, hd)
-    k_all, v_all, k_pos = kv.append(layer, k, v, positions)     # (S, n_kv, hd) x2, (S,)
-    a = attention(q, k_all, v_all, positions, k_pos)            # (T, n_head * hd)
-    return x + matmul(a, wo)                                    # (T, dim) @ Wo.T -> (T, dim); no o bias
+    q = rope_neox(q.reshape(N, cfg.n_head, hd), cos, sin)       # (N, n_head, hd)
+    k = rope_neox(k.reshape(N, cfg.n_kv_head, hd), cos, sin)    # (N, n_kv, hd)
+    v = v.reshape(N, cfg.n_kv_head, hd)                         # (N, n_kv, hd)
+    outs, a0 = [], 0
+    for (kv, _), p in zip(seqs, pos):
+        a1 = a0 + p.shape[0]
+        k_all, v_all, k_pos = kv.append(layer, k[a0:a1], v[a0:a1], p)  # (S_i, n_kv, hd) x2, (S_i,)
+        outs.append(attention(q[a0:a1], k_all, v_all, p, k_pos))        # (T_i, n_head * hd)
+        a0 = a1
+    assert a0 == N, f"sequences hold {a0} rows, x has {N}"
+    a = outs[0] if len(outs) == 1 else np.concatenate(outs)     # (N, n_head * hd)
+    return x + matmul(a, wo)                                    # (N, dim) @ Wo.T -> (N, dim); no o bias
 
 
 def ffn_gate_phase(cfg: Qwen2Config, layer: int, x: np.ndarray,

@@ -15,7 +15,7 @@ Every generation goes through generation.Coordinator.events() and the admission 
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
 SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S,
 STATION_RETRY_S (how long an unreachable station is retried); MAX_CONCURRENT_REQUESTS (generations
-at once, default 4), MAX_QUEUED_REQUESTS (waiting beyond those, default 16; more get 429),
+at once, default 8), MAX_QUEUED_REQUESTS (waiting beyond those, default 16; more get 429),
 RETRY_AFTER_S (the 429's Retry-After, default 1); MODEL_NAME (the id /v1 reports, default KNOT_KEY
 without ".knot"); bindings KNOT_BUCKET and the named service bindings.
 """
@@ -67,7 +67,7 @@ class CoordinatorSettings:
             shards.append((name, a, b))
         s = cls(var(env, "KNOT_KEY"), stations, tuple(shards), float_var(env, "SHARD_TIMEOUT_S", 30),
                 float_var(env, "STATION_TIMEOUT_S", 300), float_var(env, "STATION_RETRY_S", 60),
-                int_var(env, "MAX_CONCURRENT_REQUESTS", 4), int_var(env, "MAX_QUEUED_REQUESTS", 16),
+                int_var(env, "MAX_CONCURRENT_REQUESTS", 8), int_var(env, "MAX_QUEUED_REQUESTS", 16),
                 int_var(env, "RETRY_AFTER_S", 1), var(env, "MODEL_NAME", "") or None)
         for name, value, lo in (("MAX_CONCURRENT_REQUESTS", s.max_concurrent, 1),
                                 ("MAX_QUEUED_REQUESTS", s.max_queued, 0), ("RETRY_AFTER_S", s.retry_after_s, 1)):

@@ -4,7 +4,8 @@
                     tokens this shard owns, zeros for every other token, so the coordinator's sum
                     over disjoint shards is the full lookup
     POST /logits    envelope mode "logits", float32 (T, dim) final normed hidden -> (T, n_rows):
-                    this slice of the LM head (rows of output.weight, or token_embd when tied)
+                    this slice of the LM head (rows of output.weight, or token_embd when tied);
+                    concurrent requests are batched into one product (services/batcher.py)
     GET  /stats
 
 Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB), ROW_CACHE_BYTES
@@ -32,6 +33,7 @@ from common.quant import QTensor, dequantize_rows
 from common.qwen2 import TOKEN_EMBD, head_tensor_name, lm_head
 from common.lru import ByteLRU
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
+from services.batcher import Batcher
 from services.boot import BootCache
 from services.config import int_var, var
 from services.knot_source import KnotSource
@@ -78,6 +80,7 @@ class Shard:
         self.head_name = head_tensor_name(lambda n: n in header.tensors)
         self.head: QTensor | None = None
         self.head_f32: QTensor | None = None
+        self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self._logits_batch)
         self.row_cache: ByteLRU[int, np.ndarray] = ByteLRU(settings.row_cache_bytes)  # row -> (dim,) f32
         self.stats = {"embed_calls": 0, "rows_from_local": 0, "rows_from_warden": 0, "rows_from_r2": 0,
                       "warden_failures": 0, "logits_calls": 0}
@@ -158,6 +161,15 @@ class Shard:
         self.stats["logits_calls"] += 1
         return lm_head(h, self.head_f32 or self.head)
 
+    async def _logits_batch(self, hs: list[np.ndarray]) -> list[np.ndarray]:
+        """Concurrent requests' hidden states stacked: the slice's head is read once for all."""
+        rows = self.logits(np.concatenate(hs) if len(hs) > 1 else hs[0])  # (sum T_i, n_rows)
+        out, a = [], 0
+        for h in hs:
+            out.append(rows[a:a + h.shape[0]])
+            a += h.shape[0]
+        return out
+
 
 _booted: BootCache[Shard] = BootCache()
 
@@ -212,12 +224,13 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         h = f.array
         if h.dtype != np.float32 or h.ndim != 2 or h.shape[1] != sh.dim:
             raise BadRequest(f"logits envelope holds {h.dtype} {h.shape}, expected float32 (T, {sh.dim})")
-        out = sh.logits(h)
+        out = await sh.batcher.submit(h)
         return Response.from_bytes(wire.encode_envelope(wire.Envelope(f.request_id, "logits", f.position,
                                                                       f.seq_len, out)), wire.ENVELOPE_CONTENT_TYPE)
     if path == "/stats" and request.method == "GET":
         s = sh.settings
         return Response.from_json({"boot_key": s.boot_key, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end,
                                    "head": sh.head_name, "head_bytes": sh.head.nbytes,
-                                   "head_f32_cached": sh.head_f32 is not None, **sh.stats, **sh.source.stats()})
+                                   "head_f32_cached": sh.head_f32 is not None, **sh.stats, **sh.batcher.stats(),
+                                   **sh.source.stats()})
     raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, GET /stats")

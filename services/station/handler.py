@@ -7,8 +7,12 @@
     GET  /stats              boot key, memory accounting, tensor sources, sessions
 
 Env: KNOT_KEY, SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER, SPECIALIZATION_ROLE,
-MEMORY_BUDGET_BYTES (default 128 MiB), SESSION_TTL_S (default 600); bindings KNOT_BUCKET (R2)
-and LAYER_WARDEN (DO namespace, optional).
+MEMORY_BUDGET_BYTES (default 128 MiB), SESSION_TTL_S (default 600), MAX_BATCH (default 16);
+bindings KNOT_BUCKET (R2) and LAYER_WARDEN (DO namespace, optional).
+
+Batched decode: decode frames of different requests that arrive while a forward runs are
+stacked into the next forward (services/batcher.py), so each weight is read once per step for
+all of them; attention and the KV caches stay per session.
 
 Fluid memory (seed section 2): per layer, each of the four phases is loaded, run and evicted
 in turn. A phase's tensors stay only when the budget has room for them after the activations
@@ -16,7 +20,6 @@ and the KV caches; with the default 128 MiB that keeps a 0.5B's layers, while a 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -29,10 +32,11 @@ from common.knot import KnotHeader
 from common.kvcache import KVCache
 from common.lru import ByteLRU
 from common.matmul import DEFAULT_TILE_BYTES
-from common.qwen2 import (OUTPUT_NORM, PHASES, Qwen2Config, attn_phase, ffn_down_phase, ffn_gate_phase,
+from common.qwen2 import (OUTPUT_NORM, PHASES, Qwen2Config, attn_phase_batch, ffn_down_phase, ffn_gate_phase,
                           ffn_up_phase, output_norm)
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response, ServiceUnavailable
 from common.topology import ROLES, TopologyError
+from services.batcher import Batcher
 from services.boot import BootCache
 from services.config import float_var, int_var, var
 from services.knot_source import KnotSource
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = 128 << 20
 DEFAULT_SESSION_TTL_S = 600.0
+DEFAULT_MAX_BATCH = 16  # decode frames per batched forward
 
 
 class UnknownSession(Conflict):
@@ -56,6 +61,7 @@ class StationSettings:
     role: str
     budget_bytes: int
     session_ttl_s: float
+    max_batch: int = 16
 
     @property
     def boot_key(self) -> str:
@@ -70,7 +76,10 @@ class StationSettings:
         s = cls(var(env, "KNOT_KEY"), int_var(env, "SPECIALIZATION_START_LAYER"),
                 int_var(env, "SPECIALIZATION_END_LAYER"), role,
                 int_var(env, "MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES),
-                float_var(env, "SESSION_TTL_S", DEFAULT_SESSION_TTL_S))
+                float_var(env, "SESSION_TTL_S", DEFAULT_SESSION_TTL_S),
+                int_var(env, "MAX_BATCH", DEFAULT_MAX_BATCH))
+        if s.max_batch < 1:
+            raise ServiceUnavailable(f"MAX_BATCH={s.max_batch}: must be at least 1")
         if not 0 <= s.layer_start < s.layer_end:
             raise ServiceUnavailable(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative")
         return s
@@ -100,7 +109,10 @@ class Station:
         self.forwards = 0
         self.peak_accounted_bytes = 0
         self.sessions_evicted = 0
-        self._lock = asyncio.Lock()  # one forward at a time: memory is accounted for one
+        self.batched_rows = 0
+        # One forward at a time (memory is accounted for one); decode frames that arrive while it
+        # runs are batched into the next.
+        self.batcher = Batcher(self._run_batch, self._batchable, max_batch=settings.max_batch)
 
     async def boot(self) -> None:
         """Load the role's resident set: the small tensors of our layers (norms, biases), output_norm on exit."""
@@ -167,7 +179,6 @@ class Station:
             log.info("session %s expired after %.0f s idle", rid, self.settings.session_ttl_s)
 
     def _session(self, env: wire.Envelope) -> Session:
-        T = env.array.shape[0]
         if env.mode == "prefill" and env.position == 0:
             s = Session(KVCache(self.cfg.n_kv_head, self.cfg.head_dim))
             self.sessions[env.request_id] = s
@@ -179,16 +190,14 @@ class Station:
             if s.length != env.position:
                 raise UnknownSession(f"request {env.request_id}: the session holds {s.length} positions, the frame "
                                      f"starts at {env.position}; replay the prompt from position 0")
-        if env.seq_len != env.position + T:
-            raise BadRequest(f"envelope: seq_len {env.seq_len} != position {env.position} + {T} rows")
         self.sessions.move_to_end(env.request_id)
         s.last_used = self.clock()
         return s
 
-    def _fit_sessions(self, keep: str) -> None:
-        """Evict least recently used sessions (never `keep`) while KV caches overflow half the budget."""
-        while self.kv_bytes > self.settings.budget_bytes // 2 and len(self.sessions) > 1:
-            rid = next(r for r in self.sessions if r != keep)
+    def _fit_sessions(self, keep: set[str]) -> None:
+        """Evict least recently used sessions (never those in `keep`) while KV caches overflow half the budget."""
+        while self.kv_bytes > self.settings.budget_bytes // 2 and len(self.sessions) > len(keep):
+            rid = next(r for r in self.sessions if r not in keep)
             del self.sessions[rid]
             self.sessions_evicted += 1
             log.warning("session %s evicted: KV caches exceed half the %d-byte budget", rid, self.settings.budget_bytes)
@@ -223,11 +232,12 @@ class Station:
                 self.kept.put(name, t, t.nbytes)
 
     async def forward(self, env: wire.Envelope, ctx) -> wire.Envelope:
-        async with self._lock:
-            self.loader.wait_until = ctx.wait_until  # invalidations belong to this request's ctx
-            return await self._forward(env)
+        """One frame through our layers. Decode frames of concurrent requests are batched: they run
+        as one forward whose weight products read each tensor once for all of them."""
+        self._check_frame(env)
+        return await self.batcher.submit((env, ctx))
 
-    async def _forward(self, env: wire.Envelope) -> wire.Envelope:
+    def _check_frame(self, env: wire.Envelope) -> None:
         if env.mode not in ("prefill", "decode"):
             raise BadRequest(f"envelope mode {env.mode!r}: a station runs prefill or decode")
         x = env.array
@@ -235,38 +245,81 @@ class Station:
             raise BadRequest(f"envelope array {x.dtype} {x.shape}, expected float32 (T>0, {self.cfg.dim})")
         if not np.isfinite(x).all():
             raise BadRequest(f"envelope for {env.request_id}: activations contain NaN or inf")
+        if env.seq_len != env.position + x.shape[0]:
+            raise BadRequest(f"envelope: seq_len {env.seq_len} != position {env.position} + {x.shape[0]} rows")
+
+    @staticmethod
+    def _batchable(item: tuple[wire.Envelope, object]) -> bool:
+        return item[0].mode == "decode"
+
+    async def _run_batch(self, items: list[tuple[wire.Envelope, object]]) -> list:
+        """The Batcher's callback: one forward over every frame that can still run; per-frame
+        errors (unknown session) go to that frame's caller only."""
+        self.loader.wait_until = items[0][1].wait_until  # invalidations belong to a request's ctx
         self._expire()
-        T = x.shape[0]
-        S = env.position + T  # positions attended to by the last row
-        s = self._session(env)
-        positions = np.arange(env.position, env.position + T, dtype=np.int64)
-        h = np.array(x, dtype=np.float32)  # writable copy: the frame's buffer is read-only
+        results: list = [None] * len(items)
+        runs: list[tuple[int, wire.Envelope, Session]] = []
+        for i, (env, _) in enumerate(items):
+            if any(env.request_id == e.request_id for _, e, _ in runs):
+                results[i] = Conflict(f"request {env.request_id}: two frames of one session in flight")
+                continue
+            try:
+                runs.append((i, env, self._session(env)))
+            except UnknownSession as e:
+                results[i] = e
+        if runs:
+            try:
+                outs = await self._forward([(env, sess) for _, env, sess in runs])
+            except Exception as e:  # noqa: BLE001 - every frame of the batch failed with it
+                for i, _, _ in runs:
+                    results[i] = e
+            else:
+                for (i, _, _), out in zip(runs, outs):
+                    results[i] = out
+        return results
+
+    async def _forward(self, runs: list[tuple[wire.Envelope, Session]]) -> list[wire.Envelope]:
+        """Frames of distinct sessions -> their output frames, one pass over the layers."""
+        xs = [env.array for env, _ in runs]
+        h = np.concatenate(xs) if len(xs) > 1 else np.array(xs[0], dtype=np.float32)  # (N, dim), writable
+        N = h.shape[0]
+        S = max(env.seq_len for env, _ in runs)  # the longest attention span in the batch
+        seqs = [(sess.kv, np.arange(env.position, env.seq_len, dtype=np.int64)) for env, sess in runs]
         cfg = self.cfg
         try:
             for l in range(self.settings.layer_start, self.settings.layer_end):
-                w = await self._phase(l, "attn", T, S)
-                h = attn_phase(cfg, l, h, w, s.kv, positions)
-                self._evict_or_keep(w, T, S)
-                w = await self._phase(l, "ffn_gate", T, S)
+                w = await self._phase(l, "attn", N, S)
+                h = attn_phase_batch(cfg, l, h, w, seqs)
+                self._evict_or_keep(w, N, S)
+                w = await self._phase(l, "ffn_gate", N, S)
                 st = ffn_gate_phase(cfg, l, h, w)
-                self._evict_or_keep(w, T, S)
-                w = await self._phase(l, "ffn_up", T, S)
+                self._evict_or_keep(w, N, S)
+                w = await self._phase(l, "ffn_up", N, S)
                 st = ffn_up_phase(cfg, l, st, w)
-                self._evict_or_keep(w, T, S)
-                w = await self._phase(l, "ffn_down", T, S)
+                self._evict_or_keep(w, N, S)
+                w = await self._phase(l, "ffn_down", N, S)
                 h = ffn_down_phase(cfg, l, st, w)
-                self._evict_or_keep(w, T, S)
+                self._evict_or_keep(w, N, S)
                 del w
         except BaseException:
-            # A half-applied chunk leaves the KV cache inconsistent: forget the session.
-            self.sessions.pop(env.request_id, None)
+            # A half-applied forward leaves the KV caches inconsistent: forget those sessions.
+            for env, _ in runs:
+                self.sessions.pop(env.request_id, None)
             raise
-        s.length = env.position + T
-        self._fit_sessions(env.request_id)
+        for env, sess in runs:
+            sess.length = env.seq_len
+        self._fit_sessions({env.request_id for env, _ in runs})
         self.forwards += 1
-        if self.emits_final:
-            h = output_norm(cfg, h[-1:], self.resident[OUTPUT_NORM])  # (1, dim)
-        return wire.Envelope(env.request_id, env.mode, env.position, env.seq_len, h)
+        self.batched_rows += N
+        out, a = [], 0
+        for env, _ in runs:
+            b = a + env.array.shape[0]
+            rows = h[a:b]
+            if self.emits_final:
+                rows = output_norm(cfg, rows[-1:], self.resident[OUTPUT_NORM])  # (1, dim)
+            out.append(wire.Envelope(env.request_id, env.mode, env.position, env.seq_len, rows))
+            a = b
+        return out
 
     def stats(self) -> dict:
         s = self.settings
@@ -275,7 +328,8 @@ class Station:
             "budget_bytes": s.budget_bytes, "peak_accounted_bytes": self.peak_accounted_bytes,
             "resident_bytes": self.resident_bytes, "kept_bytes": self.kept.bytes_used, "kept_tensors": len(self.kept),
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
-            "forwards": self.forwards, **self.loader.stats, **self.loader.source.stats(),
+            "forwards": self.forwards, "batched_rows": self.batched_rows, **self.batcher.stats(),
+            **self.loader.stats, **self.loader.source.stats(),
         }
 
 

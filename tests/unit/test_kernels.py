@@ -320,6 +320,11 @@ def test_threads_from_env():
     for bad in ("zero", "0", "-2"):
         with pytest.raises(ValueError, match="KNOT_THREADS"):
             kernels.threads_from_env({"KNOT_THREADS": bad})
+    assert kernels.spin_us_from_env({}) is None
+    assert kernels.spin_us_from_env({"KNOT_SPIN_US": "50"}) == 50.0
+    for bad in ("fast", "-1", "2e6"):
+        with pytest.raises(ValueError, match="KNOT_SPIN_US"):
+            kernels.spin_us_from_env({"KNOT_SPIN_US": bad})
 
 
 def test_bad_shapes_raise():

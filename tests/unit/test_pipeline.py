@@ -243,3 +243,23 @@ async def test_shard_row_cache_serves_repeats_within_its_bytes(tiny_knot, tmp_pa
         ShardSettings.from_env(Env({"KNOT_KEY": "k", "VOCAB_START": "0", "VOCAB_END": "9",
                                     "MEMORY_BUDGET_BYTES": "1000", "ROW_CACHE_BYTES": "600"}))
     await c.drain()
+
+
+async def test_concurrent_decodes_are_batched_and_each_equals_the_single_process(tiny_knot, tmp_path, engine):
+    """Batched decode: generations in flight together share station forwards (each weight read
+    once per step for all of them); every one still gets exactly its single-process tokens."""
+    import asyncio
+
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3)
+    prompts = ["the", "def the", "the def the def", "def"]
+    bodies = [r.json() for r in await asyncio.gather(*(c.generate(prompt=p, max_tokens=8) for p in prompts))]
+    for p, body in zip(prompts, bodies):
+        assert body["tokens"] == reference(engine, p, 8).token_ids, p
+        assert body["replays"] == 0
+    await c.drain()  # the releases run after the responses (wait_until)
+    for st in c.stations:
+        s = (await st.fetch(Request("GET", "/stats"))).json()
+        assert s["largest_batch"] > 1, s
+        assert s["batches"] < s["batched_items"], "some forwards carried more than one request"
+        assert s["sessions"] == 0, "every session released"
+    await c.drain()

@@ -254,6 +254,34 @@ def test_decode_with_kv_cache_equals_full_recompute():
     assert kv.n_tokens(0) == len(TOKENS)
 
 
+def test_batched_attn_phase_equals_each_sequence_alone():
+    """Batched decode: three sequences at different lengths share one attn phase; every row and
+    every KV cache equals the one its sequence gets alone (the weight products are row-wise)."""
+    rng = np.random.default_rng(7)
+    ws = W
+    lens = [(5, 1), (2, 1), (9, 3)]  # (already cached, new rows) per sequence
+    alone_kv, batch_kv, xs, poss = [], [], [], []
+    for n_old, n_new in lens:
+        old = rng.normal(size=(n_old, CFG.dim)).astype(np.float32)
+        a, b = KVCache(CFG.n_kv_head, CFG.head_dim), KVCache(CFG.n_kv_head, CFG.head_dim)
+        for kv in (a, b):
+            qwen2.attn_phase(CFG, 0, old, ws, kv, np.arange(n_old))
+        alone_kv.append(a), batch_kv.append(b)
+        xs.append(rng.normal(size=(n_new, CFG.dim)).astype(np.float32))
+        poss.append(np.arange(n_old, n_old + n_new))
+    alone = [qwen2.attn_phase(CFG, 0, x, ws, kv, p) for x, kv, p in zip(xs, alone_kv, poss)]
+    batched = qwen2.attn_phase_batch(CFG, 0, np.concatenate(xs), ws, list(zip(batch_kv, poss)))
+    np.testing.assert_allclose(batched, np.concatenate(alone), rtol=0, atol=1e-6)
+    empty = np.zeros((0, CFG.n_kv_head, CFG.head_dim), np.float32)
+    for a, b in zip(alone_kv, batch_kv):
+        ka, va, pa = a.append(0, empty, empty, np.zeros(0, np.int64))
+        kb, vb, pb = b.append(0, empty, empty, np.zeros(0, np.int64))
+        np.testing.assert_array_equal(pa, pb)
+        # F16/F32 weights go through BLAS, whose sums may group differently for 1 row and for
+        # N rows (an ulp); the quantized kernels are row-wise exact (test_kernels: ..._batch_agree_bit_for_bit).
+        np.testing.assert_allclose(np.stack([ka, va]), np.stack([kb, vb]), rtol=0, atol=1e-6)
+
+
 def test_kvcache_grows_and_truncates():
     kv = KVCache(2, 4)
     rng = np.random.default_rng(0)
