@@ -242,19 +242,14 @@ class Coordinator:
             return await self._prefill(gen, history)
 
     async def _prefill(self, gen: Generation, ids: list[int]) -> np.ndarray:
+        """The prompt in chunks (seed: floor(P/2)), pipelined through the stations."""
         rid, hops, degraded = gen.rid, gen.hops, gen.degraded
-        h = None
-        for a, b in prefill_chunks(len(ids)):
-            x = await self.pipeline.embed(rid, ids[a:b], a, hops, degraded)
-            for attempt in range(2):
-                try:
-                    h = await self.pipeline.stations_forward(rid, "prefill", a, x, hops)
-                    break
-                except SessionLost:
-                    # a station restarted between our chunks: start over from position 0
-                    if attempt or a == 0:
-                        raise
-                    return await self._prefill(gen, ids)
+        chunks = prefill_chunks(len(ids))
+        try:
+            h = await self.pipeline.prefill(rid, ids, chunks, hops, degraded)
+        except SessionLost:
+            # A station restarted mid-prompt: our later chunks found no session. Once more from 0.
+            h = await self.pipeline.prefill(rid, ids, chunks, hops, degraded)
         return await self.pipeline.logits(rid, h, len(ids) - 1, hops, degraded)
 
     async def _step(self, gen: Generation, tid: int, pos: int) -> np.ndarray:

@@ -138,6 +138,41 @@ class Pipeline:
             h = out.array
         return h
 
+    async def prefill(self, rid: str, ids: list[int], chunks: list[tuple[int, int]], hops: Hops,
+                      degraded: list[Degradation]) -> np.ndarray:
+        """A prompt's chunks [(a, b)] through the embedding and every station, pipelined (the
+        seed's Wallington Rotation): chunk k+1 enters station 0 while chunk k runs on station 1.
+        Each station still receives its chunks in order, as its KV cache needs. A chunk is
+        embedded once the previous one has entered station 0, so at most about two chunks of
+        activations are alive. -> the exit's (1, dim) for the last chunk."""
+        entered = [asyncio.Event() for _ in chunks]                        # station 0 began chunk k
+        done = [[asyncio.Event() for _ in chunks] for _ in self.stations]  # [station][chunk] finished
+
+        async def run(k: int, a: int, b: int) -> np.ndarray:
+            if k:
+                await entered[k - 1].wait()
+            h = await self.embed(rid, ids[a:b], a, hops, degraded)        # (T_k, dim)
+            for i, st in enumerate(self.stations):
+                if k:
+                    await done[i][k - 1].wait()  # station i has taken chunk k-1 in full
+                if i == 0:
+                    entered[k].set()
+                t0 = time.perf_counter()
+                h = (await self._forward_one(i, st, wire.Envelope(rid, "prefill", a, b, h))).array
+                hops.add(f"station_{i}", t0)
+                done[i][k].set()
+            return h
+
+        tasks = [asyncio.ensure_future(run(k, a, b)) for k, (a, b) in enumerate(chunks)]
+        try:
+            return (await asyncio.gather(*tasks))[-1]
+        except BaseException:
+            # A failed chunk never sets its events: the later chunks would wait forever.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
     async def _forward_one(self, i: int, st, frame: wire.Envelope) -> wire.Envelope:
         """One station hop. A station that cannot be reached (restarting) is retried with backoff
         for up to station_retry_s; once it is back it answers UnknownSession and we replay."""
