@@ -64,6 +64,7 @@ class ServiceRuntime:
     ready: Callable[[Env], Awaitable[None]] | None = None
     checks: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
+    access_log: str = "all"  # "errors": successful requests are logged at DEBUG only
 
 
 # ---------------------------------------------------------------- translation
@@ -123,10 +124,11 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
             resp = web.json_response({"error": type(e).__name__, "message": e.reason, "request_id": rid},
                                      status=e.status)
         resp.headers[REQUEST_ID_HEADER] = rid
-        if request.path not in ("/healthz", "/readyz"):
-            log.info("%s %s -> %d", request.method, request.path, resp.status,
-                     extra={"method": request.method, "path": request.path, "status": resp.status,
-                            "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+        level = logging.INFO if resp.status >= 400 or request.app[RUNTIME].access_log == "all" else logging.DEBUG
+        if request.path not in ("/healthz", "/readyz") and log.isEnabledFor(level):
+            log.log(level, "%s %s -> %d", request.method, request.path, resp.status,
+                    extra={"method": request.method, "path": request.path, "status": resp.status,
+                           "ms": round((time.perf_counter() - t0) * 1e3, 2)})
         return resp
     finally:
         request_id_var.reset(token)
@@ -246,7 +248,8 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
         do_host.env = env
     # Exit callbacks run last-in first-out: wait_until work drains before any client closes.
     stack.push_async_callback(tasks.drain, settings.shutdown_timeout_s)
-    return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks)
+    return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks,
+                          access_log=settings.access_log)
 
 
 async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Callable[[], None] | None = None,

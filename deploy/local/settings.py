@@ -9,6 +9,8 @@
     S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION          for s3:// bindings
     S3_CONNECT_TIMEOUT_S, S3_READ_TIMEOUT_S, KNOT_CALL_TIMEOUT_S, KNOT_SHUTDOWN_TIMEOUT_S
     KNOT_LOG_FORMAT        json | text                                              (json)
+    KNOT_ACCESS_LOG        all | errors: log every request at INFO, or only 4xx/5xx  (all)
+                           (the rest at DEBUG: internal hops run ~10 requests per token)
 
 Binding URL schemes (the value of each variable named in KNOT_BINDINGS):
     s3://BUCKET                      R2-like bucket on S3 (MinIO, SeaweedFS)
@@ -63,6 +65,7 @@ class HostSettings:
     call_timeout_s: float = 30.0
     shutdown_timeout_s: float = 30.0
     log_format: str = "json"
+    access_log: str = "all"
     max_body_bytes: int = 256 << 20
 
     @classmethod
@@ -101,6 +104,9 @@ class HostSettings:
         fmt = env.get("KNOT_LOG_FORMAT", "json")
         if fmt not in ("json", "text"):
             raise ConfigError(f"Config 'KNOT_LOG_FORMAT' must be json or text, got {fmt!r}")
+        access = env.get("KNOT_ACCESS_LOG", "all")
+        if access not in ("all", "errors"):
+            raise ConfigError(f"Config 'KNOT_ACCESS_LOG' must be all or errors, got {access!r}")
         return cls(
             service=service,
             name=env.get("KNOT_SERVICE_NAME") or service.rsplit(".", 1)[-1],
@@ -115,5 +121,6 @@ class HostSettings:
             call_timeout_s=number("KNOT_CALL_TIMEOUT_S", 30.0),
             shutdown_timeout_s=number("KNOT_SHUTDOWN_TIMEOUT_S", 30.0),
             log_format=fmt,
+            access_log=access,
             max_body_bytes=int(number("KNOT_MAX_BODY_BYTES", 256 << 20, int)),
         )

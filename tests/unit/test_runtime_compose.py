@@ -64,6 +64,16 @@ def test_launch_plan_comes_from_the_file(doc):
             svc = load_service(settings.service)
             assert set(settings.durable_objects) <= set(svc.durable_objects)
             assert s.healthcheck_url == "http://127.0.0.1:8080/readyz" and s.container_port == 8080
+            # the public face logs every request; the internal hops (~10 per token) only failures
+            assert settings.access_log == ("all" if s.name == "coordinator" else "errors"), s.name
+
+
+def test_access_log_setting_is_checked():
+    base = {"KNOT_SERVICE": "services.shard"}
+    assert HostSettings.from_env(base).access_log == "all"
+    assert HostSettings.from_env({**base, "KNOT_ACCESS_LOG": "errors"}).access_log == "errors"
+    with pytest.raises(ValueError, match="KNOT_ACCESS_LOG"):
+        HostSettings.from_env({**base, "KNOT_ACCESS_LOG": "verbose"})
 
 
 def test_addresses_are_rewritten_to_local_ports(doc):
