@@ -8,9 +8,11 @@ Measures (issue 7's benchmark):
     R2 bytes per token                sum of the r2_bytes_read deltas over the stations and shards
                                       during the decode run, over its generated tokens (the wardens'
                                       /stats are per identity, so a plain GET does not count them)
-    fluid profile                     the cluster runs with STATION_MEMORY_BUDGET_BYTES (default
-                                      128 MiB, the fluid profile): warden bytes per token from the
-                                      stations' warden_bytes deltas
+    profiles                          the figures above come from the resident profile: stations
+                                      with --budget-bytes (default 1 GiB) keep their layers; then a
+                                      second cluster runs the fluid profile (--fluid-budget-bytes,
+                                      default 128 MiB, a Worker's memory): its decode tok/s and the
+                                      bytes per token the stations pulled from their LayerWardens
     peak RSS <service>                VmHWM of each service process at the end
 llama.cpp (llama-cpp-python, when installed) runs on the same GGUF with the same thread count:
 decode = N greedy tokens after a short prompt (the eval loop timed), prefill = one 512-token eval.
@@ -35,7 +37,8 @@ NAME = "bench"
 HELP = "benchmark the cluster against llama.cpp on the same GGUF and print one table with the ratios"
 
 SHORT_PROMPT = "def fibonacci(n):"
-FLUID_BUDGET_BYTES = 134217728
+RESIDENT_BUDGET_BYTES = 1 << 30  # a 1.5B's half (~400 MB of layers) stays resident
+FLUID_BUDGET_BYTES = 128 << 20   # a Worker's memory: the seed's fluid-memory profile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,7 +49,7 @@ class Figure:
     name: str
     ours: float | None
     llama: float | None = None
-    unit: str = ""          # "tok/s" | "ms" | "B" | "MiB" (value in bytes) | ""
+    unit: str = ""          # "tok/s" | "ms" | "B" | "MiB" (value in bytes) | "x" (a ratio) | ""
 
 
 def format_value(v: float | None, unit: str) -> str:
@@ -60,6 +63,8 @@ def format_value(v: float | None, unit: str) -> str:
         return f"{v:,.0f} B"
     if unit == "MiB":
         return f"{v / 2**20:.0f} MiB"
+    if unit == "x":
+        return f"{v:.2f}x"
     return f"{v:g}"
 
 
@@ -114,8 +119,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt length of the prefill figure (default 512)")
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrent request counts (default 1,4,8)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2, like the kernels)")
-    p.add_argument("--budget-bytes", type=int, default=FLUID_BUDGET_BYTES,
-                   help="STATION_MEMORY_BUDGET_BYTES of the cluster run (default 128 MiB: the fluid profile)")
+    p.add_argument("--budget-bytes", type=int, default=RESIDENT_BUDGET_BYTES,
+                   help="STATION_MEMORY_BUDGET_BYTES of the main cluster run (default 1 GiB: the resident profile)")
+    p.add_argument("--fluid-budget-bytes", type=int, default=FLUID_BUDGET_BYTES,
+                   help="STATION_MEMORY_BUDGET_BYTES of the fluid run (default 128 MiB)")
+    p.add_argument("--fluid-tokens", type=int, default=16, metavar="N",
+                   help="tokens generated in the fluid run (default 16)")
+    p.add_argument("--no-fluid", action="store_true", help="skip the fluid run")
     p.add_argument("--run-dir", default=None, help="cluster run directory (default: $TMPDIR/knot-bench; "
                    "the bucket survives, so later runs skip the upload)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
@@ -203,16 +213,44 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int]) -> dict:
+def start_cluster(model: str | None, args, budget_bytes: int):
     from deploy import launcher, servers
 
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / "knot-bench"
     env = {**os.environ, "KNOT_PORT": str(servers.free_ports(1)[0]),
-           "STATION_MEMORY_BUDGET_BYTES": str(args.budget_bytes)}
+           "STATION_MEMORY_BUDGET_BYTES": str(budget_bytes)}
     env.pop("KNOT_KEY", None)
     cluster = launcher.Cluster(run_dir)
-    progress(f"starting the cluster in {run_dir} (budget {args.budget_bytes} B per station)")
-    running = {r.name: r for r in cluster.up(model=model, env=env)}
+    progress(f"starting the cluster in {run_dir} (budget {budget_bytes:,} B per station)")
+    return cluster, {r.name: r for r in cluster.up(model=model, env=env)}
+
+
+def _station_stats(running: dict) -> dict:
+    return {n: {k: s.get(k) for k in ("peak_accounted_bytes", "budget_bytes", "warden_bytes", "r2_bytes")}
+            for n, r in running.items() if n.startswith("station")
+            for s in [_http_json("GET", r.url + "/stats", timeout_s=30)]}
+
+
+def measure_fluid(model: str | None, args) -> dict:
+    """Decode only, with Worker-sized stations: tok/s and the bytes pulled from the LayerWardens."""
+    cluster, running = start_cluster(model, args, args.fluid_budget_bytes)
+    try:
+        url = running["coordinator"].url + "/generate"
+        _http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": 2, "temperature": 0})
+        w0 = _counters(running, "warden_bytes")
+        progress(f"fluid decode: {args.fluid_tokens} tokens")
+        body = _http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": args.fluid_tokens, "temperature": 0})
+        n = body["usage"]["completion_tokens"]
+        return {"decode_tok_s": body["timings"]["decode_tok_s"], "tokens": n,
+                "warden_bytes_per_token": per_token(w0, _counters(running, "warden_bytes"), n),
+                "station_stats": _station_stats(running)}
+    finally:
+        progress("stopping the fluid cluster")
+        cluster.down()
+
+
+def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int]) -> dict:
+    cluster, running = start_cluster(model, args, args.budget_bytes)
     out: dict = {"services": sorted(running)}
     try:
         url = running["coordinator"].url + "/generate"
@@ -271,12 +309,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
 
         out["peak_rss"] = {n: peak_rss_bytes(r.pid) for n, r in running.items()
                            if r.kind == "process" and servers.pid_alive(r.pid)}
-        out["station_stats"] = {}
-        for n, r in running.items():
-            if n.startswith("station"):
-                s = _http_json("GET", r.url + "/stats", timeout_s=30)
-                out["station_stats"][n] = {k: s.get(k) for k in ("peak_accounted_bytes", "budget_bytes",
-                                                                  "warden_bytes", "r2_bytes")}
+        out["station_stats"] = _station_stats(running)
     finally:
         progress("stopping the cluster")
         cluster.down()
@@ -284,20 +317,24 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
 
 
 def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurrency: list[int],
-                  budget_bytes: int) -> list[Figure]:
-    cl, ll = cl or {}, ll or {}
+                  fluid: dict | None, fluid_budget_bytes: int) -> list[Figure]:
+    cl, ll, fluid = cl or {}, ll or {}, fluid or {}
     figs = [
         Figure("decode", cl.get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"),
         Figure("prefill", cl.get("prefill_tok_s"), ll.get("prefill_tok_s"), "tok/s"),
         Figure("single-process decode", (local or {}).get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"),
+        # issue 7: the cluster's decode overhead against the single process (goal: >= 0.85)
+        Figure("cluster / single-process decode", ratio(cl.get("decode_tok_s"), (local or {}).get("decode_tok_s")),
+               None, "x"),
         Figure("ttft", cl.get("ttft_ms"), None, "ms"),
     ]
     for c in concurrency:
         figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c), None, "tok/s"))
     figs.append(Figure("R2 bytes per token", cl.get("r2_bytes_per_token"), None, "B"))
-    mib = budget_bytes / 2**20
-    figs.append(Figure(f"fluid ({mib:g} MiB stations) decode", cl.get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"))
-    figs.append(Figure(f"fluid ({mib:g} MiB stations) warden bytes per token", cl.get("warden_bytes_per_token"),
+    mib = fluid_budget_bytes / 2**20
+    figs.append(Figure(f"fluid ({mib:g} MiB stations) decode", fluid.get("decode_tok_s"), ll.get("decode_tok_s"),
+                       "tok/s"))
+    figs.append(Figure(f"fluid ({mib:g} MiB stations) warden bytes per token", fluid.get("warden_bytes_per_token"),
                        None, "B"))
     for n, b in sorted(cl.get("peak_rss", {}).items()):
         figs.append(Figure(f"peak RSS {n}", b, None, "MiB"))
@@ -334,13 +371,16 @@ def run(args: argparse.Namespace) -> int:
             ll = measure_llama(gguf, args.threads, args.tokens, short_ids, long_ids)
     progress(f"single process: decode {args.tokens} tokens")
     local = measure_local(knot, args.tokens, short_ids)
-    cl = None
+    cl = fluid = None
     if not args.no_cluster:
         cl = measure_cluster(args.model, args, args.tokens, long_text, concurrency)
+        if not args.no_fluid:
+            fluid = measure_fluid(args.model, args)
 
-    figures = build_figures(cl, local, ll, concurrency, args.budget_bytes)
+    figures = build_figures(cl, local, ll, concurrency, fluid, args.fluid_budget_bytes)
     print(f"knot bench: {model} ({gguf.name}), {args.tokens} tokens, prompt {len(long_ids)} tokens, "
-          f"llama.cpp {args.threads} threads")
+          f"llama.cpp {args.threads} threads, stations {args.budget_bytes:,} B (fluid run: "
+          f"{args.fluid_budget_bytes:,} B)")
     print(render_table(figures))
     if cl:
         print(f"\nprefill prompt: {cl.get('prefill_prompt_tokens')} tokens; ttft prompt: "
@@ -348,6 +388,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"R2 bytes by service during the decode run: {cl.get('r2_by_service')}")
         print(f"warden bytes by station during the decode run: {cl.get('warden_by_station')}")
         print(f"station stats: {json.dumps(cl.get('station_stats'))}")
+    if fluid:
+        print(f"fluid run: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cluster": cl, "local": local, "llama": ll}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"cluster": cl, "fluid": fluid, "local": local, "llama": ll},
+                                              indent=1, default=str))
     return 0

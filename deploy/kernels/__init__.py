@@ -41,35 +41,35 @@ def supported_types() -> list[str]:
     return sorted(_qmatmul.TYPES) if _qmatmul else []
 
 
+def _env_number(env: Mapping[str, str], key: str, kind: type, lo: float, hi: float, what: str):
+    """env[key] as kind within [lo, hi]; None when unset or empty; ValueError naming the key otherwise."""
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = kind(raw)
+    except ValueError:
+        raise ValueError(f"{key}={raw!r} is not {what}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"{key}={v} must be in [{lo:g}, {hi:g}]")
+    return v
+
+
 def threads_from_env(env: Mapping[str, str]) -> int:
     """KNOT_THREADS, default: the CPUs this process may run on."""
-    raw = env.get(THREADS_ENV)
-    if raw is None or raw == "":
+    n = _env_number(env, THREADS_ENV, int, 1, 256, "an integer")
+    if n is None:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{THREADS_ENV}={raw!r} is not an integer") from None
-    if not 1 <= n <= 256:
-        raise ValueError(f"{THREADS_ENV}={n} must be in [1, 256]")
     return n
 
 
 def spin_us_from_env(env: Mapping[str, str]) -> float | None:
-    """KNOT_SPIN_US: how long an idle pool worker spins before it sleeps (None: the pool's 1,000 us).
+    """KNOT_SPIN_US: how long an idle pool worker spins before it sleeps, in microseconds
+    (None: the pool's 1,000).
 
     Why it matters: one process alone wants its workers hot between back-to-back matmuls, but
     13 services sharing 2 cores lose a core for that long after every forward."""
-    raw = env.get(SPIN_ENV)
-    if raw is None or raw == "":
-        return None
-    try:
-        us = float(raw)
-    except ValueError:
-        raise ValueError(f"{SPIN_ENV}={raw!r} is not a number") from None
-    if not 0 <= us <= 1e6:
-        raise ValueError(f"{SPIN_ENV}={us} must be in [0, 1000000] microseconds")
-    return us
+    return _env_number(env, SPIN_ENV, float, 0, 1e6, "a number")
 
 
 def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Kernel:

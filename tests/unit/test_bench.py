@@ -17,6 +17,7 @@ def test_format_value_by_unit():
     assert format_value(68.7, "ms") == "69 ms"
     assert format_value(1234567, "B") == "1,234,567 B"
     assert format_value(248 * 2**20, "MiB") == "248 MiB"
+    assert format_value(0.6543, "x") == "0.65x"
 
 
 def test_render_table_has_the_header_and_one_row_per_figure_with_the_ratio():
@@ -40,17 +41,19 @@ def test_per_token_sums_the_deltas():
 
 def test_build_figures_names_the_required_rows():
     cl = {"decode_tok_s": 28.0, "prefill_tok_s": 135.0, "ttft_ms": 69.0, "aggregate": {1: 27.0, 4: 31.0, 8: 31.0},
-          "r2_bytes_per_token": 0.0, "warden_bytes_per_token": 12.0, "peak_rss": {"station-0": 2**28}}
+          "r2_bytes_per_token": 0.0, "peak_rss": {"station-0": 2**28}}
+    fluid = {"decode_tok_s": 1.5, "warden_bytes_per_token": 12.0}
     figs = build_figures(cl, {"decode_tok_s": 50.0}, {"decode_tok_s": 45.0, "prefill_tok_s": 220.0}, [1, 4, 8],
-                         134217728)
+                         fluid, 134217728)
     names = [f.name for f in figs]
     for want in ("decode", "prefill", "single-process decode", "ttft", "aggregate tok/s @1", "aggregate tok/s @4",
                  "aggregate tok/s @8", "R2 bytes per token", "peak RSS station-0"):
         assert want in names
-    assert any("fluid" in n and "decode" in n for n in names)
-    assert any("fluid" in n and "warden bytes per token" in n for n in names)
     by = {f.name: f for f in figs}
+    assert by["fluid (128 MiB stations) decode"].ours == 1.5  # the fluid run's, not the resident run's
+    assert by["fluid (128 MiB stations) warden bytes per token"].ours == 12.0
+    assert by["cluster / single-process decode"].ours == 28.0 / 50.0
     assert ratio(by["decode"].ours, by["decode"].llama) == 28.0 / 45.0
     assert by["aggregate tok/s @4"].llama is None
     # nothing measured: every cell renders, no crash
-    assert "decode" in render_table(build_figures(None, None, None, [1], 134217728))
+    assert "decode" in render_table(build_figures(None, None, None, [1], None, 134217728))
