@@ -250,6 +250,8 @@ def measure_fluid(model: str | None, args) -> dict:
 
 
 def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int]) -> dict:
+    from deploy import servers
+
     cluster, running = start_cluster(model, args, args.budget_bytes)
     out: dict = {"services": sorted(running)}
     try:
