@@ -82,7 +82,7 @@ class TensorFrame:
     name: str
     ggml_type: str
     shape: tuple[int, ...]  # GGUF order, of the rows this frame holds
-    payload: bytes
+    payload: bytes | memoryview  # decoded frames: a read-only view into the received buffer
     row_start: int = 0
 
 
@@ -155,7 +155,9 @@ def _read_tensor(r: _Reader) -> TensorFrame:
     if got != crc:
         raise ChecksumMismatch(f"tensor frame {name}: crc32 0x{got:08x} over {payload_len} payload bytes, "
                                f"frame says 0x{crc:08x}")
-    return TensorFrame(name, ggml_type, shape, bytes(payload), row_start)
+    # A view, not a copy: a fluid station decodes ~300 MB of frames per token. Whoever keeps a
+    # payload beyond the request copies it (it pins the whole received buffer otherwise).
+    return TensorFrame(name, ggml_type, shape, payload.toreadonly(), row_start)
 
 
 def decode_tensor(buf: bytes | memoryview) -> TensorFrame:
@@ -170,8 +172,13 @@ def decode_tensor(buf: bytes | memoryview) -> TensorFrame:
 
 
 def encode_batch(frames: Iterable[TensorFrame]) -> bytes:
-    parts = [encode_tensor(f) for f in frames]
-    return b"".join([_BATCH_HEAD.pack(BATCH_MAGIC, VERSION, 0, 0, len(parts)), *parts])
+    return join_batch([encode_tensor(f) for f in frames])
+
+
+def join_batch(encoded: list[bytes]) -> bytes:
+    """A batch of frames already encoded by encode_tensor (a cache can keep them encoded: the
+    crc32 is computed once, not per request)."""
+    return b"".join([_BATCH_HEAD.pack(BATCH_MAGIC, VERSION, 0, 0, len(encoded)), *encoded])
 
 
 def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:

@@ -1,6 +1,7 @@
 """LayerWarden Durable Object: a layer station's tensor cache (seed sections 4, 7, 8).
 
-    L1  this DO's RAM: LRU with a byte budget (default 1 GiB) and the residency rule below
+    L1  this DO's RAM: LRU with a byte budget (default 1 GiB) and the residency rule below;
+        entries are kept as encoded tensor frames, so a hit costs no crc32 and one copy
     L3  R2 (env.KNOT_BUCKET) ranged reads          (L2, KV, is not used for layer tensors)
 
 Endpoints (identity "{knot_key}|{layer_start}-{layer_end}"):
@@ -49,7 +50,7 @@ class LayerWarden(WardenBase):
     def __init__(self, state, env):
         super().__init__(state, env)
         self.header: KnotHeader | None = None
-        self.cache: ByteLRU[str, wire.TensorFrame] = ByteLRU(DEFAULT_BUDGET_BYTES, is_resident)
+        self.cache: ByteLRU[str, bytes] = ByteLRU(DEFAULT_BUDGET_BYTES, is_resident)  # name -> encoded frame
 
     def _validate(self, identity: Identity, header: KnotHeader) -> None:
         n_layers = int(header.hparams["block_count"])
@@ -62,7 +63,8 @@ class LayerWarden(WardenBase):
 
     # -------------------------------------------------------- tensors
 
-    async def _frame(self, name: str) -> wire.TensorFrame:
+    async def _frame(self, name: str) -> bytes:
+        """The tensor's encoded frame (common.wire.encode_tensor), from RAM or read from R2."""
         assert self.identity is not None and self.header is not None and self.source is not None
         m = _BLOCK.match(name)
         if m and not self.identity.start <= int(m.group(1)) < self.identity.end:
@@ -76,16 +78,15 @@ class LayerWarden(WardenBase):
         if frame is None:
             start, end = self.header.tensor_range(name)
             data = await self.source.read(start, end)
-            frame = wire.TensorFrame(name, entry.ggml_type, entry.shape, data)
-            self.cache.put(name, frame, len(data))
+            frame = wire.encode_tensor(wire.TensorFrame(name, entry.ggml_type, entry.shape, data))
+            self.cache.put(name, frame, len(data))  # the budget counts tensor bytes (+ ~60 B of frame)
         return frame
 
     async def tensor(self, request: Request, name: str) -> Response:
         await self._identified(request)
         if not name:
             raise BadRequest("GET /tensor/<name>: the name is missing")
-        frame = await self._frame(name)
-        return Response.from_bytes(wire.encode_tensor(frame), wire.TENSOR_CONTENT_TYPE)
+        return Response.from_bytes(await self._frame(name), wire.TENSOR_CONTENT_TYPE)
 
     async def tensors(self, request: Request, _rest: str) -> Response:
         await self._identified(request)
@@ -98,7 +99,7 @@ class LayerWarden(WardenBase):
         # One missing tensor fails the whole batch (seed section 8: no silent partial loads).
         unique = list(dict.fromkeys(names))
         got = dict(zip(unique, await asyncio.gather(*(self._frame(n) for n in unique))))
-        return Response.from_bytes(wire.encode_batch(got[n] for n in names), wire.BATCH_CONTENT_TYPE)
+        return Response.from_bytes(wire.join_batch([got[n] for n in names]), wire.BATCH_CONTENT_TYPE)
 
     async def invalidate(self, request: Request, name: str) -> Response:
         await self._identified(request)

@@ -32,6 +32,7 @@ from common.knot import KnotHeader
 from common.kvcache import KVCache
 from common.lru import ByteLRU
 from common.matmul import DEFAULT_TILE_BYTES
+from common.quant import QTensor
 from common.qwen2 import (OUTPUT_NORM, PHASES, Qwen2Config, attn_phase_batch, ffn_down_phase, ffn_gate_phase,
                           ffn_up_phase, output_norm)
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response, ServiceUnavailable
@@ -229,7 +230,8 @@ class Station:
             if name in self.resident or name in self.kept:
                 continue
             if t.nbytes <= room - self.kept.bytes_used:
-                self.kept.put(name, t, t.nbytes)
+                # A copy: a tensor from a warden batch is a view that pins the whole batch buffer.
+                self.kept.put(name, QTensor(t.name, t.ggml_type, t.shape, t.data.copy()), t.nbytes)
 
     async def forward(self, env: wire.Envelope, ctx) -> wire.Envelope:
         """One frame through our layers. Decode frames of concurrent requests are batched: they run

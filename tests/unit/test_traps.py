@@ -215,14 +215,15 @@ async def test_trap_layer_warden_no_invalidate_poisoning(tiny_knot, tmp_path):
     # 2. poisoned in the warden's RAM: a wrong-length entry is rejected, invalidated, then refetched
     name = "blk.0.ffn_up.weight"
     warden = c.layer_wardens._instances[("LayerWarden", f"{KNOT_KEY}|0-2")].obj
-    frame = warden.cache.peek(name)
-    warden.cache.put(name, wire.TensorFrame(name, frame.ggml_type, frame.shape, frame.payload[:-8]), len(frame.payload))
+    frame = wire.decode_tensor(warden.cache.peek(name))
+    short = wire.TensorFrame(name, frame.ggml_type, frame.shape, frame.payload[:-8])  # a valid frame, wrong length
+    warden.cache.put(name, wire.encode_tensor(short), len(frame.payload))
     before = stats["invalidations"]
     assert (await c.generate(prompt=PROMPT, max_tokens=4)).json()["tokens"] == want
     await c.drain()
     after = (await c.stations[0].fetch(Request("GET", "/stats"))).json()["invalidations"]
     assert after == before + 1, "the poisoned entry was rejected once, then served clean"
-    assert len(warden.cache.peek(name).payload) == len(frame.payload)
+    assert len(wire.decode_tensor(warden.cache.peek(name)).payload) == len(frame.payload)
 
 
 async def test_trap_layer_warden_bucket_binding_mismatch(tiny_knot, tmp_path):
