@@ -1,0 +1,168 @@
+"""Where a cluster decode step goes: per-hop times, CPU per process per token, the LM-head fan-out.
+
+Starts the compose topology with the local launcher (real SeaweedFS, Valkey and one process per
+service), then:
+
+    hops     /generate of --tokens greedy tokens, twice; prints the second run's decode tok/s and
+             the coordinator's per-hop mean times (timings.hops), and the stations' warden bytes
+    cpu      one run of --tokens tokens; prints each process's CPU ms per token (user + system,
+             every thread, from /proc/<pid>/task/*/stat) and their sum
+    fanout   posts one (1, dim) hidden state to every shard's /logits at once, --reps times, and
+             prints when the replies arrive (median over the reps, sorted)
+    prefill  one ~700-token prompt: prompt tokens over the time to first token
+    rss      each service's peak RSS (VmHWM) so far
+
+    python benchmarks/cluster_profile.py [--model NAME|PATH] [--budget-bytes N] [--tokens N]
+        [--reps N] [--only hops,cpu,fanout,prefill,rss]
+
+Extra variables in the environment reach every service (the launcher passes them on), so the
+same run can compare settings, e.g. KNOT_SPIN_US=0 or KNOT_ACCESS_LOG=all.
+Benchmarks are not tests: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from common import wire  # noqa: E402
+from deploy import launcher, models, servers  # noqa: E402
+from deploy.commands.bench import peak_rss_bytes  # noqa: E402
+from deploy.knotfile import open_model  # noqa: E402
+
+PROMPT = "def fibonacci(n):"
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        return json.load(r)
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.load(r)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system time of every thread of pid."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        fields = Path(f"/proc/{pid}/task/{t}/stat").read_text().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def hops(running: dict, gen: str, tokens: int) -> None:
+    stations = {n: r for n, r in running.items() if n.startswith("station")}
+    w0 = {n: get(r.url + "/stats")["warden_bytes"] for n, r in stations.items()}
+    for i in range(2):
+        b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0})
+    n = 2 * (b["usage"]["completion_tokens"] + 1)
+    print(f"hops: decode {b['timings']['decode_tok_s']:.3g} tok/s; mean ms per hop: "
+          + ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in b["timings"]["hops"].items()))
+    for name, r in stations.items():
+        s = get(r.url + "/stats")
+        print(f"  {name}: warden bytes per forward {(s['warden_bytes'] - w0[name]) / n:,.0f}, "
+              f"kept {s['kept_bytes']:,} B, accounted peak {s['peak_accounted_bytes']:,} B")
+
+
+def cpu(running: dict, gen: str, tokens: int) -> None:
+    procs = {n: r.pid for n, r in running.items() if r.kind == "process" and servers.pid_alive(r.pid)}
+    before = {n: cpu_seconds(p) for n, p in procs.items()}
+    t0 = time.perf_counter()
+    b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+    wall = time.perf_counter() - t0
+    n = b["usage"]["completion_tokens"]
+    per = {k: (cpu_seconds(p) - before[k]) / n * 1e3 for k, p in procs.items()}
+    print(f"cpu: {n} tokens, wall {wall / n * 1e3:.1f} ms per token, CPU {sum(per.values()):.1f} ms per token")
+    for k in sorted(per):
+        print(f"  {k:18s} {per[k]:6.2f} ms per token")
+
+
+async def _fanout(shards: list[str], dim: int, reps: int) -> np.ndarray:
+    import aiohttp
+
+    h = (np.random.default_rng(0).standard_normal((1, dim)) * 0.1).astype(np.float32)
+    body = wire.encode_envelope(wire.Envelope("profile", "logits", 5, 6, h))
+    headers = {"Content-Type": wire.ENVELOPE_CONTENT_TYPE}
+    async with aiohttp.ClientSession() as s:
+        async def one(url: str, t0: float) -> float:
+            async with s.post(url + "/logits", data=body, headers=headers) as r:
+                await r.read()
+                return time.perf_counter() - t0
+
+        for u in shards:  # warm
+            await one(u, time.perf_counter())
+        rows = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            rows.append(sorted(await asyncio.gather(*(one(u, t0) for u in shards))))
+    return np.median(np.array(rows), axis=0) * 1e3
+
+
+def fanout(running: dict, dim: int, reps: int) -> None:
+    shards = sorted((n for n in running if n.startswith("shard-")), key=lambda n: int(n.split("-")[1]))
+    arrivals = asyncio.run(_fanout([running[n].url for n in shards], dim, reps))
+    print(f"fanout: {len(shards)} shards' /logits replies arrive at (ms, median of {reps}): "
+          + ", ".join(f"{a:.1f}" for a in arrivals))
+
+
+def prefill(gen: str) -> None:
+    text = "".join(f"def function_{i}(values, scale={i}):\n    total = 0\n    for v in values:\n"
+                   f"        total += v * scale\n    return total\n\n" for i in range(20))
+    b = post(gen, {"prompt": text, "max_tokens": 1, "temperature": 0})
+    n = b["usage"]["prompt_tokens"]
+    print(f"prefill: {n} tokens, {n / b['timings']['time_to_first_token_ms'] * 1e3:.1f} tok/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--budget-bytes", type=int, default=128 << 20, help="stations' budget (default 128 MiB)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=40, help="fan-outs timed (default 40)")
+    p.add_argument("--only", default="hops,cpu,fanout,prefill,rss")
+    p.add_argument("--run-dir", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "knot-profile"))
+    args = p.parse_args(argv)
+    parts = [x.strip() for x in args.only.split(",") if x.strip()]
+    dim = int(open_model(models.ensure_knot(args.model)).header.hparams["embedding_length"])
+    env = {**os.environ, "KNOT_PORT": str(servers.free_ports(1)[0]),
+           "STATION_MEMORY_BUDGET_BYTES": str(args.budget_bytes)}
+    env.pop("KNOT_KEY", None)
+    cluster = launcher.Cluster(Path(args.run_dir))
+    running = {r.name: r for r in cluster.up(model=args.model, env=env)}
+    try:
+        gen = running["coordinator"].url + "/generate"
+        post(gen, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})  # boots and warms every service
+        for part in parts:
+            if part == "hops":
+                hops(running, gen, args.tokens)
+            elif part == "cpu":
+                cpu(running, gen, args.tokens)
+            elif part == "fanout":
+                fanout(running, dim, args.reps)
+            elif part == "prefill":
+                prefill(gen)
+            elif part == "rss":
+                print("rss: peak MiB " + ", ".join(
+                    f"{n} {peak_rss_bytes(r.pid) / 2**20:.0f}" for n, r in running.items()
+                    if r.kind == "process" and servers.pid_alive(r.pid)))
+            else:
+                print(f"unknown part {part!r}", file=sys.stderr)
+    finally:
+        cluster.down()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
