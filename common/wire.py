@@ -271,3 +271,43 @@ def decode_envelope(buf: bytes | memoryview) -> Envelope:
         raise MalformedFrame(f"envelope {rid}: seq_len {seq_len} < position {position}")
     arr = np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
     return Envelope(rid, MODES[mode], position, seq_len, arr)
+
+
+# ---------------------------------------------------------------- warden requests (what to send)
+# The bodies of POST /tensors on the hot path, binary so no JSON is parsed per phase or row:
+#
+#     LayerWarden       NAMES_CONTENT_TYPE   tensor names, UTF-8, one per line
+#     CobordismWarden   ROWS_CONTENT_TYPE    row ids, int32 little-endian, back to back
+#
+# Both wardens still take their JSON forms ({"names": [...]}, {"rows": [...]}) for curl and tools.
+
+NAMES_CONTENT_TYPE = "text/plain; charset=utf-8"
+ROWS_CONTENT_TYPE = "application/x-knot-rows"
+
+
+def encode_names(names: Iterable[str]) -> bytes:
+    names = list(names)
+    bad = [n for n in names if not n or "\n" in n]
+    if bad:
+        raise ValueError(f"tensor names must be non-empty and hold no newline: {bad[:3]!r}")
+    return "\n".join(names).encode("utf-8")
+
+
+def decode_names(body: bytes) -> list[str]:
+    try:
+        names = body.decode("utf-8").split("\n") if body else []
+    except UnicodeDecodeError as e:
+        raise MalformedFrame(f"tensor names: not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not names or any(not n for n in names):
+        raise MalformedFrame("tensor names: expected one non-empty name per line")
+    return names
+
+
+def encode_rows(rows: Iterable[int]) -> bytes:
+    return np.asarray(list(rows), dtype="<i4").tobytes()
+
+
+def decode_rows(body: bytes) -> list[int]:
+    if not body or len(body) % 4:
+        raise MalformedFrame(f"row ids: {len(body)} bytes, expected a non-zero multiple of 4 (int32 each)")
+    return np.frombuffer(body, dtype="<i4").tolist()

@@ -11,7 +11,8 @@ raw bytes is what the L2 tier exists to avoid. The LRU counts the bytes actually
 
 Endpoints (identity "{knot_key}|{vocab_start}-{vocab_end}"):
     POST /configure        {"knot_key", "vocab_start", "vocab_end", "budget_bytes"?}
-    POST /tensors          {"rows": [int, ...], "tensor"?: "token_embd.weight"} -> batch of
+    POST /tensors          int32 row ids (application/x-knot-rows, tensor in X-Knot-Tensor; what
+                           shards send) or {"rows": [int, ...], "tensor"?: "token_embd.weight"} -> batch of
                            one-row tensor frames (row_start = row id), one per distinct row in
                            first-seen order; type is the knot's (Q4_K, ...) or F32 (from KV)
     POST /invalidate/<row> drop one row of token_embd.weight from RAM
@@ -86,9 +87,18 @@ class CobordismWarden(WardenBase):
 
     # -------------------------------------------------------- rows
 
-    def _parse(self, body: Any) -> tuple[str, list[int]]:
+    def _parse(self, request: Request) -> tuple[str, list[int]]:
+        if request.headers.get("Content-Type", "") == wire.ROWS_CONTENT_TYPE:  # the shards' form
+            try:
+                body: Any = {"rows": wire.decode_rows(request.body),
+                             "tensor": request.headers.get("X-Knot-Tensor") or EMBED_TENSOR}
+            except wire.WireError as e:
+                raise BadRequest(f"POST /tensors: {e}") from None
+        else:
+            body = request.json()
         if not isinstance(body, dict):
-            raise BadRequest('POST /tensors body must be {"rows": [int, ...]}')
+            raise BadRequest('POST /tensors body must be {"rows": [int, ...]}, or int32 row ids as '
+                             f'{wire.ROWS_CONTENT_TYPE}')
         tensor = body.get("tensor", EMBED_TENSOR)
         if tensor not in ROW_TENSORS:
             raise BadRequest(f"tensor {tensor!r}: this warden serves rows of {sorted(ROW_TENSORS)}")
@@ -122,7 +132,7 @@ class CobordismWarden(WardenBase):
 
     async def tensors(self, request: Request, _rest: str) -> Response:
         await self._identified(request)
-        tensor, rows = self._parse(request.json())
+        tensor, rows = self._parse(request)
         out: dict[int, wire.TensorFrame] = {}
         missing = []
         for row in rows:  # L1

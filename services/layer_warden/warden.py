@@ -7,7 +7,8 @@
 Endpoints (identity "{knot_key}|{layer_start}-{layer_end}"):
     POST /configure         {"knot_key", "layer_start", "layer_end", "budget_bytes"?}
     GET  /tensor/<name>     one tensor, as a tensor frame (common.wire)
-    POST /tensors           {"names": [...]} -> a batch of tensor frames, in request order
+    POST /tensors           names, one per line (text/plain; what stations send) or {"names": [...]}
+                            -> a batch of tensor frames, in request order
     POST /invalidate/<name> drop one entry (a station that rejected a frame asks for this)
     GET  /stats             hits, misses, bytes_resident, r2_bytes_read, ...
 """
@@ -90,10 +91,17 @@ class LayerWarden(WardenBase):
 
     async def tensors(self, request: Request, _rest: str) -> Response:
         await self._identified(request)
-        body = request.json()
-        names = body.get("names") if isinstance(body, dict) else None
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise BadRequest('POST /tensors body must be {"names": [str, ...]}')
+        if request.headers.get("Content-Type", "").startswith("text/plain"):  # the stations' form
+            try:
+                names = wire.decode_names(request.body)
+            except wire.WireError as e:
+                raise BadRequest(f"POST /tensors: {e}") from None
+        else:
+            body = request.json()
+            names = body.get("names") if isinstance(body, dict) else None
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise BadRequest('POST /tensors body must be {"names": [str, ...]}, or names one per line '
+                                 f'as {wire.NAMES_CONTENT_TYPE}')
         if len(names) > MAX_BATCH:
             raise BadRequest(f"batch of {len(names)} tensors exceeds {MAX_BATCH}")
         # One missing tensor fails the whole batch (seed section 8: no silent partial loads).

@@ -20,7 +20,6 @@ station holds; one eighth of it fits a shard.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
@@ -122,7 +121,7 @@ class Shard:
 
     async def _from_warden(self, rows: list[int]) -> dict[int, np.ndarray]:
         req = Request("POST", "https://cobordism-warden/tensors",
-                      self.identity | {"Content-Type": "application/json"}, json.dumps({"rows": rows}).encode())
+                      self.identity | {"Content-Type": wire.ROWS_CONTENT_TYPE}, wire.encode_rows(rows))
         try:
             resp = await self.warden.fetch(req)
             if not resp.ok:

@@ -10,7 +10,6 @@ Seed section 8 traps handled here:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -64,8 +63,8 @@ class PhaseLoader:
         return self._qtensor(name, data)
 
     async def _from_warden(self, names: list[str]) -> dict[str, QTensor]:
-        req = Request("POST", "https://layer-warden/tensors", self.identity_headers | {"Content-Type": "application/json"},
-                      json.dumps({"names": names}).encode())
+        req = Request("POST", "https://layer-warden/tensors",
+                      self.identity_headers | {"Content-Type": wire.NAMES_CONTENT_TYPE}, wire.encode_names(names))
         try:
             resp = await self.warden.fetch(req)
         except (HttpError, TimeoutError) as e:

@@ -55,7 +55,7 @@ class World:
         host.env = self.env
 
     async def call(self, service, method, path, headers=None, body=None):
-        raw = json.dumps(body).encode() if body is not None else b""
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
         return await call_handler(service.fetch, Request(method, path, headers or {}, raw), self.env,
                                   Context(self.tasks.add))
 
@@ -195,3 +195,28 @@ async def test_cobordism_warden_survives_an_unreachable_kv(tmp_path, knot):
     r = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [1]})
     assert r.status == 200 and wire.decode_batch(r.body)[0].ggml_type == "Q4_K"
     assert (await w.call(cw, "GET", "/stats", VOCAB)).json()["kv_errors"] == 1
+
+
+async def test_binary_request_bodies_equal_the_json_ones_and_bad_ones_are_named(tmp_path, knot):
+    """What stations and shards send on the hot path: names one per line, rows as int32; no JSON."""
+    data, _ = knot
+    w = World(tmp_path, data)
+    names = ["blk.0.ffn_norm.weight", "blk.0.attn_q.weight", "blk.0.ffn_norm.weight"]
+    as_json = await w.call(lw, "POST", "/tensors", LAYER, {"names": names})
+    as_text = await w.call(lw, "POST", "/tensors", {**LAYER, "Content-Type": wire.NAMES_CONTENT_TYPE},
+                           wire.encode_names(names))
+    assert as_text.status == 200 and as_text.body == as_json.body
+    r = await w.call(lw, "POST", "/tensors", {**LAYER, "Content-Type": wire.NAMES_CONTENT_TYPE}, b"a\n\nb")
+    assert r.status == 400 and "one non-empty name per line" in r.json()["message"]
+    r = await w.call(lw, "POST", "/tensors", {**LAYER, "Content-Type": wire.NAMES_CONTENT_TYPE}, b"\xff")
+    assert r.status == 400 and "not UTF-8" in r.json()["message"]
+
+    rows = [7, 3, 7, 150]
+    as_json = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": rows})
+    binary = {**VOCAB, "Content-Type": wire.ROWS_CONTENT_TYPE}
+    as_rows = await w.call(cw, "POST", "/tensors", binary, wire.encode_rows(rows))
+    assert as_rows.status == 200 and as_rows.body == as_json.body
+    r = await w.call(cw, "POST", "/tensors", binary, b"\x01\x02\x03")
+    assert r.status == 400 and "multiple of 4" in r.json()["message"]
+    r = await w.call(cw, "POST", "/tensors", binary, wire.encode_rows([-1]))
+    assert r.status == 400 and "outside this warden's vocab slice" in r.json()["message"]

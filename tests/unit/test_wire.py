@@ -70,3 +70,17 @@ def test_errors_name_the_problem():
         wire.decode_batch(batch[:-10])
     with pytest.raises(wire.BadMagic):
         wire.decode_batch(buf)
+
+
+def test_warden_request_bodies_round_trip_and_refuse_what_they_cannot_carry():
+    names = ["blk.0.attn_q.weight", "output_norm.weight", "blk.1.ffn_up.weight"]
+    assert wire.decode_names(wire.encode_names(names)) == names
+    with pytest.raises(ValueError, match="no newline"):
+        wire.encode_names(["a\nb"])
+    with pytest.raises(wire.WireError, match="non-empty"):
+        wire.decode_names(b"")
+    rows = [0, 5, 151935, 5]
+    assert wire.decode_rows(wire.encode_rows(rows)) == rows
+    assert wire.encode_rows([1]) == b"\x01\x00\x00\x00"  # int32 little-endian
+    with pytest.raises(wire.WireError, match="multiple of 4"):
+        wire.decode_rows(b"\x00" * 6)
