@@ -11,9 +11,11 @@ service), then:
              prints when the replies arrive (median over the reps, sorted)
     prefill  one ~700-token prompt: prompt tokens over the time to first token
     rss      each service's peak RSS (VmHWM) so far
+    station  no servers: station 0's handler in-process (embedded bindings, the same code), the
+             mean time of a decode forward over its layers, so the hop's HTTP share shows
 
     python benchmarks/cluster_profile.py [--model NAME|PATH] [--budget-bytes N] [--tokens N]
-        [--reps N] [--only hops,cpu,fanout,prefill,rss]
+        [--reps N] [--only hops,cpu,fanout,prefill,rss,station]
 
 Extra variables in the environment reach every service (the launcher passes them on), so the
 same run can compare settings, e.g. KNOT_SPIN_US=0 or KNOT_ACCESS_LOG=all.
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from common import wire  # noqa: E402
+import deploy.kernels  # noqa: E402
 from deploy import launcher, models, servers  # noqa: E402
 from deploy.commands.bench import peak_rss_bytes  # noqa: E402
 from deploy.knotfile import open_model  # noqa: E402
@@ -125,17 +128,68 @@ def prefill(gen: str) -> None:
     print(f"prefill: {n} tokens, {n / b['timings']['time_to_first_token_ms'] * 1e3:.1f} tok/s")
 
 
+def station_inprocess(knot: Path, budget_bytes: int, steps: int) -> None:
+    import tempfile
+
+    from common.runtime import Request
+    from tests.inprocess import build_cluster
+
+    async def run() -> float:
+        with tempfile.TemporaryDirectory() as tmp:
+            c = await build_cluster(knot, Path(tmp), station_budget_bytes=budget_bytes)
+            await c.generate(prompt=PROMPT, max_tokens=2)  # boots, fills the kept tensors
+            st, dim = c.stations[0], int(open_model(knot).header.hparams["embedding_length"])
+            x = (np.random.default_rng(0).standard_normal((5, dim)) * 0.1).astype(np.float32)
+
+            async def forward(mode: str, pos: int, arr: np.ndarray) -> None:
+                body = wire.encode_envelope(wire.Envelope("profile", mode, pos, pos + len(arr), arr))
+                r = await st.fetch(Request("POST", "https://station/forward", {}, body))
+                assert r.status == 200, r.body[:200]
+
+            await forward("prefill", 0, x)
+            for i in range(3):
+                await forward("decode", 5 + i, x[:1])
+            t0 = time.perf_counter()
+            for i in range(steps):
+                await forward("decode", 8 + i, x[:1])
+            dt = (time.perf_counter() - t0) / steps
+            await c.drain()
+            return dt
+
+    from common import qwen2
+    from deploy.engine_local import LocalEngine
+
+    station_s = asyncio.run(run())
+    engine = LocalEngine.open(knot)  # the single process, over the same layers [0, n_layer // 2)
+    kv, half = engine.new_kv(), engine.cfg.n_layer // 2
+    x = (np.random.default_rng(0).standard_normal((1, engine.cfg.dim)) * 0.1).astype(np.float32)
+    for i in range(3 + steps):
+        if i == 3:
+            t0 = time.perf_counter()
+        qwen2.forward_range(engine.cfg, x, 0, half, engine.load_phase, kv, [i])
+    engine_s = (time.perf_counter() - t0) / steps
+    print(f"station: station 0's decode forward in-process {station_s * 1e3:.2f} ms; the single process "
+          f"over the same {half} layers {engine_s * 1e3:.2f} ms (means of {steps})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
     p.add_argument("--budget-bytes", type=int, default=128 << 20, help="stations' budget (default 128 MiB)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=40, help="fan-outs timed (default 40)")
-    p.add_argument("--only", default="hops,cpu,fanout,prefill,rss")
+    p.add_argument("--only", default="hops,cpu,fanout,prefill,rss,station")
     p.add_argument("--run-dir", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "knot-profile"))
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.only.split(",") if x.strip()]
+    deploy.kernels.install()  # the in-process station computes here, as `knot serve` would
     dim = int(open_model(models.ensure_knot(args.model)).header.hparams["embedding_length"])
+    knot = models.ensure_knot(args.model)
+    if "station" in parts:
+        parts.remove("station")
+        station_inprocess(knot, args.budget_bytes, args.tokens)
+    if not parts:
+        return 0
     env = {**os.environ, "KNOT_PORT": str(servers.free_ports(1)[0]),
            "STATION_MEMORY_BUDGET_BYTES": str(args.budget_bytes)}
     env.pop("KNOT_KEY", None)
