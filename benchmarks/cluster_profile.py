@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,21 +37,18 @@ import numpy as np  # noqa: E402
 from common import wire  # noqa: E402
 import deploy.kernels  # noqa: E402
 from deploy import launcher, models, servers  # noqa: E402
-from deploy.commands.bench import peak_rss_bytes  # noqa: E402
+from deploy.commands.bench import http_json, peak_rss_bytes  # noqa: E402
 from deploy.knotfile import open_model  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
 
 
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        return json.load(r)
+    return http_json("POST", url, body)
 
 
 def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.load(r)
+    return http_json("GET", url, timeout_s=60)
 
 
 def cpu_seconds(pid: int) -> float:

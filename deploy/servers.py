@@ -109,14 +109,13 @@ def free_ports(n: int, low: int = 20000) -> list[int]:
     out implicitly, so only an explicit bind can take them.
     """
     eph_lo, eph_hi = ephemeral_port_range()
-    lo, hi = (low, eph_lo - 1) if eph_lo - low > 4 * n + 64 else (1024, 65535)
+    pool = [p for p in range(low, eph_lo) if p not in _handed_out]
+    if len(pool) < 4 * n + 64:  # a kernel whose ephemeral range starts low: use what lies above it too
+        pool += [p for p in range(eph_hi + 1, 65536) if p not in _handed_out]
     out: list[int] = []
-    candidates = random.Random().sample(range(lo, hi + 1), min(hi - lo + 1, 50 * n + 200))
-    for port in candidates:
+    for port in random.Random().sample(pool, min(len(pool), 50 * n + 200)):
         if len(out) == n:
             break
-        if port in _handed_out or (hi == 65535 and eph_lo <= port <= eph_hi):
-            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -125,7 +124,7 @@ def free_ports(n: int, low: int = 20000) -> list[int]:
         out.append(port)
         _handed_out.add(port)
     if len(out) < n:
-        raise ServerError(f"found only {len(out)} of {n} free ports in {lo}..{hi}")
+        raise ServerError(f"found only {len(out)} of {n} free ports from {low} up, outside {eph_lo}..{eph_hi}")
     return out
 
 

@@ -133,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the raw measurements to FILE")
 
 
-def _http_json(method: str, url: str, body: dict | None = None, timeout_s: float = 1800.0) -> dict:
+def http_json(method: str, url: str, body: dict | None = None, timeout_s: float = 1800.0) -> dict:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
     try:
@@ -195,7 +195,7 @@ def _counters(running: dict, key: str) -> dict[str, int]:
         if r.kind != "process" or not r.url or name == "coordinator":
             continue
         try:
-            s = _http_json("GET", r.url + "/stats", timeout_s=30)
+            s = http_json("GET", r.url + "/stats", timeout_s=30)
         except Exception:
             continue
         if key in s:
@@ -228,7 +228,7 @@ def start_cluster(model: str | None, args, budget_bytes: int):
 def _station_stats(running: dict) -> dict:
     return {n: {k: s.get(k) for k in ("peak_accounted_bytes", "budget_bytes", "warden_bytes", "r2_bytes")}
             for n, r in running.items() if n.startswith("station")
-            for s in [_http_json("GET", r.url + "/stats", timeout_s=30)]}
+            for s in [http_json("GET", r.url + "/stats", timeout_s=30)]}
 
 
 def measure_fluid(model: str | None, args) -> dict:
@@ -236,10 +236,10 @@ def measure_fluid(model: str | None, args) -> dict:
     cluster, running = start_cluster(model, args, args.fluid_budget_bytes)
     try:
         url = running["coordinator"].url + "/generate"
-        _http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": 2, "temperature": 0})
+        http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": 2, "temperature": 0})
         w0 = _counters(running, "warden_bytes")
         progress(f"fluid decode: {args.fluid_tokens} tokens")
-        body = _http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": args.fluid_tokens, "temperature": 0})
+        body = http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": args.fluid_tokens, "temperature": 0})
         n = body["usage"]["completion_tokens"]
         return {"decode_tok_s": body["timings"]["decode_tok_s"], "tokens": n,
                 "warden_bytes_per_token": per_token(w0, _counters(running, "warden_bytes"), n),
@@ -256,7 +256,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
     out: dict = {"services": sorted(running)}
     try:
         url = running["coordinator"].url + "/generate"
-        gen = lambda prompt, n: _http_json("POST", url, {"prompt": prompt, "max_tokens": n, "temperature": 0})
+        gen = lambda prompt, n: http_json("POST", url, {"prompt": prompt, "max_tokens": n, "temperature": 0})
         progress("cluster warm-up")
         gen(SHORT_PROMPT, 4)
 

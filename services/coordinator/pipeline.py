@@ -131,12 +131,15 @@ class Pipeline:
         """x (T, dim) through every station in order -> the exit's final normed hidden (1, dim)."""
         h = x
         for i, st in enumerate(self.stations):
-            t0 = time.perf_counter()
-            frame = wire.Envelope(rid, mode, position, position + h.shape[0], h)
-            out = await self._forward_one(i, st, frame)
-            hops.add(f"station_{i}", t0)
-            h = out.array
+            h = await self._hop(i, st, rid, mode, position, h, hops)
         return h
+
+    async def _hop(self, i: int, st, rid: str, mode: str, position: int, h: np.ndarray, hops: Hops) -> np.ndarray:
+        """h (T, dim) through station i -> its output rows, timed as hop station_i."""
+        t0 = time.perf_counter()
+        out = await self._forward_one(i, st, wire.Envelope(rid, mode, position, position + h.shape[0], h))
+        hops.add(f"station_{i}", t0)
+        return out.array
 
     async def prefill(self, rid: str, ids: list[int], chunks: list[tuple[int, int]], hops: Hops,
                       degraded: list[Degradation]) -> np.ndarray:
@@ -157,9 +160,7 @@ class Pipeline:
                     await done[i][k - 1].wait()  # station i has taken chunk k-1 in full
                 if i == 0:
                     entered[k].set()
-                t0 = time.perf_counter()
-                h = (await self._forward_one(i, st, wire.Envelope(rid, "prefill", a, b, h))).array
-                hops.add(f"station_{i}", t0)
+                h = await self._hop(i, st, rid, "prefill", a, h, hops)
                 done[i][k].set()
             return h
 
