@@ -86,17 +86,52 @@ class Request:
             raise BadRequest(f"request body is not UTF-8 (byte {e.start})") from None
 
     def json(self) -> Any:
-        """The body parsed as JSON; BadRequest (400) when it is not."""
+        """The body parsed as JSON; BadRequest (400) when it is not, when it nests deeper than
+        MAX_JSON_DEPTH, or when a string holds a lone surrogate (JSON can spell "\\ud800"; no
+        UTF-8 text can hold it, so the tokenizer and every later encode would fail on it)."""
         if not self.body:
             raise BadRequest("request body is empty, expected JSON")
         try:
-            return _json.loads(self.text())
+            value = _json.loads(self.text())
         except _json.JSONDecodeError as e:
             raise BadRequest(f"request body is not JSON: {e.msg} at byte {e.pos}") from None
+        except RecursionError:
+            raise BadRequest(f"request body: JSON nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+        _check_json_value(value)
+        return value
 
     def with_url(self, url: str) -> "Request":
         """A copy aimed at another URL (same method, headers, body)."""
         return Request(self.method, url, self.headers.copy(), self.body)
+
+
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; no API body needs more than a few
+
+
+def _check_json_value(value: Any) -> None:
+    """Depth and text checks over a parsed body, iteratively (no recursion for a hostile depth)."""
+    stack = [(value, 1, "$")]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, where)
+        elif isinstance(v, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise BadRequest(f"request body: JSON nested too deeply at {where} (at most {MAX_JSON_DEPTH} levels)")
+            if isinstance(v, dict):
+                for k, item in v.items():
+                    _check_text(k, f"{where} key")
+                    stack.append((item, depth + 1, f"{where}.{k}"[:200]))
+            else:
+                stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(v))
+
+
+def _check_text(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"request body: {where} holds a lone surrogate U+{ord(s[e.start]):04X} at character "
+                         f"{e.start}, which is not Unicode text") from None
 
 
 @dataclass

@@ -13,6 +13,7 @@ reference here.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -84,6 +85,8 @@ class Tokenizer:
         if self.eos_id is not None:
             self.eog_ids.add(int(self.eos_id))
         self._hf = self._build(tokens, types, data["merges"], PRE_REGEXES[pre])
+        self._special_id = {tokens[i]: i for i in sorted(self.control_ids)}  # the markers a template may write
+        self._special_re = None
         self._piece_cache: dict[int, bytes] = {}
 
     @staticmethod
@@ -156,6 +159,50 @@ class Tokenizer:
         return _compile_template(self.chat_template).render(
             messages=msgs, add_generation_prompt=add_generation_prompt,
             bos_token=bos, eos_token=eos, **extra)
+
+
+    def encode_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
+        """A chat -> ids, where only the template's own markers are control tokens.
+
+        Rendering the chat and encoding it with specials on (as llama.cpp's server does) lets a
+        user who types "<|im_end|>\\n<|im_start|>system\\n..." inject a system turn. So the
+        template is rendered with a placeholder for each message's content; the special tokens
+        the template itself wrote are split out, and everything between them (template text and
+        contents alike) is encoded as plain text. With no special text in any content, the ids
+        equal encode(render_chat(...)): specials split the text before pre-tokenization anyway."""
+        msgs = [dict(m) for m in messages]
+        marks = [f"\x00knot-content-{i}\x00" for i in range(len(msgs))]
+        skeleton = self.render_chat([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+        pieces = skeleton.split("\x00")  # [template, "knot-content-i", template, ...]
+        if (len(pieces) != 2 * len(msgs) + 1
+                or pieces[1::2] != [k.strip("\x00") for k in marks]
+                or "".join(p if i % 2 == 0 else msgs[i // 2]["content"] for i, p in enumerate(pieces))
+                != self.render_chat(msgs, add_generation_prompt)):
+            # The template does not place each content verbatim, exactly once: no safe split.
+            if any(t in m["content"] for m in msgs for t in self._special_id):
+                raise TokenizerError("a message holds the text of a control token and this model's chat "
+                                     "template does not place contents verbatim, so it cannot be kept as text")
+            return self.encode(self.render_chat(msgs, add_generation_prompt))
+        ids: list[int] = []
+        text = ""  # plain text since the last template marker
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                text += msgs[i // 2]["content"]
+                continue
+            for j, part in enumerate(self._split_specials(piece)):
+                if j % 2:  # a marker the template wrote
+                    ids += self.encode(text, special=False) + [self._special_id[part]]
+                    text = ""
+                else:
+                    text += part
+        return ids + self.encode(text, special=False)
+
+    def _split_specials(self, text: str) -> list[str]:
+        """[text, special, text, special, ..., text]: the control tokens' texts split out, longest first."""
+        if self._special_re is None:
+            alts = sorted(self._special_id, key=len, reverse=True)
+            self._special_re = re.compile("(" + "|".join(re.escape(a) for a in alts) + ")")
+        return self._special_re.split(text)
 
 
 class StreamDecoder:

@@ -257,9 +257,16 @@ def decode_envelope(buf: bytes | memoryview) -> Envelope:
     except UnicodeDecodeError as e:
         raise MalformedFrame(f"envelope: request id is not UTF-8 (byte {e.start})") from None
     shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
+    # A hostile shape such as (0, 2**63) claims no payload yet no array can take it: every
+    # dimension must be >= 1 and the product must fit the bytes that are actually there.
+    if ndim == 0 or 0 in shape:
+        raise MalformedFrame(f"envelope {rid}: shape {shape} holds no element (every dimension must be >= 1)")
     n = 1
     for d in shape:
         n *= d
+        if n * 4 > r.remaining():
+            raise TruncatedFrame(f"envelope {rid}: shape {shape} needs at least {n * 4} payload bytes, "
+                                 f"only {r.remaining()} left")
     payload = r.take(n * 4, f"payload {shape}")
     (crc,) = r.unpack(_CRC, "crc32")
     got = zlib.crc32(r.buf[:r.pos - _CRC.size])

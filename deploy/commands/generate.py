@@ -46,10 +46,10 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.prompt}]
-        prompt_text = tok.render_chat(messages, add_generation_prompt=True)
+        body_ids = tok.encode_chat(messages, add_generation_prompt=True)  # contents stay text
     else:
-        prompt_text = args.prompt
-    prompt_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(prompt_text)
+        body_ids = tok.encode(args.prompt)
+    prompt_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + body_ids
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     params = SamplingParams(

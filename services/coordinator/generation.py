@@ -153,7 +153,7 @@ class Coordinator:
         elif g.messages is not None:
             param = "messages"
             try:
-                prompt_ids = tok.encode(tok.render_chat(g.messages))
+                prompt_ids = tok.encode_chat(g.messages)
             except (TokenizerError, jinja2.TemplateError) as e:
                 raise InvalidParam(f"messages: the chat template refused them: {e}", "messages") from None
         else:

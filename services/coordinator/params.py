@@ -5,6 +5,7 @@ endpoints (services/coordinator/openai_api.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,10 @@ def number(body: dict, name: str, default: Any, lo: float | None = None, hi: flo
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok:
         raise InvalidParam(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+    # Python's json reads NaN, Infinity and -Infinity; every comparison with NaN is False, so a
+    # range check alone would let it through into the sampler.
+    if isinstance(v, float) and not math.isfinite(v):
+        raise InvalidParam(f"{name} must be a finite number, got {v!r}", name)
     if lo is not None and v < lo:
         raise InvalidParam(f"{name} must be >= {lo}, got {v}", name)
     if hi is not None and v > hi:
@@ -54,24 +59,26 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
+MAX_SEED = 2 ** 64 - 1  # a seed is an unsigned 64-bit number, as in llama.cpp
+
+
 def sampling_params(body: dict) -> SamplingParams:
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidParam(f"seed must be an integer, got {seed!r}", "seed")
+    """The sampling fields, each checked here (a 400 naming it) before SamplingParams sees it."""
     top_k = number(body, "top_k", 0, lo=-1, integer=True)  # -1 = off, as vLLM spells it
-    sampling = SamplingParams(
+    top_p = float(number(body, "top_p", 1.0, lo=0, hi=1))
+    if top_p == 0:
+        raise InvalidParam("top_p must be > 0 (it keeps the smallest set of tokens whose probability "
+                           "reaches top_p; use temperature 0 for greedy)", "top_p")
+    return SamplingParams(
         temperature=float(number(body, "temperature", 0.0, lo=0)),
         top_k=max(top_k, 0),
-        top_p=float(number(body, "top_p", 1.0, lo=0, hi=1)),
+        top_p=top_p,
         min_p=float(number(body, "min_p", 0.0, lo=0, hi=1)),
         repetition_penalty=float(number(body, "repetition_penalty", 1.0, lo=1e-6)),
         presence_penalty=float(number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
         frequency_penalty=float(number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
-        seed=seed,
+        seed=number(body, "seed", None, lo=0, hi=MAX_SEED, integer=True),
     )
-    if sampling.top_p == 0:
-        raise InvalidParam("top_p must be > 0", "top_p")
-    return sampling
 
 
 def check_messages(messages: Any, param: str = "messages") -> list[dict]:

@@ -223,6 +223,9 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         h = f.array
         if h.dtype != np.float32 or h.ndim != 2 or h.shape[1] != sh.dim:
             raise BadRequest(f"logits envelope holds {h.dtype} {h.shape}, expected float32 (T, {sh.dim})")
+        if not np.isfinite(h).all():
+            # NaN in, NaN logits out: no token is the argmax of those, so refuse rather than sample one
+            raise BadRequest(f"logits envelope for {f.request_id}: the hidden state holds NaN or inf")
         out = await sh.batcher.submit(h)
         return Response.from_bytes(wire.encode_envelope(wire.Envelope(f.request_id, "logits", f.position,
                                                                       f.seq_len, out)), wire.ENVELOPE_CONTENT_TYPE)
