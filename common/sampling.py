@@ -104,9 +104,10 @@ class Sampler:
         if p.greedy:
             return int(np.argmax(x))
         x = min_p(top_p(top_k(x, p.top_k), p.top_p), p.min_p)
-        with np.errstate(over="ignore"):
-            z = x / np.float32(p.temperature)
-            if np.isposinf(z).any():
+        t32 = np.float32(p.temperature)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            z = x / t32
+            if t32 == 0 or np.isposinf(z).any():
                 # A temperature so small that x / T overflows float32 (inf - inf is NaN in the softmax):
                 # scale the gaps to the best logit instead, in float64 (-> one-hot on the best ties).
                 z = (x.astype(np.float64) - x.max()) / p.temperature

@@ -134,6 +134,6 @@ def test_a_tiny_temperature_samples_the_best_token_instead_of_nan():
     # logits / 4e-77 overflows float32 to inf, and inf - inf made the softmax NaN (found by test_fuzz_inputs)
     from common.sampling import Sampler, SamplingParams
 
-    logits = np.array([0.5, 3.0, -1.0, 2.9], np.float32)
-    for t in (4.3e-77, 1e-30, 5e-324):
-        assert Sampler(SamplingParams(temperature=t, seed=1))(logits) == 1
+    for logits in (np.array([0.5, 3.0, -1.0, 2.9], np.float32), np.array([-0.5, 0.0, -1.0, -2.9], np.float32)):
+        for t in (4.3e-77, 1e-30, 5e-324):
+            assert Sampler(SamplingParams(temperature=t, seed=1))(logits) == 1
