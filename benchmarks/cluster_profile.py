@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from common import wire  # noqa: E402
+from common.models import model_for  # noqa: E402
 import deploy.kernels  # noqa: E402
 from deploy import launcher, models, servers  # noqa: E402
 from deploy.commands.bench import http_json, peak_rss_bytes  # noqa: E402
@@ -133,7 +134,7 @@ def station_inprocess(knot: Path, budget_bytes: int, steps: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             c = await build_cluster(knot, Path(tmp), station_budget_bytes=budget_bytes)
             await c.generate(prompt=PROMPT, max_tokens=2)  # boots, fills the kept tensors
-            st, dim = c.stations[0], int(open_model(knot).header.hparams["embedding_length"])
+            st, dim = c.stations[0], model_for(open_model(knot).header).cfg.dim
             x = (np.random.default_rng(0).standard_normal((5, dim)) * 0.1).astype(np.float32)
 
             async def forward(mode: str, pos: int, arr: np.ndarray) -> None:
@@ -151,7 +152,7 @@ def station_inprocess(knot: Path, budget_bytes: int, steps: int) -> None:
             await c.drain()
             return dt
 
-    from common import qwen2
+    from common.layers import forward_range
     from deploy.engine_local import LocalEngine
 
     station_s = asyncio.run(run())
@@ -161,7 +162,7 @@ def station_inprocess(knot: Path, budget_bytes: int, steps: int) -> None:
     for i in range(3 + steps):
         if i == 3:
             t0 = time.perf_counter()
-        qwen2.forward_range(engine.cfg, x, 0, half, engine.load_phase, kv, [i])
+        forward_range(engine.arch, x, 0, half, engine.load_phase, kv, [i])
     engine_s = (time.perf_counter() - t0) / steps
     print(f"station: station 0's decode forward in-process {station_s * 1e3:.2f} ms; the single process "
           f"over the same {half} layers {engine_s * 1e3:.2f} ms (means of {steps})")
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.only.split(",") if x.strip()]
     deploy.kernels.install()  # the in-process station computes here, as `knot serve` would
-    dim = int(open_model(models.ensure_knot(args.model)).header.hparams["embedding_length"])
     knot = models.ensure_knot(args.model)
+    dim = model_for(open_model(knot).header).cfg.dim
     if "station" in parts:
         parts.remove("station")
         station_inprocess(knot, args.budget_bytes, args.tokens)

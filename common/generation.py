@@ -1,8 +1,150 @@
-"""Pure pieces of a generation loop shared by the single-process engine and the coordinator:
-stop strings with hold-back for streaming, and the per-request generation record."""
+"""One generation loop, shared by the single process and the cluster, and its record.
+
+    gen = Generation(prompt_ids, max_tokens, sampling, stop, logprobs, request_id)
+    async for ev in generate_events(engine, gen, tokenizer, clock):
+        TokenEvent(id, text, logprobs)   # one per sampled token; text is what it released
+        FinishEvent(reason, text)        # last: "stop" | "length" (OpenAI's reasons), plus any held-back tail
+
+The engine computes logits (the Engine protocol below): deploy/engine_local.LocalEngine runs the
+whole model in this process, services/coordinator/generation.ClusterEngine runs the pipeline of
+stations and shards. Everything else is here, once: sampling, the end-of-generation token, stop
+strings with hold-back for streaming, max_tokens, the finish reason and the record. The clock is
+passed in (common/ reads none).
+"""
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from common.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from common.tokenizer import Tokenizer
+
+# "stop": the model's end-of-generation token or a stop string; "length": max_tokens reached.
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Generation:
+    """One generation: its request, then what the loop and the engine filled in. Two records are
+    equal when the generations are (timings, hops and the request id are not compared)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # alternatives reported per token; None: no logprobs at all
+    request_id: str = field(default="", compare=False)  # names the KV caches the engine keeps for it
+    token_ids: list[int] = field(default_factory=list)  # generated, without the end-of-generation token
+    text: str = ""  # the generated text, cut before a stop string
+    finish_reason: FinishReason = "length"
+    replays: int = 0  # the cluster: prompts replayed after a station lost the KV session
+    degraded: list = field(default_factory=list)  # the cluster: shard failures merged (pipeline.Degradation)
+    decode_steps: int = field(default=0, compare=False)  # engine calls after the prompt's
+    t0: float = field(default=0.0, compare=False)  # clock (s) at the start,
+    t_first: float = field(default=0.0, compare=False)  # once the prompt's logits were in,
+    t_end: float = field(default=0.0, compare=False)  # and at the end
+    hop_ms: dict[str, list[float]] = field(default_factory=dict, compare=False)  # the cluster: wall ms per hop
+
+    @property
+    def prefill_s(self) -> float:
+        return self.t_first - self.t0
+
+    @property
+    def decode_s(self) -> float:
+        return self.t_end - self.t_first
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return len(self.prompt_ids) / self.prefill_s if self.prefill_s > 0 else float("inf")
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first generated token comes from the prompt's logits; decode ran once per later token.
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("inf")
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
+                "total_tokens": len(self.prompt_ids) + len(self.token_ids)}
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What computes the logits of a generation. It may keep state per gen.request_id (KV caches)."""
+
+    async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
+        """Logits (vocab,) f32 after ids, the whole sequence from position 0 (a prompt, or a replay)."""
+        ...
+
+    async def next_logits(self, gen: Generation, token: int, history: list[int]) -> np.ndarray:
+        """Logits (vocab,) f32 after one more token: history ends with it, at position len(history) - 1."""
+        ...
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float  # log-probability of the sampled token under the model (raw logits, before sampling)
+    top: tuple[tuple[int, float], ...]  # the most likely tokens and their logprobs, best first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    id: int
+    text: str  # the text this token released ("" while a stop string or a UTF-8 character is pending)
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: FinishReason
+    text: str  # the tail released at the end
+
+
+def token_logprobs(logits: np.ndarray, tid: int, top_n: int) -> TokenLogprobs:
+    """logits (vocab,) float32, -inf where a shard is degraded -> log-softmax of tid and the top_n best."""
+    m = float(logits.max())
+    lse = m + float(np.log(np.exp(logits - m, dtype=np.float64).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        n = min(top_n, logits.shape[0])
+        idx = np.argpartition(-logits, n - 1)[:n]
+        idx = idx[np.argsort(-logits[idx], kind="stable")]
+        top = tuple((int(i), float(logits[i]) - lse) for i in idx)
+    return TokenLogprobs(float(logits[tid]) - lse, top)
+
+
+async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer",
+                          clock: Callable[[], float]) -> AsyncIterator[TokenEvent | FinishEvent]:
+    """Sample up to gen.max_tokens after the prompt; fills gen in as it goes."""
+    sampler = Sampler(gen.sampling)
+    detok = tokenizer.stream(skip_special=True)
+    stop = StopText(gen.stop)
+    history = list(gen.prompt_ids)
+    gen.t0 = clock()
+    logits = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None
+    gen.t_first = clock()
+    for i in range(gen.max_tokens):
+        tid = sampler(logits, history)
+        if tid in tokenizer.eog_ids:
+            gen.finish_reason = "stop"
+            break
+        lp = token_logprobs(logits, tid, gen.logprobs) if gen.logprobs is not None else None
+        gen.token_ids.append(tid)
+        history.append(tid)
+        delta, stopped = stop.push(detok.push(tid))
+        yield TokenEvent(tid, delta, lp)
+        if stopped or i + 1 == gen.max_tokens:
+            break
+        logits = await engine.next_logits(gen, tid, history)
+        gen.decode_steps += 1
+    tail = "" if stop.stopped else stop.finish(detok.flush())
+    if stop.stopped:  # a stop string, possibly completed by the detokenizer's flushed tail
+        gen.finish_reason = "stop"
+    gen.text, gen.t_end = stop.text, clock()
+    yield FinishEvent(gen.finish_reason, tail)
 
 
 class StopText:

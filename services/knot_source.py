@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from common.knot import KnotHeader, read_header
-from common.runtime import Bucket, NotFound
+from common.models import Model, model_for
+from common.runtime import Bucket, NotFound, ServiceUnavailable
 
 
 class KnotSource:
@@ -40,6 +41,15 @@ class KnotSource:
 
             self._header = await read_header(read_range, file_size=meta.size)
         return self._header
+
+    async def model(self) -> Model:
+        """The header's architecture from the model registry; one it lacks (or inconsistent hparams)
+        is a 503 that names it: this service cannot run that knot."""
+        header = await self.header()
+        try:
+            return model_for(header)
+        except ValueError as e:
+            raise ServiceUnavailable(f"knot {self.knot_key!r}: {e}") from None
 
     def stats(self) -> dict[str, int]:
         return {"r2_reads": self.reads, "r2_bytes_read": self.bytes_read,

@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from common.runtime import (BadRequest, Conflict, DurableObjectState, Env, Headers, MethodNotAllowed, NotFound,
-                            Request, Response, int_param)
+from common.knot import KnotHeader
+from common.models import Model
+from common.runtime import (BadRequest, Conflict, DurableObjectNamespace, DurableObjectState, Env, Headers,
+                            MethodNotAllowed, NotFound, Request, Response, int_param)
 from services.knot_source import KnotSource
+from services.peer import call
 
 KNOT_ID_HEADER = "X-Knot-Id"
 
@@ -43,6 +46,11 @@ class IdentityFields:
         if not isinstance(knot_key, str) or not knot_key:
             raise BadRequest("configure needs an explicit knot_key (there is no default knot)")
         return self._make(knot_key, body.get(self.start_field), body.get(self.end_field))
+
+    def headers(self, identity: Identity) -> dict[str, str]:
+        """The headers a caller sends to name `identity` (what from_headers reads)."""
+        return {KNOT_ID_HEADER: identity.knot_key, self.start_header: str(identity.start),
+                self.end_header: str(identity.end)}
 
     def from_headers(self, headers: Headers) -> Identity | None:
         if KNOT_ID_HEADER not in headers:
@@ -96,10 +104,10 @@ class WardenBase:
                 raise Conflict(f"warden is configured as {self.identity.name!r}, request is for {identity.name!r}")
             return
         source = KnotSource(self.env.KNOT_BUCKET, identity.knot_key)
-        header = await source.header()
-        self._validate(identity, header)
+        header, model = await source.header(), await source.model()
+        self._validate(identity, header, model)
         self.identity, self.source = identity, source
-        await self._on_configure(header, body or {})
+        await self._on_configure(header, model, body or {})
 
     async def _identified(self, request: Request) -> Identity:
         """The identity for a data request: from headers on the first call, checked on later ones."""
@@ -132,10 +140,10 @@ class WardenBase:
 
     # -------------------------------------------------------- subclass hooks
 
-    def _validate(self, identity: Identity, header) -> None:
+    def _validate(self, identity: Identity, header: KnotHeader, model: Model) -> None:
         raise NotImplementedError
 
-    async def _on_configure(self, header, body: dict) -> None:
+    async def _on_configure(self, header: KnotHeader, model: Model, body: dict) -> None:
         raise NotImplementedError
 
     def _stats(self) -> dict[str, Any]:
@@ -159,3 +167,21 @@ async def route_to_warden(request: Request, namespace, fields: IdentityFields) -
                              f"and {fields.end_header} so the request reaches the right warden")
     stub = namespace.get(namespace.id_from_name(identity.name))
     return await stub.fetch(request)
+
+
+class WardenClient:
+    """Calls to the warden instance named "{knot_key}|{start}-{end}" through its DO namespace, with
+    its identity headers built once. The clients next to each warden subclass it."""
+
+    FIELDS: IdentityFields
+    URL: str  # a DO stub routes by itself: only the path is read
+
+    def __init__(self, namespace: DurableObjectNamespace, knot_key: str, start: int, end: int):
+        identity = Identity(knot_key, start, end)
+        self.stub = namespace.get(namespace.id_from_name(identity.name))
+        self.headers = self.FIELDS.headers(identity)
+
+    async def _post(self, path: str, content_type: str | None = None, body: bytes = b"") -> Response:
+        """The warden's 2xx reply; PeerError for any other status (no timeout: the DO is the cache)."""
+        headers = self.headers | ({"Content-Type": content_type} if content_type else {})
+        return await call(self.stub, Request("POST", self.URL + path, headers, body), None)

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.models import model_for
 from common.runtime import Env, Request, Response
 from common.topology import split_layers, split_vocab
 from deploy.local.durable import DurableObjectHost, LocalNamespace
@@ -45,7 +46,7 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
                         station_budget_bytes: int = 128 << 20, wardens: bool = True) -> Cluster:
     from deploy.knotfile import open_model
 
-    header = open_model(knot_path).header
+    cfg = model_for(open_model(knot_path).header).cfg
     for svc in (station, shard, coordinator):  # a new cluster starts with fresh isolates
         svc._booted.clear()
     bucket = DirectoryBucket(tmp / "bucket")
@@ -57,7 +58,7 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
     cw = DurableObjectHost({"CobordismWarden": CobordismWarden}, tasks, Env({**base, "EMBED_CACHE": kv}))
     bindings: dict = {}
     stations, station_envs = [], []
-    for s in split_layers(int(header.hparams["block_count"]), n_stations):
+    for s in split_layers(cfg.n_layer, n_stations):
         env = Env({**base, **({"LAYER_WARDEN": LocalNamespace(lw, "LayerWarden")} if wardens else {})},
                   {"KNOT_KEY": KNOT_KEY, "SPECIALIZATION_START_LAYER": str(s.layer_start),
                    "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
@@ -66,7 +67,7 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
         stations.append(LocalService(station.fetch, env, tasks))
         bindings[f"STATION_{s.index}"] = stations[-1]
     shards, ranges = [], []
-    for s in split_vocab(int(header.hparams["vocab_size"]), n_shards):
+    for s in split_vocab(cfg.vocab_size, n_shards):
         env = Env({**base, **({"COBORDISM_WARDEN": LocalNamespace(cw, "CobordismWarden")} if wardens else {})},
                   {"KNOT_KEY": KNOT_KEY, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end)})
         shards.append(LocalService(shard.fetch, env, tasks))

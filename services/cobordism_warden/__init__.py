@@ -6,7 +6,7 @@ Worker's fetch also routes by identity headers, for callers that only have a ser
 from __future__ import annotations
 
 from common.runtime import Ctx, Env, Request, Response
-from services.cobordism_warden.warden import EMBED_TENSOR, FIELDS, CobordismWarden, contiguous_runs
+from services.cobordism_warden.warden import FIELDS, CobordismWarden, contiguous_runs
 from services.warden_base import route_to_warden
 
 DURABLE_OBJECTS = {"CobordismWarden": CobordismWarden}
@@ -16,4 +16,4 @@ async def fetch(request: Request, env: Env, ctx: Ctx) -> Response:
     return await route_to_warden(request, env.COBORDISM_WARDEN, FIELDS)
 
 
-__all__ = ["DURABLE_OBJECTS", "CobordismWarden", "EMBED_TENSOR", "FIELDS", "contiguous_runs", "fetch"]
+__all__ = ["DURABLE_OBJECTS", "CobordismWarden", "FIELDS", "contiguous_runs", "fetch"]

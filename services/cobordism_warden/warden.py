@@ -26,14 +26,13 @@ from typing import Any
 from common import wire
 from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
+from common.models import Model
 from common.quant import dequantize_rows, row_nbytes
 from common.runtime import BadRequest, NotFound, Request, Response, int_param
 from services.embed_cache import EmbedRowCache
 from services.warden_base import Identity, IdentityFields, WardenBase, budget_from
 
 DEFAULT_BUDGET_BYTES = 256 << 20
-EMBED_TENSOR = "token_embd.weight"
-ROW_TENSORS = frozenset({EMBED_TENSOR, "output.weight"})  # output rows: the shard's LM-head slice
 MAX_ROWS = 8192
 R2_CONCURRENCY = 8
 
@@ -63,25 +62,28 @@ class CobordismWarden(WardenBase):
     def __init__(self, state, env):
         super().__init__(state, env)
         self.header: KnotHeader | None = None
+        self.embd = ""  # the embedding's tensor name, from the model at configure
+        self.row_tensors: frozenset[str] = frozenset()  # the embedding and the LM head (the shard's slice)
         self.cache: ByteLRU[tuple[str, int], wire.TensorFrame] = ByteLRU(DEFAULT_BUDGET_BYTES)
         self.rows_cache: EmbedRowCache | None = None
 
-    def _validate(self, identity: Identity, header: KnotHeader) -> None:
+    def _validate(self, identity: Identity, header: KnotHeader, model: Model) -> None:
         try:
-            n_rows = header.entry(EMBED_TENSOR).n_rows
+            n_rows = header.entry(model.TOKEN_EMBD).n_rows
         except UnknownTensor as e:
             raise NotFound(str(e)) from None
         if identity.end > n_rows:
             raise BadRequest(f"vocab rows [{identity.start}, {identity.end}) exceed the {n_rows} rows "
-                             f"of {EMBED_TENSOR}")
+                             f"of {model.TOKEN_EMBD}")
 
-    async def _on_configure(self, header: KnotHeader, body: dict) -> None:
+    async def _on_configure(self, header: KnotHeader, model: Model, body: dict) -> None:
         self.header = header
+        self.embd, self.row_tensors = model.TOKEN_EMBD, frozenset({model.TOKEN_EMBD, model.OUTPUT})
         self.cache = ByteLRU(budget_from(body, self.env, DEFAULT_BUDGET_BYTES))
         kv = self.env.get("EMBED_CACHE")
         if kv is not None:
             assert self.source is not None
-            hidden = header.entry(EMBED_TENSOR).shape[0]
+            hidden = header.entry(self.embd).shape[0]
             self.rows_cache = EmbedRowCache(kv, f"{self.source.knot_key}@{self.source.etag}", hidden,
                                             self.state.wait_until)
 
@@ -91,7 +93,7 @@ class CobordismWarden(WardenBase):
         if request.headers.get("Content-Type", "") == wire.ROWS_CONTENT_TYPE:  # the shards' form
             try:
                 body: Any = {"rows": wire.decode_rows(request.body),
-                             "tensor": request.headers.get("X-Knot-Tensor") or EMBED_TENSOR}
+                             "tensor": request.headers.get("X-Knot-Tensor") or self.embd}
             except wire.WireError as e:
                 raise BadRequest(f"POST /tensors: {e}") from None
         else:
@@ -99,11 +101,11 @@ class CobordismWarden(WardenBase):
         if not isinstance(body, dict):
             raise BadRequest('POST /tensors body must be {"rows": [int, ...]}, or int32 row ids as '
                              f'{wire.ROWS_CONTENT_TYPE}')
-        tensor = body.get("tensor", EMBED_TENSOR)
-        if tensor not in ROW_TENSORS:
-            raise BadRequest(f"tensor {tensor!r}: this warden serves rows of {sorted(ROW_TENSORS)}")
+        tensor = body.get("tensor", self.embd)
+        if tensor not in self.row_tensors:
+            raise BadRequest(f"tensor {tensor!r}: this warden serves rows of {sorted(self.row_tensors)}")
         if tensor not in self.header.tensors:
-            raise NotFound(f"the knot has no {tensor} (tied embeddings: use {EMBED_TENSOR})")
+            raise NotFound(f"the knot has no {tensor} (tied embeddings: use {self.embd})")
         rows = body.get("rows")
         if not isinstance(rows, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
             raise BadRequest('POST /tensors body must be {"rows": [int, ...]}')
@@ -127,7 +129,7 @@ class CobordismWarden(WardenBase):
             frame = wire.TensorFrame(tensor, entry.ggml_type, (ne0, 1), data[i * nb:(i + 1) * nb], row)
             self.cache.put((tensor, row), frame, nb)
             out[row] = frame
-        if tensor == EMBED_TENSOR and self.rows_cache is not None:
+        if tensor == self.embd and self.rows_cache is not None:
             self.rows_cache.put_rows(run[0], dequantize_rows(data, entry.ggml_type, ne0, tensor))
 
     async def tensors(self, request: Request, _rest: str) -> Response:
@@ -141,7 +143,7 @@ class CobordismWarden(WardenBase):
                 missing.append(row)
             else:
                 out[row] = frame
-        if missing and tensor == EMBED_TENSOR and self.rows_cache is not None:  # L2
+        if missing and tensor == self.embd and self.rows_cache is not None:  # L2
             hidden = self.rows_cache.hidden
             for row, vec in (await self.rows_cache.get_rows(missing)).items():
                 frame = wire.TensorFrame(tensor, "F32", (hidden, 1), vec.tobytes(), row)
@@ -156,7 +158,7 @@ class CobordismWarden(WardenBase):
     async def invalidate(self, request: Request, rest: str) -> Response:
         await self._identified(request)
         row = int_param(rest, "row")
-        dropped = self.cache.pop((EMBED_TENSOR, row)) is not None
+        dropped = self.cache.pop((self.embd, row)) is not None
         return Response.from_json({"row": row, "dropped": dropped})
 
     def _stats(self) -> dict[str, Any]:

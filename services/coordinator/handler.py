@@ -26,18 +26,18 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
-from common.qwen2 import Qwen2Config
-from common.runtime import Env, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
+from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
 from services.boot import BootCache
 from services.config import float_var, int_var, var
 from services.coordinator import openai_api
 from services.coordinator.errors import openai_error_response
-from services.coordinator.generation import Coordinator
+from services.coordinator.generation import Coordinator, summary
 from services.coordinator.params import parse_generate
 from services.coordinator.pipeline import Pipeline
 from services.knot_source import KnotSource
+from services.station.client import StationClient
 
 log = logging.getLogger(__name__)
 
@@ -91,20 +91,19 @@ async def coordinator_for(env: Env) -> Coordinator:
 
     async def boot() -> Coordinator:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
-        header = await source.header()
-        cfg = Qwen2Config.from_hparams(header.hparams)
+        header, cfg = await source.header(), (await source.model()).cfg
         shards = [ShardSpec(i, a, b) for i, (_, a, b) in enumerate(settings.shards)]
         check_vocab_tiling(shards, cfg.vocab_size)
         bindings = {i: getattr(env, name) for i, (name, _, _) in enumerate(settings.shards)}
         ordered = [(s, bindings[s.index]) for s in sorted(shards, key=lambda s: s.vocab_start)]
         stations = [getattr(env, name) for name in settings.stations]
-        await _check_stations(stations, cfg.n_layer)
+        pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
+                            settings.station_timeout_s, settings.station_retry_s)
+        await _check_stations(pipeline.stations, cfg.n_layer)
         a, b = header.blob_range(TOKENIZER_BLOB)
         tokenizer = Tokenizer(decode_tokenizer_blob(await source.read(a, b), header.blobs[TOKENIZER_BLOB].encoding))
         log.info("coordinator booted: %d stations, %d shards, vocab %d", len(stations), len(shards), cfg.vocab_size)
-        return Coordinator(settings, cfg, tokenizer,
-                           Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
-                                    settings.station_timeout_s, settings.station_retry_s), settings.model_id)
+        return Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id)
 
     try:
         return await _booted.get(repr(settings), boot)
@@ -112,16 +111,16 @@ async def coordinator_for(env: Env) -> Coordinator:
         raise ServiceUnavailable(f"coordinator topology: {e}") from None
 
 
-async def _check_stations(stations: list, n_layers: int) -> None:
+async def _check_stations(stations: list[StationClient], n_layers: int) -> None:
     """Ask each station for its layer range; together they must chain [0, n_layers)."""
     if not stations:
         raise TopologyError("STATIONS is empty: need at least 1 station")
     specs = []
     for i, st in enumerate(stations):
-        resp = await st.fetch(Request("GET", "https://peer/stats"))
-        if not resp.ok:
-            raise ServiceUnavailable(f"station {i} /stats: HTTP {resp.status}: {resp.body[:200]!r}")
-        s = resp.json()
+        try:
+            s = await st.stats()
+        except HttpError as e:
+            raise ServiceUnavailable(f"station {i} {e}") from None
         specs.append(StationSpec(i, int(s["layer_start"]), int(s["layer_end"]), str(s["role"])))
     check_station_chain(specs, n_layers)
 
@@ -148,7 +147,7 @@ async def _generate(request: Request, co: Coordinator, ctx) -> Response:
     async with co.slot():
         async for _ in co.events(gen, ctx):
             pass
-    return Response.from_json(gen.summary())
+    return Response.from_json(summary(gen))
 
 
 async def _openai(request: Request, env: Env, ctx) -> Response:

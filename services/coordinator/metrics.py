@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.runtime import HttpError, Request, Response
+from common.runtime import HttpError, Response
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,10 @@ class CoordinatorMetrics:
         self.hops.labels(name).observe(seconds)
 
     async def gather(self, stations: list, shards: list) -> None:
-        """Refresh the services' snapshot: GET /stats of each station and shard, concurrently."""
-        async def one(binding) -> dict | None:
+        """Refresh the services' snapshot: GET /stats of each station and shard client, concurrently."""
+        async def one(client) -> dict | None:
             try:
-                resp = await asyncio.wait_for(binding.fetch(Request("GET", "https://peer/stats")), STATS_TIMEOUT_S)
-                return resp.json() if resp.ok else None
+                return await client.stats(STATS_TIMEOUT_S)
             except (HttpError, TimeoutError, ValueError) as e:
                 log.warning("metrics: /stats failed: %s", e)
                 return None

@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
-from services.coordinator.generation import Coordinator, FinishEvent, Generation, TokenEvent
+from services.coordinator.generation import Coordinator
 from services.coordinator.params import GenerateRequest, number, sampling_params, stop_strings
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
 
@@ -157,7 +158,7 @@ class Shape:
     def __init__(self, co: Coordinator, gen: Generation, opts: Options):
         self.co, self.gen, self.opts = co, gen, opts
         self.created = int(time.time())
-        self.id = f"{'chatcmpl' if opts.chat else 'cmpl'}-{gen.rid}"
+        self.id = f"{'chatcmpl' if opts.chat else 'cmpl'}-{gen.request_id}"
         self.text_offset = 0
 
     def _envelope(self, obj: str, choices: list) -> dict:
@@ -168,7 +169,7 @@ class Shape:
         return self.co.tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
 
     def logprobs(self, events: list[TokenEvent]) -> dict | None:
-        if self.gen.request.logprobs is None:
+        if self.gen.logprobs is None:
             return None
         if self.opts.chat:
             def entry(tid: int, lp: float) -> dict:
@@ -237,7 +238,7 @@ async def complete(co: Coordinator, g: GenerateRequest, opts: Options, ctx) -> R
 
 async def _sse(co: Coordinator, gen: Generation, opts: Options, ctx) -> AsyncIterator[bytes]:
     shape = Shape(co, gen, opts)
-    want_lp = gen.request.logprobs is not None
+    want_lp = gen.logprobs is not None
     if opts.chat:
         yield sse(shape.chunk(None, role=True))
     events = co.events(gen, ctx)
@@ -255,7 +256,7 @@ async def _sse(co: Coordinator, gen: Generation, opts: Options, ctx) -> AsyncIte
         if opts.include_usage:
             yield sse(shape.usage_chunk())
     except Exception as e:  # noqa: BLE001 - the status line is out: report the failure in the stream
-        log.warning("stream %s failed: %s: %s", gen.rid, type(e).__name__, e)
+        log.warning("stream %s failed: %s: %s", gen.request_id, type(e).__name__, e)
         yield sse(openai_error_body(e, status_for(e)))
     finally:
         await events.aclose()  # runs events()' finally at once (KV release), whoever stopped the stream

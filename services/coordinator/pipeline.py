@@ -9,33 +9,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from common import wire
-from common.runtime import BadGateway, HttpError, Request, Response, ServiceUnavailable
+from common.runtime import BadGateway, HttpError, ServiceUnavailable
 from common.topology import ShardSpec
+from services.shard.client import ShardClient
+from services.station.client import SessionLost, StationClient
 
 log = logging.getLogger(__name__)
 
-
-class SessionLost(Exception):
-    """A station no longer holds the request's KV cache: replay from position 0."""
+__all__ = ["Degradation", "Hops", "Pipeline", "SessionLost"]
 
 
 @dataclass
 class Hops:
     """Per-hop wall time of one request: name -> list of ms; each hop also goes to `observe` (s)."""
 
-    ms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    ms: dict[str, list[float]] = field(default_factory=dict)
     observe: Callable[[str, float], None] | None = None
 
     def add(self, name: str, t0: float) -> None:
         s = time.perf_counter() - t0
-        self.ms[name].append(s * 1e3)
+        self.ms.setdefault(name, []).append(s * 1e3)
         if self.observe is not None:
             self.observe(name, s)
 
@@ -57,30 +56,13 @@ class Degradation:
                 "stage": self.stage, "error": self.error}
 
 
-async def _post_envelope(binding, path: str, env: wire.Envelope, timeout_s: float) -> wire.Envelope:
-    req = Request("POST", f"https://peer{path}", {"Content-Type": wire.ENVELOPE_CONTENT_TYPE}, wire.encode_envelope(env))
-    resp: Response = await asyncio.wait_for(binding.fetch(req), timeout_s)
-    if not resp.ok:
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {"message": resp.body[:200].decode("utf-8", "replace")}
-        if resp.status == 409 and body.get("error") == "UnknownSession":
-            raise SessionLost(body.get("message", "unknown session"))
-        raise BadGateway(f"{path}: HTTP {resp.status}: {body.get('message', '')}")
-    try:
-        return wire.decode_envelope(resp.body)
-    except wire.WireError as e:
-        raise BadGateway(f"{path}: malformed reply: {e}") from None
-
-
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
                  shard_timeout_s: float, station_timeout_s: float, station_retry_s: float = 60.0):
-        self.stations = stations  # service bindings, entry first
-        self.shards = shards  # (spec, binding), sorted by vocab_start, tiling [0, vocab)
+        """stations: service bindings, entry first; shards: (spec, binding), sorted by vocab_start, tiling [0, vocab)."""
+        self.stations = [StationClient(b, station_timeout_s) for b in stations]
+        self.shards = [(spec, ShardClient(b, shard_timeout_s)) for spec, b in shards]
         self.dim, self.vocab_size = dim, vocab_size
-        self.shard_timeout_s, self.station_timeout_s = shard_timeout_s, station_timeout_s
         self.station_retry_s = station_retry_s
 
     async def embed(self, rid: str, tokens: list[int], position: int, hops: Hops,
@@ -90,8 +72,7 @@ class Pipeline:
         frame = wire.Envelope(rid, "embed", position, position + len(tokens), ids)
         owners = [(s, b) for s, b in self.shards if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_post_envelope(b, "/embed", frame, self.shard_timeout_s) for _, b in owners),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(shard.embed(frame) for _, shard in owners), return_exceptions=True)
         hops.add("embed", t0)
         out = np.zeros((len(tokens), self.dim), np.float32)  # (T, dim)
         for (spec, _), res in zip(owners, results):
@@ -109,8 +90,7 @@ class Pipeline:
         """h (1, dim) final normed hidden -> (vocab,) logits, slices concatenated in vocab order."""
         frame = wire.Envelope(rid, "logits", position, position + h.shape[0], h)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_post_envelope(b, "/logits", frame, self.shard_timeout_s)
-                                         for _, b in self.shards), return_exceptions=True)
+        results = await asyncio.gather(*(shard.logits(frame) for _, shard in self.shards), return_exceptions=True)
         hops.add("logits", t0)
         out = np.full(self.vocab_size, -np.inf, np.float32)
         ok = 0
@@ -174,14 +154,14 @@ class Pipeline:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _forward_one(self, i: int, st, frame: wire.Envelope) -> wire.Envelope:
+    async def _forward_one(self, i: int, st: StationClient, frame: wire.Envelope) -> wire.Envelope:
         """One station hop. A station that cannot be reached (restarting) is retried with backoff
         for up to station_retry_s; once it is back it answers UnknownSession and we replay."""
         deadline = time.monotonic() + self.station_retry_s
         delay = 0.1
         while True:
             try:
-                return await _post_envelope(st, "/forward", frame, self.station_timeout_s)
+                return await st.forward(frame)
             except ServiceUnavailable as e:
                 if time.monotonic() + delay > deadline:
                     raise ServiceUnavailable(f"station {i} unreachable for {self.station_retry_s:.0f} s: {e}") from None
@@ -191,9 +171,9 @@ class Pipeline:
 
     async def release(self, rid: str) -> None:
         """Free the request's KV caches on every station (best effort, after the response)."""
-        async def one(i, st):
+        async def one(i: int, st: StationClient) -> None:
             try:
-                await asyncio.wait_for(st.fetch(Request("POST", f"https://peer/release/{rid}")), self.station_timeout_s)
+                await st.release(rid)
             except (HttpError, TimeoutError) as e:
                 log.warning("release %s on station %d failed: %s", rid, i, e)
 

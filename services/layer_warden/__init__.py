@@ -5,7 +5,7 @@ Stations reach it through a service binding; it reaches the DO class through env
 from __future__ import annotations
 
 from common.runtime import Ctx, Env, Request, Response
-from services.layer_warden.warden import FIELDS, LayerWarden, is_resident
+from services.layer_warden.warden import FIELDS, LayerWarden, resident_rule
 from services.warden_base import route_to_warden
 
 DURABLE_OBJECTS = {"LayerWarden": LayerWarden}
@@ -15,4 +15,4 @@ async def fetch(request: Request, env: Env, ctx: Ctx) -> Response:
     return await route_to_warden(request, env.LAYER_WARDEN, FIELDS)
 
 
-__all__ = ["DURABLE_OBJECTS", "LayerWarden", "fetch", "is_resident"]
+__all__ = ["DURABLE_OBJECTS", "LayerWarden", "fetch", "resident_rule"]

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
+from typing import Any, Callable
 
 from common import wire
 from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
+from common.models import Model
 from common.runtime import BadRequest, NotFound, Request, Response
 from services.warden_base import Identity, IdentityFields, WardenBase, budget_from
 
 DEFAULT_BUDGET_BYTES = 1 << 30
-RESIDENT_NAMES = frozenset({"token_embd.weight", "output_norm.weight", "output.weight"})
 RESIDENT_BELOW_BYTES = 1 << 20
 MAX_BATCH = 256
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -33,9 +33,11 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 FIELDS = IdentityFields("layer_start", "layer_end", "X-Layer-Start", "X-Layer-End")
 
 
-def is_resident(name: str, nbytes: int) -> bool:
-    """Seed section 4 (loader.rs pick_resident_names): never evicted once cached."""
-    return "norm" in name or name in RESIDENT_NAMES or nbytes < RESIDENT_BELOW_BYTES
+def resident_rule(model: Model) -> Callable[[str, int], bool]:
+    """Seed section 4 (loader.rs pick_resident_names): never evicted once cached. The model's
+    resident tensors (norms, biases), the tensors outside the layers, and anything under 1 MiB."""
+    outside = frozenset({model.TOKEN_EMBD, model.OUTPUT_NORM, model.OUTPUT})
+    return lambda name, nbytes: model.is_resident(name) or name in outside or nbytes < RESIDENT_BELOW_BYTES
 
 
 class LayerWarden(WardenBase):
@@ -51,16 +53,16 @@ class LayerWarden(WardenBase):
     def __init__(self, state, env):
         super().__init__(state, env)
         self.header: KnotHeader | None = None
-        self.cache: ByteLRU[str, bytes] = ByteLRU(DEFAULT_BUDGET_BYTES, is_resident)  # name -> encoded frame
+        self.cache: ByteLRU[str, bytes] = ByteLRU(DEFAULT_BUDGET_BYTES)  # name -> encoded frame; set at configure
 
-    def _validate(self, identity: Identity, header: KnotHeader) -> None:
-        n_layers = int(header.hparams["block_count"])
+    def _validate(self, identity: Identity, header: KnotHeader, model: Model) -> None:
+        n_layers = model.cfg.n_layer
         if identity.end > n_layers:
             raise BadRequest(f"layers [{identity.start}, {identity.end}) exceed the knot's {n_layers} layers")
 
-    async def _on_configure(self, header: KnotHeader, body: dict) -> None:
+    async def _on_configure(self, header: KnotHeader, model: Model, body: dict) -> None:
         self.header = header
-        self.cache = ByteLRU(budget_from(body, self.env, DEFAULT_BUDGET_BYTES), is_resident)
+        self.cache = ByteLRU(budget_from(body, self.env, DEFAULT_BUDGET_BYTES), resident_rule(model))
 
     # -------------------------------------------------------- tensors
 

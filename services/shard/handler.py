@@ -27,13 +27,14 @@ import numpy as np
 
 from common import wire
 from common.knot import KnotHeader
-from common.matmul import get_kernel
-from common.quant import QTensor, dequantize_rows
-from common.qwen2 import TOKEN_EMBD, head_tensor_name, lm_head
 from common.lru import ByteLRU
+from common.matmul import get_kernel
+from common.models import Model
+from common.quant import QTensor, dequantize_rows
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
 from services.batcher import Batcher
 from services.boot import BootCache
+from services.cobordism_warden.client import CobordismWardenClient
 from services.config import int_var, var
 from services.knot_source import KnotSource
 
@@ -68,15 +69,16 @@ class ShardSettings:
 
 
 class Shard:
-    def __init__(self, settings: ShardSettings, header: KnotHeader, source: KnotSource, warden, identity: dict):
-        self.settings, self.header, self.source = settings, header, source
-        self.warden, self.identity = warden, identity
-        self.embd = header.entry(TOKEN_EMBD)
+    def __init__(self, settings: ShardSettings, model: Model, header: KnotHeader, source: KnotSource,
+                 warden: CobordismWardenClient | None):
+        self.settings, self.model, self.header, self.source, self.warden = settings, model, header, source, warden
+        self.embd_name = model.TOKEN_EMBD
+        self.embd = header.entry(self.embd_name)
         self.dim = self.embd.shape[0]
         if settings.vocab_end > self.embd.n_rows:
             raise ServiceUnavailable(f"shard rows [{settings.vocab_start}, {settings.vocab_end}) exceed the "
-                                     f"{self.embd.n_rows} rows of {TOKEN_EMBD}")
-        self.head_name = head_tensor_name(lambda n: n in header.tensors)
+                                     f"{self.embd.n_rows} rows of {self.embd_name}")
+        self.head_name = model.head_tensor(lambda n: n in header.tensors)
         self.head: QTensor | None = None
         self.head_f32: QTensor | None = None
         self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self._logits_batch)
@@ -111,8 +113,8 @@ class Shard:
         if fetch and self.warden is not None:
             out.update(await self._from_warden(fetch))
         for r in [r for r in fetch if r not in out]:
-            data = await self.source.read(*self.header.row_range(TOKEN_EMBD, r, r + 1))
-            out[r] = dequantize_rows(data, self.embd.ggml_type, self.dim, TOKEN_EMBD)[0]
+            data = await self.source.read(*self.header.row_range(self.embd_name, r, r + 1))
+            out[r] = dequantize_rows(data, self.embd.ggml_type, self.dim, self.embd_name)[0]
             self.stats["rows_from_r2"] += 1
         for r in fetch:
             out[r].flags.writeable = False  # shared by later lookups: nobody may write into it
@@ -120,31 +122,27 @@ class Shard:
         return out
 
     async def _from_warden(self, rows: list[int]) -> dict[int, np.ndarray]:
-        req = Request("POST", "https://cobordism-warden/tensors",
-                      self.identity | {"Content-Type": wire.ROWS_CONTENT_TYPE}, wire.encode_rows(rows))
         try:
-            resp = await self.warden.fetch(req)
-            if not resp.ok:
-                raise ServiceUnavailable(f"HTTP {resp.status}: {resp.body[:200]!r}")
-            frames = wire.decode_batch(resp.body)
+            frames = await self.warden.rows(rows)
         except (HttpError, TimeoutError, wire.WireError) as e:
             self.stats["warden_failures"] += 1
             log.warning("cobordism warden failed for %d rows, reading R2: %s", len(rows), e)
             return {}
         out = {}
         for f in frames:
-            if f.name != TOKEN_EMBD or f.shape[0] != self.dim or f.row_start not in rows:
+            if f.name != self.embd_name or f.shape[0] != self.dim or f.row_start not in rows:
                 log.warning("cobordism warden frame %s row %d %s rejected", f.name, f.row_start, f.shape)
                 continue
-            out[f.row_start] = dequantize_rows(f.payload, f.ggml_type, self.dim, TOKEN_EMBD)[0]
+            out[f.row_start] = dequantize_rows(f.payload, f.ggml_type, self.dim, self.embd_name)[0]
             self.stats["rows_from_warden"] += 1
         return out
 
     async def embed(self, tokens: np.ndarray) -> np.ndarray:
         """tokens (T,) -> (T, dim), zeros where this shard does not own the token."""
         a, b = self.settings.vocab_start, self.settings.vocab_end
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.header.hparams["vocab_size"]):
-            raise BadRequest(f"token ids must lie in [0, {self.header.hparams['vocab_size']})")
+        vocab_size = self.model.cfg.vocab_size
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise BadRequest(f"token ids must lie in [0, {vocab_size})")
         out = np.zeros((tokens.shape[0], self.dim), np.float32)  # (T, dim): zero = "not my token"
         owned = [int(t) for t in tokens if a <= t < b]
         if owned:
@@ -158,7 +156,7 @@ class Shard:
     def logits(self, h: np.ndarray) -> np.ndarray:
         """h (T, dim) output-normed -> (T, n_rows) logits of this slice."""
         self.stats["logits_calls"] += 1
-        return lm_head(h, self.head_f32 or self.head)
+        return self.model.lm_head(h, self.head_f32 or self.head)
 
     async def _logits_batch(self, hs: list[np.ndarray]) -> list[np.ndarray]:
         """Concurrent requests' hidden states stacked: the slice's head is read once for all."""
@@ -178,14 +176,11 @@ async def shard_for(env: Env) -> Shard:
 
     async def boot() -> Shard:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
-        header = await source.header()
-        warden = None
+        header, model = await source.header(), await source.model()
         ns = env.get("COBORDISM_WARDEN")
-        if ns is not None:
-            warden = ns.get(ns.id_from_name(settings.boot_key))
-        identity = {"X-Knot-Id": settings.knot_key, "X-Vocab-Start": str(settings.vocab_start),
-                    "X-Vocab-End": str(settings.vocab_end)}
-        sh = Shard(settings, header, source, warden, identity)
+        warden = (None if ns is None else
+                  CobordismWardenClient(ns, settings.knot_key, settings.vocab_start, settings.vocab_end))
+        sh = Shard(settings, model, header, source, warden)
         await sh.boot()
         log.info("shard booted: %s, head %s (%d bytes%s)", settings.boot_key, sh.head_name, sh.head.nbytes,
                  ", float32 cached" if sh.head_f32 else "")

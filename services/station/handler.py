@@ -14,9 +14,10 @@ Batched decode: decode frames of different requests that arrive while a forward 
 stacked into the next forward (services/batcher.py), so each weight is read once per step for
 all of them; attention and the KV caches stay per session.
 
-Fluid memory (seed section 2): per layer, each of the four phases is loaded, run and evicted
-in turn. A phase's tensors stay only when the budget has room for them after the activations
-and the KV caches; with the default 128 MiB that keeps a 0.5B's layers, while a 7B runs fluid.
+Fluid memory (seed section 2): the layer loop (common/layers.py) loads, runs and evicts each
+phase of each layer in turn. A phase's tensors stay only when the budget has room for them after
+the activations and the KV caches (services/station/memory.py); with the default 128 MiB that
+keeps a 0.5B's layers, while a 7B runs fluid.
 """
 from __future__ import annotations
 
@@ -30,17 +31,15 @@ import numpy as np
 from common import wire
 from common.knot import KnotHeader
 from common.kvcache import KVCache
-from common.lru import ByteLRU
-from common.matmul import DEFAULT_TILE_BYTES
-from common.quant import QTensor
-from common.qwen2 import (OUTPUT_NORM, PHASES, Qwen2Config, attn_phase_batch, ffn_down_phase, ffn_gate_phase,
-                          ffn_up_phase, output_norm)
+from common.layers import run_layers
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response, ServiceUnavailable
 from common.topology import ROLES, TopologyError
 from services.batcher import Batcher
 from services.boot import BootCache
 from services.config import float_var, int_var, var
 from services.knot_source import KnotSource
+from services.layer_warden.client import LayerWardenClient
+from services.station.memory import ForwardWeights, StationMemory
 from services.station.tensors import PhaseLoader
 
 log = logging.getLogger(__name__)
@@ -96,19 +95,16 @@ class Session:
 class Station:
     def __init__(self, settings: StationSettings, header: KnotHeader, loader: PhaseLoader, clock=time.monotonic):
         self.settings, self.header, self.loader, self.clock = settings, header, loader, clock
-        self.cfg = Qwen2Config.from_hparams(header.hparams)
+        self.model = loader.model
+        self.cfg = self.model.cfg
         if settings.layer_end > self.cfg.n_layer:
             raise TopologyError(f"station layers [{settings.layer_start}, {settings.layer_end}) exceed the "
                                 f"model's {self.cfg.n_layer} layers")
         self.emits_final = settings.role in ("exit", "solo")
-        self.resident: dict = {}
-        self._resident_bytes = 0  # fixed after boot; summed once, not per phase
-        # Phase tensors kept between forwards while the budget allows; the rest are evicted.
-        self.kept: ByteLRU = ByteLRU(settings.budget_bytes)
         self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.memory = StationMemory(settings.budget_bytes, self.model.activation_bytes, lambda: self.kv_bytes)
         self.boots_at = self.clock()
         self.forwards = 0
-        self.peak_accounted_bytes = 0
         self.sessions_evicted = 0
         self.batched_rows = 0
         # One forward at a time (memory is accounted for one); decode frames that arrive while it
@@ -117,58 +113,15 @@ class Station:
 
     async def boot(self) -> None:
         """Load the role's resident set: the small tensors of our layers (norms, biases), output_norm on exit."""
-        names = [n for l in range(self.settings.layer_start, self.settings.layer_end) for p in PHASES
-                 for n in self.loader.names(l, p) if n.endswith(".bias") or "norm" in n]
+        names = [n for l in range(self.settings.layer_start, self.settings.layer_end) for p in self.model.phases
+                 for n in self.loader.names(l, p) if self.model.is_resident(n)]
         if self.emits_final:
-            names.append(OUTPUT_NORM)
-        self.resident = await self.loader.load(names)
-        self._resident_bytes = sum(t.nbytes for t in self.resident.values())
-
-    # -------------------------------------------------------- memory accounting
-
-    @property
-    def resident_bytes(self) -> int:
-        return self._resident_bytes
+            names.append(self.model.OUTPUT_NORM)
+        self.memory.hold(await self.loader.load(names))
 
     @property
     def kv_bytes(self) -> int:
         return sum(s.kv.nbytes for s in self.sessions.values())
-
-    def _account(self, phase_bytes: int, activation_bytes: int) -> int:
-        total = (self.resident_bytes + self.kept.bytes_used + phase_bytes + activation_bytes + self.kv_bytes
-                 + DEFAULT_TILE_BYTES)  # matmul's dequantization tile
-        self.peak_accounted_bytes = max(self.peak_accounted_bytes, total)
-        return total
-
-    def _activation_bytes(self, T: int, S: int) -> int:
-        """Float32 temporaries of a phase over T new rows attending to S positions: x, the normed x,
-        q/k/v and the attention output, the (n_head, T, S) scores, gate/up/act of the FFN."""
-        return 4 * T * (4 * self.cfg.dim + 3 * self.cfg.ffn_dim + self.cfg.n_head * S)
-
-    def _fixed_bytes(self, T: int, S: int) -> int:
-        """Everything a phase needs besides its own tensors and the kept ones."""
-        return self.resident_bytes + self.kv_bytes + self._activation_bytes(T, S) + DEFAULT_TILE_BYTES
-
-    def _make_room(self, need_bytes: int, T: int, S: int, protect: set[str]) -> None:
-        """Before a phase runs: evict kept tensors, most recently used first (never the phase's own,
-        `protect`), until the phase's new tensors (need_bytes) and its activations fit the budget.
-        Runs even when nothing is loaded: a long prefill needs room that a decode step did not.
-
-        Why most recently used: a station reads its layers in the same cyclic order every forward,
-        and under a cyclic scan LRU evicts exactly the tensor needed next, so a budget one tensor
-        short of the whole range would hit nothing. Evicting the newest keeps the first layers that
-        fit and streams the rest: the fewest bytes from the warden per forward (Belady's choice)."""
-        limit = self.settings.budget_bytes - self._fixed_bytes(T, S) - need_bytes
-        if self.kept.bytes_used <= limit:
-            return
-        for name in reversed(list(self.kept.keys())):  # most recently used first
-            if self.kept.bytes_used <= limit:
-                break
-            if name not in protect:
-                self.kept.pop(name)
-        if self.kept.bytes_used > max(limit, 0):
-            log.warning("phase needs %d new bytes; %d fixed + %d kept exceed the %d-byte budget",
-                        need_bytes, self._fixed_bytes(T, S), self.kept.bytes_used, self.settings.budget_bytes)
 
     # -------------------------------------------------------- sessions
 
@@ -181,7 +134,7 @@ class Station:
 
     def _session(self, env: wire.Envelope) -> Session:
         if env.mode == "prefill" and env.position == 0:
-            s = Session(KVCache(self.cfg.n_kv_head, self.cfg.head_dim))
+            s = Session(self.model.new_kv())
             self.sessions[env.request_id] = s
         else:
             s = self.sessions.get(env.request_id)
@@ -207,31 +160,6 @@ class Station:
         return self.sessions.pop(rid, None) is not None
 
     # -------------------------------------------------------- forward
-
-    async def _phase(self, layer: int, phase: str, T: int, S: int) -> dict:
-        names = self.loader.names(layer, phase)
-        w = {n: self.resident[n] for n in names if n in self.resident}
-        for n in names:
-            if n not in w:
-                t = self.kept.get(n)
-                if t is not None:
-                    w[n] = t
-        need = [n for n in names if n not in w]
-        self._make_room(sum(self.header.tensors[n].length for n in need), T, S, protect=set(names))
-        if need:
-            w.update(await self.loader.load(need))
-        self._account(sum(w[n].nbytes for n in need), self._activation_bytes(T, S))
-        return w
-
-    def _evict_or_keep(self, w: dict, T: int, S: int) -> None:
-        """After a phase: keep its big tensors only if they fit beside everything else."""
-        room = self.settings.budget_bytes - self._fixed_bytes(T, S)
-        for name, t in w.items():
-            if name in self.resident or name in self.kept:
-                continue
-            if t.nbytes <= room - self.kept.bytes_used:
-                # A copy: a tensor from a warden batch is a view that pins the whole batch buffer.
-                self.kept.put(name, QTensor(t.name, t.ggml_type, t.shape, t.data.copy()), t.nbytes)
 
     async def forward(self, env: wire.Envelope, ctx) -> wire.Envelope:
         """One frame through our layers. Decode frames of concurrent requests are batched: they run
@@ -287,22 +215,9 @@ class Station:
         N = h.shape[0]
         S = max(env.seq_len for env, _ in runs)  # the longest attention span in the batch
         seqs = [(sess.kv, np.arange(env.position, env.seq_len, dtype=np.int64)) for env, sess in runs]
-        cfg = self.cfg
         try:
-            for l in range(self.settings.layer_start, self.settings.layer_end):
-                w = await self._phase(l, "attn", N, S)
-                h = attn_phase_batch(cfg, l, h, w, seqs)
-                self._evict_or_keep(w, N, S)
-                w = await self._phase(l, "ffn_gate", N, S)
-                st = ffn_gate_phase(cfg, l, h, w)
-                self._evict_or_keep(w, N, S)
-                w = await self._phase(l, "ffn_up", N, S)
-                st = ffn_up_phase(cfg, l, st, w)
-                self._evict_or_keep(w, N, S)
-                w = await self._phase(l, "ffn_down", N, S)
-                h = ffn_down_phase(cfg, l, st, w)
-                self._evict_or_keep(w, N, S)
-                del w
+            h = await run_layers(self.model, h, self.settings.layer_start, self.settings.layer_end, seqs,
+                                 ForwardWeights(self.memory, self.loader, N, S))
         except BaseException:
             # A half-applied forward leaves the KV caches inconsistent: forget those sessions.
             for env, _ in runs:
@@ -318,7 +233,7 @@ class Station:
             b = a + env.array.shape[0]
             rows = h[a:b]
             if self.emits_final:
-                rows = output_norm(cfg, rows[-1:], self.resident[OUTPUT_NORM])  # (1, dim)
+                rows = self.model.final_norm(rows[-1:], self.memory.resident[self.model.OUTPUT_NORM])  # (1, dim)
             out.append(wire.Envelope(env.request_id, env.mode, env.position, env.seq_len, rows))
             a = b
         return out
@@ -327,8 +242,9 @@ class Station:
         s = self.settings
         return {
             "boot_key": s.boot_key, "role": s.role, "layer_start": s.layer_start, "layer_end": s.layer_end,
-            "budget_bytes": s.budget_bytes, "peak_accounted_bytes": self.peak_accounted_bytes,
-            "resident_bytes": self.resident_bytes, "kept_bytes": self.kept.bytes_used, "kept_tensors": len(self.kept),
+            "budget_bytes": s.budget_bytes, "peak_accounted_bytes": self.memory.peak_accounted_bytes,
+            "resident_bytes": self.memory.resident_bytes, "kept_bytes": self.memory.kept.bytes_used,
+            "kept_tensors": len(self.memory.kept),
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
             "forwards": self.forwards, "batched_rows": self.batched_rows, **self.batcher.stats(),
             **self.loader.stats, **self.loader.source.stats(),
@@ -345,17 +261,14 @@ async def station_for(env: Env, ctx) -> Station:
 
     async def boot() -> Station:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
-        header = await source.header()
-        warden = None
+        header, model = await source.header(), await source.model()
         ns = env.get("LAYER_WARDEN")
-        if ns is not None:
-            warden = ns.get(ns.id_from_name(f"{settings.knot_key}|{settings.layer_start}-{settings.layer_end}"))
-        identity = {"X-Knot-Id": settings.knot_key, "X-Layer-Start": str(settings.layer_start),
-                    "X-Layer-End": str(settings.layer_end)}
-        st = Station(settings, header, PhaseLoader(header, source, warden, identity, ctx.wait_until))
+        warden = (None if ns is None else
+                  LayerWardenClient(ns, settings.knot_key, settings.layer_start, settings.layer_end))
+        st = Station(settings, header, PhaseLoader(model, header, source, warden, ctx.wait_until))
         await st.boot()
         log.info("station booted: %s, %d resident tensors (%d bytes), budget %d bytes", settings.boot_key,
-                 len(st.resident), st.resident_bytes, settings.budget_bytes)
+                 len(st.memory.resident), st.memory.resident_bytes, settings.budget_bytes)
         return st
 
     return await _booted.get(settings.boot_key, boot)

@@ -17,29 +17,33 @@ import numpy as np
 
 from common import wire
 from common.knot import KnotHeader
+from common.models import MissingTensorError, Model
 from common.quant import QTensor
-from common.qwen2 import MissingTensorError, phase_tensors
-from common.runtime import HttpError, Request
+from common.runtime import HttpError
 from services.knot_source import KnotSource
+from services.layer_warden.client import LayerWardenClient
 
 log = logging.getLogger(__name__)
 
 
 class PhaseLoader:
-    def __init__(self, header: KnotHeader, source: KnotSource, warden: Any | None, identity_headers: dict,
+    def __init__(self, model: Model, header: KnotHeader, source: KnotSource, warden: LayerWardenClient | None,
                  wait_until: Callable[[Awaitable[Any]], None]):
-        self.header, self.source, self.warden = header, source, warden
-        self.identity_headers = identity_headers
+        self.model, self.header, self.source, self.warden = model, header, source, warden
         self.wait_until = wait_until
         self.stats = {"warden_tensors": 0, "warden_bytes": 0, "r2_tensors": 0, "r2_bytes": 0,
                       "warden_failures": 0, "invalidations": 0}
 
     def names(self, layer: int, phase: str) -> list[str]:
-        names = phase_tensors(layer, phase)
+        names = self.model.phase_tensors(layer, phase)
         for n in names:
             if n not in self.header.tensors:
                 raise MissingTensorError(phase, layer, n)
         return names
+
+    def nbytes(self, name: str) -> int:
+        """The tensor's size in the knot, known before it is loaded."""
+        return self.header.tensors[name].length
 
     async def load(self, names: list[str]) -> dict[str, QTensor]:
         """name -> QTensor for every name; warden batch first, R2 for whatever it did not give."""
@@ -63,20 +67,12 @@ class PhaseLoader:
         return self._qtensor(name, data)
 
     async def _from_warden(self, names: list[str]) -> dict[str, QTensor]:
-        req = Request("POST", "https://layer-warden/tensors",
-                      self.identity_headers | {"Content-Type": wire.NAMES_CONTENT_TYPE}, wire.encode_names(names))
         try:
-            resp = await self.warden.fetch(req)
+            frames = await self.warden.tensors(names)
         except (HttpError, TimeoutError) as e:
             self.stats["warden_failures"] += 1
-            log.warning("layer warden unreachable, reading %d tensors from R2: %s", len(names), e)
+            log.warning("layer warden failed, reading %d tensors from R2: %s", len(names), e)
             return {}
-        if not resp.ok:
-            self.stats["warden_failures"] += 1
-            log.warning("layer warden answered HTTP %d for %s, reading from R2", resp.status, names)
-            return {}
-        try:
-            frames = wire.decode_batch(resp.body)
         except wire.WireError as e:
             # We cannot tell which entry is bad: drop them all so the next load is clean.
             log.warning("layer warden sent an undecodable batch (%s); invalidating %s", e, names)
@@ -109,13 +105,10 @@ class PhaseLoader:
 
     def _invalidate(self, name: str) -> None:
         self.stats["invalidations"] += 1
-        req = Request("POST", f"https://layer-warden/invalidate/{name}", dict(self.identity_headers))
 
         async def run() -> None:
             try:
-                resp = await self.warden.fetch(req)
-                if not resp.ok:
-                    log.warning("invalidate %s: warden answered HTTP %d", name, resp.status)
+                await self.warden.invalidate(name)
             except (HttpError, TimeoutError) as e:
                 log.warning("invalidate %s failed: %s", name, e)
 

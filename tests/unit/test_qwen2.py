@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common import qwen2
 from common.kvcache import KVCache, default_chunk_size, prefill_chunks
+from common.layers import forward_range
+from common.models import qwen2
+from common.models.qwen2 import MissingTensorError, Qwen2, Qwen2Config, phase_tensors
 from common.quant import QTensor
-from common.qwen2 import MissingTensorError, Qwen2Config, phase_tensors
 
 # A tiny Qwen2: GQA with 2 query heads per kv head; Q8_0 needs ne0 % 32 == 0.
 HP = dict(block_count=3, embedding_length=64, feed_forward_length=96, head_count=4, head_count_kv=2,
           rope_freq_base=10000.0, rms_eps=1e-6, context_length=256, vocab_size=262)
 CFG = Qwen2Config.from_hparams(HP)
+MODEL = Qwen2(CFG)
 # One of each storage type on the matmul path.
 WEIGHT_TYPES = {"attn_q": "Q8_0", "attn_k": "F16", "attn_v": "Q8_0", "attn_output": "F32",
                 "ffn_gate": "Q8_0", "ffn_up": "F16", "ffn_down": "Q8_0",
@@ -81,14 +83,14 @@ def run_model(tokens, ws=W, layer_splits=((0, CFG.n_layer),), vocab_slices=((0, 
     the vocab split over 'shards', and the prompt prefilled in chunks."""
     tokens = np.asarray(tokens)
     emb = ws["token_embd.weight"]
-    head = ws[qwen2.head_tensor_name(lambda n: n in ws)]
+    head = ws[MODEL.head_tensor(lambda n: n in ws)]
     x = sum(qwen2.embed(tokens, emb.rows(a, b), a, b) for a, b in vocab_slices)   # (T, dim)
     kvs = [KVCache(CFG.n_kv_head, CFG.head_dim) for _ in layer_splits]
     outs = []
     for a, b in prefill_chunks(len(tokens), chunk_size):
         h = x[a:b]
         for (s, e), kv in zip(layer_splits, kvs):
-            h = qwen2.forward_range(CFG, h, s, e, load_from(ws), kv, np.arange(a, b))
+            h = forward_range(MODEL, h, s, e, load_from(ws), kv, np.arange(a, b))
         outs.append(h)
     h = qwen2.output_norm(CFG, np.concatenate(outs), ws["output_norm.weight"])
     return np.concatenate([qwen2.lm_head(h, head.rows(a, b)) for a, b in vocab_slices], axis=1)
@@ -174,7 +176,7 @@ def test_one_phase_resident_at_a_time():
 
     x = qwen2.embed(TOKENS[:4], W["token_embd.weight"], 0, CFG.vocab_size)
     kv = KVCache(CFG.n_kv_head, CFG.head_dim)
-    qwen2.forward_range(CFG, x, 1, 3, load, kv, np.arange(4), release)
+    forward_range(MODEL, x, 1, 3, load, kv, np.arange(4), release)
     assert log == [(l, p) for l in (1, 2) for p in qwen2.PHASES]
     assert not resident
 
@@ -246,7 +248,7 @@ def test_decode_with_kv_cache_equals_full_recompute():
 
     def step(toks, start):
         x = qwen2.embed(toks, emb, 0, CFG.vocab_size)
-        h = qwen2.forward_range(CFG, x, 0, CFG.n_layer, load_from(W), kv, np.arange(start, start + len(toks)))
+        h = forward_range(MODEL, x, 0, CFG.n_layer, load_from(W), kv, np.arange(start, start + len(toks)))
         return qwen2.lm_head(qwen2.output_norm(CFG, h[-1:], W["output_norm.weight"]), head)[0]
 
     got = [step(TOKENS[:4], 0)] + [step(TOKENS[i:i + 1], i) for i in range(4, len(TOKENS))]
@@ -308,15 +310,15 @@ def test_kvcache_nbytes_counts_every_array_as_it_grows():
 
 
 def test_tied_head_falls_back_to_token_embd(numpy_matmul):
-    assert qwen2.head_tensor_name(lambda n: False) == "token_embd.weight"
-    assert qwen2.head_tensor_name(lambda n: n == "output.weight") == "output.weight"
+    assert MODEL.head_tensor(lambda n: False) == "token_embd.weight"
+    assert MODEL.head_tensor(lambda n: n == "output.weight") == "output.weight"
     ws = to_qtensors(tiny_weights(tied=True))
     assert "output.weight" not in ws
     logits = run_model(TOKENS[:3], ws)
     # The head is token_embd itself: a token's own embedding row scores it.
     x = qwen2.embed(TOKENS[:3], ws["token_embd.weight"], 0, CFG.vocab_size)
     kv = KVCache(CFG.n_kv_head, CFG.head_dim)
-    hid = qwen2.output_norm(CFG, qwen2.forward_range(CFG, x, 0, 3, load_from(ws), kv, np.arange(3)),
+    hid = qwen2.output_norm(CFG, forward_range(MODEL, x, 0, 3, load_from(ws), kv, np.arange(3)),
                             ws["output_norm.weight"])
     np.testing.assert_allclose(logits, hid @ ws["token_embd.weight"].dequantize().T, rtol=1e-5, atol=1e-4)
 

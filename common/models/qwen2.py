@@ -1,10 +1,10 @@
-"""Qwen2 math: config, the four phases of a layer, vocabulary-slice embedding and LM head.
+"""Qwen2: config, tensor names, the four phases of a layer, vocabulary-slice embedding and LM head.
 
 Pure numpy, float32 throughout. Every weight product goes through common.matmul.matmul
 (y = x @ W.T for a quantized W), so a faster kernel can replace it without touching this file.
 
 A layer runs as four phases so a station can hold one phase of one layer at a time
-(seed section 2, the fluid-memory invariant):
+(seed section 2, the fluid-memory invariant); common/layers.py runs them in order:
     attn      attn_norm, q/k/v (+ biases), RoPE, causal GQA, o, residual
     ffn_gate  ffn_norm, silu(gate)            -> FfnState (gate weights may then be evicted)
     ffn_up    act *= up(xn)                   -> FfnState
@@ -17,14 +17,14 @@ docs/fidelity.md measures why (it brings us no closer to llama.cpp's logits).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from common.kvcache import KVCache
 from common.matmul import matmul
+from common.models.base import MissingTensorError, Model, PhaseWeights, Sequences
 from common.quant import QTensor
 
 PHASES = ("attn", "ffn_gate", "ffn_up", "ffn_down")
@@ -44,20 +44,9 @@ _PHASE_SUFFIXES = {
     "ffn_down": ("ffn_down.weight",),
 }
 
-TOKEN_EMBD = "token_embd.weight"
-OUTPUT_NORM = "output_norm.weight"
-OUTPUT = "output.weight"
-
-
-class MissingTensorError(KeyError):
-    """A phase was run without one of its tensors (seed section 8: never skip silently)."""
-
-    def __init__(self, phase: str, layer: int, tensor: str):
-        self.phase, self.layer, self.tensor = phase, layer, tensor
-        super().__init__(f"phase {phase} of layer {layer}: missing tensor {tensor}")
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.args[0]
+# The small 1-D tensors every forward reads (norm weights, biases): whoever holds the layers keeps
+# them for life, and streams only the matrices.
+_RESIDENT_SUFFIXES = frozenset({"attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_norm.weight"})
 
 
 @dataclass(frozen=True)
@@ -101,11 +90,6 @@ def phase_tensors(layer: int, phase: str) -> list[str]:
     if phase not in _PHASE_SUFFIXES:
         raise ValueError(f"unknown phase {phase!r}, expected one of {PHASES}")
     return [f"blk.{layer}.{s}" for s in _PHASE_SUFFIXES[phase]]
-
-
-def head_tensor_name(has_tensor: Callable[[str], bool]) -> str:
-    """Tensor of the LM head. There may be no output.weight: then the head is tied to token_embd."""
-    return OUTPUT if has_tensor(OUTPUT) else TOKEN_EMBD
 
 
 def _take(w: Mapping[str, QTensor], layer: int, phase: str) -> list[QTensor]:
@@ -284,46 +268,6 @@ def ffn_down_phase(cfg: Qwen2Config, layer: int, st: FfnState,
     return st.residual + matmul(st.act, wd)                     # (T, ffn_dim) @ Wd.T -> (T, dim)
 
 
-LoadPhase = Callable[[int, str], Mapping[str, QTensor]]
-Release = Callable[[list[str]], None]
-
-
-@contextmanager
-def _phase(load_phase: LoadPhase, release: Release | None, layer: int, phase: str):
-    w = load_phase(layer, phase)
-    try:
-        yield w
-    finally:
-        if release is not None:
-            release(phase_tensors(layer, phase))
-
-
-def forward_range(cfg: Qwen2Config, x: np.ndarray, layer_start: int, layer_end: int,
-                  load_phase: LoadPhase, kv: KVCache, positions: Sequence[int],
-                  release: Release | None = None) -> np.ndarray:
-    """Run layers [layer_start, layer_end) over one chunk: x (T, dim) -> (T, dim) f32.
-
-    For each layer and phase: w = load_phase(layer, phase); run; release(phase_tensors(...)).
-    The caller decides what load and release mean (range fetch + evict on a station,
-    dict lookups in a resident engine), so at most one phase is ever needed at a time.
-    kv is the sequence's KVCache; positions (T,) are the absolute positions of x's rows.
-    """
-    if not 0 <= layer_start <= layer_end <= cfg.n_layer:
-        raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {cfg.n_layer})")
-    positions = np.asarray(positions, dtype=np.int64)
-    h = np.ascontiguousarray(x, dtype=np.float32)
-    for l in range(layer_start, layer_end):
-        with _phase(load_phase, release, l, "attn") as w:
-            h = attn_phase(cfg, l, h, w, kv, positions)
-        with _phase(load_phase, release, l, "ffn_gate") as w:
-            st = ffn_gate_phase(cfg, l, h, w)
-        with _phase(load_phase, release, l, "ffn_up") as w:     # gate is already released
-            st = ffn_up_phase(cfg, l, st, w)
-        with _phase(load_phase, release, l, "ffn_down") as w:
-            h = ffn_down_phase(cfg, l, st, w)
-    return h
-
-
 # ---------------------------------------------------------------------------- vocab slices
 
 def embed(tokens: Sequence[int] | np.ndarray, token_embd_rows: QTensor,
@@ -357,3 +301,46 @@ def lm_head(h: np.ndarray, output_rows: QTensor) -> np.ndarray:
     Concatenating the slices in vocabulary order gives the full head.
     """
     return matmul(h, output_rows)                               # (T, dim) @ W.T -> (T, n_rows)
+
+
+# ---------------------------------------------------------------------------- the registry's entry
+
+class Qwen2(Model):
+    architecture = "qwen2"
+    phases = PHASES
+    cfg: Qwen2Config
+
+    @classmethod
+    def from_hparams(cls, hparams: Mapping) -> "Qwen2":
+        return cls(Qwen2Config.from_hparams(hparams))
+
+    def phase_tensors(self, layer: int, phase: str) -> list[str]:
+        return phase_tensors(layer, phase)
+
+    def is_resident(self, name: str) -> bool:
+        return name == self.OUTPUT_NORM or (name.startswith("blk.") and name.split(".", 2)[-1] in _RESIDENT_SUFFIXES)
+
+    def activation_bytes(self, T: int, S: int) -> int:
+        # x, the normed x, q/k/v and the attention output, the (n_head, T, S) scores, gate/up/act of the FFN.
+        c = self.cfg
+        return 4 * T * (4 * c.dim + 3 * c.ffn_dim + c.n_head * S)
+
+    def run_phase(self, layer: int, phase: str, state, w: PhaseWeights, seqs: Sequences):
+        if phase == "attn":
+            return attn_phase_batch(self.cfg, layer, state, w, seqs)
+        if phase == "ffn_gate":
+            return ffn_gate_phase(self.cfg, layer, state, w)
+        if phase == "ffn_up":
+            return ffn_up_phase(self.cfg, layer, state, w)
+        if phase == "ffn_down":
+            return ffn_down_phase(self.cfg, layer, state, w)
+        raise ValueError(f"unknown phase {phase!r}, expected one of {PHASES}")
+
+    def embed(self, tokens, rows: QTensor, vocab_start: int, vocab_end: int) -> np.ndarray:
+        return embed(tokens, rows, vocab_start, vocab_end)
+
+    def final_norm(self, h: np.ndarray, norm_w: QTensor) -> np.ndarray:
+        return output_norm(self.cfg, h, norm_w)
+
+    def lm_head(self, h: np.ndarray, rows: QTensor) -> np.ndarray:
+        return lm_head(h, rows)

@@ -1,0 +1,74 @@
+"""The layer loop: layers [layer_start, layer_end) as (layer, phase) steps, written once.
+
+Every runner goes through run_layers(): a station (weights from its warden or R2, kept or evicted
+by its memory policy), the single process (deploy/engine_local.py, resident weights), and so the
+in-process test cluster, whose stations are the real handlers. Per step:
+
+    w = weights.load(layer, phase)        # a mapping name -> QTensor, or an awaitable of one
+    state = model.run_phase(layer, phase, state, w, seqs)
+    weights.done(layer, phase, w)         # evict, keep or release; also when the phase failed
+
+so at most one phase's weights are needed at a time (seed section 2, the fluid-memory invariant).
+A batch of sequences runs as one: x holds their rows back to back, seqs[i] = (kv_i, positions_i).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Awaitable, Callable, Protocol, Sequence
+
+import numpy as np
+
+from common.kvcache import KVCache
+from common.models import Model, PhaseWeights, Sequences
+from common.sync import run_sync
+
+
+class Weights(Protocol):
+    def load(self, layer: int, phase: str) -> PhaseWeights | Awaitable[PhaseWeights]: ...
+
+    def done(self, layer: int, phase: str, w: PhaseWeights) -> None: ...
+
+
+def steps(model: Model, layer_start: int, layer_end: int) -> list[tuple[int, str]]:
+    """The (layer, phase) sequence of layers [layer_start, layer_end)."""
+    if not 0 <= layer_start <= layer_end <= model.cfg.n_layer:
+        raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {model.cfg.n_layer})")
+    return [(layer, phase) for layer in range(layer_start, layer_end) for phase in model.phases]
+
+
+async def run_layers(model: Model, x: np.ndarray, layer_start: int, layer_end: int, seqs: Sequences,
+                     weights: Weights) -> np.ndarray:
+    """x (N, dim) -> (N, dim) f32 after layers [layer_start, layer_end); appends to every KV cache in seqs."""
+    state = np.ascontiguousarray(x, dtype=np.float32)
+    for layer, phase in steps(model, layer_start, layer_end):
+        w = weights.load(layer, phase)
+        if inspect.isawaitable(w):
+            w = await w
+        try:
+            state = model.run_phase(layer, phase, state, w, seqs)
+        finally:
+            weights.done(layer, phase, w)
+        del w  # the next phase loads with this one's weights already let go
+    return state
+
+
+class _Functions:
+    """Weights from plain functions: load_phase(layer, phase) -> mapping; release(names) after each phase."""
+
+    def __init__(self, model: Model, load_phase: Callable[[int, str], PhaseWeights],
+                 release: Callable[[list[str]], None] | None):
+        self.model, self.load, self.release = model, load_phase, release
+
+    def done(self, layer: int, phase: str, w: PhaseWeights) -> None:
+        if self.release is not None:
+            self.release(self.model.phase_tensors(layer, phase))
+
+
+def forward_range(model: Model, x: np.ndarray, layer_start: int, layer_end: int,
+                  load_phase: Callable[[int, str], PhaseWeights], kv: KVCache, positions: Sequence[int],
+                  release: Callable[[list[str]], None] | None = None) -> np.ndarray:
+    """One sequence through layers [layer_start, layer_end) with weights at hand: x (T, dim) -> (T, dim) f32.
+
+    positions (T,) are the absolute positions of x's rows; kv is the sequence's cache."""
+    seqs = [(kv, np.asarray(positions, dtype=np.int64))]
+    return run_sync(run_layers(model, x, layer_start, layer_end, seqs, _Functions(model, load_phase, release)))

@@ -1,0 +1,19 @@
+"""Typed calls to a shard's CobordismWarden (services/cobordism_warden/warden.py)."""
+from __future__ import annotations
+
+from common import wire
+from services.cobordism_warden.warden import FIELDS
+from services.warden_base import WardenClient
+
+
+class CobordismWardenClient(WardenClient):
+    """CobordismWardenClient(namespace, knot_key, vocab_start, vocab_end)."""
+
+    FIELDS = FIELDS
+    URL = "https://cobordism-warden"
+
+    async def rows(self, rows: list[int]) -> list[wire.TensorFrame]:
+        """One-row frames of the embedding (row_start = the row id), one per distinct row. Raises HttpError
+        or TimeoutError when the warden fails or answers non-2xx, wire.WireError when its batch does not decode."""
+        resp = await self._post("/tensors", wire.ROWS_CONTENT_TYPE, wire.encode_rows(rows))
+        return wire.decode_batch(resp.body)

@@ -1,0 +1,55 @@
+"""Calls to a peer over its binding (a service binding or a Durable Object stub): one request shape,
+one timeout, one error mapping. The typed clients next to each server use these.
+
+A peer's failure is never the caller's client's fault: a non-2xx reply becomes PeerError, a 502
+that keeps the peer's status and error kind (so a station's UnknownSession can be told apart).
+An unreachable peer raises what its binding raises (ServiceUnavailable) or TimeoutError.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from common import wire
+from common.runtime import BadGateway, Request, Response
+
+PEER_URL = "https://peer"  # a binding routes by itself: only the path is read
+
+
+class PeerError(BadGateway):
+    def __init__(self, path: str, status: int, error: str, message: str):
+        # status is the class's (502): the peer's own reply is kept beside it
+        self.path, self.peer_status, self.peer_error, self.peer_message = path, status, error, message
+        super().__init__(f"{path}: HTTP {status}: {message}")
+
+    @classmethod
+    def of(cls, path: str, resp: Response) -> "PeerError":
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            body = {"message": resp.body[:200].decode("utf-8", "replace")}
+        return cls(path, resp.status, str(body.get("error", "")), str(body.get("message", "")))
+
+
+async def call(binding: Any, request: Request, timeout_s: float | None) -> Response:
+    """The peer's 2xx reply; PeerError for any other status. timeout_s None: no timeout."""
+    resp = await asyncio.wait_for(binding.fetch(request), timeout_s)
+    if not resp.ok:
+        raise PeerError.of(request.path, resp)
+    return resp
+
+
+async def post_envelope(binding: Any, path: str, frame: wire.Envelope, timeout_s: float) -> wire.Envelope:
+    req = Request("POST", PEER_URL + path, {"Content-Type": wire.ENVELOPE_CONTENT_TYPE}, wire.encode_envelope(frame))
+    resp = await call(binding, req, timeout_s)
+    try:
+        return wire.decode_envelope(resp.body)
+    except wire.WireError as e:
+        raise BadGateway(f"{path}: malformed reply: {e}") from None
+
+
+async def get_json(binding: Any, path: str, timeout_s: float | None) -> Any:
+    """GET path -> its JSON body (ValueError if it is not JSON)."""
+    return (await call(binding, Request("GET", PEER_URL + path), timeout_s)).json()

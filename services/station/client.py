@@ -1,0 +1,34 @@
+"""Typed calls to a layer station (services/station/handler.py): what the coordinator sends it."""
+from __future__ import annotations
+
+from typing import Any
+
+from common import wire
+from common.runtime import Request
+from services.peer import PEER_URL, PeerError, call, get_json, post_envelope
+
+
+class SessionLost(Exception):
+    """A station no longer holds the request's KV cache: replay from position 0."""
+
+
+class StationClient:
+    def __init__(self, binding: Any, timeout_s: float):
+        self.binding, self.timeout_s = binding, timeout_s
+
+    async def forward(self, frame: wire.Envelope) -> wire.Envelope:
+        """A prefill or decode frame through the station's layers; SessionLost when it answers UnknownSession."""
+        try:
+            return await post_envelope(self.binding, "/forward", frame, self.timeout_s)
+        except PeerError as e:
+            if e.peer_status == 409 and e.peer_error == "UnknownSession":
+                raise SessionLost(e.peer_message or "unknown session") from None
+            raise
+
+    async def release(self, request_id: str) -> bool:
+        """Drop the request's KV cache; whether the station held one."""
+        resp = await call(self.binding, Request("POST", f"{PEER_URL}/release/{request_id}"), self.timeout_s)
+        return bool(resp.json().get("released"))
+
+    async def stats(self, timeout_s: float | None = None) -> dict:
+        return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)

@@ -1,0 +1,119 @@
+"""A station's memory policy (seed section 2, fluid memory): what it holds, what it evicts, and the
+accounting that keeps the total within MEMORY_BUDGET_BYTES.
+
+    resident     the small tensors of its layers (norms, biases; output_norm on exit), for life
+    kept         phase tensors kept between forwards while the budget has room
+    KV caches    the sessions' (owned by the station, counted here through kv_bytes())
+    activations  the phase's float32 temporaries (model.activation_bytes(T, S))
+    the tile     matmul's dequantization tile
+
+Per phase: acquire() takes the phase's tensors from resident, then kept, and makes room before
+loading the rest; evict_or_keep() afterwards keeps what still fits beside everything else.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable, Mapping, Protocol
+
+from common.lru import ByteLRU
+from common.matmul import DEFAULT_TILE_BYTES
+from common.quant import QTensor
+
+log = logging.getLogger(__name__)
+
+
+class TensorSource(Protocol):
+    """Where the tensors come from (services/station/tensors.py: the warden, then R2)."""
+
+    def names(self, layer: int, phase: str) -> list[str]: ...
+
+    def nbytes(self, name: str) -> int: ...
+
+    def load(self, names: list[str]) -> Awaitable[dict[str, QTensor]]: ...
+
+
+class StationMemory:
+    def __init__(self, budget_bytes: int, activation_bytes: Callable[[int, int], int],
+                 kv_bytes: Callable[[], int]):
+        self.budget_bytes = budget_bytes
+        self.activation_bytes = activation_bytes  # (T new rows, S positions attended) -> bytes
+        self.kv_bytes = kv_bytes
+        self.resident: dict[str, QTensor] = {}
+        self.resident_bytes = 0  # fixed after boot; summed once, not per phase
+        self.kept: ByteLRU[str, QTensor] = ByteLRU(budget_bytes)
+        self.peak_accounted_bytes = 0
+
+    def hold(self, resident: Mapping[str, QTensor]) -> None:
+        """The resident set, held for the station's life."""
+        self.resident = dict(resident)
+        self.resident_bytes = sum(t.nbytes for t in self.resident.values())
+
+    def fixed_bytes(self, T: int, S: int) -> int:
+        """Everything a phase needs besides its own tensors and the kept ones."""
+        return self.resident_bytes + self.kv_bytes() + self.activation_bytes(T, S) + DEFAULT_TILE_BYTES
+
+    def account(self, phase_bytes: int, T: int, S: int) -> int:
+        """The bytes held while a phase runs with phase_bytes of freshly loaded tensors; tracks the peak."""
+        total = self.kept.bytes_used + phase_bytes + self.fixed_bytes(T, S)
+        self.peak_accounted_bytes = max(self.peak_accounted_bytes, total)
+        return total
+
+    def make_room(self, need_bytes: int, T: int, S: int, protect: set[str]) -> None:
+        """Before a phase runs: evict kept tensors, most recently used first (never the phase's own,
+        `protect`), until the phase's new tensors (need_bytes) and its activations fit the budget.
+        Runs even when nothing is loaded: a long prefill needs room that a decode step did not.
+
+        Why most recently used: a station reads its layers in the same cyclic order every forward,
+        and under a cyclic scan LRU evicts exactly the tensor needed next, so a budget one tensor
+        short of the whole range would hit nothing. Evicting the newest keeps the first layers that
+        fit and streams the rest: the fewest bytes from the warden per forward (Belady's choice)."""
+        limit = self.budget_bytes - self.fixed_bytes(T, S) - need_bytes
+        if self.kept.bytes_used <= limit:
+            return
+        for name in reversed(list(self.kept.keys())):  # most recently used first
+            if self.kept.bytes_used <= limit:
+                break
+            if name not in protect:
+                self.kept.pop(name)
+        if self.kept.bytes_used > max(limit, 0):
+            log.warning("phase needs %d new bytes; %d fixed + %d kept exceed the %d-byte budget",
+                        need_bytes, self.fixed_bytes(T, S), self.kept.bytes_used, self.budget_bytes)
+
+    async def acquire(self, names: list[str], T: int, S: int, source: TensorSource) -> dict[str, QTensor]:
+        """The phase's tensors: resident, then kept (a hit refreshes it), then loaded from source
+        once make_room has made room for them."""
+        w = {n: self.resident[n] for n in names if n in self.resident}
+        for n in names:
+            if n not in w:
+                t = self.kept.get(n)
+                if t is not None:
+                    w[n] = t
+        need = [n for n in names if n not in w]
+        self.make_room(sum(source.nbytes(n) for n in need), T, S, protect=set(names))
+        if need:
+            w.update(await source.load(need))
+        self.account(sum(w[n].nbytes for n in need), T, S)
+        return w
+
+    def evict_or_keep(self, w: Mapping[str, QTensor], T: int, S: int) -> None:
+        """After a phase: keep its loaded tensors only if they fit beside everything else."""
+        room = self.budget_bytes - self.fixed_bytes(T, S)
+        for name, t in w.items():
+            if name in self.resident or name in self.kept:
+                continue
+            if t.nbytes <= room - self.kept.bytes_used:
+                # A copy: a tensor from a warden batch is a view that pins the whole batch buffer.
+                self.kept.put(name, QTensor(t.name, t.ggml_type, t.shape, t.data.copy()), t.nbytes)
+
+
+class ForwardWeights:
+    """The layer loop's weights (common.layers.Weights) for one forward of T rows attending to S positions."""
+
+    def __init__(self, memory: StationMemory, source: TensorSource, T: int, S: int):
+        self.memory, self.source, self.T, self.S = memory, source, T, S
+
+    async def load(self, layer: int, phase: str) -> dict[str, QTensor]:
+        return await self.memory.acquire(self.source.names(layer, phase), self.T, self.S, self.source)
+
+    def done(self, layer: int, phase: str, w: Mapping[str, QTensor]) -> None:
+        self.memory.evict_or_keep(w, self.T, self.S)
