@@ -77,7 +77,8 @@ class LocalEngine:
     # ------------------------------------------------------------------ weights
 
     def _matmul_weight_names(self) -> list[str]:
-        names = [n for l in range(self.cfg.n_layer) for n in self.arch.layer_tensors(l) if not self.arch.is_resident(n)]
+        names = [n for l in range(self.cfg.n_layer) for n in self.arch.layer_tensors(l)
+                 if not self.arch.is_resident(n)]
         return names + [self.head_name]
 
     def matmul_weights_f32_bytes(self) -> int:

@@ -8,11 +8,13 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
+from common.models import ARCHITECTURES
 from common.quant import QUANT_TYPES, type_name
 
-# Architectures whose GGUF key layout this importer knows. qwen2 is the engine's target;
-# llama (tinyllama and kin) shares the key names and encodes the same way.
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+# Architectures whose GGUF key layout this importer knows: every one the model registry runs
+# (common/models/), and llama (tinyllama and kin), which shares the key names and is encoded
+# (for the format's tests) although no engine here runs it.
+SUPPORTED_ARCHITECTURES = tuple(sorted({*ARCHITECTURES, "llama"}))
 
 # knot hparam name -> GGUF key suffix after "{arch}."
 HPARAM_GGUF_KEYS = {

@@ -41,4 +41,5 @@ def model_for(header: HasArchitecture) -> Model:
     return cls.from_hparams(header.hparams)
 
 
-__all__ = ["ARCHITECTURES", "MissingTensorError", "Model", "ModelConfig", "PhaseWeights", "Sequences", "UnknownArchitecture", "model_for"]
+__all__ = ["ARCHITECTURES", "MissingTensorError", "Model", "ModelConfig", "PhaseWeights", "Sequences",
+           "UnknownArchitecture", "model_for"]

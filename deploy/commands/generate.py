@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable); TEXT is not printed")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (prompt ids, generated ids, text, timings) instead of streaming")
+                   help="print one JSON object (prompt ids, generated ids, text, finish_reason \"stop\" or "
+                        "\"length\" as in the OpenAI API, timings) instead of streaming")
     p.add_argument("--stats", action="store_true", help="print prefill and decode tok/s to stderr")
     p.add_argument("--no-weight-cache", action="store_true",
                    help="do not keep float32 copies of the weights (slower, less memory)")

@@ -31,7 +31,8 @@ from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.params import GenerateRequest
-from services.coordinator.pipeline import Hops, Pipeline, SessionLost
+from services.coordinator.pipeline import Hops, Pipeline
+from services.station.client import SessionLost
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,6 @@ from services.station.client import SessionLost, StationClient
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Degradation", "Hops", "Pipeline", "SessionLost"]
-
 
 @dataclass
 class Hops:
@@ -59,7 +57,8 @@ class Degradation:
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
                  shard_timeout_s: float, station_timeout_s: float, station_retry_s: float = 60.0):
-        """stations: service bindings, entry first; shards: (spec, binding), sorted by vocab_start, tiling [0, vocab)."""
+        """stations: service bindings, entry first; shards: (spec, binding) sorted by vocab_start,
+        tiling [0, vocab). Each binding is called through its typed client."""
         self.stations = [StationClient(b, station_timeout_s) for b in stations]
         self.shards = [(spec, ShardClient(b, shard_timeout_s)) for spec, b in shards]
         self.dim, self.vocab_size = dim, vocab_size
@@ -70,7 +69,7 @@ class Pipeline:
         """tokens (T,) -> (T, dim): sum of the partial embeddings of the shards that own a token."""
         ids = np.asarray(tokens, dtype=np.int32)
         frame = wire.Envelope(rid, "embed", position, position + len(tokens), ids)
-        owners = [(s, b) for s, b in self.shards if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
+        owners = [(s, c) for s, c in self.shards if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
         t0 = time.perf_counter()
         results = await asyncio.gather(*(shard.embed(frame) for _, shard in owners), return_exceptions=True)
         hops.add("embed", t0)

@@ -88,7 +88,7 @@ def test_the_resident_rule_is_the_one_each_holder_wrote(tiny_knot):
     model = model_for(header)
     names = list(header.tensors)
     layer_names = [n for l in range(model.cfg.n_layer) for n in model.layer_tensors(l)]
-    assert sorted(layer_names) == sorted(n for n in names if n.startswith("blk.")), "the phases read every layer tensor once"
+    assert sorted(layer_names) == sorted(n for n in names if n.startswith("blk.")), "each layer tensor, once"
     for n in layer_names:
         assert model.is_resident(n) == (n.endswith(".bias") or "norm" in n), n
     assert model.is_resident(model.OUTPUT_NORM) and not model.is_resident(model.TOKEN_EMBD)
