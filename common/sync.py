@@ -18,13 +18,16 @@ class WouldSuspend(RuntimeError):
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """The coroutine's result; WouldSuspend if it awaits anything that is not ready."""
+    """The coroutine's result; WouldSuspend if it awaits anything that is not ready (raised inside
+    it first, so its own cleanup runs)."""
     try:
-        yielded = coro.send(None)
+        coro.send(None)
     except StopIteration as done:
         return done.value
-    coro.close()
-    raise WouldSuspend(f"{coro.__qualname__} awaited {yielded!r}: run it in an event loop instead")
+    what = getattr(coro, "__qualname__", type(coro).__name__)
+    coro.throw(WouldSuspend(f"{what} awaited what only an event loop can finish: run it in one instead"))
+    coro.close()  # it caught the error and awaited again
+    raise WouldSuspend(f"{what} suspended twice")
 
 
 def iterate_sync(agen: AsyncIterator[T]) -> Iterator[T]:

@@ -47,7 +47,8 @@ class ModelConfig(Protocol):
 class Model(ABC):
     architecture: ClassVar[str]        # the knot header's "architecture"
     phases: ClassVar[tuple[str, ...]]  # the steps of one layer, in the order they run
-    # GGUF names of the tensors outside the layers.
+    # GGUF names of the tensors outside the layers: llama.cpp writes these for every architecture
+    # (an architecture that differs overrides them).
     TOKEN_EMBD: ClassVar[str] = "token_embd.weight"
     OUTPUT_NORM: ClassVar[str] = "output_norm.weight"
     OUTPUT: ClassVar[str] = "output.weight"

@@ -13,7 +13,7 @@ from common import layers
 from common.kvcache import KVCache
 from common.models import MissingTensorError, model_for
 from common.models.qwen2 import Qwen2, attn_phase_batch, ffn_down_phase, ffn_gate_phase, ffn_up_phase
-from common.sync import WouldSuspend, run_sync
+from common.sync import WouldSuspend, iterate_sync, run_sync
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
 
@@ -133,8 +133,25 @@ def test_done_runs_for_a_failed_phase_and_the_range_is_checked(engine):
 
 def test_run_sync_refuses_code_that_needs_an_event_loop(engine):
     x, seqs = batch(engine, [(0, 1)])
+    w = AsyncWeights(engine)
     with pytest.raises(WouldSuspend, match="run_layers"):
-        run_sync(layers.run_layers(engine.arch, x, 0, 1, seqs, AsyncWeights(engine)))
+        run_sync(layers.run_layers(engine.arch, x, 0, 1, seqs, w))
+    assert w.log == [], "it stopped at the first await that suspended, inside the first load"
+    cleaned = []
+
+    async def items():
+        try:
+            yield 1
+            await asyncio.sleep(0)
+            yield 2
+        finally:
+            cleaned.append(True)
+
+    got = []
+    with pytest.raises(WouldSuspend):
+        for item in iterate_sync(items()):
+            got.append(item)
+    assert got == [1] and cleaned == [True], "the generator's own cleanup ran"
 
 
 async def test_every_runner_runs_its_phases_through_the_loop(tiny_knot, tmp_path, engine, monkeypatch):
