@@ -4,10 +4,12 @@ Pure functions, tested by exact equality.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-ROLES = ("entry", "middle", "exit", "solo")
+from common.settings import TABLE, default_text
+
+ROLES = TABLE["SPECIALIZATION_ROLE"].choices  # entry, middle, exit, solo
 
 
 class TopologyError(ValueError):
@@ -110,3 +112,132 @@ def parse_range(text: str, what: str = "range") -> tuple[int, int]:
             except ValueError:
                 break
     raise TopologyError(f"{what} {text!r}: expected START-END with integers, END exclusive")
+
+
+# ---------------------------------------------------------------- the cluster layout
+# One object, built from the model's dimensions and the counts of stations and shards, from which
+# every deployment file is written: docker-compose.yml (deploy/compose_file.py), the launcher's
+# processes (deploy/launcher.py) and, later, the wrangler configs. Plain data: a writer renders a
+# service's role, vars, bindings and dependencies in its own terms.
+
+SERVICE_ROLES = ("bucket", "kv", "init", "layer_warden", "cobordism_warden", "station", "shard", "coordinator")
+BINDING_KINDS = ("bucket", "kv", "durable_object", "service")
+CONDITIONS = ("started", "healthy", "completed")  # what a dependency must have reached first
+BUCKET_NAME = "knots"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A value the deployer may override at deploy time (compose: ${NAME:-default}).
+
+    NAME is declared in common/settings.py; default None: the table's default for "compose"."""
+
+    name: str
+    default: str | None = None
+
+
+@dataclass(frozen=True)
+class Binding:
+    name: str  # what the handler reads from env, e.g. "LAYER_WARDEN"
+    kind: str  # one of BINDING_KINDS
+    service: str  # the service behind it: the store (bucket, kv), the Durable Object's host, the peer
+    resource: str = ""  # the bucket's name, the KV namespace or the Durable Object class
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str  # e.g. "station-1"
+    role: str  # one of SERVICE_ROLES
+    module: str | None  # the handler module (KNOT_SERVICE); None for stores and the init job
+    vars: dict  # name -> str | Knob: the handler's plain vars
+    bindings: tuple[Binding, ...] = ()
+    durable_objects: tuple[str, ...] = ()  # Durable Object classes this service hosts
+    depends_on: dict = field(default_factory=dict)  # service -> one of CONDITIONS
+    public: bool = False  # the one service with a public address
+
+    @property
+    def is_worker(self) -> bool:
+        return self.module is not None
+
+
+def _dims(model) -> tuple[int, int]:
+    """(n_layers, vocab_size) from hparams (block_count, vocab_size) or a config object."""
+    if isinstance(model, dict):
+        return int(model["block_count"]), int(model["vocab_size"])
+    for layers in ("n_layer", "n_layers", "block_count"):
+        if hasattr(model, layers):
+            return int(getattr(model, layers)), int(model.vocab_size)
+    raise TypeError(f"{type(model).__name__}: need hparams or a config with n_layer and vocab_size")
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    n_layers: int
+    vocab_size: int
+    stations: tuple[StationSpec, ...]
+    shards: tuple[ShardSpec, ...]
+    services: tuple[Service, ...]  # in start order: a service after everything it depends on
+
+    @classmethod
+    def build(cls, model, n_stations: int = 2, n_shards: int = 8, *, knot_key: str = "model.knot",
+              model_source: str = "") -> "ClusterLayout":
+        """The cluster for a model (hparams or config) split over n_stations and n_shards.
+
+        knot_key: the object key of its .knot; model_source: what the init job fetches (a name or path).
+        TopologyError when the counts do not fit the model (1 <= stations <= layers, 1 <= shards <= vocab)."""
+        n_layers, vocab = _dims(model)
+        stations = tuple(split_layers(n_layers, n_stations))
+        shards = tuple(split_vocab(vocab, n_shards))
+        key = Knob("KNOT_KEY", knot_key)
+        bucket = Binding("KNOT_BUCKET", "bucket", "minio", BUCKET_NAME)
+        layer_ns = Binding("LAYER_WARDEN", "durable_object", "layer-warden", "LayerWarden")
+        row_ns = Binding("COBORDISM_WARDEN", "durable_object", "cobordism-warden", "CobordismWarden")
+        def dflt(name: str, reader: str) -> str:  # the table's default, written out as today's files do
+            return default_text(name, reader)
+
+        services = [
+            Service("minio", "bucket", None, {}),
+            Service("redis", "kv", None, {}),
+            Service("init", "init", None, {"KNOT_MODEL": Knob("KNOT_MODEL", model_source), "KNOT_KEY": key},
+                    (bucket,), depends_on={"minio": "healthy"}),
+            Service("layer-warden", "layer_warden", "services.layer_warden",
+                    {"MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "layer_warden")}, (bucket, layer_ns), ("LayerWarden",),
+                    {"init": "completed"}),
+            Service("cobordism-warden", "cobordism_warden", "services.cobordism_warden",
+                    {"MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "cobordism_warden")},
+                    (bucket, Binding("EMBED_CACHE", "kv", "redis", "embed-cache"), row_ns), ("CobordismWarden",),
+                    {"init": "completed", "redis": "healthy"}),
+        ]
+        for s in stations:
+            services.append(Service(f"station-{s.index}", "station", "services.station", {
+                "KNOT_KEY": key, "SPECIALIZATION_START_LAYER": str(s.layer_start),
+                "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
+                "MEMORY_BUDGET_BYTES": Knob("STATION_MEMORY_BUDGET_BYTES"), "SESSION_TTL_S": dflt("SESSION_TTL_S", "station"),
+                "MAX_BATCH": dflt("MAX_BATCH", "station")}, (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
+        for s in shards:
+            services.append(Service(f"shard-{s.index}", "shard", "services.shard", {
+                "KNOT_KEY": key, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
+                "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "shard"),
+                "ROW_CACHE_BYTES": dflt("ROW_CACHE_BYTES", "shard")},
+                (bucket, row_ns), depends_on={"cobordism-warden": "healthy"}))
+        peers = [(f"STATION_{s.index}", f"station-{s.index}") for s in stations] + \
+                [(f"SHARD_{s.index}", f"shard-{s.index}") for s in shards]
+        services.append(Service("coordinator", "coordinator", "services.coordinator", {
+            "KNOT_KEY": key,
+            "STATIONS": ",".join(f"STATION_{s.index}" for s in stations),
+            "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
+            **{n: dflt(n, "coordinator") for n in ("SHARD_TIMEOUT_S", "STATION_TIMEOUT_S", "STATION_RETRY_S",
+                                                   "MAX_CONCURRENT_REQUESTS", "MAX_QUEUED_REQUESTS", "RETRY_AFTER_S")},
+            "MODEL_NAME": Knob("KNOT_MODEL_NAME")},
+            (bucket, *(Binding(b, "service", peer) for b, peer in peers)),
+            depends_on={peer: "healthy" for _, peer in peers}, public=True))
+        return cls(n_layers, vocab, stations, shards, tuple(services))
+
+    def service(self, name: str) -> Service:
+        for s in self.services:
+            if s.name == name:
+                return s
+        raise KeyError(f"no service {name!r} in the layout ({', '.join(s.name for s in self.services)})")
+
+    def by_role(self, role: str) -> list[Service]:
+        return [s for s in self.services if s.role == role]

@@ -20,6 +20,8 @@ COMMAND_MODULES = (
     "deploy.commands.generate",
     "deploy.commands.serve",
     "deploy.commands.cluster",
+    "deploy.commands.compose",
+    "deploy.commands.settings",
     "deploy.commands.bench",
     "deploy.commands.synth",
 )

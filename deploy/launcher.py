@@ -1,9 +1,11 @@
-"""`knot cluster up|down|status`: docker-compose.yml's services as local processes.
+"""`knot cluster up|down|status`: the cluster layout's services as local processes.
 
-The set of processes, their commands, environments and start order come from the compose file
-(deploy/local/compose.py): minio and redis become SeaweedFS and a Redis-protocol server
-(deploy/servers.py), the init service runs to completion (fetch, encode, upload), and every other
-service runs its command with its environment, "service:port" addresses rewritten to 127.0.0.1.
+The processes, their commands, environments and start order come from the ClusterLayout for the
+model and the counts of stations and shards, rendered exactly as docker-compose.yml is
+(deploy/compose_file.py, read back by deploy/local/compose.py): minio and redis become SeaweedFS
+and a Redis-protocol server (deploy/servers.py), the init service runs to completion (fetch,
+encode, upload), and every other service runs its command with its environment, "service:port"
+addresses rewritten to 127.0.0.1.
 
 Run directory (default .knot-run/, or KNOT_RUN_DIR):
     cluster.json         what is running: name, kind, pid, port, url, log
@@ -21,8 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
-from common.topology import split_vocab
-from deploy import servers
+from common import settings
+from common.topology import ClusterLayout
+from deploy import compose_file, servers
 from deploy.local import compose
 from deploy.local.probe import probe
 
@@ -51,42 +54,49 @@ class Running:
 
 
 def default_run_dir() -> Path:
-    return Path(os.environ.get("KNOT_RUN_DIR") or compose.REPO_ROOT / ".knot-run")
+    return Path(settings.read(os.environ, "KNOT_RUN_DIR", "launcher") or compose.REPO_ROOT / ".knot-run")
 
 
-COMPOSE_SHARDS = 8  # shard-0 .. shard-7 in docker-compose.yml
+@dataclass(frozen=True)
+class ModelChoice:
+    source: str  # what the init job fetches (KNOT_MODEL): a registered name or an absolute path
+    knot_key: str  # its object key: the name (or the file's stem) + ".knot"
+    hparams: dict  # block_count and vocab_size: all the layout needs
 
 
-def model_env(model: str | None, env: Mapping[str, str]) -> dict[str, str]:
-    """KNOT_MODEL / KNOT_KEY overrides for --model NAME|PATH (an explicit KNOT_KEY wins), and the
-    layer split of the stations (KNOT_N_LAYERS, KNOT_SPLIT_LAYER: half the layers)."""
+def choose_model(model: str | None, env: Mapping[str, str]) -> ModelChoice:
+    """--model NAME|PATH, else KNOT_MODEL, else the default model."""
     from deploy import models
 
-    name = model or env.get("KNOT_MODEL") or models.DEFAULT_MODEL
+    name = model or settings.read(env, "KNOT_MODEL", "launcher") or models.DEFAULT_MODEL
     p = Path(name).expanduser()
-    out = {}
-    if model:
-        out["KNOT_MODEL"] = str(p.resolve()) if p.exists() else model
-        if not env.get("KNOT_KEY"):
-            out["KNOT_KEY"] = (p.stem if p.exists() else model) + ".knot"
     if p.is_file():
         from deploy.knotfile import open_model
 
-        hparams = open_model(p).header.hparams
-        n_layers, vocab = int(hparams["block_count"]), int(hparams["vocab_size"])
-    elif name in models.MODELS:
-        n_layers, vocab = models.MODELS[name].block_count, models.MODELS[name].vocab_size
-    else:
-        raise LauncherError(f"--model {name}: neither a file nor a known model ({', '.join(models.MODELS)})")
-    if not env.get("KNOT_N_LAYERS"):
-        out["KNOT_N_LAYERS"] = str(n_layers)
-        out["KNOT_SPLIT_LAYER"] = str(n_layers // 2)
-    if not env.get("KNOT_VOCAB_SIZE"):
-        # the compose file's 8 shards tile [0, vocab): bounds vocab * i // 8 (common.topology.split_vocab)
-        shards = split_vocab(vocab, COMPOSE_SHARDS)
-        out["KNOT_VOCAB_SIZE"] = str(vocab)
-        out.update({f"KNOT_SHARD_BOUND_{s.index}": str(s.vocab_start) for s in shards[1:]})
-    return out
+        hp = open_model(p).header.hparams
+        return ModelChoice(str(p.resolve()), p.stem + ".knot", {"block_count": int(hp["block_count"]),
+                                                                "vocab_size": int(hp["vocab_size"])})
+    if name in models.MODELS:
+        spec = models.MODELS[name]
+        return ModelChoice(name, name + ".knot", {"block_count": spec.block_count, "vocab_size": spec.vocab_size})
+    raise LauncherError(f"--model {name}: neither a file nor a known model ({', '.join(models.MODELS)})")
+
+
+def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8) -> ClusterLayout:
+    """The cluster for a model; TopologyError (a clear message) when the counts do not fit it."""
+    return ClusterLayout.build(choice.hparams, n_stations, n_shards, knot_key=choice.knot_key,
+                               model_source=choice.source)
+
+
+def default_layout() -> ClusterLayout:
+    """The committed docker-compose.yml's: the default model on 2 stations and 8 shards."""
+    return layout_for(choose_model(None, {}))
+
+
+def plan(layout: ClusterLayout, env: Mapping[str, str]) -> list[compose.ServiceSpec]:
+    """The layout's services as processes to start, in dependency order: the compose file it renders,
+    with its ${VAR:-default} substituted from env (as docker compose does)."""
+    return compose.plan(compose.interpolate(compose_file.render(layout), env))
 
 
 def resolve_command(command: list[str]) -> list[str]:
@@ -102,8 +112,9 @@ def process_env(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, in
     env.update(compose.rewrite_addresses(spec.environment, addresses))
     if port is not None:
         env["PORT"], env["HOST"] = str(port), "127.0.0.1"
-    env["KNOT_SERVICE_NAME"] = env.get("KNOT_SERVICE_NAME") or spec.name
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(compose.REPO_ROOT), base_env.get("PYTHONPATH", "")) if p)
+    env["KNOT_SERVICE_NAME"] = settings.read(env, "KNOT_SERVICE_NAME", "host") or spec.name
+    path = settings.read(base_env, "PYTHONPATH", "launcher")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(compose.REPO_ROOT), path) if p)
     return env
 
 
@@ -142,9 +153,8 @@ def wait_ready(r: Running, url: str, timeout_s: float = READY_TIMEOUT_S) -> None
 
 
 class Cluster:
-    def __init__(self, run_dir: Path | None = None, compose_file: Path = compose.COMPOSE_FILE):
+    def __init__(self, run_dir: Path | None = None):
         self.run_dir = Path(run_dir or default_run_dir())
-        self.compose_file = compose_file
         self.state_path = self.run_dir / STATE_FILE
 
     # -------------------------------------------------------- state
@@ -154,17 +164,14 @@ class Cluster:
             return []
         return [Running(**r) for r in json.loads(self.state_path.read_text())["services"]]
 
-    def _save(self, running: list[Running]) -> None:
+    def _save(self, running: list[Running], layout: ClusterLayout) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"compose_file": str(self.compose_file),
+        tmp.write_text(json.dumps({"layout": {"stations": len(layout.stations), "shards": len(layout.shards)},
                                    "services": [asdict(r) for r in running]}, indent=2))
         os.replace(tmp, self.state_path)
 
     # -------------------------------------------------------- up
-
-    def plan(self, env: Mapping[str, str]) -> list[compose.ServiceSpec]:
-        return compose.plan(compose.load(self.compose_file, env))
 
     def allocate(self, specs: list[compose.ServiceSpec], base_port: int | None) -> dict[str, tuple[int, int]]:
         """service -> (container_port, local_port); published services keep their host port."""
@@ -179,22 +186,25 @@ class Cluster:
             out[s.name] = (s.container_port, local)
         return out
 
-    def up(self, model: str | None = None, base_port: int | None = None,
-           env: Mapping[str, str] | None = None) -> list[Running]:
+    def up(self, model: str | None = None, base_port: int | None = None, env: Mapping[str, str] | None = None,
+           n_stations: int = 2, n_shards: int = 8) -> list[Running]:
+        base_env = dict(os.environ if env is None else env)
+        choice = choose_model(model, base_env)
+        layout = layout_for(choice, n_stations, n_shards)  # before anything starts: counts that do not fit fail here
         alive = [r for r in self._load() if r.kind != "oneshot" and servers.pid_alive(r.pid)]
         if alive:
             raise LauncherError(f"cluster already up ({', '.join(f'{r.name}={r.pid}' for r in alive)}); "
                                 f"run `knot cluster down` first")
-        base_env = dict(os.environ if env is None else env)
-        base_env.update(model_env(model, base_env))
-        specs = self.plan(base_env)
+        if model:  # --model wins over KNOT_MODEL; an explicit KNOT_KEY still wins over the model's key
+            base_env["KNOT_MODEL"] = choice.source
+        specs = plan(layout, base_env)
         addresses = self.allocate(specs, base_port)
         running: list[Running] = []
         try:
             for spec in specs:
                 r = self._start(spec, addresses, base_env)
                 running.append(r)
-                self._save(running)
+                self._save(running, layout)
                 log.info("started %s (pid %d%s)", r.name, r.pid, f", port {r.port}" if r.port else "")
                 if spec.oneshot:
                     code = wait_exit(r.pid, ONESHOT_TIMEOUT_S)

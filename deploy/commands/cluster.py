@@ -1,4 +1,4 @@
-"""knot cluster up|down|status: the compose services as local processes (deploy/launcher.py)."""
+"""knot cluster up|down|status: the cluster layout's services as local processes (deploy/launcher.py)."""
 from __future__ import annotations
 
 import sys
@@ -7,25 +7,26 @@ from pathlib import Path
 from deploy.launcher import Cluster, LauncherError
 
 NAME = "cluster"
-HELP = "run docker-compose.yml's services as local processes (SeaweedFS and Valkey/Redis included)"
+HELP = "run the cluster's services as local processes (SeaweedFS and Valkey/Redis included)"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--run-dir", type=Path, help="state, logs and server data (default .knot-run/ or $KNOT_RUN_DIR)")
-    p.add_argument("--compose-file", type=Path, help="default: docker-compose.yml at the repo root")
     sub = p.add_subparsers(dest="cluster_action", metavar="ACTION")
     sub.required = True
     up = sub.add_parser("up", help="start every service; print the entry URL when all are ready")
-    up.add_argument("--model", help="registered model name or .gguf/.knot path (default: the compose file's)")
+    up.add_argument("--model", help="registered model name or .gguf/.knot path (default: $KNOT_MODEL, else "
+                    "the default model)")
+    add_layout_arguments(up)
     up.add_argument("--base-port", type=int, help="ports base, base+1, ... (default: free ports; the "
                     "published service keeps its compose port)")
     sub.add_parser("down", help="stop every service (server data and logs are kept)")
     sub.add_parser("status", help="show each service's pid, port and state")
 
 
-def _cluster(args) -> Cluster:
-    kwargs = {"compose_file": args.compose_file} if args.compose_file else {}
-    return Cluster(args.run_dir, **kwargs)
+def add_layout_arguments(p) -> None:
+    p.add_argument("--stations", type=int, default=2, help="layer stations: 1 to the model's layers (default 2)")
+    p.add_argument("--shards", type=int, default=8, help="vocabulary shards: 1 to its vocabulary (default 8)")
 
 
 def _table(rows: list[dict]) -> str:
@@ -37,16 +38,13 @@ def _table(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    cluster = _cluster(args)
+    cluster = Cluster(args.run_dir)
     try:
         if args.cluster_action == "up":
-            running = cluster.up(model=args.model, base_port=args.base_port)
+            running = cluster.up(model=args.model, base_port=args.base_port, n_stations=args.stations,
+                                 n_shards=args.shards)
             print(_table(cluster.status()), file=sys.stderr)
             entry = [r for r in running if r.published]
-            if not entry:
-                print("knot cluster: all services ready; no service publishes a port yet "
-                      "(the coordinator is added to docker-compose.yml with the stations and shards)",
-                      file=sys.stderr)
             for r in entry:
                 print(r.url, flush=True)  # the coordinator's URL, on a line of its own
             return 0

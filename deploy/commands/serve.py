@@ -1,5 +1,5 @@
 """knot serve: one service from the environment (the container's command), or, with --embedded,
-the whole docker-compose.yml topology in one process with embedded bindings."""
+the whole cluster layout in one process with embedded bindings."""
 from __future__ import annotations
 
 import asyncio
@@ -9,23 +9,26 @@ import os
 import sys
 from pathlib import Path
 
+from common import settings as table
 from deploy import servers
-from deploy.launcher import default_run_dir, model_env
-from deploy.local import compose, init, logs
+from deploy.commands.cluster import add_layout_arguments
+from deploy.launcher import choose_model, default_run_dir, layout_for, plan
+from deploy.local import init, logs
 from deploy.local.host import build_app, serve_apps, serve_one
 from deploy.local.settings import HostSettings
 from deploy.local.topology import Topology
 
 NAME = "serve"
-HELP = "serve one service configured by KNOT_SERVICE etc. (see deploy/local/settings.py), or --embedded"
+HELP = "serve one service configured by KNOT_SERVICE etc. (docs/configuration.md), or --embedded"
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--embedded", action="store_true",
-                   help="every compose service in this process, with a directory bucket and in-process KV")
-    p.add_argument("--model", help="with --embedded: model name or .gguf/.knot path (default: the compose file's)")
+                   help="every service of the layout in this process, with a directory bucket and in-process KV")
+    p.add_argument("--model", help="with --embedded: model name or .gguf/.knot path (default: the default model)")
+    add_layout_arguments(p)
     p.add_argument("--base-port", type=int, help="with --embedded: ports base, base+1, ... (default: free ports)")
     p.add_argument("--run-dir", type=Path, help="with --embedded: where the bucket directory lives")
 
@@ -36,15 +39,17 @@ def run(args) -> int:
         logs.configure(settings.name, settings.log_format, logging.DEBUG if args.verbose else logging.INFO)
         asyncio.run(serve_one(settings))
         return 0
-    logs.configure("embedded", os.environ.get("KNOT_LOG_FORMAT", "text"),
+    logs.configure("embedded", table.read(os.environ, "KNOT_LOG_FORMAT", "launcher"),
                    logging.DEBUG if args.verbose else logging.INFO)
     return asyncio.run(_embedded(args))
 
 
 async def _embedded(args) -> int:
     env = dict(os.environ)
-    env.update(model_env(args.model, env))
-    specs = compose.plan(compose.load(compose.COMPOSE_FILE, env))
+    choice = choose_model(args.model, env)
+    if args.model:
+        env["KNOT_MODEL"] = choice.source
+    specs = plan(layout_for(choice, args.stations, args.shards), env)
     run_dir = Path(args.run_dir or default_run_dir()) / "embedded"
     topo = Topology(specs, run_dir)
     for s in specs:  # the init service, in-process: the bucket is a directory here

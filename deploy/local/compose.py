@@ -1,7 +1,8 @@
-"""docker-compose.yml as the single description of the topology.
+"""Reading a compose document back into processes to start.
 
-`knot cluster up` (real servers), `knot serve --embedded` (one process) and the integration
-tests all take their set of services from this file, so what runs here is what compose runs.
+deploy/compose_file.py renders the ClusterLayout as docker-compose.yml; `knot cluster up` (real
+servers), `knot serve --embedded` (one process) and the integration tests plan their processes
+from that same rendering (deploy.launcher.plan), so what runs here is what compose runs.
 
 A service is one of:
 - "local server": it carries `x-knot-local: seaweedfs | redis`; the launcher runs that server

@@ -1,5 +1,5 @@
 """Real servers, started here: SeaweedFS (S3), a Redis-protocol server, and the project's services
-as real processes, launched from docker-compose.yml's own service definitions.
+as real processes, launched from the cluster layout's rendering (the committed docker-compose.yml's).
 
 No mocks of S3 or Redis. Everything listens on free 127.0.0.1 ports and is stopped at the end.
 """
@@ -138,7 +138,7 @@ def probe_spec(port_var: str = "probe") -> compose.ServiceSpec:
 def procs(run_dir, s3_server, redis_server, upload):
     """The wardens exactly as docker-compose.yml defines them, plus the probe service."""
     env = {**CREDENTIALS}
-    specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, env))}
+    specs = {s.name: s for s in launcher.plan(launcher.default_layout(), env)}
     specs["probe"], specs["probe-2"] = probe_spec("probe"), probe_spec("probe-2")
     addresses = {"minio": (9000, s3_server.port), "redis": (6379, redis_server.port)}
     names = ["layer-warden", "cobordism-warden", "probe", "probe-2"]

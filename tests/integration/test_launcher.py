@@ -1,10 +1,10 @@
-"""`knot cluster up|status|down` end to end: its processes are docker-compose.yml's services."""
+"""`knot cluster up|status|down` end to end: its processes are the default layout's (docker-compose.yml's)."""
 import asyncio
 import json
 import subprocess
 import sys
 
-from deploy import servers
+from deploy import launcher, servers
 from deploy.local import compose
 from deploy.local.bindings import S3Settings, S3Bucket
 
@@ -22,7 +22,7 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
     try:
         assert up.returncode == 0, up.stderr
         state = json.loads((run_dir / "cluster.json").read_text())["services"]
-        planned = compose.plan(compose.load(compose.COMPOSE_FILE, {}))
+        planned = launcher.plan(launcher.default_layout(), {})
         assert [s["name"] for s in state] == [s.name for s in planned]  # the process set is the file's
         by_name = {s["name"]: s for s in state}
         assert (by_name["minio"]["kind"], by_name["redis"]["kind"], by_name["init"]["kind"]) == \

@@ -1,5 +1,5 @@
 """Issue 5 acceptance on real processes: the coordinator, 2 stations and 8 shards exactly as
-docker-compose.yml defines them, on real SeaweedFS and Valkey, serving a small synthetic model."""
+the default cluster layout (docker-compose.yml) defines them, on real SeaweedFS and Valkey, serving a small synthetic model."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +15,6 @@ from common.sampling import SamplingParams
 from common.topology import split_vocab
 from deploy import launcher, servers
 from deploy.engine_local import LocalEngine
-from deploy.local import compose
 from tests.integration.conftest import CREDENTIALS, http, wait_for
 
 KNOT_KEY = "pipeline.knot"
@@ -30,11 +29,11 @@ def engine(knot):
 
 @pytest.fixture(scope="module")
 def cluster(procs, upload, knot):
-    """Adds the pipeline services of docker-compose.yml to the running wardens (procs)."""
+    """Adds the pipeline services of the default layout to the running wardens (procs)."""
     upload(KNOT_KEY)
     # What `knot cluster up --model PATH` derives from the model: the layer split, the shard bounds.
-    env = {**CREDENTIALS, **launcher.model_env(str(knot.path), {}), "KNOT_KEY": KNOT_KEY}
-    specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, env))}
+    layout = launcher.layout_for(launcher.choose_model(str(knot.path), {}))
+    specs = {s.name: s for s in launcher.plan(layout, {**CREDENTIALS, "KNOT_KEY": KNOT_KEY})}
     for name, port in zip(PIPELINE, servers.free_ports(len(PIPELINE))):
         procs.specs[name] = specs[name]
         procs.addresses[name] = (8080, port)

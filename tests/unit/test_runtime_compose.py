@@ -1,4 +1,5 @@
-"""docker-compose.yml: valid against the compose spec, and the launcher's process set comes from it."""
+"""docker-compose.yml: generated from the cluster layout, valid against the compose spec, and the
+launcher's process set is the same rendering."""
 import contextlib
 import json
 import re
@@ -8,7 +9,9 @@ import pytest
 import yaml
 
 from common.runtime import Context, Request
-from deploy.launcher import Cluster, model_env, process_env
+from common.topology import ClusterLayout, TopologyError
+from deploy import compose_file
+from deploy.launcher import Cluster, choose_model, default_layout, layout_for, plan, process_env
 from deploy.local import compose
 from deploy.local.host import load_service
 from deploy.local.settings import HostSettings
@@ -83,37 +86,73 @@ def test_addresses_are_rewritten_to_local_ports(doc):
     assert env["S3_ENDPOINT_URL"] == "http://127.0.0.1:41001"
     assert env["EMBED_CACHE"] == "redis://127.0.0.1:41002/0"
     assert (env["PORT"], env["HOST"], env["PATH"]) == ("41003", "127.0.0.1", "/bin")
-    assert env["KNOT_KEY"] == "m.knot"
+    assert process_env(specs["station-0"], addresses, None, {})["KNOT_KEY"] == "m.knot"  # ${KNOT_KEY} substituted
     assert compose.rewrite_addresses({"A": "do+http://cobordism-warden:8080/CobordismWarden",
                                       "B": "http://x-cobordism-warden:8080"}, addresses) == {
         "A": "do+http://127.0.0.1:41003/CobordismWarden", "B": "http://x-cobordism-warden:8080"}
 
 
-def test_interpolation_and_model_overrides():
+def test_committed_compose_file_is_generated_from_the_layout():
+    """Fails when docker-compose.yml is stale: regenerate it with `knot compose > docker-compose.yml`."""
+    want = compose_file.render_text(default_layout(), choose_model(None, {}).source)
+    assert compose.COMPOSE_FILE.read_text() == want, "docker-compose.yml is stale: run `knot compose > docker-compose.yml`"
+
+
+def test_launcher_plans_what_the_file_says(doc):
+    """The launcher's processes for the default layout are the committed file's, field for field."""
+    assert plan(default_layout(), ENV) == compose.plan(doc)
+
+
+def test_interpolation_and_model_choice():
     assert compose.interpolate("${A:-x}/${B-y}/${C}/$$", {"A": "", "B": ""}) == "x///$"
-    env = model_env("qwen2.5-coder-1.5b", {})
-    assert {k: env[k] for k in ("KNOT_MODEL", "KNOT_KEY", "KNOT_N_LAYERS", "KNOT_SPLIT_LAYER", "KNOT_VOCAB_SIZE")} == {
-        "KNOT_MODEL": "qwen2.5-coder-1.5b", "KNOT_KEY": "qwen2.5-coder-1.5b.knot", "KNOT_N_LAYERS": "28",
-        "KNOT_SPLIT_LAYER": "14", "KNOT_VOCAB_SIZE": "151936"}
-    assert [env[f"KNOT_SHARD_BOUND_{i}"] for i in range(1, 8)] == [str(18992 * i) for i in range(1, 8)]
-    assert model_env("qwen2.5-coder-1.5b", {"KNOT_KEY": "k", "KNOT_N_LAYERS": "28", "KNOT_VOCAB_SIZE": "1"}) == {
-        "KNOT_MODEL": "qwen2.5-coder-1.5b"}
-    assert model_env(None, {})["KNOT_N_LAYERS"] == "24"  # the default 0.5B
+    choice = choose_model("qwen2.5-coder-1.5b", {})
+    assert (choice.source, choice.knot_key) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b.knot")
+    layout = layout_for(choice)
+    assert [(s.layer_start, s.layer_end, s.role) for s in layout.stations] == [(0, 14, "entry"), (14, 28, "exit")]
+    assert [s.vocab_start for s in layout.shards] == [18992 * i for i in range(8)] and layout.vocab_size == 151936
+    specs = {s.name: s for s in plan(layout, {"KNOT_KEY": "k"})}  # an explicit KNOT_KEY wins over the model's
+    assert specs["station-1"].environment["SPECIALIZATION_END_LAYER"] == "28"
+    assert {specs[n].environment["KNOT_KEY"] for n in ("station-0", "shard-3", "coordinator", "init")} == {"k"}
+    assert specs["init"].environment["KNOT_MODEL"] == "qwen2.5-coder-1.5b"
+    assert choose_model(None, {}).hparams["block_count"] == 24  # the default 0.5B
+    assert choose_model(None, {"KNOT_MODEL": "qwen2.5-coder-1.5b"}).knot_key == "qwen2.5-coder-1.5b.knot"
 
 
-def test_compose_shards_tile_any_vocabulary():
-    """The shard bounds the launcher derives from the model tile its vocabulary in the compose file."""
-    from common.topology import ShardSpec, check_vocab_tiling
+@pytest.mark.parametrize("n_stations, n_shards", [(1, 1), (2, 3), (3, 8), (24, 5)])
+def test_layout_tiles_any_model_and_counts(n_stations, n_shards):
+    """Any counts the model allows: the stations chain its layers, the shards tile its vocabulary, and
+    the coordinator's STATIONS and SHARDS name exactly those services."""
+    from common.topology import ShardSpec, StationSpec, check_station_chain, check_vocab_tiling
 
     for vocab in (151_936, 270, 1000):
-        env = {"KNOT_VOCAB_SIZE": str(vocab),
-               **{f"KNOT_SHARD_BOUND_{i}": str(vocab * i // 8) for i in range(1, 8)}}
-        specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, env))}
+        layout = ClusterLayout.build({"block_count": 24, "vocab_size": vocab}, n_stations, n_shards)
+        specs = {s.name: s for s in plan(layout, {})}
         shards = [ShardSpec(i, int(specs[f"shard-{i}"].environment["VOCAB_START"]),
-                            int(specs[f"shard-{i}"].environment["VOCAB_END"])) for i in range(8)]
+                            int(specs[f"shard-{i}"].environment["VOCAB_END"])) for i in range(n_shards)]
         check_vocab_tiling(shards, vocab)
-        coord = specs["coordinator"].environment["SHARDS"].split(",")
-        assert [c.split(":")[1] for c in coord] == [f"{s.vocab_start}-{s.vocab_end}" for s in shards]
+        stations = [StationSpec(i, int(specs[f"station-{i}"].environment["SPECIALIZATION_START_LAYER"]),
+                                int(specs[f"station-{i}"].environment["SPECIALIZATION_END_LAYER"]),
+                                specs[f"station-{i}"].environment["SPECIALIZATION_ROLE"]) for i in range(n_stations)]
+        check_station_chain(stations, 24)
+        assert [s.role for s in stations] == (["solo"] if n_stations == 1 else
+                                              ["entry", *["middle"] * (n_stations - 2), "exit"])
+        coord = specs["coordinator"]
+        assert coord.environment["SHARDS"].split(",") == [f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}"
+                                                          for s in shards]
+        assert coord.environment["STATIONS"] == ",".join(f"STATION_{i}" for i in range(n_stations))
+        peers = {f"station-{i}" for i in range(n_stations)} | {f"shard-{i}" for i in range(n_shards)}
+        assert set(coord.depends_on) == peers
+        assert set(specs) == peers | {"minio", "redis", "init", "layer-warden", "cobordism-warden", "coordinator"}
+
+
+def test_counts_the_model_does_not_allow_fail_clearly():
+    hp = {"block_count": 24, "vocab_size": 1000}
+    with pytest.raises(TopologyError, match="25 stations for 24 layers"):
+        ClusterLayout.build(hp, 25, 8)
+    with pytest.raises(TopologyError, match="0 stations for 24 layers"):
+        ClusterLayout.build(hp, 0, 8)
+    with pytest.raises(TopologyError, match="1001 shards for a vocabulary of 1000"):
+        ClusterLayout.build(hp, 2, 1001)
 
 
 def test_ports_are_allocated_per_serving_service(tmp_path, doc):

@@ -1,0 +1,311 @@
+"""Every environment variable the project reads, declared once: name, type, default, readers, meaning.
+
+`read(env, name, reader)` parses one from an injected mapping (os.environ locally, a handler's
+Env, the Worker's env on Cloudflare) and raises ConfigError naming the variable. The host runs
+`check(env, reader)` before it serves, so a misconfigured service fails at start, not on its
+first request. docs/configuration.md is generated from SETTINGS (`knot settings`), and
+tests/unit/test_settings.py fails when code reads a variable around this table.
+
+A reader is who reads the variable: a handler ("station", ...), the local host, the compose
+file's substitutions, ... (READERS). `read` refuses a reader the table does not list, so the
+"read by" column cannot drift from the code.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from common.runtime import ServiceUnavailable
+
+READERS = {
+    "coordinator": "the coordinator handler (a Worker var or binding)",
+    "station": "the layer station handler",
+    "shard": "the cobordism shard handler",
+    "layer_warden": "the LayerWarden Worker and its Durable Objects",
+    "cobordism_warden": "the CobordismWarden Worker and its Durable Objects",
+    "host": "`knot serve`: the local aiohttp host around one handler (deploy/local/)",
+    "init": "the compose `init` job: fetch, encode and upload the model once",
+    "kernels": "the C matmul kernels, in every `knot` process",
+    "models": "the model cache: `knot fetch-model`, init, the tests",
+    "launcher": "`knot cluster up` and `knot serve --embedded`",
+    "compose": "docker-compose.yml's ${VAR:-default} substitutions (docker compose and `knot cluster up`)",
+    "runtime": "Python, glibc or OpenBLAS inside each container (set for them, not read by our code)",
+    "tests": "the test suite",
+    "bench": "benchmarks/",
+    "build": "`pip install` of the C kernels (setup.py)",
+}
+HANDLERS = ("coordinator", "station", "shard", "layer_warden", "cobordism_warden")
+TYPES = ("str", "int", "float", "choice", "names", "binding")
+
+
+class Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = Required()  # no default: a missing value is a ConfigError
+
+
+class ConfigError(ServiceUnavailable, ValueError):
+    """A missing or invalid setting; the message names the variable. 503 in a handler, exit 1 at start."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # "STATION_<i>": a family of names, <i> an integer
+    type: str  # one of TYPES
+    default: Any  # REQUIRED, None (unset reads as None) or the default as text
+    readers: tuple[str, ...]
+    meaning: str  # one line
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None  # inclusive
+    maximum: float | None = None  # inclusive
+    positive: bool = False  # > 0 (for floats, where a minimum would be inclusive)
+    reader_defaults: Mapping[str, str | None] = field(default_factory=dict)  # where a reader's default differs
+
+    def default_for(self, reader: str) -> Any:
+        return self.reader_defaults.get(reader, self.default)
+
+    def parse(self, raw: str) -> Any:
+        """Text -> typed value; ConfigError naming the variable."""
+        n = self.name
+        if self.type == "names":
+            return tuple(p.strip() for p in raw.split(",") if p.strip())
+        if self.type == "choice":
+            if raw not in self.choices:
+                raise ConfigError(n, f"Config {n!r} must be one of {', '.join(self.choices)}, got {raw!r}")
+            return raw
+        if self.type not in ("int", "float"):
+            return raw
+        try:
+            v = int(raw) if self.type == "int" else float(raw)
+        except ValueError:
+            what = "an integer" if self.type == "int" else "a number"
+            raise ConfigError(n, f"Config {n!r} must be {what}, got {raw!r}") from None
+        if self.positive and not v > 0:
+            raise ConfigError(n, f"Config {n!r} must be > 0, got {raw!r}")
+        if self.minimum is not None and v < self.minimum:
+            raise ConfigError(n, f"Config {n!r} must be >= {self.minimum:g}, got {raw!r}")
+        if self.maximum is not None and v > self.maximum:
+            raise ConfigError(n, f"Config {n!r} must be <= {self.maximum:g}, got {raw!r}")
+        return v
+
+
+def _s(name, type, default, readers, meaning, **kw) -> Setting:
+    return Setting(name, type, default, tuple(readers.split()), meaning, **kw)
+
+
+MiB = 1 << 20
+SETTINGS: tuple[Setting, ...] = (
+    # ------------------------------------------------------------ the model and its bucket
+    _s("KNOT_KEY", "str", REQUIRED, "coordinator station shard init launcher compose",
+       "object key of the .knot in the bucket (launcher: default the model's name + .knot)",
+       reader_defaults={"launcher": None}),
+    _s("KNOT_MODEL", "str", REQUIRED, "init launcher compose",
+       "model to serve: a registered name (`knot fetch-model --list`) or a .gguf/.knot path "
+       "(launcher: default qwen2.5-coder-0.5b)", reader_defaults={"launcher": None}),
+    _s("KNOT_BUCKET", "binding", REQUIRED, "coordinator station shard layer_warden cobordism_warden init",
+       "the bucket holding the .knot (R2 binding; locally s3://BUCKET or dir:PATH)"),
+    _s("KNOT_CACHE_DIR", "str", None, "models", "where fetched and encoded models are cached "
+       "(default $XDG_CACHE_HOME/knot, else ~/.cache/knot)"),
+    _s("XDG_CACHE_HOME", "str", None, "models", "base of the default model cache"),
+    # ------------------------------------------------------------ bindings between services
+    _s("LAYER_WARDEN", "binding", None, "station layer_warden",
+       "LayerWarden Durable Object namespace (station: optional; without it tensors come from the bucket)"),
+    _s("COBORDISM_WARDEN", "binding", None, "shard cobordism_warden",
+       "CobordismWarden Durable Object namespace (shard: optional; without it rows come from the bucket)"),
+    _s("EMBED_CACHE", "binding", None, "cobordism_warden",
+       "KV namespace for dequantized embedding rows (optional), the middle level of the row cache"),
+    _s("STATION_<i>", "binding", None, "coordinator", "service binding to station i"),
+    _s("SHARD_<i>", "binding", None, "coordinator", "service binding to shard i"),
+    # ------------------------------------------------------------ coordinator
+    _s("STATIONS", "names", REQUIRED, "coordinator", "station binding names in chain order, e.g. STATION_0,STATION_1"),
+    _s("SHARDS", "str", REQUIRED, "coordinator",
+       "BINDING:START-END,... one per shard; the ranges must tile [0, vocab)"),
+    _s("SHARD_TIMEOUT_S", "float", "30", "coordinator", "timeout of one shard call; a late shard is degraded",
+       positive=True),
+    _s("STATION_TIMEOUT_S", "float", "300", "coordinator", "timeout of one station forward", positive=True),
+    _s("STATION_RETRY_S", "float", "60", "coordinator", "how long an unreachable station is retried",
+       minimum=0),
+    _s("MAX_CONCURRENT_REQUESTS", "int", "8", "coordinator", "generations run at once", minimum=1),
+    _s("MAX_QUEUED_REQUESTS", "int", "16", "coordinator",
+       "requests waiting beyond those; more get 429", minimum=0),
+    _s("RETRY_AFTER_S", "int", "1", "coordinator", "the 429's Retry-After", minimum=1),
+    _s("MODEL_NAME", "str", None, "coordinator", "the model id /v1/models reports (default: KNOT_KEY without .knot)"),
+    # ------------------------------------------------------------ station
+    _s("SPECIALIZATION_START_LAYER", "int", REQUIRED, "station", "first layer of the station", minimum=0),
+    _s("SPECIALIZATION_END_LAYER", "int", REQUIRED, "station", "end of the station's layers (exclusive)",
+       minimum=1),
+    _s("SPECIALIZATION_ROLE", "choice", REQUIRED, "station",
+       "entry (embeds come in) / middle / exit (emits the normed last row) / solo (all layers)", choices=("entry", "middle", "exit", "solo")),
+    _s("MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "station shard layer_warden cobordism_warden",
+       "bytes the service may hold: kept weights and KV caches (station), its slice (shard), the warden's LRU",
+       minimum=1, reader_defaults={"layer_warden": str(1024 * MiB), "cobordism_warden": str(256 * MiB)}),
+    _s("SESSION_TTL_S", "float", "600", "station", "an idle request's KV cache is dropped after this long",
+       positive=True),
+    _s("MAX_BATCH", "int", "16", "station", "decode frames of concurrent requests stacked into one forward",
+       minimum=1),
+    # ------------------------------------------------------------ shard
+    _s("VOCAB_START", "int", REQUIRED, "shard", "first token id of the shard's vocabulary slice", minimum=0),
+    _s("VOCAB_END", "int", REQUIRED, "shard", "end of the slice (exclusive)", minimum=1),
+    _s("ROW_CACHE_BYTES", "int", str(4 * MiB), "shard",
+       "embedding rows kept in the shard itself, in front of its warden (0: off; at most half the budget)",
+       minimum=0),
+    # ------------------------------------------------------------ the local host (knot serve)
+    _s("KNOT_SERVICE", "str", REQUIRED, "host", "handler module this process serves, e.g. services.station"),
+    _s("KNOT_SERVICE_NAME", "str", None, "host", "name in logs and /healthz (default: the module's last part)"),
+    _s("KNOT_DURABLE_OBJECTS", "names", "", "host", "Durable Object classes of the module this process hosts"),
+    _s("KNOT_BINDINGS", "names", "", "host", "variables that hold binding URLs: s3://, dir:, redis://, "
+       "memory:, do+http://, do+local:, http:// (docs/runtime.md)"),
+    _s("KNOT_VARS", "names", "", "host", "variables passed to the handler as plain vars"),
+    _s("HOST", "str", "0.0.0.0", "host", "listen address"),
+    _s("PORT", "int", "8080", "host", "listen port", minimum=1, maximum=65535),
+    _s("S3_ENDPOINT_URL", "str", None, "host init", "S3 endpoint of s3:// buckets (MinIO, SeaweedFS)"),
+    _s("AWS_ACCESS_KEY_ID", "str", None, "host init", "S3 credentials"),
+    _s("AWS_SECRET_ACCESS_KEY", "str", None, "host init", "S3 credentials"),
+    _s("AWS_REGION", "str", "us-east-1", "host init", "S3 region"),
+    _s("S3_CONNECT_TIMEOUT_S", "float", "5", "host init", "S3 connect timeout", positive=True),
+    _s("S3_READ_TIMEOUT_S", "float", "30", "host init", "S3 read timeout", positive=True),
+    _s("KNOT_CALL_TIMEOUT_S", "float", "30", "host", "timeout of a call through a binding (peer, DO, Redis)",
+       positive=True),
+    _s("KNOT_SHUTDOWN_TIMEOUT_S", "float", "30", "host", "on SIGTERM, how long wait_until work may drain",
+       positive=True),
+    _s("KNOT_LOG_FORMAT", "choice", "json", "host launcher", "log lines as json or text", choices=("json", "text"),
+       reader_defaults={"launcher": "text"}),
+    _s("KNOT_ACCESS_LOG", "choice", "all", "host compose",
+       "all: log every request; errors: only 4xx/5xx (internal hops run ~10 requests per token)",
+       choices=("all", "errors"), reader_defaults={"compose": "errors"}),
+    _s("KNOT_MAX_BODY_BYTES", "int", str(256 * MiB), "host", "largest request body accepted (413 beyond)",
+       minimum=1),
+    # ------------------------------------------------------------ kernels and the container runtime
+    _s("KNOT_THREADS", "int", None, "kernels", "threads per matmul, the caller's included "
+       "(default: the CPUs this process may run on)", minimum=1, maximum=256),
+    _s("KNOT_SPIN_US", "float", None, "kernels compose", "how long an idle kernel worker spins before it "
+       "sleeps, in µs (default 1000; many services on few cores want less)", minimum=0, maximum=1e6,
+       reader_defaults={"compose": "200"}),
+    _s("KNOT_KERNELS", "str", "", "kernels", "off (or 0, no, numpy) keeps matmul on the numpy reference path"),
+    _s("PYTHONUNBUFFERED", "str", None, "runtime", "1: logs reach the container's output at once"),
+    _s("PYTHONPATH", "str", None, "runtime launcher", "the launcher puts the repository on it for each process"),
+    _s("OPENBLAS_NUM_THREADS", "str", None, "runtime bench",
+       "1: many small services share few cores, BLAS thread pools would spin against each other"),
+    _s("MALLOC_MMAP_THRESHOLD_", "str", None, "runtime", "glibc: blocks under this come from the heap and are "
+       "reused; 1 GiB keeps a station's 30-60 MB warden batches from page-faulting afresh each time"),
+    _s("MALLOC_TRIM_THRESHOLD_", "str", None, "runtime", "glibc: keep up to this much freed heap (see above)"),
+    # ------------------------------------------------------------ deployment
+    _s("KNOT_PORT", "int", "8000", "compose", "host port the coordinator is published on", minimum=1,
+       maximum=65535),
+    _s("MINIO_ROOT_USER", "str", "knot", "compose", "MinIO's user, and every service's AWS_ACCESS_KEY_ID"),
+    _s("MINIO_ROOT_PASSWORD", "str", "knot-secret-key", "compose",
+       "MinIO's password, and every service's AWS_SECRET_ACCESS_KEY"),
+    _s("STATION_MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "compose", "every station's MEMORY_BUDGET_BYTES",
+       minimum=1),
+    _s("KNOT_SHARD_THREADS", "int", "1", "compose",
+       "every shard's KNOT_THREADS (the shards compute at once: one thread each fills the cores)", minimum=1),
+    _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),
+    _s("KNOT_RUN_DIR", "str", None, "launcher", "state, logs and server data of `knot cluster` "
+       "(default: .knot-run/ in the repository)"),
+    _s("KNOT_KERNELS_MARCH", "str", "native", "build", "-march of the C kernels' build (empty: the compiler's)"),
+    _s("KNOT_SKIP_REAL_MODELS", "choice", "0", "tests", "1: skip the tests that need the real weights "
+       "(refused when CI is true)", choices=("0", "1")),
+    _s("CI", "choice", "false", "tests", "true: a skipped real-model test fails instead (.ci/run sets it)",
+       choices=("false", "true")),
+)
+
+TABLE: dict[str, Setting] = {s.name: s for s in SETTINGS}
+_FAMILIES = [(re.compile(re.escape(s.name).replace("<i>", r"\d+") + "$"), s) for s in SETTINGS if "<i>" in s.name]
+
+
+def lookup(name: str) -> Setting:
+    """The table's entry for a variable (or its family, e.g. STATION_3 -> STATION_<i>); KeyError if none."""
+    s = TABLE.get(name)
+    if s is not None:
+        return s
+    for pattern, fam in _FAMILIES:
+        if pattern.match(name):
+            return fam
+    raise KeyError(f"{name} is not in the settings table (common/settings.py)")
+
+
+def default(name: str, reader: str) -> Any:
+    """The typed default of a setting for a reader (None when it has none)."""
+    s = lookup(name)
+    d = s.default_for(reader)
+    return None if d is None or d is REQUIRED else s.parse(d)
+
+
+def default_text(name: str, reader: str) -> str:
+    """The default as the text a deployment file writes; KeyError when there is none."""
+    d = lookup(name).default_for(reader)
+    if d is None or d is REQUIRED:
+        raise KeyError(f"{name} has no default for {reader}")
+    return d
+
+
+def read(env: Mapping[str, Any] | Any, name: str, reader: str) -> Any:
+    """One setting from `env` (anything with .get), parsed; an unset or empty value takes the default.
+
+    ConfigError when it is missing with no default, or invalid. A binding comes back as it is
+    (the binding object in a handler, its URL on the host)."""
+    s = lookup(name)
+    if reader not in s.readers:
+        raise LookupError(f"{reader} reads {name}, but common/settings.py lists only {', '.join(s.readers)}")
+    raw = env.get(name)
+    if raw is None or (isinstance(raw, str) and raw == ""):
+        d = s.default_for(reader)
+        if d is REQUIRED:
+            raise ConfigError(name, f"Config {name!r} is missing, and has no default.")
+        if d is None:
+            return None
+        raw = d
+    if s.type == "binding" or not isinstance(raw, str):
+        return raw
+    return s.parse(raw)
+
+
+def check(env: Mapping[str, Any] | Any, reader: str) -> dict[str, Any]:
+    """Every setting `reader` reads, parsed (the host's start-up check); the first problem raises."""
+    return {s.name: read(env, s.name, reader) for s in SETTINGS if reader in s.readers and "<i>" not in s.name}
+
+
+def markdown() -> str:
+    """docs/configuration.md."""
+    def default_text(s: Setting) -> str:
+        d = "required" if s.default is REQUIRED else "unset" if s.default is None else f"`{s.default}`"
+        others = [f"{r}: `{v}`" if v else f"{r}: unset" for r, v in s.reader_defaults.items()]
+        return d + (f" ({'; '.join(others)})" if others else "")
+
+    def type_text(s: Setting) -> str:
+        if s.type == "choice":
+            return " \\| ".join(s.choices)
+        lo = ">0" if s.positive else None if s.minimum is None else f"≥{s.minimum:g}"
+        hi = None if s.maximum is None else f"≤{s.maximum:g}"
+        bounds = ", ".join(b for b in (lo, hi) if b)
+        return s.type + (f" ({bounds})" if bounds else "")
+
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated from common/settings.py by `knot settings > docs/configuration.md`; "
+        "tests/unit/test_settings.py fails when it is stale. -->",
+        "",
+        "Every environment variable the project reads, declared once in `common/settings.py`. Handlers read",
+        "theirs from `env` (plain vars and bindings: the Worker's env on Cloudflare; locally the host passes the",
+        "variables named in `KNOT_VARS` and builds the bindings named in `KNOT_BINDINGS`). An unset or empty",
+        "variable takes its default. A missing required or invalid value is a `ConfigError` that names the",
+        "variable: `knot serve` checks its service's settings before it listens and exits with status 1, and a",
+        "handler that meets one answers 503.",
+        "",
+        "| variable | type | default | read by | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        meaning = s.meaning.replace("|", "\\|")
+        lines.append(f"| `{s.name}` | {type_text(s)} | {default_text(s)} | {', '.join(s.readers)} | {meaning} |")
+    lines += ["", "Readers:", ""]
+    lines += [f"- **{r}**: {what}" for r, what in READERS.items()]
+    return "\n".join(lines) + "\n"

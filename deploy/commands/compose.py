@@ -1,0 +1,32 @@
+"""knot compose: docker-compose.yml for a model and counts of stations and shards, on stdout."""
+from __future__ import annotations
+
+import sys
+
+from deploy import compose_file
+from deploy.commands.cluster import add_layout_arguments
+from deploy.launcher import choose_model, layout_for
+
+NAME = "compose"
+HELP = "print docker-compose.yml for a model, N stations and M shards (knot compose > docker-compose.yml)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", help="registered model name or .gguf/.knot path (default: the default model)")
+    add_layout_arguments(p)
+
+
+def command_args(model: str | None, n_stations: int, n_shards: int) -> str:
+    """The options that differ from the defaults, as the file's header repeats them."""
+    parts = [f"--model {model}"] if model else []
+    parts += [f"--stations {n_stations}"] if n_stations != 2 else []
+    parts += [f"--shards {n_shards}"] if n_shards != 8 else []
+    return "".join(" " + p for p in parts)
+
+
+def run(args) -> int:
+    choice = choose_model(args.model, {})  # the file is the same whatever this shell's KNOT_MODEL says
+    layout = layout_for(choice, args.stations, args.shards)
+    sys.stdout.write(compose_file.render_text(layout, choice.source, command_args(args.model, args.stations,
+                                                                                   args.shards)))
+    return 0

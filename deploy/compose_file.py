@@ -1,0 +1,210 @@
+"""docker-compose.yml, written from the ClusterLayout (common/topology.py).
+
+    knot compose [--model M] [--stations N] [--shards K] > docker-compose.yml
+
+The layout says which services run, their handler vars, bindings and dependencies; this module
+says how each role becomes a container: CONTAINERS, one row per role, is the one place for a
+container's deploy attributes (image, command, healthcheck, restart policy, memory limit,
+published port, volumes). A binding becomes the URL the local host understands
+(deploy/local/settings.py), a Knob a ${NAME:-default} substitution. `knot cluster up` runs the same
+rendering as local processes (deploy/launcher.py), and tests/unit/test_runtime_compose.py fails
+when the committed docker-compose.yml differs from `render_text(default_layout())`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import yaml
+
+from common.settings import TABLE
+from common.topology import Binding, ClusterLayout, Knob, Service
+
+CONTAINER_PORT = 8080  # every service of our image listens here inside its container
+OUR_IMAGE = {"build": {"context": ".", "dockerfile": "deploy/docker/Dockerfile"}, "image": "knot-cluster:local"}
+SERVE = ("python", "-m", "deploy.cli", "serve")
+READYZ = ("CMD", "python", "-m", "deploy.local.probe", f"http://127.0.0.1:{CONTAINER_PORT}/readyz")
+STORE_PORTS = {"bucket": 9000, "kv": 6379}  # S3 (MinIO) and Redis inside their containers
+
+
+@dataclass(frozen=True)
+class Healthcheck:
+    test: tuple[str, ...]
+    interval: str = "5s"
+    timeout: str = "3s"
+    retries: int = 30
+    start_period: str | None = "5s"
+
+
+@dataclass(frozen=True)
+class Container:
+    """How a role runs as a container. image None: our image, built from deploy/docker/Dockerfile."""
+
+    image: str | None = None
+    command: tuple[str, ...] = SERVE
+    healthcheck: Healthcheck | None = Healthcheck(READYZ)
+    restart: str | None = None  # compose restart policy
+    mem_limit: str | None = None  # e.g. "512m"
+    published_port: Knob | None = None  # host side of the port mapping (the container side: CONTAINER_PORT)
+    volumes: tuple[str, ...] = ()
+    environment: dict = field(default_factory=dict)  # container-level settings beyond the layout's vars
+    local: str | None = None  # x-knot-local: what `knot cluster up` runs instead (seaweedfs | redis)
+
+
+CONTAINERS: dict[str, Container] = {
+    "bucket": Container("minio/minio:RELEASE.2025-04-22T22-12-26Z", ("server", "/data"),
+                        Healthcheck(("CMD", "mc", "ready", "local"), start_period=None),
+                        volumes=("minio-data:/data",), local="seaweedfs",
+                        environment={"MINIO_ROOT_USER": Knob("MINIO_ROOT_USER"),
+                                     "MINIO_ROOT_PASSWORD": Knob("MINIO_ROOT_PASSWORD")}),
+    "kv": Container("redis:7.4-alpine", ("redis-server", "--save", "", "--appendonly", "no"),
+                    Healthcheck(("CMD", "redis-cli", "ping"), start_period=None), local="redis"),
+    # Fetches the model, encodes it to a .knot and uploads it to the bucket, once.
+    "init": Container(command=("python", "-m", "deploy.local.init"), healthcheck=None, restart="no",
+                      volumes=("model-cache:/cache",), environment={"KNOT_CACHE_DIR": "/cache"}),
+    "layer_warden": Container(),
+    "cobordism_warden": Container(),
+    "station": Container(),
+    "shard": Container(environment={"KNOT_THREADS": Knob("KNOT_SHARD_THREADS")}),
+    # The public API: the only published port; it logs every request, and its calls wait for whole
+    # generations' hops.
+    "coordinator": Container(published_port=Knob("KNOT_PORT"),
+                             environment={"KNOT_ACCESS_LOG": "all", "KNOT_CALL_TIMEOUT_S": "300"}),
+}
+
+
+def knot_env(layout: ClusterLayout) -> dict:
+    """What every container of our image gets (docs/configuration.md says why each is set)."""
+    bucket = layout.by_role("bucket")[0].name
+    return {
+        "S3_ENDPOINT_URL": f"http://{bucket}:{STORE_PORTS['bucket']}",
+        "AWS_ACCESS_KEY_ID": Knob("MINIO_ROOT_USER"), "AWS_SECRET_ACCESS_KEY": Knob("MINIO_ROOT_PASSWORD"),
+        "AWS_REGION": "us-east-1", "KNOT_LOG_FORMAT": "json", "KNOT_ACCESS_LOG": Knob("KNOT_ACCESS_LOG"),
+        "PORT": str(CONTAINER_PORT), "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1",
+        "KNOT_SPIN_US": Knob("KNOT_SPIN_US"),
+        "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    }
+
+
+def value(v) -> str:
+    """A layout value as compose text: a Knob is ${NAME:-default} (its default from common/settings.py)."""
+    if not isinstance(v, Knob):
+        return str(v)
+    default = v.default if v.default is not None else TABLE[v.name].default_for("compose")
+    return f"${{{v.name}:-{default}}}"
+
+
+def binding_url(b: Binding, owner: Service, layout: ClusterLayout) -> str:
+    """The URL deploy/local/settings.py turns into the binding."""
+    if b.kind == "bucket":
+        return f"s3://{b.resource}"
+    if b.kind == "kv":
+        return f"redis://{b.service}:{STORE_PORTS['kv']}/0"
+    if b.kind == "durable_object":
+        return f"do+local:{b.resource}" if b.service == owner.name else \
+            f"do+http://{b.service}:{CONTAINER_PORT}/{b.resource}"
+    assert b.kind == "service", b
+    return f"http://{b.service}:{CONTAINER_PORT}"
+
+
+def environment(s: Service, layout: ClusterLayout) -> dict[str, str]:
+    c = CONTAINERS[s.role]
+    if c.image is not None:  # a store: only its own settings
+        return {k: value(v) for k, v in c.environment.items()}
+    env = dict(knot_env(layout))
+    if s.is_worker:
+        env.update({"KNOT_SERVICE": s.module, "KNOT_SERVICE_NAME": s.name})
+        if s.durable_objects:
+            env["KNOT_DURABLE_OBJECTS"] = ",".join(s.durable_objects)
+        env["KNOT_BINDINGS"] = ",".join(b.name for b in s.bindings)
+    env.update({b.name: binding_url(b, s, layout) for b in s.bindings})
+    if s.is_worker and s.vars:
+        env["KNOT_VARS"] = ",".join(s.vars)
+    env.update(s.vars)
+    env.update(c.environment)
+    return {k: value(v) for k, v in env.items()}
+
+
+CONDITIONS = {"started": "service_started", "healthy": "service_healthy",
+              "completed": "service_completed_successfully"}
+
+
+def service_doc(s: Service, layout: ClusterLayout) -> dict:
+    c = CONTAINERS[s.role]
+    doc: dict = {"image": c.image} if c.image is not None else dict(OUR_IMAGE)
+    doc["command"] = list(c.command)
+    env = environment(s, layout)
+    if env:
+        doc["environment"] = env
+    if c.volumes:
+        doc["volumes"] = list(c.volumes)
+    if c.published_port is not None:
+        doc["ports"] = [f"{value(c.published_port)}:{CONTAINER_PORT}"]
+    if c.restart is not None:
+        doc["restart"] = c.restart
+    if c.mem_limit is not None:
+        doc["mem_limit"] = c.mem_limit
+    if c.healthcheck is not None:
+        h = c.healthcheck
+        doc["healthcheck"] = {"test": list(h.test), "interval": h.interval, "timeout": h.timeout,
+                              "retries": h.retries, **({"start_period": h.start_period} if h.start_period else {})}
+    if s.depends_on:
+        doc["depends_on"] = {d: {"condition": CONDITIONS[cond]} for d, cond in s.depends_on.items()}
+    if c.local is not None:
+        doc["x-knot-local"] = c.local
+    return doc
+
+
+def render(layout: ClusterLayout) -> dict:
+    """The compose document (variables not substituted)."""
+    services = {s.name: service_doc(s, layout) for s in layout.services}
+    volumes = sorted({v.split(":", 1)[0] for s in layout.services for v in CONTAINERS[s.role].volumes})
+    return {"name": "knot-cluster", "services": services, "volumes": {v: None for v in volumes}}
+
+
+HEADER = """\
+# GENERATED from the cluster layout (common/topology.py, deploy/compose_file.py): do not edit.
+#   knot compose{args} > docker-compose.yml
+# The cluster for {model}: {n_layers} layers on {stations} ({splits}), a vocabulary of
+# {vocab} on {shards}, two wardens, MinIO (stands in for R2) and Redis (stands in for Workers KV).
+#
+#   docker compose up          the containers
+#   knot cluster up            the same services as local processes (deploy/launcher.py): SeaweedFS
+#                              runs instead of minio, redis-server/valkey instead of redis
+#                              (see x-knot-local), and "service:port" addresses become 127.0.0.1
+#   knot serve --embedded      the same handlers in one process with embedded bindings
+#
+# Services reach each other by binding URLs (deploy/local/settings.py lists the schemes):
+#   s3://BUCKET   redis://HOST:PORT/DB   do+http://HOST:PORT/CLASS   do+local:CLASS   http://HOST:PORT
+# Only the coordinator publishes a port (KNOT_PORT). Every variable: docs/configuration.md.
+"""
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data) -> bool:  # write every service out in full, no &id001 anchors
+        return True
+
+
+def _list(dumper: yaml.SafeDumper, data: list):
+    flow = all(isinstance(x, (str, int)) for x in data) and len(data) <= 8
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+def _none(dumper: yaml.SafeDumper, _):
+    return dumper.represent_scalar("tag:yaml.org,2002:null", "")
+
+
+_Dumper.add_representer(list, _list)
+_Dumper.add_representer(type(None), _none)
+
+
+def render_text(layout: ClusterLayout, model: str = "the model", args: str = "") -> str:
+    """docker-compose.yml as text: the header comment, then the document."""
+    splits = " ".join(f"[{s.layer_start},{s.layer_end})" for s in layout.stations)
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}" + ("s" if n != 1 else "")
+
+    header = HEADER.format(args=args, model=model, n_layers=layout.n_layers, splits=splits,
+                           stations=count(len(layout.stations), "station"), vocab=f"{layout.vocab_size:,}",
+                           shards=count(len(layout.shards), "shard"))
+    body = yaml.dump(render(layout), Dumper=_Dumper, sort_keys=False, width=120, default_flow_style=False)
+    return header + body
