@@ -26,6 +26,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from common import settings  # noqa: E402
 from common.matmul import matmul_tiled  # noqa: E402
 from common.quant import QTensor  # noqa: E402
 from deploy import kernels  # noqa: E402
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     kernels.install(args.threads)
     print(f"command: {' '.join(sys.argv)}")
     print(f"kernels: {kernels.describe()}; "
-          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}; "
+          f"OPENBLAS_NUM_THREADS={settings.read(os.environ, 'OPENBLAS_NUM_THREADS', 'bench')}; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for m in args.model or list(MODELS):
         path = Path(MODELS.get(m, m)).expanduser()

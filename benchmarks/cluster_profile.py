@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=40, help="fan-outs timed (default 40)")
     p.add_argument("--only", default="hops,cpu,fanout,prefill,rss,station")
-    p.add_argument("--run-dir", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "knot-profile"))
+    p.add_argument("--run-dir", default=str(Path(tempfile.gettempdir()) / "knot-profile"))
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.only.split(",") if x.strip()]
     deploy.kernels.install()  # the in-process station computes here, as `knot serve` would

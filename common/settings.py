@@ -50,9 +50,9 @@ REQUIRED: Any = Required()  # no default: a missing value is a ConfigError
 class ConfigError(ServiceUnavailable, ValueError):
     """A missing or invalid setting; the message names the variable. 503 in a handler, exit 1 at start."""
 
-    def __init__(self, name: str, message: str):
+    def __init__(self, message: str, *, name: str | None = None):
         super().__init__(message)
-        self.name = name
+        self.name = name  # the variable, when one is to blame
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Setting:
     minimum: float | None = None  # inclusive
     maximum: float | None = None  # inclusive
     positive: bool = False  # > 0 (for floats, where a minimum would be inclusive)
-    reader_defaults: Mapping[str, str | None] = field(default_factory=dict)  # where a reader's default differs
+    reader_defaults: Mapping[str, Any] = field(default_factory=dict)  # where a reader's default differs
 
     def default_for(self, reader: str) -> Any:
         return self.reader_defaults.get(reader, self.default)
@@ -78,7 +78,7 @@ class Setting:
             return tuple(p.strip() for p in raw.split(",") if p.strip())
         if self.type == "choice":
             if raw not in self.choices:
-                raise ConfigError(n, f"Config {n!r} must be one of {', '.join(self.choices)}, got {raw!r}")
+                raise ConfigError(f"Config {n!r} must be one of {', '.join(self.choices)}, got {raw!r}", name=n)
             return raw
         if self.type not in ("int", "float"):
             return raw
@@ -86,13 +86,13 @@ class Setting:
             v = int(raw) if self.type == "int" else float(raw)
         except ValueError:
             what = "an integer" if self.type == "int" else "a number"
-            raise ConfigError(n, f"Config {n!r} must be {what}, got {raw!r}") from None
+            raise ConfigError(f"Config {n!r} must be {what}, got {raw!r}", name=n) from None
         if self.positive and not v > 0:
-            raise ConfigError(n, f"Config {n!r} must be > 0, got {raw!r}")
+            raise ConfigError(f"Config {n!r} must be > 0, got {raw!r}", name=n)
         if self.minimum is not None and v < self.minimum:
-            raise ConfigError(n, f"Config {n!r} must be >= {self.minimum:g}, got {raw!r}")
+            raise ConfigError(f"Config {n!r} must be >= {self.minimum:g}, got {raw!r}", name=n)
         if self.maximum is not None and v > self.maximum:
-            raise ConfigError(n, f"Config {n!r} must be <= {self.maximum:g}, got {raw!r}")
+            raise ConfigError(f"Config {n!r} must be <= {self.maximum:g}, got {raw!r}", name=n)
         return v
 
 
@@ -116,9 +116,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("XDG_CACHE_HOME", "str", None, "models", "base of the default model cache"),
     # ------------------------------------------------------------ bindings between services
     _s("LAYER_WARDEN", "binding", None, "station layer_warden",
-       "LayerWarden Durable Object namespace (station: optional; without it tensors come from the bucket)"),
+       "LayerWarden Durable Object namespace (station: optional; without it tensors come from the bucket)",
+       reader_defaults={"layer_warden": REQUIRED}),
     _s("COBORDISM_WARDEN", "binding", None, "shard cobordism_warden",
-       "CobordismWarden Durable Object namespace (shard: optional; without it rows come from the bucket)"),
+       "CobordismWarden Durable Object namespace (shard: optional; without it rows come from the bucket)",
+       reader_defaults={"cobordism_warden": REQUIRED}),
     _s("EMBED_CACHE", "binding", None, "cobordism_warden",
        "KV namespace for dequantized embedding rows (optional), the middle level of the row cache"),
     _s("STATION_<i>", "binding", None, "coordinator", "service binding to station i"),
@@ -142,7 +144,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("SPECIALIZATION_END_LAYER", "int", REQUIRED, "station", "end of the station's layers (exclusive)",
        minimum=1),
     _s("SPECIALIZATION_ROLE", "choice", REQUIRED, "station",
-       "entry (embeds come in) / middle / exit (emits the normed last row) / solo (all layers)", choices=("entry", "middle", "exit", "solo")),
+       "entry (embeds come in) / middle / exit (emits the normed last row) / solo (all layers)",
+       choices=("entry", "middle", "exit", "solo")),
     _s("MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "station shard layer_warden cobordism_warden",
        "bytes the service may hold: kept weights and KV caches (station), its slice (shard), the warden's LRU",
        minimum=1, reader_defaults={"layer_warden": str(1024 * MiB), "cobordism_warden": str(256 * MiB)}),
@@ -258,7 +261,7 @@ def read(env: Mapping[str, Any] | Any, name: str, reader: str) -> Any:
     if raw is None or (isinstance(raw, str) and raw == ""):
         d = s.default_for(reader)
         if d is REQUIRED:
-            raise ConfigError(name, f"Config {name!r} is missing, and has no default.")
+            raise ConfigError(f"Config {name!r} is missing, and has no default.", name=name)
         if d is None:
             return None
         raw = d
@@ -276,7 +279,8 @@ def markdown() -> str:
     """docs/configuration.md."""
     def default_text(s: Setting) -> str:
         d = "required" if s.default is REQUIRED else "unset" if s.default is None else f"`{s.default}`"
-        others = [f"{r}: `{v}`" if v else f"{r}: unset" for r, v in s.reader_defaults.items()]
+        others = [f"{r}: required" if v is REQUIRED else f"{r}: `{v}`" if v else f"{r}: unset"
+                  for r, v in s.reader_defaults.items()]
         return d + (f" ({'; '.join(others)})" if others else "")
 
     def type_text(s: Setting) -> str:

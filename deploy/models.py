@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from common import settings
+
 log = logging.getLogger(__name__)
 
 
@@ -58,10 +60,10 @@ class ModelError(ValueError):
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("KNOT_CACHE_DIR")
+    env = settings.read(os.environ, "KNOT_CACHE_DIR", "models")
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = settings.read(os.environ, "XDG_CACHE_HOME", "models") or Path.home() / ".cache"
     return Path(base) / "knot"
 
 

@@ -15,6 +15,7 @@ from common.knot import KnotHeader
 from common.models import Model
 from common.runtime import (BadRequest, Conflict, DurableObjectNamespace, DurableObjectState, Env, Headers,
                             MethodNotAllowed, NotFound, Request, Response, int_param)
+from common.settings import read
 from services.knot_source import KnotSource
 from services.peer import call
 
@@ -150,10 +151,10 @@ class WardenBase:
         raise NotImplementedError
 
 
-def budget_from(body: dict, env: Env, default: int) -> int:
-    """budget_bytes from the configure body, else the MEMORY_BUDGET_BYTES var, else the default."""
-    raw = body.get("budget_bytes", env.get("MEMORY_BUDGET_BYTES"))
-    return default if raw in (None, "") else int_param(str(raw), "budget_bytes")
+def budget_from(body: dict, env: Env, reader: str) -> int:
+    """budget_bytes from the configure body, else MEMORY_BUDGET_BYTES (the var, else the reader's default)."""
+    raw = body.get("budget_bytes")
+    return read(env, "MEMORY_BUDGET_BYTES", reader) if raw in (None, "") else int_param(str(raw), "budget_bytes")
 
 
 async def route_to_warden(request: Request, namespace, fields: IdentityFields) -> Response:

@@ -11,6 +11,7 @@ def add_arguments(p) -> None:
     p.add_argument("model", nargs="?", default=models.DEFAULT_MODEL,
                    help=f"a registered name ({', '.join(models.MODELS)}) or a local .gguf "
                         f"(default: {models.DEFAULT_MODEL})")
+    p.add_argument("--all", action="store_true", help="every registered model (what the tests use)")
     p.add_argument("--encode", action="store_true", help="also encode it to a cached .knot")
     p.add_argument("--list", action="store_true", help="list the registered models and their cache state")
     p.epilog = f"Cache: $KNOT_CACHE_DIR, else $XDG_CACHE_HOME/knot or ~/.cache/knot (now {models.cache_dir()})."
@@ -23,6 +24,6 @@ def run(args) -> int:
             print(f"{spec.name:22} {spec.size_bytes / 2**20:8.1f} MiB  {'cached ' + str(path) if path else '-'}"
                   f"\n{'':22} {spec.description}")
         return 0
-    path = models.ensure_knot(args.model) if args.encode else models.fetch(args.model)
-    print(path)
+    for name in models.MODELS if args.all else [args.model]:
+        print(models.ensure_knot(name) if args.encode else models.fetch(name), flush=True)
     return 0

@@ -54,7 +54,7 @@ async def _embedded(args) -> int:
     topo = Topology(specs, run_dir)
     for s in specs:  # the init service, in-process: the bucket is a directory here
         if s.oneshot and s.command[-1] == "deploy.local.init":
-            bucket = s.environment["KNOT_BUCKET"].partition("://")[2].strip("/")
+            bucket = table.read(s.environment, "KNOT_BUCKET", "init").partition("://")[2].strip("/")
             msg = await asyncio.to_thread(init.run, {**s.environment,
                                                       "KNOT_BUCKET": f"dir:{topo.bucket_dir(bucket)}"})
             log.info(msg)

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
+from common import settings
 from common.matmul import Kernel, register_kernel
 from common.quant import QTensor
 
@@ -41,23 +42,9 @@ def supported_types() -> list[str]:
     return sorted(_qmatmul.TYPES) if _qmatmul else []
 
 
-def _env_number(env: Mapping[str, str], key: str, kind: type, lo: float, hi: float, what: str):
-    """env[key] as kind within [lo, hi]; None when unset or empty; ValueError naming the key otherwise."""
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return None
-    try:
-        v = kind(raw)
-    except ValueError:
-        raise ValueError(f"{key}={raw!r} is not {what}") from None
-    if not lo <= v <= hi:
-        raise ValueError(f"{key}={v} must be in [{lo:g}, {hi:g}]")
-    return v
-
-
 def threads_from_env(env: Mapping[str, str]) -> int:
-    """KNOT_THREADS, default: the CPUs this process may run on."""
-    n = _env_number(env, THREADS_ENV, int, 1, 256, "an integer")
+    """KNOT_THREADS, default: the CPUs this process may run on (ConfigError, a ValueError, when invalid)."""
+    n = settings.read(env, THREADS_ENV, "kernels")
     if n is None:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return n
@@ -69,7 +56,7 @@ def spin_us_from_env(env: Mapping[str, str]) -> float | None:
 
     Why it matters: one process alone wants its workers hot between back-to-back matmuls, but
     13 services sharing 2 cores lose a core for that long after every forward."""
-    return _env_number(env, SPIN_ENV, float, 0, 1e6, "a number")
+    return settings.read(env, SPIN_ENV, "kernels")
 
 
 def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Kernel:
@@ -108,8 +95,9 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
 
     threads: per matmul, the caller included (default: KNOT_THREADS, else the CPU count).
     KNOT_KERNELS=off keeps the numpy reference path (what Cloudflare's Python Workers run)."""
-    if env.get("KNOT_KERNELS", "").lower() in ("off", "0", "no", "numpy"):
-        log.info("matmul stays on numpy: KNOT_KERNELS=%s", env["KNOT_KERNELS"])
+    choice = settings.read(env, "KNOT_KERNELS", "kernels")
+    if choice.lower() in ("off", "0", "no", "numpy"):
+        log.info("matmul stays on numpy: KNOT_KERNELS=%s", choice)
         return []
     if _qmatmul is None:
         log.info("matmul stays on numpy: %s", UNAVAILABLE_REASON)

@@ -20,6 +20,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from common.settings import read
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 LOCAL_KINDS = {"seaweedfs": 9000, "redis": 6379}  # kind -> the container port it stands in for
@@ -120,7 +122,7 @@ def plan(doc: dict) -> list[ServiceSpec]:
             command = command.split()
         if kind == "process" and not command:
             raise ComposeError(f"service {name}: a process service needs a command")
-        port = LOCAL_KINDS.get(kind) or (int(env["PORT"]) if env.get("PORT", "").isdigit() else None)
+        port = LOCAL_KINDS.get(kind) or read(env, "PORT", "host")  # where the host will listen
         specs[name] = ServiceSpec(name, kind, [str(c) for c in command], env, port, _depends_on(svc),
                                   _published(svc), healthcheck_url=_healthcheck_url(svc))
     for s in specs.values():

@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from common import settings as table
 from common.runtime import (BadRequest, Context, Env, Handler, Headers, Request, Response, aclose_stream, call_handler,
                             error_response)
 from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket
@@ -223,6 +224,17 @@ def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.C
     return HttpService(session, url, settings.call_timeout_s)
 
 
+def check_settings(name: str, module: str, env: Env) -> None:
+    """Before serving: every setting the handler reads (common/settings.py) parses, or a ConfigError
+    that names the service and the variable ends the start."""
+    reader = module.rsplit(".", 1)[-1]
+    if module.startswith("services.") and reader in table.HANDLERS:
+        try:
+            table.check(env, reader)
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {e}", name=e.name) from None
+
+
 async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack) -> ServiceRuntime:
     """Build a service's env from real bindings; `stack` closes them (after draining wait_until)."""
     svc = load_service(settings.service)
@@ -244,6 +256,7 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
             checks[name] = b.ping
         bindings[name] = b
     env = Env(bindings, settings.vars)
+    check_settings(settings.name, settings.service, env)
     if do_host is not None:
         do_host.env = env
     # Exit callbacks run last-in first-out: wait_until work drains before any client closes.

@@ -3,6 +3,7 @@
     KNOT_MODEL   a registered model name (deploy.models) or a local .gguf/.knot path
     KNOT_KEY     the object key in the bucket
     KNOT_BUCKET  s3://BUCKET (S3_ENDPOINT_URL, AWS_* as for the services) or dir:PATH
+(common/settings.py declares them; docs/configuration.md lists them.)
 
 Idempotent: an object already at KNOT_KEY whose header parses and whose size passes the
 stale-knot guard is left alone, so only the first start uploads.
@@ -20,18 +21,17 @@ import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 
 from common.knot import KnotError, read_header_sync
-from deploy.local.bindings import s3_client
-from deploy.local.settings import ConfigError, HostSettings, binding_scheme
+from common.settings import ConfigError, read
+from deploy.local.bindings import S3Settings, s3_client
+from deploy.local.settings import binding_scheme
 
 log = logging.getLogger("deploy.local.init")
 MULTIPART_CHUNK_BYTES = 64 << 20
 
 
-def _need(env: Mapping[str, str], key: str) -> str:
-    v = env.get(key)
-    if not v:
-        raise ConfigError(f"Config {key!r} is missing, and has no default.")
-    return v
+def s3_settings(env: Mapping[str, str]) -> S3Settings:
+    return S3Settings(*(read(env, n, "init") for n in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                       "AWS_REGION", "S3_CONNECT_TIMEOUT_S", "S3_READ_TIMEOUT_S")))
 
 
 def knot_for(model: str) -> Path:
@@ -50,8 +50,7 @@ def _valid_remote(read_range, size: int) -> bool:
 
 
 def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
-    settings = HostSettings.from_env({**env, "KNOT_SERVICE": "init"})
-    s3 = s3_client(settings.s3)
+    s3 = s3_client(s3_settings(env))
     try:
         s3.head_bucket(Bucket=bucket)
     except botocore.exceptions.ClientError:
@@ -95,7 +94,7 @@ def upload_dir(root: Path, key: str, model: str) -> str:
 
 
 def run(env: Mapping[str, str]) -> str:
-    model, key, url = _need(env, "KNOT_MODEL"), _need(env, "KNOT_KEY"), _need(env, "KNOT_BUCKET")
+    model, key, url = (read(env, n, "init") for n in ("KNOT_MODEL", "KNOT_KEY", "KNOT_BUCKET"))
     scheme = binding_scheme("KNOT_BUCKET", url)
     if scheme == "s3":
         return upload_s3(env, url.partition("://")[2].strip("/"), key, model)

@@ -19,7 +19,7 @@ from common.runtime import Env
 from deploy.local import compose
 from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
-from deploy.local.host import ServiceRuntime, load_service
+from deploy.local.host import ServiceRuntime, check_settings, load_service
 from deploy.local.settings import ConfigError, HostSettings, binding_scheme
 from deploy.local.tasks import BackgroundTasks
 
@@ -83,6 +83,7 @@ class Topology:
             st, rt = self.settings[s.name], self.runtimes[s.name]
             rt.env.update(st.vars)
             rt.env.update({n: self._binding(s.name, n, u) for n, u in st.bindings.items()})
+            check_settings(s.name, st.service, rt.env)
             if rt.do_host is not None:
                 rt.do_host.env = rt.env
         return self.runtimes

@@ -29,10 +29,11 @@ from common.lru import ByteLRU
 from common.models import Model
 from common.quant import dequantize_rows, row_nbytes
 from common.runtime import BadRequest, NotFound, Request, Response, int_param
+from common.settings import default, read
 from services.embed_cache import EmbedRowCache
 from services.warden_base import Identity, IdentityFields, WardenBase, budget_from
 
-DEFAULT_BUDGET_BYTES = 256 << 20
+DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "cobordism_warden")  # 256 MiB
 MAX_ROWS = 8192
 R2_CONCURRENCY = 8
 
@@ -79,8 +80,8 @@ class CobordismWarden(WardenBase):
     async def _on_configure(self, header: KnotHeader, model: Model, body: dict) -> None:
         self.header = header
         self.embd, self.row_tensors = model.TOKEN_EMBD, frozenset({model.TOKEN_EMBD, model.OUTPUT})
-        self.cache = ByteLRU(budget_from(body, self.env, DEFAULT_BUDGET_BYTES))
-        kv = self.env.get("EMBED_CACHE")
+        self.cache = ByteLRU(budget_from(body, self.env, "cobordism_warden"))
+        kv = read(self.env, "EMBED_CACHE", "cobordism_warden")
         if kv is not None:
             assert self.source is not None
             hidden = header.entry(self.embd).shape[0]

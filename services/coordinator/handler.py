@@ -27,10 +27,10 @@ from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
 from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
+from common.settings import read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
 from services.boot import BootCache
-from services.config import float_var, int_var, var
 from services.coordinator import openai_api
 from services.coordinator.errors import openai_error_response
 from services.coordinator.generation import Coordinator, summary
@@ -57,23 +57,20 @@ class CoordinatorSettings:
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
-        stations = tuple(s.strip() for s in var(env, "STATIONS").split(",") if s.strip())
+        def get(name: str):
+            return read(env, name, "coordinator")
+
+        stations = get("STATIONS")
         shards = []
-        for item in var(env, "SHARDS").split(","):
+        for item in get("SHARDS").split(","):
             name, _, rng = item.strip().partition(":")
             if not rng:
                 raise TopologyError(f"SHARDS entry {item!r}: expected BINDING:START-END")
             a, b = parse_range(rng, f"SHARDS entry {item!r}")
             shards.append((name, a, b))
-        s = cls(var(env, "KNOT_KEY"), stations, tuple(shards), float_var(env, "SHARD_TIMEOUT_S", 30),
-                float_var(env, "STATION_TIMEOUT_S", 300), float_var(env, "STATION_RETRY_S", 60),
-                int_var(env, "MAX_CONCURRENT_REQUESTS", 8), int_var(env, "MAX_QUEUED_REQUESTS", 16),
-                int_var(env, "RETRY_AFTER_S", 1), var(env, "MODEL_NAME", "") or None)
-        for name, value, lo in (("MAX_CONCURRENT_REQUESTS", s.max_concurrent, 1),
-                                ("MAX_QUEUED_REQUESTS", s.max_queued, 0), ("RETRY_AFTER_S", s.retry_after_s, 1)):
-            if value < lo:
-                raise ServiceUnavailable(f"config {name}={value}: must be >= {lo}")
-        return s
+        return cls(get("KNOT_KEY"), stations, tuple(shards), get("SHARD_TIMEOUT_S"), get("STATION_TIMEOUT_S"),
+                   get("STATION_RETRY_S"), get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"),
+                   get("RETRY_AFTER_S"), get("MODEL_NAME"))
 
     @property
     def model_id(self) -> str:

@@ -23,9 +23,10 @@ from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
 from common.models import Model
 from common.runtime import BadRequest, NotFound, Request, Response
+from common.settings import default
 from services.warden_base import Identity, IdentityFields, WardenBase, budget_from
 
-DEFAULT_BUDGET_BYTES = 1 << 30
+DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "layer_warden")  # 1 GiB
 RESIDENT_BELOW_BYTES = 1 << 20
 MAX_BATCH = 256
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -62,7 +63,7 @@ class LayerWarden(WardenBase):
 
     async def _on_configure(self, header: KnotHeader, model: Model, body: dict) -> None:
         self.header = header
-        self.cache = ByteLRU(budget_from(body, self.env, DEFAULT_BUDGET_BYTES), resident_rule(model))
+        self.cache = ByteLRU(budget_from(body, self.env, "layer_warden"), resident_rule(model))
 
     # -------------------------------------------------------- tensors
 

@@ -32,16 +32,17 @@ from common.matmul import get_kernel
 from common.models import Model
 from common.quant import QTensor, dequantize_rows
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
+from common.settings import ConfigError, default, read
 from services.batcher import Batcher
 from services.boot import BootCache
 from services.cobordism_warden.client import CobordismWardenClient
-from services.config import int_var, var
 from services.knot_source import KnotSource
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUDGET_BYTES = 128 << 20
-DEFAULT_ROW_CACHE_BYTES = 4 << 20  # ~1,100 rows of a 0.5B (3.5 KiB each), ~290 of a 7B
+DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "shard")
+# 4 MiB: ~1,100 rows of a 0.5B (3.5 KiB each), ~290 of a 7B
+DEFAULT_ROW_CACHE_BYTES = default("ROW_CACHE_BYTES", "shard")
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,17 @@ class ShardSettings:
 
     @classmethod
     def from_env(cls, env: Env) -> "ShardSettings":
-        s = cls(var(env, "KNOT_KEY"), int_var(env, "VOCAB_START"), int_var(env, "VOCAB_END"),
-                int_var(env, "MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES),
-                int_var(env, "ROW_CACHE_BYTES", DEFAULT_ROW_CACHE_BYTES))
+        def get(name: str):
+            return read(env, name, "shard")
+
+        s = cls(get("KNOT_KEY"), get("VOCAB_START"), get("VOCAB_END"), get("MEMORY_BUDGET_BYTES"),
+                get("ROW_CACHE_BYTES"))
         if not 0 <= s.vocab_start < s.vocab_end:
-            raise ServiceUnavailable(f"shard vocab range [{s.vocab_start}, {s.vocab_end}) is empty or negative")
+            raise ConfigError(f"shard vocab range [{s.vocab_start}, {s.vocab_end}) is empty or negative",
+                              name="VOCAB_END")
         if not 0 <= s.row_cache_bytes <= s.budget_bytes // 2:
-            raise ServiceUnavailable(f"ROW_CACHE_BYTES={s.row_cache_bytes} must lie in [0, MEMORY_BUDGET_BYTES / 2]")
+            raise ConfigError(f"ROW_CACHE_BYTES={s.row_cache_bytes} must lie in [0, MEMORY_BUDGET_BYTES / 2]",
+                              name="ROW_CACHE_BYTES")
         return s
 
 
@@ -177,7 +182,7 @@ async def shard_for(env: Env) -> Shard:
     async def boot() -> Shard:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
         header, model = await source.header(), await source.model()
-        ns = env.get("COBORDISM_WARDEN")
+        ns = read(env, "COBORDISM_WARDEN", "shard")
         warden = (None if ns is None else
                   CobordismWardenClient(ns, settings.knot_key, settings.vocab_start, settings.vocab_end))
         sh = Shard(settings, model, header, source, warden)

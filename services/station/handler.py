@@ -32,11 +32,11 @@ from common import wire
 from common.knot import KnotHeader
 from common.kvcache import KVCache
 from common.layers import run_layers
-from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response, ServiceUnavailable
-from common.topology import ROLES, TopologyError
+from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
+from common.settings import ConfigError, default, read
+from common.topology import TopologyError
 from services.batcher import Batcher
 from services.boot import BootCache
-from services.config import float_var, int_var, var
 from services.knot_source import KnotSource
 from services.layer_warden.client import LayerWardenClient
 from services.station.memory import ForwardWeights, StationMemory
@@ -44,9 +44,9 @@ from services.station.tensors import PhaseLoader
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUDGET_BYTES = 128 << 20
-DEFAULT_SESSION_TTL_S = 600.0
-DEFAULT_MAX_BATCH = 16  # decode frames per batched forward
+DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "station")
+DEFAULT_SESSION_TTL_S = default("SESSION_TTL_S", "station")
+DEFAULT_MAX_BATCH = default("MAX_BATCH", "station")  # decode frames per batched forward
 
 
 class UnknownSession(Conflict):
@@ -70,18 +70,14 @@ class StationSettings:
 
     @classmethod
     def from_env(cls, env: Env) -> "StationSettings":
-        role = var(env, "SPECIALIZATION_ROLE")
-        if role not in ROLES:
-            raise ServiceUnavailable(f"SPECIALIZATION_ROLE={role!r}, expected one of {ROLES}")
-        s = cls(var(env, "KNOT_KEY"), int_var(env, "SPECIALIZATION_START_LAYER"),
-                int_var(env, "SPECIALIZATION_END_LAYER"), role,
-                int_var(env, "MEMORY_BUDGET_BYTES", DEFAULT_BUDGET_BYTES),
-                float_var(env, "SESSION_TTL_S", DEFAULT_SESSION_TTL_S),
-                int_var(env, "MAX_BATCH", DEFAULT_MAX_BATCH))
-        if s.max_batch < 1:
-            raise ServiceUnavailable(f"MAX_BATCH={s.max_batch}: must be at least 1")
+        def get(name: str):
+            return read(env, name, "station")
+
+        s = cls(get("KNOT_KEY"), get("SPECIALIZATION_START_LAYER"), get("SPECIALIZATION_END_LAYER"),
+                get("SPECIALIZATION_ROLE"), get("MEMORY_BUDGET_BYTES"), get("SESSION_TTL_S"), get("MAX_BATCH"))
         if not 0 <= s.layer_start < s.layer_end:
-            raise ServiceUnavailable(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative")
+            raise ConfigError(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative",
+                              name="SPECIALIZATION_END_LAYER")
         return s
 
 
@@ -262,7 +258,7 @@ async def station_for(env: Env, ctx) -> Station:
     async def boot() -> Station:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
         header, model = await source.header(), await source.model()
-        ns = env.get("LAYER_WARDEN")
+        ns = read(env, "LAYER_WARDEN", "station")
         warden = (None if ns is None else
                   LayerWardenClient(ns, settings.knot_key, settings.layer_start, settings.layer_end))
         st = Station(settings, header, PhaseLoader(model, header, source, warden, ctx.wait_until))
