@@ -184,18 +184,6 @@ class Response:
     def ok(self) -> bool:
         return 200 <= self.status < 300
 
-    async def buffered(self) -> "Response":
-        """This reply with its stream read to the end into `body` (a buffering client); the stream is closed."""
-        if self.stream is None:
-            return self
-        chunks = []
-        try:
-            async for chunk in self.stream:
-                chunks.append(bytes(chunk))
-        finally:
-            await aclose_stream(self.stream)
-        return Response(self.status, self.headers.copy(), b"".join(chunks))
-
     def text(self) -> str:
         return self.body.decode("utf-8")
 

@@ -28,7 +28,8 @@ Batch, version 1:
     12   ..    frames       `count` tensor frames back to back, nothing after them
 
 Decoders raise a WireError subclass whose message names the field and the numbers.
-Later frame kinds (the station envelope) get their own magic and reuse _Reader.
+The hop envelope (b"KENV", below) has its own magic and reuses _Reader; the wardens' request
+bodies (names, row ids) are at the end. docs/wire.md describes every frame.
 """
 from __future__ import annotations
 
@@ -197,7 +198,8 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
 
 
 # ---------------------------------------------------------------- array envelope (stations, shards)
-# Issue 5's hop frame (seed section 7: request id, position, sequence length, forward mode):
+# The hop envelope between coordinator, stations and shards (request id, position, sequence
+# length, forward mode):
 #
 #     off  size  field
 #     0    4     magic        b"KENV"

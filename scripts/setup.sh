@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (Python >= 3.11) and install the project into it, editable.
-#   scripts/setup.sh            runtime only
+#   scripts/setup.sh            the handlers' needs and the host's (the `host` extra): the runtime
 #   scripts/setup.sh dev,oracle with the test tools and the llama.cpp oracle
 # The oracle extra builds llama.cpp from source the first time (about 10 minutes on 2 cores);
 # pip caches the built wheel, so later runs take seconds.
@@ -20,7 +20,6 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $("$py" --version)" >&2
   "$py" -m venv .venv
 fi
-spec="."
-[ -n "$extras" ] && spec=".[$extras]"
+spec=".[host${extras:+,$extras}]"
 echo "setup: pip install -e '$spec'" >&2
 .venv/bin/python -m pip install --disable-pip-version-check -q -e "$spec"

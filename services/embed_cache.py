@@ -1,7 +1,7 @@
 """The L2 tier for embedding rows (seed section 4): dequantized float32 rows in KV, 24 h TTL.
 
-Shared by the CobordismWarden (on a RAM miss it asks KV before R2) and, in the next issue, by
-the shards. Seed section 8 traps handled here:
+Used by the CobordismWarden: on a RAM miss it asks KV before R2 (the shards reach KV through their
+warden, and keep their own small row LRU in front of it). Seed section 8 traps handled here:
 - kvGet silent cache poisoning: a value whose length != hidden * 4 is a miss, and the key is
   deleted in the background;
 - missing ctx.waitUntil on KV writes: every write and delete goes through wait_until.

@@ -15,7 +15,7 @@ from deploy.commands.cluster import add_layout_arguments
 from deploy.launcher import choose_model, default_run_dir, layout_for, plan
 from deploy.local import init, logs
 from deploy.local.host import build_app, serve_apps, serve_one
-from deploy.local.settings import HostSettings
+from deploy.local.settings import HostSettings, parse_binding
 from deploy.local.topology import Topology
 
 NAME = "serve"
@@ -54,7 +54,7 @@ async def _embedded(args) -> int:
     topo = Topology(specs, run_dir)
     for s in specs:  # the init service, in-process: the bucket is a directory here
         if s.oneshot and s.command[-1] == "deploy.local.init":
-            bucket = table.read(s.environment, "KNOT_BUCKET", "init").partition("://")[2].strip("/")
+            bucket = parse_binding("KNOT_BUCKET", table.read(s.environment, "KNOT_BUCKET", "init")).target
             msg = await asyncio.to_thread(init.run, {**s.environment,
                                                       "KNOT_BUCKET": f"dir:{topo.bucket_dir(bucket)}"})
             log.info(msg)

@@ -31,7 +31,7 @@ from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
-from deploy.local.settings import ConfigError, HostSettings, binding_scheme
+from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -201,27 +201,26 @@ def build_app(rt: ServiceRuntime, max_body_bytes: int = 256 << 20) -> web.Applic
 
 def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.ClientSession,
                  do_host: DurableObjectHost | None) -> Any:
-    scheme = binding_scheme(name, url)
-    rest = url.partition(":")[2]
-    if scheme == "s3":
-        return S3Bucket(settings.s3, rest.lstrip("/").strip("/"))
-    if scheme == "dir":
-        return DirectoryBucket(rest)
-    if scheme == "redis":
-        base, _, query = url.partition("?")
-        params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
-        return RedisKV(base, params.get("prefix", f"{name}:"), settings.call_timeout_s)
-    if scheme == "memory":
-        return MemoryKV()
-    if scheme == "do+http":
-        base, _, class_name = url.removeprefix("do+").rpartition("/")
-        return HttpNamespace(session, base, class_name, settings.call_timeout_s)
-    if scheme == "do+local":
-        if do_host is None or rest not in do_host.classes:
-            raise ConfigError(f"binding {name}={url}: this process does not host {rest!r} "
-                              f"(KNOT_DURABLE_OBJECTS={','.join(settings.durable_objects)})")
-        return LocalNamespace(do_host, rest)
-    return HttpService(session, url, settings.call_timeout_s)
+    timeout_s = settings.call_timeout_s
+
+    def local_namespace(b: BindingURL) -> LocalNamespace:
+        if do_host is None or b.target not in do_host.classes:
+            raise ConfigError(f"binding {name}={url}: this process does not host {b.target!r} "
+                              f"(KNOT_DURABLE_OBJECTS={','.join(settings.durable_objects)})", name=name)
+        return LocalNamespace(do_host, b.target)
+
+    def service(b: BindingURL) -> HttpService:
+        return HttpService(session, b.url, timeout_s)
+
+    return open_binding(name, url, {
+        "s3": lambda b: S3Bucket(settings.s3, b.target),
+        "dir": lambda b: DirectoryBucket(b.target),
+        "redis": lambda b: RedisKV(b.target, b.prefix, timeout_s),
+        "memory": lambda b: MemoryKV(),
+        "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s),
+        "do+local": local_namespace,
+        "http": service, "https": service,
+    })
 
 
 def check_settings(name: str, module: str, env: Env) -> None:

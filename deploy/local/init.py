@@ -23,7 +23,7 @@ from boto3.s3.transfer import TransferConfig
 from common.knot import KnotError, read_header_sync
 from common.settings import ConfigError, read
 from deploy.local.bindings import S3Settings, s3_client
-from deploy.local.settings import binding_scheme
+from deploy.local.settings import parse_binding
 
 log = logging.getLogger("deploy.local.init")
 MULTIPART_CHUNK_BYTES = 64 << 20
@@ -95,11 +95,11 @@ def upload_dir(root: Path, key: str, model: str) -> str:
 
 def run(env: Mapping[str, str]) -> str:
     model, key, url = (read(env, n, "init") for n in ("KNOT_MODEL", "KNOT_KEY", "KNOT_BUCKET"))
-    scheme = binding_scheme("KNOT_BUCKET", url)
-    if scheme == "s3":
-        return upload_s3(env, url.partition("://")[2].strip("/"), key, model)
-    if scheme == "dir":
-        return upload_dir(Path(url.partition(":")[2]), key, model)
+    bucket = parse_binding("KNOT_BUCKET", url)
+    if bucket.scheme == "s3":
+        return upload_s3(env, bucket.target, key, model)
+    if bucket.scheme == "dir":
+        return upload_dir(Path(bucket.target), key, model)
     raise ConfigError(f"KNOT_BUCKET={url}: init knows s3:// and dir: buckets")
 
 

@@ -14,12 +14,14 @@ turns the host's into HostSettings and says which binding URL schemes exist:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
 
 from common.settings import ConfigError, read
 from deploy.local.bindings import S3Settings
 
-__all__ = ["BINDING_SCHEMES", "ConfigError", "HostSettings", "binding_scheme"]
+__all__ = ["BINDING_SCHEMES", "BindingURL", "ConfigError", "HostSettings", "binding_scheme", "open_binding",
+           "parse_binding"]
 
 BINDING_SCHEMES = {
     "s3": "bucket", "dir": "bucket",
@@ -27,6 +29,46 @@ BINDING_SCHEMES = {
     "do+http": "durable_object", "do+local": "durable_object",
     "http": "service", "https": "service",
 }
+
+
+@dataclass(frozen=True)
+class BindingURL:
+    """A binding URL taken apart: the one parser of the schemes above. `open_binding` turns it into
+    an object through the host's own constructors (real servers, or embedded stand-ins)."""
+
+    name: str  # the variable, e.g. "LAYER_WARDEN"
+    url: str
+    scheme: str  # a key of BINDING_SCHEMES
+    target: str  # s3: the bucket; dir: the path; do+*: the class; redis: the URL without its query; http: the URL
+    host: str | None = None  # the server or peer: redis, do+http, http(s)
+    base_url: str = ""  # do+http: the hosting process's URL
+    prefix: str = ""  # redis, memory: where this binding's keys live
+
+
+def parse_binding(name: str, url: str) -> BindingURL:
+    scheme = binding_scheme(name, url)
+    rest = url.partition(":")[2]
+    if scheme == "s3":
+        return BindingURL(name, url, scheme, rest.strip("/"))
+    if scheme in ("dir", "do+local"):
+        return BindingURL(name, url, scheme, rest)
+    if scheme in ("redis", "memory"):
+        base, _, query = url.partition("?")
+        params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+        return BindingURL(name, url, scheme, base, urlsplit(base).hostname, prefix=params.get("prefix", f"{name}:"))
+    if scheme == "do+http":
+        base_url, _, class_name = url.removeprefix("do+").rpartition("/")
+        return BindingURL(name, url, scheme, class_name, urlsplit(base_url).hostname, base_url)
+    return BindingURL(name, url, scheme, url, urlsplit(url).hostname)
+
+
+def open_binding(name: str, url: str, openers: Mapping[str, Callable[[BindingURL], Any]]) -> Any:
+    """The binding object for `url`: openers maps each scheme to the host's constructor."""
+    b = parse_binding(name, url)
+    opener = openers.get(b.scheme)
+    if opener is None:
+        raise ConfigError(f"binding {name}={url!r}: this host cannot open {b.scheme} bindings", name=name)
+    return opener(b)
 
 
 def binding_scheme(name: str, url: str) -> str:

@@ -20,7 +20,7 @@ from deploy.local import compose
 from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
 from deploy.local.host import ServiceRuntime, check_settings, load_service
-from deploy.local.settings import ConfigError, HostSettings, binding_scheme
+from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
 from deploy.local.tasks import BackgroundTasks
 
 
@@ -37,30 +37,29 @@ class Topology:
         return self.run_dir / "bucket" / bucket
 
     def _binding(self, service: str, name: str, url: str) -> Any:
-        scheme = binding_scheme(name, url)
-        if scheme == "s3":
-            bucket = url.partition("://")[2].strip("/")
-            if bucket not in self._buckets:
-                self._buckets[bucket] = DirectoryBucket(self.bucket_dir(bucket))
-            return self._buckets[bucket]
-        if scheme == "dir":
-            return DirectoryBucket(url.partition(":")[2])
-        if scheme in ("redis", "memory"):
-            u = urlsplit(url)
-            prefix = dict(p.split("=", 1) for p in u.query.split("&") if "=" in p).get("prefix", f"{name}:")
-            key = (u.hostname, u.path, prefix) if scheme == "redis" else (service, name)
-            return self._kvs.setdefault(key, MemoryKV())
-        if scheme == "do+local":
-            return self._namespace(service, url.partition(":")[2])
-        if scheme == "do+http":
-            u = urlsplit(url.removeprefix("do+"))
-            return self._namespace(self._peer(u.hostname, url), u.path.strip("/"))
-        peer = self.runtimes[self._peer(urlsplit(url).hostname, url)]
-        return LocalService(peer.handler, peer.env, peer.tasks)
+        def bucket(b: BindingURL) -> DirectoryBucket:
+            if b.target not in self._buckets:
+                self._buckets[b.target] = DirectoryBucket(self.bucket_dir(b.target))
+            return self._buckets[b.target]
+
+        def peer_service(b: BindingURL) -> LocalService:
+            peer = self.runtimes[self._peer(b.host, url)]
+            return LocalService(peer.handler, peer.env, peer.tasks)
+
+        return open_binding(name, url, {
+            "s3": bucket,
+            "dir": lambda b: DirectoryBucket(b.target),
+            # one store per Redis database and prefix, shared like the real Redis; memory: per binding
+            "redis": lambda b: self._kvs.setdefault((b.host, urlsplit(b.target).path, b.prefix), MemoryKV()),
+            "memory": lambda b: self._kvs.setdefault((service, name), MemoryKV()),
+            "do+local": lambda b: self._namespace(service, b.target),
+            "do+http": lambda b: self._namespace(self._peer(b.host, url), b.target),
+            "http": peer_service, "https": peer_service,
+        })
 
     def _peer(self, host: str | None, url: str) -> str:
         if host not in self.runtimes:
-            raise ConfigError(f"binding {url}: no service named {host!r} in the compose file")
+            raise ConfigError(f"binding {url}: no service named {host!r} in the layout")
         return host
 
     def _namespace(self, service: str, class_name: str) -> LocalNamespace:

