@@ -64,6 +64,11 @@ async def test_chunks_overlap_across_stations_and_stay_in_order_per_station():
 async def test_a_failed_chunk_cancels_the_rest_instead_of_hanging():
     log: list = []
     p = pipeline([FakeStation(0, log), FakeStation(1, log, fail_at=4)])
-    with pytest.raises(Exception):
+    before = asyncio.all_tasks()
+    with pytest.raises(Conflict, match="station failed on this chunk"):
         await asyncio.wait_for(p.prefill("r", list(range(12)), [(0, 4), (4, 8), (8, 12)], Hops(), []), 2.0)
+    # The chunk after the failed one waits for an event the failed chunk never sets: unless prefill
+    # cancels it (and awaits the cancellation) it stays pending forever, holding its activations.
+    left = asyncio.all_tasks() - before  # all_tasks() holds the tasks not yet finished
+    assert not left, f"chunk tasks still pending after the failure: {left}"
     assert ("start", 1, 8) not in log, "no chunk after the failed one reached station 1"
