@@ -205,3 +205,23 @@ def test_binding_urls_are_parsed_in_one_place():
         parse_binding("S", "ftp://x")
     with pytest.raises(ConfigError, match="cannot open redis bindings"):
         open_binding("KV", "redis://r:6379/0", {"s3": lambda b: b})
+
+
+def test_knot_compose_writes_the_layout_for_any_counts(capsys):
+    from deploy.cli import main
+
+    assert main(["compose", "--stations", "3", "--shards", "3"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# GENERATED") and "#   knot compose --stations 3 --shards 3 > docker-compose.yml" in text
+    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), {}))}
+    assert [specs[f"station-{i}"].environment["SPECIALIZATION_END_LAYER"] for i in range(3)] == ["8", "16", "24"]
+    assert "shard-3" not in specs and specs["coordinator"].environment["STATIONS"] == "STATION_0,STATION_1,STATION_2"
+    assert main(["compose", "--stations", "25"]) == 1
+    assert "25 stations for 24 layers: need 1 <= stations <= layers" in capsys.readouterr().err
+
+
+def test_cluster_up_refuses_counts_the_model_does_not_allow_before_starting(tmp_path):
+    cluster = Cluster(tmp_path)
+    with pytest.raises(TopologyError, match="0 shards for a vocabulary of 151936"):
+        cluster.up(n_shards=0, env={})
+    assert not cluster.state_path.exists() and not (tmp_path / "logs").exists()  # nothing was started
