@@ -9,6 +9,9 @@ pipeline mirrors llama.cpp's llm_tokenizer_bpe for pre="qwen2":
   3. map bytes to GPT-2's printable unicode alphabet and apply the BPE merges by rank.
 No NFC normalizer: HF's Qwen2 tokenizer.json has one, llama.cpp does not, and llama.cpp is the
 reference here.
+
+Two backends give the same ids: Hugging Face `tokenizers` (Rust, fast) where it imports, and the
+pure-Python common/bpe.py elsewhere (Pyodide has no `tokenizers`: Cloudflare's Python Workers).
 """
 from __future__ import annotations
 
@@ -19,8 +22,16 @@ from typing import Mapping, Sequence
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
+
+from common.bpe import QWEN2_PATTERN, BytePairEncoder
+
+try:  # the fast path; absent under Pyodide, where common/bpe.py gives the same ids
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+except ImportError:  # pragma: no cover - exercised under Pyodide (tests/cloudflare)
+    HFTokenizer = None
+
+BACKENDS = ("tokenizers", "python")
 
 # ref: llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2
 QWEN2_PRE_REGEX = (
@@ -28,6 +39,8 @@ QWEN2_PRE_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_REGEXES = {"qwen2": QWEN2_PRE_REGEX}
+# The same patterns in the spelling Python's `re` takes (common/bpe.py), for the python backend.
+PY_PRE_PATTERNS = {"qwen2": QWEN2_PATTERN}
 
 # GGUF tokenizer.ggml.token_type values (gguf-py TokenType / llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -64,7 +77,8 @@ class ChatMessage:
 
 
 class Tokenizer:
-    def __init__(self, data: Mapping):
+    def __init__(self, data: Mapping, backend: str | None = None):
+        """backend: "tokenizers" (Rust), "python" (common/bpe.py); None = tokenizers when it imports."""
         if data.get("model") != "gpt2":
             raise TokenizerError(f"tokenizer model {data.get('model')!r}: only gpt2 (byte-level BPE) is supported")
         pre = data.get("pre") or "qwen2"
@@ -84,30 +98,45 @@ class Tokenizer:
         self.eog_ids = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i in self.control_ids}
         if self.eos_id is not None:
             self.eog_ids.add(int(self.eos_id))
-        self._hf = self._build(tokens, types, data["merges"], PRE_REGEXES[pre])
+        if backend is None:
+            backend = "tokenizers" if HFTokenizer is not None else "python"
+        if backend not in BACKENDS:
+            raise TokenizerError(f"tokenizer backend {backend!r}: expected one of {BACKENDS}")
+        if backend == "tokenizers" and HFTokenizer is None:
+            raise TokenizerError("tokenizer backend 'tokenizers': the package does not import here")
+        self.backend = backend
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise TokenizerError(f"{len(tokens) - len(vocab)} duplicate token strings")
+        pairs = []
+        for m in data["merges"]:
+            a, sep, b = m.partition(" ")  # byte-level tokens never contain a raw space
+            if not sep:
+                raise TokenizerError(f"merge {m!r} is not two tokens separated by a space")
+            pairs.append((a, b))
+        # Specials are stored as plain text, not byte-level encoded; they split the input before
+        # the regex does. Control tokens are "special", so special=False can turn them off.
+        self._added = {tokens[i]: i for i in range(len(tokens)) if types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+        self._user_defined = frozenset(t for t, i in self._added.items() if types[i] == TOKEN_USER_DEFINED)
+        if backend == "tokenizers":
+            self._hf = self._build(tokens, types, vocab, pairs, PRE_REGEXES[pre])
+        else:
+            try:
+                self._bpe = BytePairEncoder(vocab, pairs, PY_PRE_PATTERNS[pre], bytes_to_unicode(), self._added)
+            except ValueError as e:
+                raise TokenizerError(str(e)) from None
         self._special_id = {tokens[i]: i for i in sorted(self.control_ids)}  # the markers a template may write
         self._special_re = None
         self._piece_cache: dict[int, bytes] = {}
 
     @staticmethod
-    def _build(tokens, types, merges, pattern) -> HFTokenizer:
-        vocab = {t: i for i, t in enumerate(tokens)}
-        if len(vocab) != len(tokens):
-            raise TokenizerError(f"{len(tokens) - len(vocab)} duplicate token strings")
-        pairs = []
-        for m in merges:
-            a, sep, b = m.partition(" ")  # byte-level tokens never contain a raw space
-            if not sep:
-                raise TokenizerError(f"merge {m!r} is not two tokens separated by a space")
-            pairs.append((a, b))
+    def _build(tokens, types, vocab, pairs, pattern) -> "HFTokenizer":
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
         tok.decoder = decoders.ByteLevel()
-        # Specials are stored as plain text, not byte-level encoded; they split the input before
-        # the regex does. Control tokens are "special" so encode_special_tokens can turn them off.
         added = [AddedToken(tokens[i], special=types[i] == TOKEN_CONTROL, normalized=False)
                  for i in range(len(tokens)) if types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
         tok.add_tokens(added)
@@ -122,6 +151,8 @@ class Tokenizer:
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """text -> ids, no BOS. special=True parses control tokens (<|im_start|>) as such."""
+        if self.backend == "python":
+            return self._bpe.encode(text, None if special else self._user_defined)
         self._hf.encode_special_tokens = not special
         return self._hf.encode(text, add_special_tokens=False).ids
 
