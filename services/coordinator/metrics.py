@@ -5,6 +5,9 @@ inter-token latency, per-hop latency (embed, station_i, logits), shard degradati
 queue wait. Gathered at scrape time from the services through the coordinator's bindings
 (GET /stats of every station and shard): where their tensors and embedding rows came from
 (warden vs R2), hence the warden hit ratios, and the stations' live KV sessions.
+
+prometheus_client is optional: where it does not import (a Python Worker bundle without it),
+the instruments below count nothing and GET /metrics answers 503 naming the missing package.
 """
 from __future__ import annotations
 
@@ -12,11 +15,14 @@ import asyncio
 import logging
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from common.runtime import HttpError, Response, ServiceUnavailable
 
-from common.runtime import HttpError, Response
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+except ImportError:
+    CollectorRegistry = None
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +83,26 @@ class ServiceStats:
         yield from (up, loads, sessions, rows, ratio)
 
 
+class _Uncounted:
+    """Stands in for every instrument when prometheus_client is absent: accepts the calls, keeps nothing."""
+
+    def labels(self, *_args) -> "_Uncounted":
+        return self
+
+    def inc(self, _amount: float = 1) -> None:
+        pass
+
+    def observe(self, _value: float) -> None:
+        pass
+
+
 class CoordinatorMetrics:
     def __init__(self, admission) -> None:
+        self.enabled = CollectorRegistry is not None
+        if not self.enabled:
+            self.requests = self.tokens = self.generations = self.ttft = self.itl = self.hops = _Uncounted()
+            self.queue_wait = self.degradations = self.replays = _Uncounted()
+            return
         r = self.registry = CollectorRegistry()  # per coordinator, never the process-global one
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
@@ -109,6 +133,9 @@ class CoordinatorMetrics:
 
     async def gather(self, stations: list, shards: list) -> None:
         """Refresh the services' snapshot: GET /stats of each station and shard client, concurrently."""
+        if not self.enabled:
+            return  # nothing would show them: exposition() answers 503
+
         async def one(client) -> dict | None:
             try:
                 return await client.stats(STATS_TIMEOUT_S)
@@ -120,4 +147,6 @@ class CoordinatorMetrics:
         self.services.stations, self.services.shards = got[:len(stations)], got[len(stations):]
 
     def exposition(self) -> Response:
+        if not self.enabled:
+            raise ServiceUnavailable("GET /metrics needs the prometheus_client package, which this host lacks")
         return Response.from_bytes(generate_latest(self.registry), CONTENT_TYPE_LATEST)
