@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "deploy.commands.settings",
     "deploy.commands.bench",
     "deploy.commands.synth",
+    "deploy.commands.deploy",
 )
 
 

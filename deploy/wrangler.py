@@ -1,0 +1,239 @@
+"""`knot deploy cloudflare`: one Python Worker per service, each a directory wrangler deploys.
+
+    OUT/knot-<worker>/wrangler.json      name, main, compatibility date + python_workers, limits,
+                                         R2 / KV / Durable Object bindings, migrations, services, vars
+    OUT/knot-<worker>/src/entry.py       the main module: the role's WorkerEntrypoint and DO classes
+    OUT/knot-<worker>/src/{common,services,deploy/cloudflare}/   the same code as the local host
+    OUT/knot-<worker>/python_modules/    pure-Python dependencies copied from this environment
+    OUT/knot-<worker>/pyproject.toml     what `pywrangler sync` adds for the runtime (numpy)
+    OUT/README.md                        the real deploy steps
+
+The topology is the one docker-compose.yml runs: common.topology's split_layers / split_vocab over
+the model's hyperparameters. Budgets are set for a 128 MB isolate (docs/cloudflare.md): the local
+warden defaults of 1 GiB and 256 MiB would not fit.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from common.topology import split_layers, split_vocab
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "knot"
+# python_workers with a date after 2025-09-29 implies python_workers_20250116: Pyodide 0.28 runtimes.
+COMPATIBILITY_DATE = "2026-11-01"
+COMPATIBILITY_FLAGS = ("python_workers",)
+CPU_MS = 300_000  # the most a Worker or DO request may use (Paid plan); a long prefill needs it
+
+ISOLATE_BYTES = 128 << 20  # per isolate and per Durable Object
+RUNTIME_RESERVE_BYTES = 56 << 20  # Pyodide, numpy, our modules, request buffers (docs/cloudflare.md)
+BUDGETS = {  # MEMORY_BUDGET_BYTES per role, each + RUNTIME_RESERVE_BYTES <= ISOLATE_BYTES
+    "station": 64 << 20,
+    "shard": 64 << 20,
+    "layer-warden": 48 << 20,
+    "cobordism-warden": 32 << 20,
+}
+ROW_CACHE_BYTES = 4 << 20
+KV_ID_PLACEHOLDER = "REPLACE_WITH_EMBED_CACHE_KV_NAMESPACE_ID"
+PURE_PYTHON_DEPS = {"coordinator": ("jinja2", "markupsafe", "prometheus_client")}
+RUNTIME_PACKAGES = ("common", "services")  # copied whole; of deploy/, only the adapter
+ADAPTER = "deploy/cloudflare"
+
+ENTRY = {
+    "coordinator": ("from deploy.cloudflare.entry import worker_entrypoint\nfrom services import coordinator\n\n"
+                    "Default = worker_entrypoint(coordinator.fetch)\n"),
+    "station": ("from deploy.cloudflare.entry import forwarding_entrypoint, station_object\nfrom services import station\n\n"
+                "Default = forwarding_entrypoint(\"STATION\", \"STATION_INSTANCE\")\n"
+                "Station = station_object(station.fetch)\n"),
+    "shard": ("from deploy.cloudflare.entry import worker_entrypoint\nfrom services import shard\n\n"
+              "Default = worker_entrypoint(shard.fetch)\n"),
+    "layer-warden": ("from deploy.cloudflare.entry import durable_object, worker_entrypoint\n"
+                     "from services import layer_warden\n\nDefault = worker_entrypoint(layer_warden.fetch)\n"
+                     "LayerWarden = durable_object(layer_warden.DURABLE_OBJECTS[\"LayerWarden\"])\n"),
+    "cobordism-warden": ("from deploy.cloudflare.entry import durable_object, worker_entrypoint\n"
+                         "from services import cobordism_warden\n\nDefault = worker_entrypoint(cobordism_warden.fetch)\n"
+                         "CobordismWarden = durable_object(cobordism_warden.DURABLE_OBJECTS[\"CobordismWarden\"])\n"),
+}
+
+
+class DeployError(ValueError):
+    pass
+
+
+@dataclass
+class Worker:
+    name: str  # the Worker's name on Cloudflare, e.g. knot-station-0
+    role: str  # a key of ENTRY
+    vars: dict[str, str] = field(default_factory=dict)
+    bindings: dict[str, str] = field(default_factory=dict)  # env name -> kind (deploy/cloudflare/bindings.py)
+    r2: dict[str, str] = field(default_factory=dict)  # binding -> bucket
+    kv: dict[str, str] = field(default_factory=dict)  # binding -> namespace id
+    durable_objects: list[dict[str, str]] = field(default_factory=list)
+    services: dict[str, str] = field(default_factory=dict)  # binding -> Worker name
+    classes: tuple[str, ...] = ()  # the DO classes this Worker defines (migrations)
+
+    def bind(self, name: str, kind: str) -> None:
+        self.bindings[name] = kind
+
+    def config(self) -> dict[str, Any]:
+        """The wrangler.json of this Worker."""
+        cfg: dict[str, Any] = {
+            "name": self.name, "main": "src/entry.py", "compatibility_date": COMPATIBILITY_DATE,
+            "compatibility_flags": list(COMPATIBILITY_FLAGS), "limits": {"cpu_ms": CPU_MS},
+            "observability": {"enabled": True},
+        }
+        if self.r2:
+            cfg["r2_buckets"] = [{"binding": b, "bucket_name": n} for b, n in self.r2.items()]
+        if self.kv:
+            cfg["kv_namespaces"] = [{"binding": b, "id": i} for b, i in self.kv.items()]
+        if self.durable_objects:
+            cfg["durable_objects"] = {"bindings": self.durable_objects}
+        if self.classes:
+            cfg["migrations"] = [{"tag": "v1", "new_sqlite_classes": list(self.classes)}]
+        if self.services:
+            cfg["services"] = [{"binding": b, "service": s} for b, s in self.services.items()]
+        names = sorted(self.vars)
+        cfg["vars"] = {**self.vars, "KNOT_BINDINGS": json.dumps(self.bindings, separators=(",", ":")),
+                       "KNOT_VARS": ",".join(names)}
+        return cfg
+
+
+def station_instance(knot_key: str, layer_start: int, layer_end: int) -> str:
+    """The name of a station's Durable Object: one per knot and layer range."""
+    return f"{knot_key}|{layer_start}-{layer_end}"
+
+
+def plan(n_layers: int, vocab_size: int, knot_key: str, n_stations: int = 2, n_shards: int = 8,
+         bucket: str = "knots", kv_id: str = KV_ID_PLACEHOLDER, model_name: str = "") -> list[Worker]:
+    """The Workers, in deploy order (a Worker after the ones whose classes it binds)."""
+    stations, shards = split_layers(n_layers, n_stations), split_vocab(vocab_size, n_shards)
+    lw = Worker(f"{PREFIX}-layer-warden", "layer-warden", {"MEMORY_BUDGET_BYTES": str(BUDGETS["layer-warden"])},
+                classes=("LayerWarden",))
+    cw = Worker(f"{PREFIX}-cobordism-warden", "cobordism-warden",
+                {"MEMORY_BUDGET_BYTES": str(BUDGETS["cobordism-warden"])}, classes=("CobordismWarden",))
+    for w, cls, binding in ((lw, "LayerWarden", "LAYER_WARDEN"), (cw, "CobordismWarden", "COBORDISM_WARDEN")):
+        w.durable_objects.append({"name": binding, "class_name": cls})
+        w.bind(binding, "do")
+    cw.kv["EMBED_CACHE"] = kv_id
+    cw.bind("EMBED_CACHE", "kv")
+    workers = [lw, cw]
+    co = Worker(f"{PREFIX}-coordinator", "coordinator", {
+        "KNOT_KEY": knot_key, "STATIONS": ",".join(f"STATION_{s.index}" for s in stations),
+        "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
+        "SHARD_TIMEOUT_S": "30", "STATION_TIMEOUT_S": "300", "STATION_RETRY_S": "60",
+        "MAX_CONCURRENT_REQUESTS": "8", "MAX_QUEUED_REQUESTS": "16", "RETRY_AFTER_S": "1", "MODEL_NAME": model_name})
+    for s in stations:
+        name, instance = f"{PREFIX}-station-{s.index}", station_instance(knot_key, s.layer_start, s.layer_end)
+        st = Worker(name, "station", {
+            "KNOT_KEY": knot_key, "SPECIALIZATION_START_LAYER": str(s.layer_start),
+            "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
+            "MEMORY_BUDGET_BYTES": str(BUDGETS["station"]), "SESSION_TTL_S": "600", "MAX_BATCH": "16",
+            "STATION_INSTANCE": instance}, classes=("Station",))
+        st.durable_objects += [{"name": "STATION", "class_name": "Station"},
+                               {"name": "LAYER_WARDEN", "class_name": "LayerWarden", "script_name": lw.name}]
+        st.bind("STATION", "do")
+        st.bind("LAYER_WARDEN", "do")
+        workers.append(st)
+        co.durable_objects.append({"name": f"STATION_{s.index}", "class_name": "Station", "script_name": name})
+        co.bind(f"STATION_{s.index}", f"do-service:{instance}")
+    for s in shards:
+        sh = Worker(f"{PREFIX}-shard-{s.index}", "shard", {
+            "KNOT_KEY": knot_key, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
+            "MEMORY_BUDGET_BYTES": str(BUDGETS["shard"]), "ROW_CACHE_BYTES": str(ROW_CACHE_BYTES)})
+        sh.durable_objects.append({"name": "COBORDISM_WARDEN", "class_name": "CobordismWarden", "script_name": cw.name})
+        sh.bind("COBORDISM_WARDEN", "do")
+        workers.append(sh)
+        co.services[f"SHARD_{s.index}"] = sh.name
+        co.bind(f"SHARD_{s.index}", "service")
+    workers.append(co)
+    for w in workers:
+        w.r2["KNOT_BUCKET"] = bucket
+        w.bind("KNOT_BUCKET", "r2")
+    return workers
+
+
+def _copy_package(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.pyd", "*.c", "*.h"),
+                    dirs_exist_ok=True)
+
+
+def vendor(package: str, dst_root: Path) -> Path:
+    """Copy an installed pure-Python package (C speedups dropped: markupsafe falls back to _native)."""
+    spec = find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DeployError(f"package {package!r} is not installed here; install it to vendor it into the bundle")
+    src = Path(next(iter(spec.submodule_search_locations)))
+    _copy_package(src, dst_root / package)
+    return dst_root / package
+
+
+def pyproject(worker: Worker) -> str:
+    deps = ["numpy", *(p.replace("_", "-") for p in PURE_PYTHON_DEPS.get(worker.role, ()))]
+    lines = ",\n".join(f'    "{d}"' for d in deps)
+    return (f'[project]\nname = "{worker.name}"\nversion = "0.1.0"\nrequires-python = ">=3.12"\n'
+            f"# `uv run pywrangler sync` installs these for the Workers runtime's Pyodide into python_modules/\n"
+            f"dependencies = [\n{lines},\n]\n\n[dependency-groups]\ndev = [\"workers-py\", \"workers-runtime-sdk\"]\n")
+
+
+def write(out: Path, workers: list[Worker]) -> list[Path]:
+    """Write every Worker's directory under `out`, and the README; returns the Worker directories."""
+    out.mkdir(parents=True, exist_ok=True)
+    dirs = []
+    for w in workers:
+        d = out / w.name
+        if d.exists():
+            shutil.rmtree(d)
+        src = d / "src"
+        for pkg in RUNTIME_PACKAGES:
+            _copy_package(REPO_ROOT / pkg, src / pkg)
+        _copy_package(REPO_ROOT / ADAPTER, src / ADAPTER)
+        (src / "deploy" / "__init__.py").write_text('"""Of deploy/, a Worker bundle holds only the adapter."""\n')
+        (src / "entry.py").write_text(f'"""{w.name}: written by `knot deploy cloudflare` (deploy/wrangler.py)."""\n'
+                                      + ENTRY[w.role])
+        for package in PURE_PYTHON_DEPS.get(w.role, ()):
+            vendor(package, d / "python_modules")
+        (d / "pyproject.toml").write_text(pyproject(w))
+        (d / "wrangler.json").write_text(json.dumps(w.config(), indent=2) + "\n")
+        dirs.append(d)
+    (out / "README.md").write_text(readme(workers))
+    return dirs
+
+
+def readme(workers: list[Worker]) -> str:
+    bucket = workers[0].r2["KNOT_BUCKET"]
+    knot_key = next(w.vars["KNOT_KEY"] for w in workers if "KNOT_KEY" in w.vars)
+    deploys = "\n".join(f"(cd {w.name} && uv run pywrangler sync && npx wrangler deploy)" for w in workers)
+    return f"""# Deploying knot-cluster to Cloudflare Python Workers
+
+Written by `knot deploy cloudflare`; docs/cloudflare.md in the repository explains every choice.
+Needs a Workers **Paid** plan: each Worker and Durable Object request may use up to {CPU_MS // 1000} s of CPU
+(`limits.cpu_ms`), and a generated token costs more subrequests than the Free plan's 50.
+
+1. Log in: `npx wrangler login`.
+2. Create the bucket and upload the knot (R2 objects up to 5 GB go up with one `wrangler r2 object put`;
+   a larger knot needs a multipart upload, e.g. `rclone` or the S3 API):
+
+       npx wrangler r2 bucket create {bucket}
+       npx wrangler r2 object put {bucket}/{knot_key} --file path/to/{knot_key} --remote
+
+3. Create the KV namespace that caches embedding rows, and put its id into
+   knot-cobordism-warden/wrangler.json (`kv_namespaces[0].id`, now `{KV_ID_PLACEHOLDER}`):
+
+       npx wrangler kv namespace create EMBED_CACHE
+
+4. Deploy the Workers in this order (a Worker after those whose Durable Object classes it binds).
+   `pywrangler sync` (pip package `workers-py`) installs numpy for the runtime's Pyodide into
+   python_modules/; jinja2, markupsafe and prometheus_client are vendored there already.
+
+{deploys}
+
+5. The coordinator's URL is printed by its deploy. Then, as locally:
+
+       curl -s https://{PREFIX}-coordinator.<your-subdomain>.workers.dev/generate \\
+            -H 'Content-Type: application/json' -d '{{"prompt": "def fibonacci(n):", "max_tokens": 16}}'
+"""
