@@ -1,0 +1,170 @@
+"""The project under Pyodide 0.27.7 in Node 22, offline (tests/cloudflare/node/harness.mjs):
+numpy from Pyodide's own wheel (hash-checked against its pyodide-lock.json), the real
+workers-runtime-sdk, and the Workers `knot deploy cloudflare` writes.
+
+- common/ dequantizes all 13 types bit-exactly as CPython does;
+- the pure-Python tokenizer (tokenizers cannot import there) gives tokenizers' ids;
+- the coordinator, both stations (Durable Objects), the shards and both wardens run a tiny model
+  end to end through the adapter, greedy tokens equal to CPython's, streamed too.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.quant import QUANT_TYPES, dequantize
+from common.tokenizer import Tokenizer
+from deploy import wrangler
+from deploy.knotfile import open_model
+from tests.cloudflare import tools
+from tests.inprocess import build_cluster
+from tests.tokenizer_corpus import corpus
+from tests.unit.test_quant import ne0_for, random_raw
+
+HERE = Path(__file__).resolve().parent
+HARNESS = HERE / "node" / "harness.mjs"
+PROMPT = "def the"
+MAX_TOKENS = 10
+
+
+def run_harness(config: dict, tmp: Path) -> dict:
+    config = {"pyodide": str(tools.pyodide_dir()), "numpy": str(tools.numpy_wheel()), "checks": "/checks",
+              "python_path": ["/sdk"], **config}
+    config.setdefault("mounts", {})
+    config["mounts"].update({"/checks": str(HERE), "/sdk": str(tools.workers_sdk())})
+    path = tmp / "harness.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.run([str(tools.node()), str(HARNESS), str(path)], capture_output=True, text=True, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"harness failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def dequant_cases(path: Path) -> Path:
+    rng = np.random.default_rng(7)
+    arrays = {}
+    for t in QUANT_TYPES:
+        ne0 = ne0_for(t)
+        for label, raw in (("random", random_raw(t, 4, ne0, rng)), ("zero", np.zeros_like(random_raw(t, 2, ne0, rng)))):
+            shape = (ne0, raw.shape[0])
+            arrays[f"{t}#{label}/raw"] = raw
+            arrays[f"{t}#{label}/want"] = dequantize(raw, t, shape)
+            arrays[f"{t}#{label}/shape"] = np.array(shape)
+    np.savez(path, **arrays)
+    return path
+
+
+def tokenizer_case(data: dict, texts: list[str], path: Path) -> Path:
+    hf = Tokenizer(data, backend="tokenizers")
+    path.write_text(json.dumps({"tokenizer": data, "texts": texts, "ids": [hf.encode(t) for t in texts]}))
+    return path
+
+
+def _clear_boot_caches():
+    from services.coordinator import handler as co
+    from services.shard import handler as sh
+    from services.station import handler as st
+
+    for m in (co, sh, st):
+        m._booted.clear()
+
+
+@pytest.fixture(scope="module")
+def pyodide_run(tiny_knot, tmp_path_factory):
+    """One harness run: dequant, tokenizer (a trained vocabulary), and a generation through the Workers."""
+    from tests.unit.test_bpe import trained_data
+
+    tmp = tmp_path_factory.mktemp("pyodide")
+    hp = open_model(tiny_knot).header.hparams
+    out = tmp / "deploy"
+    wrangler.write(out, wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4))
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS, "stream": True,
+            "logprobs": True}
+    config = {
+        "mounts": {"/deploy": str(out), "/data": str(tmp)},
+        "python_path": ["/deploy/knot-coordinator/src", "/deploy/knot-coordinator/python_modules", "/sdk"],
+        "dequant": f"/data/{dequant_cases(tmp / 'dequant.npz').name}",
+        "tokenizer": f"/data/{tokenizer_case(trained_data(), corpus()[:80], tmp / 'tok.json').name}",
+        "deploy": str(out), "deploy_mount": "/deploy", "bucket": "knots", "knot_key": "model.knot",
+        "knot": str(tiny_knot),
+        "requests": [
+            {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": PROMPT, "max_tokens": MAX_TOKENS}},
+            {"worker": "knot-coordinator", "path": "/v1/chat/completions", "body": chat, "stream": True},
+            {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": 7}},
+            {"worker": "knot-station-0", "path": "/stats", "method": "GET"},
+        ],
+    }
+    return run_harness(config, tmp)
+
+
+def test_pyodide_environment(pyodide_run):
+    s = pyodide_run["setup"]
+    assert s["platform"] == "emscripten" and s["python"].startswith("3.12") and s["numpy"] == "2.0.2"
+    assert pyodide_run["tokenizers_importable"] is False
+    assert pyodide_run["threads"].startswith("RuntimeError")
+    print("\npyodide timings:", pyodide_run["timings"], "import common:", s["import_common_s"],
+          "s; wasm heap:", pyodide_run["wasm_heap_bytes"] >> 20, "MiB")
+
+
+def test_dequant_is_bit_exact_with_cpython_for_all_13_types(pyodide_run):
+    got = pyodide_run["dequant"]
+    assert {k.split("#")[0] for k in got} == set(QUANT_TYPES) and len(QUANT_TYPES) == 13
+    assert all(v["bit_exact"] for v in got.values()), {k: v for k, v in got.items() if not v["bit_exact"]}
+
+
+def test_pure_python_tokenizer_equals_tokenizers_under_pyodide(pyodide_run):
+    t = pyodide_run["tokenizer"]
+    assert t["backend"] == "python" and t["texts"] == 80 and t["tokens"] > 1000
+    assert t["n_mismatches"] == 0, t["mismatches"]
+
+
+async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyodide_run, tiny_knot, tmp_path,
+                                                                            numpy_matmul):
+    """CPython on the numpy matmul path, as Pyodide runs (the C kernels sum in another order)."""
+    gen, stream, bad, stats = pyodide_run["requests"]
+    _clear_boot_caches()
+    cluster = await build_cluster(tiny_knot, tmp_path, n_stations=2, n_shards=4)
+    want = (await cluster.generate(prompt=PROMPT, max_tokens=MAX_TOKENS)).json()
+    want_chat = (await cluster.generate(messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS)).json()
+    await cluster.drain()
+    _clear_boot_caches()
+    assert gen["status"] == 200, gen["text"]
+    body = json.loads(gen["text"])
+    assert body["tokens"] == want["tokens"] and len(body["tokens"]) == MAX_TOKENS
+    assert body["degraded_shards"] == [] and gen["wait_until_failures"] == []
+    # streamed: SSE through a ReadableStream, one chunk per event at least
+    assert stream["status"] == 200 and stream["content_type"].startswith("text/event-stream")
+    events = [json.loads(e[6:]) for e in stream["text"].split("\n\n") if e.startswith("data: {")]
+    streamed = [bytes(x["bytes"]) for ev in events if ev["choices"] and ev["choices"][0]["logprobs"]
+                for x in ev["choices"][0]["logprobs"]["content"]]
+    tok = Tokenizer(open_model(tiny_knot).tokenizer_data())
+    assert streamed == [tok.token_bytes(i) for i in want_chat["tokens"]] and streamed
+    assert stream["text"].endswith("data: [DONE]\n\n") and stream["chunks"] >= len(streamed)
+    assert stream["wait_until_failures"] == []
+    # bad input: a 400 naming the problem, and the Workers go on
+    assert bad["status"] == 400 and "prompt" in json.loads(bad["text"])["message"]
+    assert stats["status"] == 200 and json.loads(stats["text"])["layer_start"] == 0
+    # every role ran: stations and wardens as Durable Objects, rows through KV, weights from R2
+    classes = {k.split("/")[1] for k in pyodide_run["objects"]}
+    assert classes == {"Station", "LayerWarden", "CobordismWarden"}
+    assert pyodide_run["kv_rows"] > 0 and pyodide_run["r2_reads"] > 0
+    print(f"\npyodide: /generate of {MAX_TOKENS} tokens in {gen['seconds']} s, stream in {stream['seconds']} s")
+
+
+@pytest.mark.realmodel
+def test_pure_python_tokenizer_on_qwen2_under_pyodide(real_knot_05b, tmp_path):
+    data = open_model(real_knot_05b).tokenizer_data()
+    texts = corpus()
+    out = tmp_path / "deploy"
+    wrangler.write(out, [w for w in wrangler.plan(24, 151936, "m.knot") if w.role == "coordinator"])
+    config = {"mounts": {"/data": str(tmp_path), "/deploy": str(out)},
+              "python_path": ["/deploy/knot-coordinator/src", "/deploy/knot-coordinator/python_modules", "/sdk"],
+              "tokenizer": f"/data/{tokenizer_case(data, texts, tmp_path / 'qwen2.json').name}"}
+    t = run_harness(config, tmp_path)["tokenizer"]
+    assert t["backend"] == "python" and t["texts"] == len(texts)
+    assert t["n_mismatches"] == 0, t["mismatches"]
+    print(f"\nqwen2 tokenizer under pyodide: build {t['build_s']} s, {t['tokens']} tokens in {t['encode_s']} s")
