@@ -22,6 +22,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "the README says how to fill)")
 
 
+def _model_file(name: str) -> Path | None:
+    """The model's file if it is here (a path, or a registered model already fetched)."""
+    from deploy import models
+
+    try:
+        return models.model_path(name)
+    except (models.ModelError, OSError):
+        return None
+
+
 def model_shape(model: str | None) -> tuple[int, int, str]:
     """(n_layers, vocab_size, default knot key) from a registered name or a model file's header."""
     from deploy import models
@@ -38,6 +48,24 @@ def model_shape(model: str | None) -> tuple[int, int, str]:
     return cfg.n_layer, cfg.vocab_size, path.with_suffix(".knot").name
 
 
+def station_bytes(model: str | None, n_stations: int) -> list[int] | None:
+    """Bytes of each station's layer tensors, when the model file is here to tell."""
+    from common.topology import split_layers
+    from deploy import models
+    from deploy.knotfile import open_model
+
+    path = _model_file(model or models.DEFAULT_MODEL)
+    if path is None:
+        return None
+    header = open_model(path).header
+    per_layer: dict[int, int] = {}
+    for name, e in header.tensors.items():
+        if name.startswith("blk."):
+            per_layer[int(name.split(".")[1])] = per_layer.get(int(name.split(".")[1]), 0) + e.length
+    return [sum(per_layer.get(i, 0) for i in range(s.layer_start, s.layer_end))
+            for s in split_layers(len(per_layer), n_stations)]
+
+
 def run(args: argparse.Namespace) -> int:
     from deploy import wrangler
 
@@ -48,5 +76,11 @@ def run(args: argparse.Namespace) -> int:
     dirs = wrangler.write(out, workers)
     for d in dirs:
         print(d)
+    sizes = station_bytes(args.model, args.stations)
+    if sizes is not None and max(sizes) > wrangler.BUDGETS["station"] * 3 // 4:
+        print(f"note: a station holds up to {max(sizes) / 2**20:.0f} MiB of layers, more than fits its "
+              f"{wrangler.BUDGETS['station'] >> 20} MiB budget beside its activations: the stations run fluid "
+              f"(layers streamed from the LayerWarden and R2 every token); more --stations keep them resident "
+              f"(docs/cloudflare.md, Limits)")
     print(f"{len(dirs)} Workers written; the deploy steps are in {out / 'README.md'}")
     return 0
