@@ -15,7 +15,7 @@ else:
     fakejs.install()
     _sdk = str(tools.workers_sdk())
     if _sdk not in sys.path:
-        sys.path.insert(0, _sdk)
+        sys.path.append(_sdk)  # after site-packages: it only adds `workers` (and its `asgi`)
 
 
 def pytest_collection_modifyitems(items):
