@@ -40,7 +40,7 @@ KINDS = ("r2", "kv", "do", "service", "do-service")  # "do-service:INSTANCE": on
 def raw(binding: Any) -> Any:
     """The JS object behind the SDK's wrappers (_EnvWrapper, _BindingWrapper, _FetcherWrapper)."""
     for attr in ("_binding", "_env"):
-        inner = getattr(binding, attr, None) if not isinstance(binding, (str, bytes)) else None
+        inner = getattr(binding, attr, None)
         if inner is not None:
             return inner
     return binding
