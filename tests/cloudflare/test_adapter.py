@@ -9,13 +9,14 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common.runtime import BadRequest, Env, NotFound, RangeNotSatisfiable, Request, Response, ServiceUnavailable
+from common.runtime import Env, NotFound, RangeNotSatisfiable, Request, Response
 from deploy import wrangler
 from deploy.cloudflare import bindings, convert
 from deploy.cloudflare.entry import worker_entrypoint
 from deploy.knotfile import open_model
 from tests.cloudflare import fakejs
-from tests.cloudflare.fakejs import JsException, JsObject, ReadableStream
+from tests.cloudflare import webapi
+from tests.cloudflare.fakejs import JsException, JsObject
 from tests.cloudflare.workerd import Cloud, ExecutionContext, Fetcher, KvNamespace, R2Bucket
 from tests.inprocess import build_cluster
 
@@ -57,7 +58,7 @@ async def test_the_r2_double_has_the_measured_shapes():
     js_bucket = R2Bucket({"k": OBJECT})
     n = len(OBJECT)
     clamped = await js_bucket.get("k", fakejs.to_js({"range": {"offset": n - 4, "length": 100}},
-                                                    dict_converter=fakejs.JsObjectStatics.fromEntries))
+                                                    dict_converter=webapi.JsObjectStatics.fromEntries))
     assert (await clamped.arrayBuffer()).to_bytes() == OBJECT[-4:]
     with pytest.raises(JsException, match=r"Unspecified error \(0\)"):
         await js_bucket.get("k", JsObject({"range": JsObject({"offset": n, "length": 1})}))
@@ -227,7 +228,7 @@ async def test_response_translation_keeps_status_headers_and_null_bodies():
     assert r.status == 201 and r.headers["x-a"] == "1" and await r.bytes() == b"\x00\x01"
     empty = convert.response_to_js(Response(204, {"X-B": "2"}))
     assert empty.status == 204 and await empty.bytes() == b""
-    back = await convert.response_from_js(fakejs.Response.new(fakejs.Uint8Array(b"ok"),
+    back = await convert.response_from_js(webapi.Response.new(fakejs.Uint8Array(b"ok"),
                                                               JsObject({"status": 202, "headers": JsObject({"X-C": "3"})})))
     assert (back.status, back.body, back.headers["x-c"]) == (202, b"ok", "3")
 

@@ -31,14 +31,15 @@ PROMPT = "def the"
 MAX_TOKENS = 10
 
 
-def run_harness(config: dict, tmp: Path) -> dict:
+def run_harness(config: dict, tmp: Path, timeout_s: float = 900) -> dict:
     config = {"pyodide": str(tools.pyodide_dir()), "numpy": str(tools.numpy_wheel()), "checks": "/checks",
               "python_path": ["/sdk"], **config}
     config.setdefault("mounts", {})
     config["mounts"].update({"/checks": str(HERE), "/sdk": str(tools.workers_sdk())})
     path = tmp / "harness.json"
     path.write_text(json.dumps(config))
-    proc = subprocess.run([str(tools.node()), str(HARNESS), str(path)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(tools.node()), str(HARNESS), str(path)], capture_output=True, text=True,
+                          timeout=timeout_s)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"harness failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])

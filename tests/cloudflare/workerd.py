@@ -13,7 +13,6 @@ Shapes and pitfalls (measured with workers-runtime-sdk 1.9.5 on workerd-shaped o
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib.util
 import json
@@ -22,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.cloudflare.fakejs import (ArrayBuffer, JsArray, JsBuffer, JsException, JsObject, JsPromise, JsProxy,
-                                     PyProxy, Request, Uint8Array, _init_props, js_function, type_error)
+                                     PyProxy, Uint8Array, js_function, type_error)
+from tests.cloudflare.webapi import Request, _init_props
 
 
 def _value_bytes(value: Any, what: str) -> bytes:

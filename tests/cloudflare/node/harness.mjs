@@ -83,6 +83,7 @@ if (cfg.deploy) {
       out.text = await res.text();
     }
     out.seconds = +(t() - t0).toFixed(3);
+    console.error(`harness: ${r.worker}${r.path}: ${out.status} in ${out.seconds} s`);
     out.wait_until_failures = await cloud.drain();
     result.requests.push(out);
   }
