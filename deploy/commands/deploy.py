@@ -40,11 +40,11 @@ def model_shape(model: str | None) -> tuple[int, int, str]:
     spec = models.MODELS.get(name)
     if spec is not None:
         return spec.block_count, spec.vocab_size, f"{spec.name}.knot"
-    from common.qwen2 import Qwen2Config
+    from common.models import model_for
     from deploy.knotfile import open_model
 
     path = Path(name)
-    cfg = Qwen2Config.from_hparams(open_model(path).header.hparams)
+    cfg = model_for(open_model(path).header).cfg
     return cfg.n_layer, cfg.vocab_size, path.with_suffix(".knot").name
 
 

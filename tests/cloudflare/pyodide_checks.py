@@ -19,7 +19,7 @@ def setup(paths: list[str]) -> dict:
             sys.path.insert(0, p)
     t0 = time.perf_counter()
     import common.knot  # noqa: F401
-    import common.qwen2  # noqa: F401
+    import common.models  # noqa: F401
     import common.quant  # noqa: F401
     return {"import_common_s": round(time.perf_counter() - t0, 3), "python": sys.version.split()[0],
             "numpy": np.__version__, "platform": sys.platform}
