@@ -8,8 +8,8 @@
     OUT/knot-<worker>/pyproject.toml     what `pywrangler sync` adds for the runtime (numpy)
     OUT/README.md                        the real deploy steps
 
-The topology is the one docker-compose.yml runs: common.topology's split_layers / split_vocab over
-the model's hyperparameters. Budgets are set for a 128 MB isolate (docs/cloudflare.md): the local
+The topology is common.topology's ClusterLayout, the object docker-compose.yml is rendered from,
+over the model's hyperparameters. Budgets are set for a 128 MB isolate (docs/cloudflare.md): the local
 warden defaults of 1 GiB and 256 MiB would not fit.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from common.topology import split_layers, split_vocab
+from common.settings import lookup
+from common.topology import ClusterLayout, Knob
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "knot"
@@ -108,52 +109,60 @@ def station_instance(knot_key: str, layer_start: int, layer_end: int) -> str:
     return f"{knot_key}|{layer_start}-{layer_end}"
 
 
+ROLE_ENTRY = {"layer_warden": "layer-warden", "cobordism_warden": "cobordism-warden", "station": "station",
+              "shard": "shard", "coordinator": "coordinator"}  # ClusterLayout role -> ENTRY key
+
+
+def _text(v: Any) -> str:
+    """A layout value as a wrangler var: a Knob takes its default (the settings table's, for compose)."""
+    if not isinstance(v, Knob):
+        return str(v)
+    return v.default if v.default is not None else lookup(v.name).default_for("compose") or ""
+
+
 def plan(n_layers: int, vocab_size: int, knot_key: str, n_stations: int = 2, n_shards: int = 8,
          bucket: str = "knots", kv_id: str = KV_ID_PLACEHOLDER, model_name: str = "") -> list[Worker]:
-    """The Workers, in deploy order (a Worker after the ones whose classes it binds)."""
-    stations, shards = split_layers(n_layers, n_stations), split_vocab(vocab_size, n_shards)
-    lw = Worker(f"{PREFIX}-layer-warden", "layer-warden", {"MEMORY_BUDGET_BYTES": str(BUDGETS["layer-warden"])},
-                classes=("LayerWarden",))
-    cw = Worker(f"{PREFIX}-cobordism-warden", "cobordism-warden",
-                {"MEMORY_BUDGET_BYTES": str(BUDGETS["cobordism-warden"])}, classes=("CobordismWarden",))
-    for w, cls, binding in ((lw, "LayerWarden", "LAYER_WARDEN"), (cw, "CobordismWarden", "COBORDISM_WARDEN")):
-        w.durable_objects.append({"name": binding, "class_name": cls})
-        w.bind(binding, "do")
-    cw.kv["EMBED_CACHE"] = kv_id
-    cw.bind("EMBED_CACHE", "kv")
-    workers = [lw, cw]
-    co = Worker(f"{PREFIX}-coordinator", "coordinator", {
-        "KNOT_KEY": knot_key, "STATIONS": ",".join(f"STATION_{s.index}" for s in stations),
-        "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
-        "SHARD_TIMEOUT_S": "30", "STATION_TIMEOUT_S": "300", "STATION_RETRY_S": "60",
-        "MAX_CONCURRENT_REQUESTS": "8", "MAX_QUEUED_REQUESTS": "16", "RETRY_AFTER_S": "1", "MODEL_NAME": model_name})
-    for s in stations:
-        name, instance = f"{PREFIX}-station-{s.index}", station_instance(knot_key, s.layer_start, s.layer_end)
-        st = Worker(name, "station", {
-            "KNOT_KEY": knot_key, "SPECIALIZATION_START_LAYER": str(s.layer_start),
-            "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
-            "MEMORY_BUDGET_BYTES": str(BUDGETS["station"]), "SESSION_TTL_S": "600", "MAX_BATCH": "16",
-            "STATION_INSTANCE": instance}, classes=("Station",))
-        st.durable_objects += [{"name": "STATION", "class_name": "Station"},
-                               {"name": "LAYER_WARDEN", "class_name": "LayerWarden", "script_name": lw.name}]
-        st.bind("STATION", "do")
-        st.bind("LAYER_WARDEN", "do")
-        workers.append(st)
-        co.durable_objects.append({"name": f"STATION_{s.index}", "class_name": "Station", "script_name": name})
-        co.bind(f"STATION_{s.index}", f"do-service:{instance}")
-    for s in shards:
-        sh = Worker(f"{PREFIX}-shard-{s.index}", "shard", {
-            "KNOT_KEY": knot_key, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
-            "MEMORY_BUDGET_BYTES": str(BUDGETS["shard"]), "ROW_CACHE_BYTES": str(ROW_CACHE_BYTES)})
-        sh.durable_objects.append({"name": "COBORDISM_WARDEN", "class_name": "CobordismWarden", "script_name": cw.name})
-        sh.bind("COBORDISM_WARDEN", "do")
-        workers.append(sh)
-        co.services[f"SHARD_{s.index}"] = sh.name
-        co.bind(f"SHARD_{s.index}", "service")
-    workers.append(co)
-    for w in workers:
-        w.r2["KNOT_BUCKET"] = bucket
-        w.bind("KNOT_BUCKET", "r2")
+    """The Workers of ClusterLayout (the object docker-compose.yml is rendered from), in its start
+    order, which is also the deploy order (a Worker after those whose classes it binds)."""
+    layout = ClusterLayout.build({"block_count": n_layers, "vocab_size": vocab_size}, n_stations, n_shards,
+                                 knot_key=knot_key)
+    name = {s.name: f"{PREFIX}-{s.name}" for s in layout.services}
+    instance = {f"station-{s.index}": station_instance(knot_key, s.layer_start, s.layer_end) for s in layout.stations}
+    workers = []
+    for svc in layout.services:
+        if not svc.is_worker:
+            continue  # the bucket and the KV store are R2 and Workers KV; the init job is the README's upload
+        role = ROLE_ENTRY[svc.role]
+        w = Worker(name[svc.name], role, {k: _text(v) for k, v in svc.vars.items()}, classes=svc.durable_objects)
+        if "MEMORY_BUDGET_BYTES" in w.vars:
+            w.vars["MEMORY_BUDGET_BYTES"] = str(BUDGETS[role])
+        if "MODEL_NAME" in w.vars:
+            w.vars["MODEL_NAME"] = model_name
+        for b in svc.bindings:
+            if b.kind == "bucket":
+                w.r2[b.name] = bucket
+                w.bind(b.name, "r2")
+            elif b.kind == "kv":
+                w.kv[b.name] = kv_id
+                w.bind(b.name, "kv")
+            elif b.kind == "durable_object":
+                do = {"name": b.name, "class_name": b.resource}
+                if b.service != svc.name:
+                    do["script_name"] = name[b.service]
+                w.durable_objects.append(do)
+                w.bind(b.name, "do")
+            elif b.service in instance:  # a station: its one named Durable Object (docs/cloudflare.md says why)
+                w.durable_objects.append({"name": b.name, "class_name": "Station", "script_name": name[b.service]})
+                w.bind(b.name, f"do-service:{instance[b.service]}")
+            else:
+                w.services[b.name] = name[b.service]
+                w.bind(b.name, "service")
+        if svc.role == "station":
+            w.classes = ("Station",)
+            w.vars["STATION_INSTANCE"] = instance[svc.name]
+            w.durable_objects.insert(0, {"name": "STATION", "class_name": "Station"})
+            w.bind("STATION", "do")
+        workers.append(w)
     return workers
 
 

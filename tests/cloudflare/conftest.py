@@ -2,20 +2,16 @@
 anything imports the real workers-runtime-sdk (fetched and hash-checked by tools.py)."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
 from tests.cloudflare import fakejs, tools
 
-if os.environ.get("KNOT_SKIP_CLOUDFLARE") == "1":
-    collect_ignore_glob = ["test_*.py"]
-else:
-    fakejs.install()
-    _sdk = str(tools.workers_sdk())
-    if _sdk not in sys.path:
-        sys.path.append(_sdk)  # after site-packages: it only adds `workers` (and its `asgi`)
+fakejs.install()
+_sdk = str(tools.workers_sdk())
+if _sdk not in sys.path:
+    sys.path.append(_sdk)  # after site-packages: it only adds `workers` (and its `asgi`)
 
 
 def pytest_collection_modifyitems(items):
