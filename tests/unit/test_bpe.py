@@ -46,8 +46,8 @@ TEXTS = corpus()
 def test_the_trained_vocabulary_has_real_merges():
     assert HF.backend == "tokenizers" and PY.backend == "python"
     assert len(DATA["merges"]) > 2000
-    ids = HF.encode("def has_close_elements(numbers: List[float], threshold: float) -> bool:")
-    assert len(ids) < 25, "the trained merges should compress code"
+    line = "def has_close_elements(numbers: List[float], threshold: float) -> bool:"
+    assert len(HF.encode(line)) < len(line) // 2, "the trained merges should compress code"
 
 
 @pytest.mark.parametrize("special", [True, False])
