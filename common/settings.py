@@ -149,6 +149,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "station shard layer_warden cobordism_warden",
        "bytes the service may hold: kept weights and KV caches (station), its slice (shard), the warden's LRU",
        minimum=1, reader_defaults={"layer_warden": str(1024 * MiB), "cobordism_warden": str(256 * MiB)}),
+    _s("MEMORY_PROFILE", "choice", "worker", "station",
+       "worker: MEMORY_BUDGET_BYTES as it is (a Worker's memory); resident: the station's layers plus "
+       "MEMORY_BUDGET_BYTES, so they stay between forwards", choices=("worker", "resident")),
+    _s("RESIDENT_MAX_BYTES", "int", None, "station", "the most a resident station's budget may grow to "
+       "(the launcher sets it from the host's available memory)", minimum=1),
     _s("SESSION_TTL_S", "float", "600", "station", "an idle request's KV cache is dropped after this long",
        positive=True),
     _s("MAX_BATCH", "int", "16", "station", "decode frames of concurrent requests stacked into one forward",
@@ -207,6 +212,11 @@ SETTINGS: tuple[Setting, ...] = (
        "MinIO's password, and every service's AWS_SECRET_ACCESS_KEY"),
     _s("STATION_MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "compose", "every station's MEMORY_BUDGET_BYTES",
        minimum=1),
+    _s("KNOT_PROFILE", "choice", "worker", "compose launcher",
+       "every station's MEMORY_PROFILE: worker (Cloudflare's 128 MiB) or resident (layers stay; faster)",
+       choices=("worker", "resident")),
+    _s("KNOT_RESIDENT_MAX_BYTES", "int", None, "compose launcher", "every station's RESIDENT_MAX_BYTES "
+       "(launcher: default 3/4 of the host's available memory over the stations)", minimum=1),
     _s("KNOT_SHARD_THREADS", "int", "1", "compose",
        "every shard's KNOT_THREADS (the shards compute at once: one thread each fills the cores)", minimum=1),
     _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
@@ -91,6 +92,28 @@ def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8) -> C
 def default_layout() -> ClusterLayout:
     """The committed docker-compose.yml's: the default model on 2 stations and 8 shards."""
     return layout_for(choose_model(None, {}))
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def profile_env(profile: str | None, env: Mapping[str, str], n_stations: int) -> dict[str, str]:
+    """KNOT_PROFILE for every station (--profile wins over the environment), and for the resident
+    profile the cap the host can afford: 3/4 of its available memory shared by the stations."""
+    out = {"KNOT_PROFILE": profile or settings.read(env, "KNOT_PROFILE", "launcher")}
+    if out["KNOT_PROFILE"] == "resident" and settings.read(env, "KNOT_RESIDENT_MAX_BYTES", "launcher") is None:
+        avail = available_memory_bytes()
+        if avail is not None:
+            out["KNOT_RESIDENT_MAX_BYTES"] = str(avail * 3 // 4 // n_stations)
+    return out
 
 
 def plan(layout: ClusterLayout, env: Mapping[str, str]) -> list[compose.ServiceSpec]:
@@ -187,10 +210,11 @@ class Cluster:
         return out
 
     def up(self, model: str | None = None, base_port: int | None = None, env: Mapping[str, str] | None = None,
-           n_stations: int = 2, n_shards: int = 8) -> list[Running]:
+           n_stations: int = 2, n_shards: int = 8, profile: str | None = None) -> list[Running]:
         base_env = dict(os.environ if env is None else env)
         choice = choose_model(model, base_env)
         layout = layout_for(choice, n_stations, n_shards)  # before anything starts: counts that do not fit fail here
+        base_env.update(profile_env(profile, base_env, len(layout.stations)))
         alive = [r for r in self._load() if r.kind != "oneshot" and servers.pid_alive(r.pid)]
         if alive:
             raise LauncherError(f"cluster already up ({', '.join(f'{r.name}={r.pid}' for r in alive)}); "
@@ -230,6 +254,30 @@ class Cluster:
         else:
             return start_process(spec, addresses, self.run_dir, base_env)
         return Running(spec.name, spec.kind, s.pid, s.port, s.url, s.log_path, stop_timeout_s=s.stop_timeout_s)
+
+    def memory_lines(self, running: list[Running]) -> list[str]:
+        """One line per station: its profile, budget, whether its layers fit, bytes streamed per token."""
+        from services.station.memory import MemoryPlan, describe_plan, expected_tok_s
+
+        lines, plans = [], []
+        for r in running:
+            if not r.name.startswith("station-") or not r.url:
+                continue
+            try:
+                with urllib.request.urlopen(r.url + "/stats", timeout=10.0) as resp:
+                    s = json.loads(resp.read())
+            except (OSError, ValueError) as e:
+                lines.append(f"{r.name}: GET /stats failed ({e}); its log has the memory line: {r.log}")
+                continue
+            m = {k: v for k, v in s["memory"].items() if k in MemoryPlan.__dataclass_fields__}
+            plans.append(MemoryPlan(**m))
+            lines.append(describe_plan(r.name, (s["layer_start"], s["layer_end"]), plans[-1]))
+        streamed = sum(p.streamed_bytes_per_token for p in plans)
+        if streamed:  # the stations run in series: their streams add up per token
+            lines.append(f"the stations stream ~{streamed / 1e6:.0f} MB per token: expect about "
+                         f"{expected_tok_s(streamed):.1f} tok/s decode" +
+                         (" (--profile resident keeps the layers)" if any(p.profile == "worker" for p in plans) else ""))
+        return lines
 
     # -------------------------------------------------------- down / status
 

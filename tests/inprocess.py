@@ -43,7 +43,8 @@ class Cluster:
 
 
 async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shards: int = 8,
-                        station_budget_bytes: int = 128 << 20, wardens: bool = True) -> Cluster:
+                        station_budget_bytes: int = 128 << 20, wardens: bool = True,
+                        station_vars: dict | None = None) -> Cluster:
     from deploy.knotfile import open_model
 
     cfg = model_for(open_model(knot_path).header).cfg
@@ -62,7 +63,7 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
         env = Env({**base, **({"LAYER_WARDEN": LocalNamespace(lw, "LayerWarden")} if wardens else {})},
                   {"KNOT_KEY": KNOT_KEY, "SPECIALIZATION_START_LAYER": str(s.layer_start),
                    "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
-                   "MEMORY_BUDGET_BYTES": str(station_budget_bytes)})
+                   "MEMORY_BUDGET_BYTES": str(station_budget_bytes), **(station_vars or {})})
         station_envs.append(env)
         stations.append(LocalService(station.fetch, env, tasks))
         bindings[f"STATION_{s.index}"] = stations[-1]

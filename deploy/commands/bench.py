@@ -37,8 +37,8 @@ NAME = "bench"
 HELP = "benchmark the cluster against llama.cpp on the same GGUF and print one table with the ratios"
 
 SHORT_PROMPT = "def fibonacci(n):"
-RESIDENT_BUDGET_BYTES = 1 << 30  # a 1.5B's half (~400 MB of layers) stays resident
-FLUID_BUDGET_BYTES = 128 << 20   # a Worker's memory: the seed's fluid-memory profile
+RESIDENT_BUDGET_BYTES = 128 << 20  # --profile resident: each station's layers + this (KV caches, activations)
+FLUID_BUDGET_BYTES = 128 << 20   # --profile worker: a Worker's memory, the seed's fluid-memory profile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,9 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrent request counts (default 1,4,8)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2, like the kernels)")
     p.add_argument("--budget-bytes", type=int, default=RESIDENT_BUDGET_BYTES,
-                   help="STATION_MEMORY_BUDGET_BYTES of the main cluster run (default 1 GiB: the resident profile)")
+                   help="STATION_MEMORY_BUDGET_BYTES of the main cluster run, which runs `--profile resident` "
+                   "(each station's budget: its layers + this; default 128 MiB)")
     p.add_argument("--fluid-budget-bytes", type=int, default=FLUID_BUDGET_BYTES,
-                   help="STATION_MEMORY_BUDGET_BYTES of the fluid run (default 128 MiB)")
+                   help="STATION_MEMORY_BUDGET_BYTES of the fluid run, `--profile worker` (default 128 MiB)")
     p.add_argument("--fluid-tokens", type=int, default=16, metavar="N",
                    help="tokens generated in the fluid run (default 16)")
     p.add_argument("--no-fluid", action="store_true", help="skip the fluid run")
@@ -213,7 +214,7 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-def start_cluster(model: str | None, args, budget_bytes: int):
+def start_cluster(model: str | None, args, budget_bytes: int, profile: str):
     from deploy import launcher, servers
 
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / "knot-bench"
@@ -221,8 +222,11 @@ def start_cluster(model: str | None, args, budget_bytes: int):
            "STATION_MEMORY_BUDGET_BYTES": str(budget_bytes)}
     env.pop("KNOT_KEY", None)
     cluster = launcher.Cluster(run_dir)
-    progress(f"starting the cluster in {run_dir} (budget {budget_bytes:,} B per station)")
-    return cluster, {r.name: r for r in cluster.up(model=model, env=env)}
+    progress(f"starting the cluster in {run_dir} (profile {profile}, STATION_MEMORY_BUDGET_BYTES {budget_bytes:,})")
+    running = cluster.up(model=model, env=env, profile=profile)
+    for line in cluster.memory_lines(running):
+        progress(line)
+    return cluster, {r.name: r for r in running}
 
 
 def _station_stats(running: dict) -> dict:
@@ -233,7 +237,7 @@ def _station_stats(running: dict) -> dict:
 
 def measure_fluid(model: str | None, args) -> dict:
     """Decode only, with Worker-sized stations: tok/s and the bytes pulled from the LayerWardens."""
-    cluster, running = start_cluster(model, args, args.fluid_budget_bytes)
+    cluster, running = start_cluster(model, args, args.fluid_budget_bytes, "worker")
     try:
         url = running["coordinator"].url + "/generate"
         http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": 2, "temperature": 0})
@@ -252,7 +256,7 @@ def measure_fluid(model: str | None, args) -> dict:
 def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int]) -> dict:
     from deploy import servers
 
-    cluster, running = start_cluster(model, args, args.budget_bytes)
+    cluster, running = start_cluster(model, args, args.budget_bytes, "resident")
     out: dict = {"services": sorted(running)}
     try:
         url = running["coordinator"].url + "/generate"
@@ -381,8 +385,8 @@ def run(args: argparse.Namespace) -> int:
 
     figures = build_figures(cl, local, ll, concurrency, fluid, args.fluid_budget_bytes)
     print(f"knot bench: {model} ({gguf.name}), {args.tokens} tokens, prompt {len(long_ids)} tokens, "
-          f"llama.cpp {args.threads} threads, stations {args.budget_bytes:,} B (fluid run: "
-          f"{args.fluid_budget_bytes:,} B)")
+          f"llama.cpp {args.threads} threads, stations --profile resident (layers + {args.budget_bytes:,} B; "
+          f"fluid run: --profile worker, {args.fluid_budget_bytes:,} B)")
     print(render_table(figures))
     if cl:
         print(f"\nprefill prompt: {cl.get('prefill_prompt_tokens')} tokens; ttft prompt: "

@@ -18,6 +18,10 @@ def add_arguments(p) -> None:
     up.add_argument("--model", help="registered model name or .gguf/.knot path (default: $KNOT_MODEL, else "
                     "the default model)")
     add_layout_arguments(up)
+    up.add_argument("--profile", choices=("worker", "resident"),
+                    help="station memory: worker keeps Cloudflare's 128 MiB per station (layers that do not fit "
+                    "stream from the LayerWarden every token), resident sizes each station to keep its layers "
+                    "(default: $KNOT_PROFILE, else worker; one line per station says which applies)")
     up.add_argument("--base-port", type=int, help="ports base, base+1, ... (default: free ports; the "
                     "published service keeps its compose port)")
     sub.add_parser("down", help="stop every service (server data and logs are kept)")
@@ -42,8 +46,10 @@ def run(args) -> int:
     try:
         if args.cluster_action == "up":
             running = cluster.up(model=args.model, base_port=args.base_port, n_stations=args.stations,
-                                 n_shards=args.shards)
+                                 n_shards=args.shards, profile=args.profile)
             print(_table(cluster.status()), file=sys.stderr)
+            for line in cluster.memory_lines(running):
+                print(line, file=sys.stderr)
             entry = [r for r in running if r.published]
             for r in entry:
                 print(r.url, flush=True)  # the coordinator's URL, on a line of its own

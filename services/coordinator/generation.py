@@ -107,6 +107,12 @@ class Coordinator:
         self.admission = Admission(settings.max_concurrent, settings.max_queued, settings.retry_after_s)
         self.metrics = CoordinatorMetrics(self.admission)
         self.engine = ClusterEngine(pipeline, self.metrics.observe_hop)
+        self.station_memory: list[dict | None] = []  # each station's /stats "memory", last known
+
+    def note_station_stats(self, stats: list[dict | None]) -> None:
+        """Keep the stations' memory plans (at boot, and at each /metrics scrape for those that answered)."""
+        old = self.station_memory + [None] * (len(stats) - len(self.station_memory))
+        self.station_memory = [old[i] if s is None else s.get("memory") for i, s in enumerate(stats)]
 
     # -------------------------------------------------------- admission
 

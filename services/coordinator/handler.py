@@ -96,11 +96,13 @@ async def coordinator_for(env: Env) -> Coordinator:
         stations = [getattr(env, name) for name in settings.stations]
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
                             settings.station_timeout_s, settings.station_retry_s)
-        await _check_stations(pipeline.stations, cfg.n_layer)
+        station_stats = await _check_stations(pipeline.stations, cfg.n_layer)
         a, b = header.blob_range(TOKENIZER_BLOB)
         tokenizer = Tokenizer(decode_tokenizer_blob(await source.read(a, b), header.blobs[TOKENIZER_BLOB].encoding))
         log.info("coordinator booted: %d stations, %d shards, vocab %d", len(stations), len(shards), cfg.vocab_size)
-        return Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id)
+        co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id)
+        co.note_station_stats(station_stats)
+        return co
 
     try:
         return await _booted.get(repr(settings), boot)
@@ -108,18 +110,20 @@ async def coordinator_for(env: Env) -> Coordinator:
         raise ServiceUnavailable(f"coordinator topology: {e}") from None
 
 
-async def _check_stations(stations: list[StationClient], n_layers: int) -> None:
-    """Ask each station for its layer range; together they must chain [0, n_layers)."""
+async def _check_stations(stations: list[StationClient], n_layers: int) -> list[dict]:
+    """Ask each station for its layer range; together they must chain [0, n_layers). Their /stats."""
     if not stations:
         raise TopologyError("STATIONS is empty: need at least 1 station")
-    specs = []
+    specs, stats = [], []
     for i, st in enumerate(stations):
         try:
             s = await st.stats()
         except HttpError as e:
             raise ServiceUnavailable(f"station {i} {e}") from None
         specs.append(StationSpec(i, int(s["layer_start"]), int(s["layer_end"]), str(s["role"])))
+        stats.append(s)
     check_station_chain(specs, n_layers)
+    return stats
 
 
 async def ready(env: Env) -> None:
@@ -190,6 +194,7 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     if path == "/metrics" and request.method == "GET":
         co = await coordinator_for(env)
         await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
+        co.note_station_stats(co.metrics.services.stations)
         return co.metrics.exposition()
     if path == "/topology" and request.method == "GET":
         co = await coordinator_for(env)

@@ -53,6 +53,12 @@ class ServiceStats:
                                      labels=["station"])
         rows = CounterMetricFamily(f"{PREFIX}_shard_embedding_rows", "embedding rows a shard read, by source",
                                    labels=["shard", "source"])
+        resident = GaugeMetricFamily(f"{PREFIX}_station_resident_fraction",
+                                     "share of a station's layer bytes kept between forwards, by memory profile",
+                                     labels=["station", "profile"])
+        streamed = GaugeMetricFamily(f"{PREFIX}_station_streamed_bytes_per_token",
+                                     "layer bytes a station loads again every decode step", labels=["station"])
+        budget = GaugeMetricFamily(f"{PREFIX}_station_budget_bytes", "a station's memory budget", labels=["station"])
         ratio = GaugeMetricFamily(f"{PREFIX}_warden_hit_ratio",
                                   "share of reads served by the warden cache rather than R2",
                                   labels=["service"])
@@ -65,6 +71,11 @@ class ServiceStats:
             loads.add_metric([str(i), "warden"], w)
             loads.add_metric([str(i), "r2"], r)
             sessions.add_metric([str(i)], s.get("sessions", 0))
+            if "memory" in s:
+                m = s["memory"]
+                resident.add_metric([str(i), m["profile"]], m["resident_fraction"])
+                streamed.add_metric([str(i)], m["streamed_bytes_per_token"])
+                budget.add_metric([str(i)], m["budget_bytes"])
             ratio.add_metric([f"station_{i}"], _ratio(w, r))
             tot["station"][0] += w
             tot["station"][1] += r
@@ -80,7 +91,7 @@ class ServiceStats:
             tot["shard"][1] += r
         ratio.add_metric(["stations"], _ratio(*tot["station"]))
         ratio.add_metric(["shards"], _ratio(*tot["shard"]))
-        yield from (up, loads, sessions, rows, ratio)
+        yield from (up, loads, sessions, resident, streamed, budget, rows, ratio)
 
 
 class _Uncounted:

@@ -268,7 +268,16 @@ async def _sse(co: Coordinator, gen: Generation, opts: Options, ctx) -> AsyncIte
 
 def model_card(co: Coordinator) -> dict:
     return {"id": co.model_id, "object": "model", "created": co.created, "owned_by": "knot-cluster",
-            "context_length": co.cfg.context_length}
+            "context_length": co.cfg.context_length, "memory": memory_report(co.station_memory)}
+
+
+def memory_report(plans: list[dict | None]) -> dict:
+    """The stations' memory profile and how much of their layers stays resident (their boot-time plans)."""
+    profiles = {p["profile"] for p in plans if p}
+    keys = ("budget_bytes", "layer_bytes", "fits", "resident_fraction", "streamed_bytes_per_token")
+    return {"profile": profiles.pop() if len(profiles) == 1 else "mixed" if profiles else "unknown",
+            "stations": [{"station": i, **({k: p[k] for k in keys} if p else {"unknown": True})}
+                         for i, p in enumerate(plans)]}
 
 
 def models(co: Coordinator) -> Response:

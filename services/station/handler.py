@@ -7,7 +7,8 @@
     GET  /stats              boot key, memory accounting, tensor sources, sessions
 
 Env: KNOT_KEY, SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER, SPECIALIZATION_ROLE,
-MEMORY_BUDGET_BYTES (default 128 MiB), SESSION_TTL_S (default 600), MAX_BATCH (default 16);
+MEMORY_BUDGET_BYTES (default 128 MiB), MEMORY_PROFILE (worker | resident), RESIDENT_MAX_BYTES,
+SESSION_TTL_S (default 600), MAX_BATCH (default 16);
 bindings KNOT_BUCKET (R2) and LAYER_WARDEN (DO namespace, optional).
 
 Batched decode: decode frames of different requests that arrive while a forward runs are
@@ -17,7 +18,8 @@ all of them; attention and the KV caches stay per session.
 Fluid memory (seed section 2): the layer loop (common/layers.py) loads, runs and evicts each
 phase of each layer in turn. A phase's tensors stay only when the budget has room for them after
 the activations and the KV caches (services/station/memory.py); with the default 128 MiB that
-keeps a 0.5B's layers, while a 7B runs fluid.
+keeps a 0.5B's layers, while a 7B runs fluid. MEMORY_PROFILE=resident sizes the budget from the
+knot instead, so the station's layers stay (plan_memory); /stats "memory" says what was decided.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from common import wire
 from common.knot import KnotHeader
 from common.kvcache import KVCache
 from common.layers import run_layers
+from common.matmul import DEFAULT_TILE_BYTES
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
 from common.settings import ConfigError, default, read
 from common.topology import TopologyError
@@ -39,7 +42,7 @@ from services.batcher import Batcher
 from services.boot import BootCache
 from services.knot_source import KnotSource
 from services.layer_warden.client import LayerWardenClient
-from services.station.memory import ForwardWeights, StationMemory
+from services.station.memory import ForwardWeights, MemoryPlan, StationMemory, describe_plan, plan_memory
 from services.station.tensors import PhaseLoader
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,8 @@ class StationSettings:
     budget_bytes: int
     session_ttl_s: float
     max_batch: int = 16
+    profile: str = "worker"
+    resident_max_bytes: int | None = None
 
     @property
     def boot_key(self) -> str:
@@ -74,7 +79,8 @@ class StationSettings:
             return read(env, name, "station")
 
         s = cls(get("KNOT_KEY"), get("SPECIALIZATION_START_LAYER"), get("SPECIALIZATION_END_LAYER"),
-                get("SPECIALIZATION_ROLE"), get("MEMORY_BUDGET_BYTES"), get("SESSION_TTL_S"), get("MAX_BATCH"))
+                get("SPECIALIZATION_ROLE"), get("MEMORY_BUDGET_BYTES"), get("SESSION_TTL_S"), get("MAX_BATCH"),
+                get("MEMORY_PROFILE"), get("RESIDENT_MAX_BYTES"))
         if not 0 <= s.layer_start < s.layer_end:
             raise ConfigError(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative",
                               name="SPECIALIZATION_END_LAYER")
@@ -98,7 +104,8 @@ class Station:
                                 f"model's {self.cfg.n_layer} layers")
         self.emits_final = settings.role in ("exit", "solo")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
-        self.memory = StationMemory(settings.budget_bytes, self.model.activation_bytes, lambda: self.kv_bytes)
+        self.plan = self._plan()
+        self.memory = StationMemory(self.plan.budget_bytes, self.model.activation_bytes, lambda: self.kv_bytes)
         self.boots_at = self.clock()
         self.forwards = 0
         self.sessions_evicted = 0
@@ -114,6 +121,19 @@ class Station:
         if self.emits_final:
             names.append(self.model.OUTPUT_NORM)
         self.memory.hold(await self.loader.load(names))
+
+    def _plan(self) -> MemoryPlan:
+        """The budget under the profile, from the knot's tensor table (nothing is loaded for it)."""
+        s, phase_bytes = self.settings, []
+        for layer in range(s.layer_start, s.layer_end):
+            for p in self.model.phases:
+                phase_bytes.append(sum(self.loader.nbytes(n) for n in self.loader.names(layer, p)
+                                       if not self.model.is_resident(n)))
+        resident = sum(self.loader.nbytes(n) for layer in range(s.layer_start, s.layer_end)
+                       for p in self.model.phases for n in self.loader.names(layer, p) if self.model.is_resident(n))
+        fixed = resident + self.model.activation_bytes(1, 1) + DEFAULT_TILE_BYTES  # an idle decode step
+        return plan_memory(s.profile, s.budget_bytes, sum(phase_bytes), max(phase_bytes, default=0), fixed,
+                           s.resident_max_bytes)
 
     @property
     def kv_bytes(self) -> int:
@@ -146,6 +166,7 @@ class Station:
 
     def _fit_sessions(self, keep: set[str]) -> None:
         """Evict least recently used sessions (never those in `keep`) while KV caches overflow half the budget."""
+        # half the configured budget: in the resident profile that is what is left beside the layers
         while self.kv_bytes > self.settings.budget_bytes // 2 and len(self.sessions) > len(keep):
             rid = next(r for r in self.sessions if r not in keep)
             del self.sessions[rid]
@@ -238,7 +259,8 @@ class Station:
         s = self.settings
         return {
             "boot_key": s.boot_key, "role": s.role, "layer_start": s.layer_start, "layer_end": s.layer_end,
-            "budget_bytes": s.budget_bytes, "peak_accounted_bytes": self.memory.peak_accounted_bytes,
+            "budget_bytes": self.plan.budget_bytes, "memory": self.plan.as_dict(),
+            "peak_accounted_bytes": self.memory.peak_accounted_bytes,
             "resident_bytes": self.memory.resident_bytes, "kept_bytes": self.memory.kept.bytes_used,
             "kept_tensors": len(self.memory.kept),
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
@@ -264,7 +286,8 @@ async def station_for(env: Env, ctx) -> Station:
         st = Station(settings, header, PhaseLoader(model, header, source, warden, ctx.wait_until))
         await st.boot()
         log.info("station booted: %s, %d resident tensors (%d bytes), budget %d bytes", settings.boot_key,
-                 len(st.memory.resident), st.memory.resident_bytes, settings.budget_bytes)
+                 len(st.memory.resident), st.memory.resident_bytes, st.plan.budget_bytes)
+        log.info("%s", describe_plan("station", (settings.layer_start, settings.layer_end), st.plan))
         return st
 
     return await _booted.get(settings.boot_key, boot)

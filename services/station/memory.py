@@ -13,6 +13,7 @@ loading the rest; evict_or_keep() afterwards keeps what still fits beside everyt
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable, Mapping, Protocol
 
 from common.lru import ByteLRU
@@ -20,6 +21,76 @@ from common.matmul import DEFAULT_TILE_BYTES
 from common.quant import QTensor
 
 log = logging.getLogger(__name__)
+
+
+PROFILES = ("worker", "resident")  # MEMORY_PROFILE's choices (common/settings.py)
+# What a streamed byte costs a decode: the 1.5B's fluid `knot bench` row (docs/performance.md) moved
+# 609,792,768 bytes per token out of the LayerWardens at 1.6 tok/s, about 1 GB/s for the cluster.
+FLUID_BYTES_PER_S = 1.0e9
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a station's budget means for its layers, decided at boot from the knot's tensor table."""
+
+    profile: str  # worker: the Worker's budget as configured; resident: sized so the layers stay
+    budget_bytes: int
+    layer_bytes: int  # the phase tensors of its layers (what the LayerWarden serves)
+    fixed_bytes: int  # resident norms + a decode step's activations + the matmul tile
+    kept_bytes: int  # about how much of layer_bytes stays between forwards
+    streamed_bytes_per_token: int  # about what every decode step loads again
+
+    @property
+    def fits(self) -> bool:
+        return self.streamed_bytes_per_token == 0
+
+    @property
+    def resident_fraction(self) -> float:
+        return 1.0 if self.layer_bytes == 0 else self.kept_bytes / self.layer_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "fits": self.fits, "resident_fraction": round(self.resident_fraction, 4)}
+
+
+def plan_memory(profile: str, budget_bytes: int, layer_bytes: int, largest_phase_bytes: int, fixed_bytes: int,
+                resident_max_bytes: int | None = None) -> MemoryPlan:
+    """The station's budget under a profile and what it keeps of its layers at that budget.
+
+    worker: budget_bytes as configured (a Worker's 128 MiB by default). resident: the layers plus
+    budget_bytes for everything else (KV caches, activations), capped at resident_max_bytes (what
+    the host can give). When the layers do not fit, the phase being streamed needs room beside the
+    kept ones (make_room), so the largest phase comes off what can stay."""
+    if profile not in PROFILES:
+        raise ValueError(f"memory profile {profile!r}: one of {', '.join(PROFILES)}")
+    if profile == "resident":
+        budget_bytes = max(budget_bytes, layer_bytes + budget_bytes)
+        if resident_max_bytes is not None:
+            budget_bytes = min(budget_bytes, max(resident_max_bytes, 1))
+    room = max(budget_bytes - fixed_bytes, 0)
+    kept = layer_bytes if layer_bytes <= room else max(min(room - largest_phase_bytes, layer_bytes), 0)
+    return MemoryPlan(profile, budget_bytes, layer_bytes, fixed_bytes, kept, layer_bytes - kept)
+
+
+def expected_tok_s(streamed_bytes_per_token: int) -> float:
+    """A rough decode ceiling from the bytes a token streams (inf when nothing streams)."""
+    return float("inf") if streamed_bytes_per_token <= 0 else FLUID_BYTES_PER_S / streamed_bytes_per_token
+
+
+def describe_plan(name: str, layers: tuple[int, int], plan: MemoryPlan) -> str:
+    """The start-up line of one station: budget, fit, bytes per token, and what to expect otherwise."""
+    mb = 1e6
+    head = (f"{name} layers [{layers[0]}, {layers[1]}): profile {plan.profile}, budget {plan.budget_bytes / mb:.0f} MB, "
+            f"layers {plan.layer_bytes / mb:.0f} MB")
+    if plan.fits:
+        return f"{head}: resident (nothing streamed per token)"
+    line = (f"{head}: do not fit, {plan.resident_fraction:.0%} stay; streams ~{plan.streamed_bytes_per_token / mb:.0f} MB "
+            f"per token from the LayerWarden, which alone holds decode under "
+            f"{expected_tok_s(plan.streamed_bytes_per_token):.1f} tok/s")
+    if plan.profile == "worker":
+        line += " (a Worker's budget; `knot cluster up --profile resident` or KNOT_PROFILE=resident keeps them)"
+    else:
+        line += " (resident, but capped by RESIDENT_MAX_BYTES: the host's memory)"
+    return line
 
 
 class TensorSource(Protocol):
