@@ -19,6 +19,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
+from common.integrity import crc32
 from common.quant import QUANT_TYPES, row_byte_range, tensor_nbytes
 
 MAGIC = b"KNOT"
@@ -58,6 +59,10 @@ class StaleKnotError(KnotError):
     """The layout disagrees with itself: a pre-2026-04-25 encoding or a cut-off file."""
 
 
+class CorruptKnot(KnotError):
+    """A tensor's or blob's bytes disagree with the CRC-32 the knot header carries for them."""
+
+
 class UnknownTensor(KnotError, KeyError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
@@ -76,6 +81,7 @@ class TensorEntry:
     shape: tuple[int, ...]  # GGUF order: ne0 (row length) first
     offset: int  # from the payload start
     length: int  # bytes
+    crc32: int | None = None  # of the tensor's bytes; None in knots written before checksums
 
     @property
     def n_rows(self) -> int:
@@ -91,6 +97,7 @@ class BlobEntry:
     offset: int  # from the payload start, after the tensors
     length: int
     encoding: str  # e.g. "zlib+json"
+    crc32: int | None = None  # of the blob's bytes (as stored); None in older knots
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,31 @@ class KnotHeader:
         start = self.payload_offset + b.offset
         return start, start + b.length
 
+    @property
+    def unchecksummed(self) -> list[str]:
+        """Names of the tensors and blobs that carry no crc32 (all of them in a pre-checksum knot)."""
+        return [e.name for e in (*self.tensors.values(), *self.blobs.values()) if e.crc32 is None]
+
+    def verify(self, name: str, data: bytes | memoryview) -> bool:
+        """Check a whole tensor's (or blob's) bytes against the header's crc32: True when checked,
+        False when the knot carries no checksum for it; CorruptKnot on a mismatch."""
+        return self.verify_crc(name, crc32(data), len(data))
+
+    def verify_crc(self, name: str, crc: int, nbytes: int) -> bool:
+        """Same as verify, from the crc32 of the bytes (e.g. a tensor frame's payload_crc32)."""
+        e = self.tensors.get(name) or self.blobs.get(name)
+        if e is None:
+            raise UnknownTensor(f"unknown tensor or blob {name!r}")
+        kind = "tensor" if name in self.tensors else "blob"
+        if nbytes != e.length:
+            raise CorruptKnot(f"{kind} {name}: {nbytes} bytes, the knot header says {e.length}")
+        if e.crc32 is None:
+            return False
+        if crc != e.crc32:
+            raise CorruptKnot(f"{kind} {name}: crc32 0x{crc:08x} over {nbytes} bytes, the knot header says "
+                              f"0x{e.crc32:08x}: the knot's bytes are corrupt or were changed without re-encoding")
+        return True
+
     def check_size(self, file_size: int) -> None:
         """The stale-knot guard (seed section 5, WARNING)."""
         want = self.expected_file_size
@@ -175,11 +207,14 @@ def build_metadata(
     tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
     blobs: Iterable[tuple[str, int, str]] = (),
     extra: Mapping[str, Any] | None = None,
+    checksums: Mapping[str, int] | None = None,
 ) -> dict:
     """Metadata with offsets laid out contiguously: tensors in the given order, then blobs.
 
-    tensors: (name, ggml_type, shape GGUF order, length bytes); blobs: (name, length, encoding).
+    tensors: (name, ggml_type, shape GGUF order, length bytes); blobs: (name, length, encoding);
+    checksums: tensor or blob name -> crc32 of its bytes (what the encoder writes for every one).
     """
+    checksums = checksums or {}
     missing = [k for k in HPARAM_KEYS if k not in hparams]
     if missing:
         raise KnotError(f"hparams lack {missing}")
@@ -191,11 +226,15 @@ def build_metadata(
     table: dict[str, dict] = {}
     for name, ggml_type, shape, length in tensors:
         table[name] = {"type": ggml_type, "shape": list(shape), "offset": offset, "length": length}
+        if name in checksums:
+            table[name]["crc32"] = checksums[name]
         offset += length
     meta["tensors"] = table
     blob_table: dict[str, dict] = {}
     for name, length, encoding in blobs:
         blob_table[name] = {"offset": offset, "length": length, "encoding": encoding}
+        if name in checksums:
+            blob_table[name]["crc32"] = checksums[name]
         offset += length
     meta["blobs"] = blob_table
     return meta
@@ -240,7 +279,8 @@ def parse_header(buf: bytes, file_size: int | None = None) -> KnotHeader:
         raise NotAKnot("knot metadata lacks \"format\": \"knot\"")
     tensors = _parse_tensor_table(metadata.get("tensors"))
     blobs = {
-        name: BlobEntry(name, int(b["offset"]), int(b["length"]), str(b.get("encoding", "raw")))
+        name: BlobEntry(name, int(b["offset"]), int(b["length"]), str(b.get("encoding", "raw")),
+                        _parse_crc(name, b))
         for name, b in (metadata.get("blobs") or {}).items()
     }
     header = KnotHeader(version, meta_len, need, metadata, tensors, blobs)
@@ -266,7 +306,7 @@ def _parse_tensor_table(table: Any) -> dict[str, TensorEntry]:
         if ggml_type is None:
             raise KnotError(f"tensor {name}: metadata has neither \"type\" nor \"tensor_type\"")
         entry = TensorEntry(name, str(ggml_type), tuple(int(d) for d in t["shape"]),
-                            int(t["offset"]), int(t["length"]))
+                            int(t["offset"]), int(t["length"]), _parse_crc(name, t))
         if entry.offset != expect_offset:
             raise KnotError(f"tensor {name}: offset {entry.offset}, expected {expect_offset} "
                             f"(tensors lie contiguous in metadata order)")
@@ -278,6 +318,16 @@ def _parse_tensor_table(table: Any) -> dict[str, TensorEntry]:
         expect_offset += entry.length
         out[name] = entry
     return out
+
+
+def _parse_crc(name: str, entry: Mapping[str, Any]) -> int | None:
+    """The optional "crc32" of a tensor or blob entry: an integer in [0, 2^32)."""
+    crc = entry.get("crc32")
+    if crc is None:
+        return None
+    if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 1 << 32:
+        raise KnotError(f"tensor {name}: crc32 {crc!r} is not an unsigned 32-bit integer")
+    return crc
 
 
 ReadRange = Callable[[int, int], Awaitable[bytes]]

@@ -231,6 +231,12 @@ class Conflict(HttpError):
     status = 409
 
 
+class PreconditionFailed(HttpError):
+    """A conditional read (Bucket.get with if_match) found another version of the object."""
+
+    status = 412
+
+
 class PayloadTooLarge(HttpError):
     status = 413
 
@@ -291,7 +297,8 @@ def raise_for_status(resp: Response, what: str) -> Response:
     raise cls(f"{what}: HTTP {resp.status}: {detail}")
 
 
-_BY_STATUS = (BadRequest, Forbidden, NotFound, MethodNotAllowed, Conflict, PayloadTooLarge, RangeNotSatisfiable)
+_BY_STATUS = (BadRequest, Forbidden, NotFound, MethodNotAllowed, Conflict, PreconditionFailed, PayloadTooLarge,
+              RangeNotSatisfiable)
 
 
 # ---------------------------------------------------------------- bindings (protocols)
@@ -317,9 +324,15 @@ ByteRange = tuple[int, int]  # [start, end_exclusive)
 
 
 class Bucket(Protocol):
-    """R2-like object store. A range must satisfy 0 <= start < end <= size, else RangeNotSatisfiable."""
+    """R2-like object store. A range must satisfy 0 <= start < end <= size, else RangeNotSatisfiable.
 
-    async def get(self, key: str, range: ByteRange | None = None) -> ObjectBody | None: ...
+    get(..., if_match=etag) reads only that version of the object (S3 If-Match, R2 onlyIf
+    {etagMatches}): when the object now has another etag it raises PreconditionFailed, and the
+    body returned always carries the etag of the version it was read from.
+    """
+
+    async def get(self, key: str, range: ByteRange | None = None,
+                  if_match: str | None = None) -> ObjectBody | None: ...
     async def head(self, key: str) -> ObjectMeta | None: ...
     async def put(self, key: str, value: bytes) -> ObjectMeta: ...
     async def list(self, prefix: str = "", limit: int = 1000) -> list[ObjectMeta]: ...

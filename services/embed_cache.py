@@ -1,26 +1,50 @@
 """The L2 tier for embedding rows (seed section 4): dequantized float32 rows in KV, 24 h TTL.
 
 Used by the CobordismWarden: on a RAM miss it asks KV before R2 (the shards reach KV through their
-warden, and keep their own small row LRU in front of it). Seed section 8 traps handled here:
-- kvGet silent cache poisoning: a value whose length != hidden * 4 is a miss, and the key is
-  deleted in the background;
+warden, and keep their own small row LRU in front of it). Each value carries where it came
+from and what it held, and is checked before use:
+
+    KV value, version 1 (integers little-endian):
+    off  size      field
+    0    4         magic      b"KROW"
+    4    1         version    1
+    5    1         etag_len   bytes of the etag
+    6    2         reserved   0
+    8    4         row        u32, the row id the value is for
+    12   4         crc32      zlib.crc32 of the payload
+    16   etag_len  etag       UTF-8: the knot version the row was read at
+    ..   4*hidden  payload    float32 (hidden,)
+
+Keys are "embed:{knot_key}@{etag}:{row}", so a replaced knot never even looks up the old rows.
+A value that is malformed, of another version or row, of the wrong length, or whose payload
+disagrees with its crc32 is a miss ("poisoned": counted, logged, deleted in the background, and
+rewritten from R2 after the delete). Seed section 8 traps handled here:
+- kvGet silent cache poisoning: a value of the wrong length, and now of the right length but the
+  wrong content, is a miss;
 - missing ctx.waitUntil on KV writes: every write and delete goes through wait_until.
 A KV that cannot be reached degrades to a miss (logged): the cache must never fail a request.
+The CRC catches corruption, stale and misfiled values; it is no signature against someone who can
+write the KV and compute a CRC (that takes a key the cluster holds: the request-signing issue).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
+from common.integrity import crc32
 from common.runtime import HttpError, KVNamespace
 
 log = logging.getLogger(__name__)
 
 TTL_S = 24 * 3600
 KEY_PREFIX = "embed"
+VALUE_MAGIC = b"KROW"
+VALUE_VERSION = 1
+_VALUE_HEAD = struct.Struct("<4sBBHII")  # magic version etag_len reserved row crc32
 
 
 def row_key(namespace: str, row: int) -> str:
@@ -28,12 +52,42 @@ def row_key(namespace: str, row: int) -> str:
     return f"{KEY_PREFIX}:{namespace}:{row}"
 
 
+def encode_row(etag: str, row: int, vec: np.ndarray) -> bytes:
+    """One KV value: the layout above; vec is float32 (hidden,)."""
+    tag = etag.encode("utf-8")
+    assert len(tag) <= 0xFF, f"etag of {len(tag)} bytes does not fit etag_len"
+    payload = np.ascontiguousarray(vec, dtype="<f4").tobytes()
+    return _VALUE_HEAD.pack(VALUE_MAGIC, VALUE_VERSION, len(tag), 0, row, crc32(payload)) + tag + payload
+
+
+def decode_row(value: bytes, etag: str, row: int, hidden: int) -> np.ndarray | str:
+    """The float32 (hidden,) row a value holds, or what is wrong with it (a str) when it is not
+    exactly row `row` of knot version `etag`, intact."""
+    if len(value) < _VALUE_HEAD.size:
+        return f"{len(value)} bytes, shorter than the {_VALUE_HEAD.size}-byte value header"
+    magic, version, etag_len, reserved, got_row, crc = _VALUE_HEAD.unpack_from(value)
+    if magic != VALUE_MAGIC or version != VALUE_VERSION or reserved:
+        return f"magic {magic!r} version {version}, expected {VALUE_MAGIC!r} version {VALUE_VERSION}"
+    tag = value[_VALUE_HEAD.size:_VALUE_HEAD.size + etag_len]
+    if tag != etag.encode("utf-8"):
+        return f"knot version {tag!r}, expected {etag!r}"
+    if got_row != row:
+        return f"holds row {got_row}, expected {row}"
+    payload = memoryview(value)[_VALUE_HEAD.size + etag_len:]
+    if len(payload) != hidden * 4:
+        return f"payload of {len(payload)} bytes, expected hidden {hidden} * 4 = {hidden * 4}"
+    got = crc32(payload)
+    if got != crc:
+        return f"payload crc32 0x{got:08x}, the value says 0x{crc:08x}"
+    return np.frombuffer(payload, dtype="<f4")
+
+
 class EmbedRowCache:
-    def __init__(self, kv: KVNamespace, namespace: str, hidden: int,
+    def __init__(self, kv: KVNamespace, knot_key: str, etag: str, hidden: int,
                  wait_until: Callable[[Awaitable[Any]], None], ttl_s: int = TTL_S):
-        self.kv, self.namespace, self.hidden = kv, namespace, hidden
+        self.kv, self.etag, self.hidden = kv, etag, hidden
+        self.namespace = f"{knot_key}@{etag}"
         self.wait_until, self.ttl_s = wait_until, ttl_s
-        self.row_nbytes = hidden * 4  # float32
         self.hits = self.misses = self.poisoned = self.errors = self.writes = 0
         self._deleting: dict[str, asyncio.Future] = {}
 
@@ -49,32 +103,33 @@ class EmbedRowCache:
             return None
 
     async def get_rows(self, rows: list[int]) -> dict[int, np.ndarray]:
-        """Rows found (and well-formed) in KV: row -> float32 (hidden,)."""
+        """Rows found, and intact, in KV: row -> float32 (hidden,)."""
         values = await asyncio.gather(*(self._get(r) for r in rows))
         out: dict[int, np.ndarray] = {}
         for row, value in zip(rows, values):
-            if value is None:
+            got = None if value is None else decode_row(value, self.etag, row, self.hidden)
+            if got is None:
                 self.misses += 1
-            elif len(value) != self.row_nbytes:
+            elif isinstance(got, str):
                 self.misses += 1
                 self.poisoned += 1
                 key = self.key(row)
-                log.warning("KV row %s is %d bytes, expected hidden %d * 4 = %d: poisoned, deleting",
-                            key, len(value), self.hidden, self.row_nbytes)
+                log.warning("KV row %s rejected (%s): poisoned, deleting and refetching from R2", key, got)
                 task = asyncio.ensure_future(self.kv.delete(key))
                 self._deleting[key] = task
                 self.wait_until(task)
             else:
                 self.hits += 1
-                out[row] = np.frombuffer(value, dtype="<f4")
+                out[row] = got
         return out
 
     def put_rows(self, row_start: int, rows_f32: np.ndarray) -> None:
         """Write rows [row_start, row_start + n) in the background (after any pending delete of a key)."""
         assert rows_f32.ndim == 2 and rows_f32.shape[1] == self.hidden, f"{rows_f32.shape=} {self.hidden=}"
-        for i, vec in enumerate(np.ascontiguousarray(rows_f32, dtype="<f4")):
+        for i, vec in enumerate(rows_f32):
             key = self.key(row_start + i)
-            self.wait_until(self._write(key, vec.tobytes(), self._deleting.pop(key, None)))
+            value = encode_row(self.etag, row_start + i, vec)
+            self.wait_until(self._write(key, value, self._deleting.pop(key, None)))
 
     async def _write(self, key: str, value: bytes, after: asyncio.Future | None) -> None:
         if after is not None:

@@ -4,6 +4,10 @@ one timeout, one error mapping. The typed clients next to each server use these.
 A peer's failure is never the caller's client's fault: a non-2xx reply becomes PeerError, a 502
 that keeps the peer's status and error kind (so a station's UnknownSession can be told apart).
 An unreachable peer raises what its binding raises (ServiceUnavailable) or TimeoutError.
+
+An envelope hop may name the knot version the request works on (X-Knot-Etag): the reply must then
+name the same one, and a peer that answered from another version, or refused over the knot's
+integrity (services/knot_source.py INTEGRITY_ERRORS), raises IntegrityFailure (503).
 """
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import asyncio
 from typing import Any
 
 from common import wire
-from common.runtime import BadGateway, Request, Response
+from common.runtime import BadGateway, HttpError, Request, Response
+from services.knot_source import INTEGRITY_ERRORS, KNOT_ETAG_HEADER
 
 PEER_URL = "https://peer"  # a binding routes by itself: only the path is read
 
@@ -41,9 +46,27 @@ async def call(binding: Any, request: Request, timeout_s: float | None) -> Respo
     return resp
 
 
-async def post_envelope(binding: Any, path: str, frame: wire.Envelope, timeout_s: float) -> wire.Envelope:
-    req = Request("POST", PEER_URL + path, {"Content-Type": wire.ENVELOPE_CONTENT_TYPE}, wire.encode_envelope(frame))
-    resp = await call(binding, req, timeout_s)
+class IntegrityFailure(HttpError):
+    """A hop answered from another knot version, or refused over the knot's integrity: the request
+    fails (never degraded), and the coordinator checks the bucket's version before the next one."""
+
+    status = 503
+
+
+async def post_envelope(binding: Any, path: str, frame: wire.Envelope, timeout_s: float,
+                        knot_etag: str | None = None) -> wire.Envelope:
+    """With knot_etag, the request names that version and the reply must come from it."""
+    headers = {"Content-Type": wire.ENVELOPE_CONTENT_TYPE} | ({KNOT_ETAG_HEADER: knot_etag} if knot_etag else {})
+    req = Request("POST", PEER_URL + path, headers, wire.encode_envelope(frame))
+    try:
+        resp = await call(binding, req, timeout_s)
+    except PeerError as e:
+        if e.peer_error in INTEGRITY_ERRORS:
+            raise IntegrityFailure(f"{path}: {e.peer_error}: {e.peer_message}") from None
+        raise
+    if knot_etag and resp.headers.get(KNOT_ETAG_HEADER) != knot_etag:
+        raise IntegrityFailure(f"{path}: answered from knot version {resp.headers.get(KNOT_ETAG_HEADER)!r}, the "
+                               f"request works on {knot_etag!r}; refused rather than mixing versions")
     try:
         return wire.decode_envelope(resp.body)
     except wire.WireError as e:

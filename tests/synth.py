@@ -1,6 +1,7 @@
-"""Tiny synthetic qwen2 models written as real GGUF files with gguf-py (tests only)."""
+"""Tiny synthetic qwen2 models written as real GGUF files with gguf-py, and knot edits (tests only)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 
+from common import knot
 from common.tokenizer import bytes_to_unicode
 
 
@@ -152,3 +154,19 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec | None = None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def rewrite_metadata(src: Path, dst: Path, edit) -> Path:
+    """Copy a knot with its header metadata edited by edit(meta) (the payload is untouched)."""
+    buf = Path(src).read_bytes()
+    h = knot.parse_header(buf)
+    meta = json.loads(json.dumps(h.metadata))
+    edit(meta)
+    Path(dst).write_bytes(knot.pack_header(meta) + buf[h.payload_offset:])
+    return Path(dst)
+
+
+def strip_checksums(meta: dict) -> None:
+    """A rewrite_metadata edit: the knot as the encoder wrote it before per-tensor crc32."""
+    for entry in (*meta["tensors"].values(), *meta["blobs"].values()):
+        entry.pop("crc32", None)

@@ -1,4 +1,7 @@
-"""knot inspect: header, hparams, tensor table and the stale check of a knot."""
+"""knot inspect: header, hparams, tensor table, the stale check and the checksums of a knot.
+
+Exit status: 0, or 1 when --verify finds a tensor or blob whose bytes disagree with its crc32.
+"""
 from __future__ import annotations
 
 import json
@@ -8,7 +11,8 @@ from common import knot
 from deploy.knotfile import open_model
 
 NAME = "inspect"
-HELP = "print a knot's header, hparams, tensor table, payload offset and stale-check result"
+HELP = ("print a knot's header, hparams, tensor table, payload offset, stale-check result and checksums "
+        "(--verify: check every tensor's bytes)")
 
 
 def add_arguments(p) -> None:
@@ -16,6 +20,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the header metadata as JSON")
     p.add_argument("--tensors", type=int, default=None, metavar="N",
                    help="show only the first N tensors of the table (default: all)")
+    p.add_argument("--verify", action="store_true",
+                   help="read every tensor and blob and check its bytes against the header's crc32")
 
 
 def run(args) -> int:
@@ -31,6 +37,7 @@ def run(args) -> int:
     print(f"format          knot v{h.version}, metaLen {h.meta_len}, payloadOffset {h.payload_offset}")
     print(f"architecture    {h.architecture}  ({h.metadata.get('name', '')})")
     print(f"stale check     OK: {size} = payloadOffset {h.payload_offset} + payload {h.payload_nbytes}")
+    bad = _checksums(model, h, args.verify)
     print("hparams")
     for k, v in h.hparams.items():
         print(f"  {k:22} {v}")
@@ -43,4 +50,33 @@ def run(args) -> int:
     print(f"  {'name':{width}}  {'type':5}  {'shape':>16}  {'bytes':>11}  {'offset':>11}")
     for t in rows:
         print(f"  {t.name:{width}}  {t.ggml_type:5}  {'x'.join(map(str, t.shape)):>16}  {t.length:>11}  {t.offset:>11}")
-    return 0
+    for line in bad:
+        print(f"CORRUPT         {line}")
+    return 1 if bad else 0
+
+
+def _checksums(model, h: knot.KnotHeader, verify: bool) -> list[str]:
+    """Print the checksum line; with verify, check every tensor and blob -> the mismatches."""
+    entries = [*h.tensors.values(), *h.blobs.values()]
+    missing = h.unchecksummed
+    if len(missing) == len(entries):
+        print("checksums       absent: a knot from before per-tensor crc32; re-encode with `knot encode` to add them")
+        return []
+    present = f"crc32 on {len(entries) - len(missing)} of {len(entries)} tensors and blobs"
+    if missing:
+        present += f" (missing: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+    if not verify:
+        print(f"checksums       {present}; not verified (--verify reads every byte)")
+        return []
+    bad = []
+    for e in entries:
+        if e.crc32 is None:
+            continue
+        start, end = h.tensor_range(e.name) if e.name in h.tensors else h.blob_range(e.name)
+        try:
+            h.verify(e.name, model.data[start:end])
+        except knot.CorruptKnot as err:
+            bad.append(str(err))
+    verdict = "all valid" if not bad else f"{len(bad)} MISMATCHED"
+    print(f"checksums       {present}; verified: {verdict}")
+    return bad

@@ -133,6 +133,7 @@ def write_synth(out: str | Path, *, layers=28, hidden=3584, ffn=18944, heads=28,
     from tqdm import tqdm
 
     from common import knot
+    from common.integrity import crc32
     from common.quant import tensor_nbytes
 
     plan = tensor_plan(layers, hidden, ffn, heads, kv_heads, vocab)
@@ -142,11 +143,21 @@ def write_synth(out: str | Path, *, layers=28, hidden=3584, ffn=18944, heads=28,
                "head_count": heads, "head_count_kv": kv_heads, "rope_freq_base": 1_000_000.0,
                "rms_eps": 1e-6, "context_length": context, "vocab_size": vocab,
                "rope_dimension_count": hd, "key_length": hd, "value_length": hd}
+    # The header (written first) carries each tensor's crc32: a first pass draws the same bytes from
+    # the same seed to compute them.
+    rng = np.random.default_rng(seed)
+    checksums = {knot.TOKENIZER_BLOB: crc32(tok_blob)}
+    for name, t, shape in plan:
+        crc = 0
+        for chunk in tensor_chunks(name, t, shape, rng):
+            crc = crc32(chunk, crc)
+        checksums[name] = crc
     metadata = knot.build_metadata(
         "qwen2", hparams, [(n, t, s, tensor_nbytes(t, s)) for n, t, s in plan],
         blobs=[(knot.TOKENIZER_BLOB, len(tok_blob), knot.TOKENIZER_ENCODING)],
         extra={"name": f"synthetic qwen2 {layers}x{hidden} (random Q4_K_M-patterned blocks)",
-               "source": "knot synth", "synthetic": True})
+               "source": "knot synth", "synthetic": True},
+        checksums=checksums)
     head = knot.pack_header(metadata)
     header = knot.parse_header(head)
     out = Path(out)

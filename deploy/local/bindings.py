@@ -20,9 +20,9 @@ import redis.exceptions
 from botocore.config import Config
 
 from common.runtime import (BadGateway, DurableObjectId, GatewayTimeout, Headers, ObjectBody, ObjectMeta,
-                            RangeNotSatisfiable, Request, Response, ServiceUnavailable)
+                            PreconditionFailed, RangeNotSatisfiable, Request, Response, ServiceUnavailable)
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
-from deploy.local.embedded import check_range
+from deploy.local.embedded import check_etag, check_range
 from deploy.local.logs import REQUEST_ID_HEADER, request_id_var
 
 
@@ -79,8 +79,11 @@ class S3Bucket:
             raise BadGateway(f"S3 head {self.bucket}/{key}: {self._code(e)}: {e}") from None
         return ObjectMeta(key, int(r["ContentLength"]), r.get("ETag", "").strip('"'))
 
-    async def get(self, key: str, range: tuple[int, int] | None = None) -> ObjectBody | None:
+    async def get(self, key: str, range: tuple[int, int] | None = None,
+                  if_match: str | None = None) -> ObjectBody | None:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
+        if if_match is not None:
+            kwargs["IfMatch"] = f'"{if_match}"'  # an entity tag is quoted on the wire
         if range is not None:
             start, end = range
             if not 0 <= start < end:
@@ -100,8 +103,11 @@ class S3Bucket:
                 return None
             if code in ("InvalidRange", "416"):
                 raise RangeNotSatisfiable(f"{key}: byte range {range} is outside the object") from None
+            if code in ("PreconditionFailed", "412"):
+                raise PreconditionFailed(f"{key}: the object is no longer version {if_match!r}") from None
             raise BadGateway(f"S3 get {self.bucket}/{key}: {code}: {e}") from None
         etag = r.get("ETag", "").strip('"')
+        check_etag(key, if_match, etag)  # a server that ignored If-Match still names what it sent
         if range is None:
             return ObjectBody(key, len(body), etag, body)
         # "bytes a-b/size": the whole object's size comes from Content-Range.

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from common.runtime import (BadRequest, Context, Env, Handler, ObjectBody, ObjectMeta, RangeNotSatisfiable,
-                            Request, Response, call_handler)
+from common.runtime import (BadRequest, Context, Env, Handler, ObjectBody, ObjectMeta, PreconditionFailed,
+                            RangeNotSatisfiable, Request, Response, call_handler)
 from deploy.local.logs import REQUEST_ID_HEADER, request_id_var
 from deploy.local.tasks import BackgroundTasks
 
@@ -26,6 +26,11 @@ def check_range(key: str, range: tuple[int, int], size: int) -> None:
         raise RangeNotSatisfiable(f"{key}: invalid byte range [{start}, {end})")
     if end > size:
         raise RangeNotSatisfiable(f"{key}: byte range [{start}, {end}) runs past the object's {size} bytes")
+
+
+def check_etag(key: str, if_match: str | None, etag: str) -> None:
+    if if_match is not None and etag != if_match:
+        raise PreconditionFailed(f"{key}: the object is now version {etag!r}, not {if_match!r}")
 
 
 class DirectoryBucket:
@@ -40,27 +45,35 @@ class DirectoryBucket:
         return p
 
     @staticmethod
-    def _meta(key: str, p: Path) -> ObjectMeta:
-        st = p.stat()
-        return ObjectMeta(key, st.st_size, f"{st.st_size:x}-{st.st_mtime_ns:x}")
+    def _meta(key: str, st: os.stat_result) -> ObjectMeta:
+        # The etag names one version of the file: a replace (new inode) or a write (new mtime) changes it.
+        return ObjectMeta(key, st.st_size, f"{st.st_size:x}-{st.st_mtime_ns:x}-{st.st_ino:x}")
 
     async def head(self, key: str) -> ObjectMeta | None:
         p = self._path(key)
-        return self._meta(key, p) if p.is_file() else None
+        return self._meta(key, p.stat()) if p.is_file() else None
 
-    async def get(self, key: str, range: tuple[int, int] | None = None) -> ObjectBody | None:
+    async def get(self, key: str, range: tuple[int, int] | None = None,
+                  if_match: str | None = None) -> ObjectBody | None:
         p = self._path(key)
 
         def read() -> ObjectBody | None:
-            if not p.is_file():
+            try:
+                f = open(p, "rb")
+            except (FileNotFoundError, IsADirectoryError):
                 return None
-            meta = self._meta(key, p)
-            with open(p, "rb") as f:
-                if range is None:
-                    return ObjectBody(key, meta.size, meta.etag, f.read())
-                check_range(key, range, meta.size)
-                f.seek(range[0])
-                return ObjectBody(key, meta.size, meta.etag, f.read(range[1] - range[0]), range)
+            with f:
+                # The etag of the open file, before and after the read: the bytes are that version's
+                # (a replace makes a new inode, which this descriptor does not see).
+                meta = self._meta(key, os.fstat(f.fileno()))
+                check_etag(key, if_match, meta.etag)
+                if range is not None:
+                    check_range(key, range, meta.size)
+                    f.seek(range[0])
+                body = f.read() if range is None else f.read(range[1] - range[0])
+                if self._meta(key, os.fstat(f.fileno())) != meta:
+                    raise PreconditionFailed(f"{key}: the file was written while it was read")
+            return ObjectBody(key, meta.size, meta.etag, body, range)
 
         return await asyncio.to_thread(read)  # file reads block; keep them off the loop
 
@@ -72,7 +85,7 @@ class DirectoryBucket:
             tmp = p.with_name(p.name + ".partial")
             tmp.write_bytes(value)
             os.replace(tmp, p)
-            return self._meta(key, p)
+            return self._meta(key, p.stat())
 
         return await asyncio.to_thread(write)
 
@@ -81,7 +94,7 @@ class DirectoryBucket:
         for p in sorted(self.root.rglob("*")):
             key = p.relative_to(self.root).as_posix()
             if p.is_file() and key.startswith(prefix) and not key.endswith(".partial"):
-                out.append(self._meta(key, p))
+                out.append(self._meta(key, p.stat()))
                 if len(out) >= limit:
                     break
         return out

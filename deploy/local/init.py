@@ -6,7 +6,8 @@
 (common/settings.py declares them; docs/configuration.md lists them.)
 
 Idempotent: an object already at KNOT_KEY whose header parses and whose size passes the
-stale-knot guard is left alone, so only the first start uploads.
+stale-knot guard is left alone, so only the first start uploads; unless it carries no per-tensor
+checksums and the local knot does (a knot encoded before them is replaced once).
 """
 from __future__ import annotations
 
@@ -40,13 +41,25 @@ def knot_for(model: str) -> Path:
     return ensure_knot(model)
 
 
-def _valid_remote(read_range, size: int) -> bool:
+def _valid_remote(read_range, size: int, model: str) -> bool:
     try:
-        read_header_sync(read_range, file_size=size)
-        return True
+        header = read_header_sync(read_range, file_size=size)
     except KnotError as e:
         log.warning("the bucket's knot is unusable (%s): uploading again", e)
         return False
+    if header.unchecksummed and not read_header_sync(_file_reader(knot_for(model))).unchecksummed:
+        log.warning("the bucket's knot has no per-tensor checksums, the local one has: uploading again")
+        return False
+    return True
+
+
+def _file_reader(path: Path):
+    def read_range(a: int, b: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(a)
+            return f.read(b - a)
+
+    return read_range
 
 
 def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
@@ -65,7 +78,7 @@ def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
             r = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={a}-{min(b, size) - 1}")  # inclusive end
             return r["Body"].read()
 
-        if _valid_remote(read_range, size):
+        if _valid_remote(read_range, size, model):
             return f"s3://{bucket}/{key} already present ({size} bytes), not uploading"
     path = knot_for(model)
     s3.upload_file(str(path), bucket, key, Config=TransferConfig(multipart_chunksize=MULTIPART_CHUNK_BYTES))
@@ -77,14 +90,8 @@ def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
 
 def upload_dir(root: Path, key: str, model: str) -> str:
     dest = root / key
-    if dest.is_file():
-        with open(dest, "rb") as f:
-            def read_range(a: int, b: int) -> bytes:
-                f.seek(a)
-                return f.read(b - a)
-
-            if _valid_remote(read_range, dest.stat().st_size):
-                return f"{dest} already present, not copying"
+    if dest.is_file() and _valid_remote(_file_reader(dest), dest.stat().st_size, model):
+        return f"{dest} already present, not copying"
     path = knot_for(model)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".partial")

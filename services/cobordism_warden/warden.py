@@ -9,6 +9,12 @@ and dequantizing one row per call is cheap. A row that came back from KV (after 
 is held as the float32 it arrived as: it cannot be re-quantized exactly, and going to R2 for the
 raw bytes is what the L2 tier exists to avoid. The LRU counts the bytes actually held.
 
+Integrity: R2 reads are pinned to the served knot version; every RAM entry is sealed with that
+version and its payload's crc32, checked on each hit (a row is ~0.5-4 KB); KV values carry the
+same and are checked by embed_cache. A bad entry is a miss, counted in `rejects` ("ram", "kv"),
+and refetched; the reply's X-Knot-Cache-Rejects tells the shard, whose /stats the coordinator's
+/metrics gathers.
+
 Endpoints (identity "{knot_key}|{vocab_start}-{vocab_end}"):
     POST /configure        {"knot_key", "vocab_start", "vocab_end", "budget_bytes"?}
     POST /tensors          int32 row ids (application/x-knot-rows, tensor in X-Knot-Tensor; what
@@ -21,9 +27,13 @@ Endpoints (identity "{knot_key}|{vocab_start}-{vocab_end}"):
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from common import wire
+from common.integrity import Seal, seal
 from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
 from common.models import Model
@@ -31,7 +41,10 @@ from common.quant import dequantize_rows, row_nbytes
 from common.runtime import BadRequest, NotFound, Request, Response, int_param
 from common.settings import default, read
 from services.embed_cache import EmbedRowCache
-from services.warden_base import Identity, IdentityFields, WardenBase, budget_from
+from services.knot_source import KnotSource
+from services.warden_base import Identity, IdentityFields, Served, WardenBase, budget_from
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "cobordism_warden")  # 256 MiB
 MAX_ROWS = 8192
@@ -51,6 +64,17 @@ def contiguous_runs(rows: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+@dataclass
+class RowCaches:
+    """One knot version's row tiers: RAM (tensor, row) -> (seal, frame), and KV (None: not bound);
+    and the model's row tensors: the embedding, and the LM head (the shards' slices)."""
+
+    ram: ByteLRU[tuple[str, int], tuple[Seal, wire.TensorFrame]]
+    kv: EmbedRowCache | None
+    embd: str
+    row_tensors: frozenset[str]
+
+
 class CobordismWarden(WardenBase):
     FIELDS = FIELDS
     ROUTES = {
@@ -59,14 +83,6 @@ class CobordismWarden(WardenBase):
         ("POST", "/invalidate/"): "invalidate",
         ("GET", "/stats"): "stats",
     }
-
-    def __init__(self, state, env):
-        super().__init__(state, env)
-        self.header: KnotHeader | None = None
-        self.embd = ""  # the embedding's tensor name, from the model at configure
-        self.row_tensors: frozenset[str] = frozenset()  # the embedding and the LM head (the shard's slice)
-        self.cache: ByteLRU[tuple[str, int], wire.TensorFrame] = ByteLRU(DEFAULT_BUDGET_BYTES)
-        self.rows_cache: EmbedRowCache | None = None
 
     def _validate(self, identity: Identity, header: KnotHeader, model: Model) -> None:
         try:
@@ -77,24 +93,22 @@ class CobordismWarden(WardenBase):
             raise BadRequest(f"vocab rows [{identity.start}, {identity.end}) exceed the {n_rows} rows "
                              f"of {model.TOKEN_EMBD}")
 
-    async def _on_configure(self, header: KnotHeader, model: Model, body: dict) -> None:
-        self.header = header
-        self.embd, self.row_tensors = model.TOKEN_EMBD, frozenset({model.TOKEN_EMBD, model.OUTPUT})
-        self.cache = ByteLRU(budget_from(body, self.env, "cobordism_warden"))
+    def _caches(self, header: KnotHeader, model: Model, source: KnotSource, body: dict) -> RowCaches:
         kv = read(self.env, "EMBED_CACHE", "cobordism_warden")
-        if kv is not None:
-            assert self.source is not None
-            hidden = header.entry(self.embd).shape[0]
-            self.rows_cache = EmbedRowCache(kv, f"{self.source.knot_key}@{self.source.etag}", hidden,
-                                            self.state.wait_until)
+        hidden = header.entry(model.TOKEN_EMBD).shape[0]
+        return RowCaches(ByteLRU(budget_from(body, self.env, "cobordism_warden")),
+                         None if kv is None else EmbedRowCache(kv, source.knot_key, source.etag, hidden,
+                                                               self.state.wait_until),
+                         model.TOKEN_EMBD, frozenset({model.TOKEN_EMBD, model.OUTPUT}))
 
     # -------------------------------------------------------- rows
 
-    def _parse(self, request: Request) -> tuple[str, list[int]]:
+    def _parse(self, request: Request, v: Served) -> tuple[str, list[int]]:
+        embd, row_tensors = v.caches.embd, v.caches.row_tensors
         if request.headers.get("Content-Type", "") == wire.ROWS_CONTENT_TYPE:  # the shards' form
             try:
                 body: Any = {"rows": wire.decode_rows(request.body),
-                             "tensor": request.headers.get("X-Knot-Tensor") or self.embd}
+                             "tensor": request.headers.get("X-Knot-Tensor") or embd}
             except wire.WireError as e:
                 raise BadRequest(f"POST /tensors: {e}") from None
         else:
@@ -102,11 +116,11 @@ class CobordismWarden(WardenBase):
         if not isinstance(body, dict):
             raise BadRequest('POST /tensors body must be {"rows": [int, ...]}, or int32 row ids as '
                              f'{wire.ROWS_CONTENT_TYPE}')
-        tensor = body.get("tensor", self.embd)
-        if tensor not in self.row_tensors:
-            raise BadRequest(f"tensor {tensor!r}: this warden serves rows of {sorted(self.row_tensors)}")
-        if tensor not in self.header.tensors:
-            raise NotFound(f"the knot has no {tensor} (tied embeddings: use {self.embd})")
+        tensor = body.get("tensor", embd)
+        if tensor not in row_tensors:
+            raise BadRequest(f"tensor {tensor!r}: this warden serves rows of {sorted(row_tensors)}")
+        if tensor not in v.header.tensors:
+            raise NotFound(f"the knot has no {tensor} (tied embeddings: use {embd})")
         rows = body.get("rows")
         if not isinstance(rows, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
             raise BadRequest('POST /tensors body must be {"rows": [int, ...]}')
@@ -119,53 +133,75 @@ class CobordismWarden(WardenBase):
                              f"a shard zero-fills rows it does not own")
         return tensor, list(dict.fromkeys(rows))
 
-    async def _from_r2(self, tensor: str, run: tuple[int, int], sem: asyncio.Semaphore,
+    @staticmethod
+    def _keep(v: Served, frame: wire.TensorFrame) -> wire.TensorFrame:
+        """Put a row frame in RAM, sealed with the version and its crc32 (which its encoding reuses)."""
+        s = seal(v.source.etag, frame.payload)
+        frame = wire.TensorFrame(frame.name, frame.ggml_type, frame.shape, frame.payload, frame.row_start, s.crc32)
+        v.caches.ram.put((frame.name, frame.row_start), (s, frame), s.nbytes)
+        return frame
+
+    async def _from_r2(self, v: Served, tensor: str, run: tuple[int, int], sem: asyncio.Semaphore,
                        out: dict[int, wire.TensorFrame]) -> None:
-        entry = self.header.entry(tensor)
+        entry = v.header.entry(tensor)
         ne0 = entry.shape[0]
         async with sem:
-            data = await self.source.read(*self.header.row_range(tensor, *run))
+            data = await v.source.read(*v.header.row_range(tensor, *run))  # pinned to the served version
         nb = row_nbytes(entry.ggml_type, ne0, tensor)
         for i, row in enumerate(range(*run)):
-            frame = wire.TensorFrame(tensor, entry.ggml_type, (ne0, 1), data[i * nb:(i + 1) * nb], row)
-            self.cache.put((tensor, row), frame, nb)
-            out[row] = frame
-        if tensor == self.embd and self.rows_cache is not None:
-            self.rows_cache.put_rows(run[0], dequantize_rows(data, entry.ggml_type, ne0, tensor))
+            payload = data[i * nb:(i + 1) * nb]
+            out[row] = self._keep(v, wire.TensorFrame(tensor, entry.ggml_type, (ne0, 1), payload, row))
+        if tensor == v.caches.embd and v.caches.kv is not None:
+            v.caches.kv.put_rows(run[0], dequantize_rows(data, entry.ggml_type, ne0, tensor))
+
+    def _from_ram(self, v: Served, tensor: str, row: int, rejects: Counter) -> wire.TensorFrame | None:
+        hit = v.caches.ram.get((tensor, row))
+        if hit is None:
+            return None
+        s, frame = hit
+        problem = s.problem(v.source.etag, frame.payload)
+        if problem is None:
+            return frame
+        rejects["ram"] += 1
+        log.warning("CobordismWarden entry %s row %d rejected (%s): refetching", tensor, row, problem)
+        v.caches.ram.pop((tensor, row))
+        return None
 
     async def tensors(self, request: Request, _rest: str) -> Response:
-        await self._identified(request)
-        tensor, rows = self._parse(request)
+        v = await self._identified(request)
+        tensor, rows = self._parse(request, v)
+        rejects: Counter = Counter()
         out: dict[int, wire.TensorFrame] = {}
         missing = []
         for row in rows:  # L1
-            frame = self.cache.get((tensor, row))
+            frame = self._from_ram(v, tensor, row, rejects)
             if frame is None:
                 missing.append(row)
             else:
                 out[row] = frame
-        if missing and tensor == self.embd and self.rows_cache is not None:  # L2
-            hidden = self.rows_cache.hidden
-            for row, vec in (await self.rows_cache.get_rows(missing)).items():
-                frame = wire.TensorFrame(tensor, "F32", (hidden, 1), vec.tobytes(), row)
-                self.cache.put((tensor, row), frame, len(frame.payload))
-                out[row] = frame
+        kv = v.caches.kv
+        if missing and tensor == v.caches.embd and kv is not None:  # L2
+            poisoned = kv.poisoned
+            for row, vec in (await kv.get_rows(missing)).items():
+                out[row] = self._keep(v, wire.TensorFrame(tensor, "F32", (kv.hidden, 1), vec.tobytes(), row))
+            rejects["kv"] += kv.poisoned - poisoned
             missing = [r for r in missing if r not in out]
         if missing:  # L3
             sem = asyncio.Semaphore(R2_CONCURRENCY)
-            await asyncio.gather(*(self._from_r2(tensor, run, sem, out) for run in contiguous_runs(sorted(missing))))
-        return Response.from_bytes(wire.encode_batch(out[r] for r in rows), wire.BATCH_CONTENT_TYPE)
+            await asyncio.gather(*(self._from_r2(v, tensor, run, sem, out) for run in contiguous_runs(sorted(missing))))
+        return self._reply(v, Response.from_bytes(wire.encode_batch(out[r] for r in rows), wire.BATCH_CONTENT_TYPE),
+                           rejects)
 
     async def invalidate(self, request: Request, rest: str) -> Response:
-        await self._identified(request)
+        v = await self._identified(request)
         row = int_param(rest, "row")
-        dropped = self.cache.pop((self.embd, row)) is not None
-        return Response.from_json({"row": row, "dropped": dropped})
+        dropped = v.caches.ram.pop((v.caches.embd, row)) is not None
+        return self._reply(v, Response.from_json({"row": row, "dropped": dropped}))
 
-    def _stats(self) -> dict[str, Any]:
-        c = self.cache
-        kv = self.rows_cache.stats() if self.rows_cache else {}
+    def _stats(self, v: Served) -> dict[str, Any]:
+        c = v.caches.ram
+        kv = v.caches.kv.stats() if v.caches.kv else {}
         return {"vocab_start": self.identity.start, "vocab_end": self.identity.end,
                 "hits": c.stats.hits, "misses": c.stats.misses, "evictions": c.stats.evictions,
                 "entries": len(c), "bytes_resident": c.bytes_used, "budget_bytes": c.budget_bytes,
-                "kv_enabled": self.rows_cache is not None, **kv}
+                "kv_enabled": v.caches.kv is not None, **kv}

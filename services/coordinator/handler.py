@@ -12,6 +12,12 @@ stations, gathers the LM-head slices and samples (seed sections 1-3).
 
 Every generation goes through generation.Coordinator.events() and the admission queue.
 
+Knot versions: a generation request first asks the bucket which version of the knot it holds (one
+head()); when that is not the version the coordinator loaded, it loads the new one (tokenizer,
+hyperparameters, topology checks), keeping its metrics and admission queue. Every hop of the
+generation then names that version (pipeline.py), so the whole cluster follows, and a generation
+never computes with two versions: it completes on one, or fails with 503.
+
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
 SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S,
 STATION_RETRY_S (how long an unreachable station is retried); MAX_CONCURRENT_REQUESTS (generations
@@ -36,7 +42,7 @@ from services.coordinator.errors import openai_error_response
 from services.coordinator.generation import Coordinator, summary
 from services.coordinator.params import parse_generate
 from services.coordinator.pipeline import Pipeline
-from services.knot_source import KnotSource
+from services.knot_source import KnotSource, serving_version
 from services.station.client import StationClient
 
 log = logging.getLogger(__name__)
@@ -77,16 +83,25 @@ class CoordinatorSettings:
         return self.model_name or self.knot_key.rsplit("/", 1)[-1].removesuffix(".knot")
 
 
-_booted: BootCache[Coordinator] = BootCache()
+@dataclass(frozen=True)
+class _Booted:
+    co: Coordinator
+    source: KnotSource  # pinned to the version co was loaded from
 
 
-async def coordinator_for(env: Env) -> Coordinator:
+_booted: BootCache[_Booted] = BootCache()
+
+
+async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
+    """The booted coordinator; with check_version (every generation), first reloaded if the bucket
+    now holds another version of the knot."""
     try:
         settings = CoordinatorSettings.from_env(env)
     except TopologyError as e:
         raise ServiceUnavailable(f"coordinator config: {e}") from None
+    key = repr(settings)
 
-    async def boot() -> Coordinator:
+    async def boot() -> _Booted:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
         header, cfg = await source.header(), (await source.model()).cfg
         shards = [ShardSpec(i, a, b) for i, (_, a, b) in enumerate(settings.shards)]
@@ -95,17 +110,22 @@ async def coordinator_for(env: Env) -> Coordinator:
         ordered = [(s, bindings[s.index]) for s in sorted(shards, key=lambda s: s.vocab_start)]
         stations = [getattr(env, name) for name in settings.stations]
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
-                            settings.station_timeout_s, settings.station_retry_s)
+                            settings.station_timeout_s, settings.station_retry_s, source.etag)
         station_stats = await _check_stations(pipeline.stations, cfg.n_layer)
-        a, b = header.blob_range(TOKENIZER_BLOB)
-        tokenizer = Tokenizer(decode_tokenizer_blob(await source.read(a, b), header.blobs[TOKENIZER_BLOB].encoding))
-        log.info("coordinator booted: %d stations, %d shards, vocab %d", len(stations), len(shards), cfg.vocab_size)
+        blob = await source.read_tensor(TOKENIZER_BLOB)  # checked against the knot's crc32
+        tokenizer = Tokenizer(decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding))
+        log.info("coordinator booted on knot version %s: %d stations, %d shards, vocab %d", source.etag,
+                 len(stations), len(shards), cfg.vocab_size)
         co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id)
         co.note_station_stats(station_stats)
-        return co
+        previous = _booted.peek(key)
+        if previous is not None:  # a reload on a new knot version: counters and the queue carry on
+            co.admission, co.metrics = previous.co.admission, previous.co.metrics
+            co.metrics.knot_reloads.inc()
+        return _Booted(co, source)
 
     try:
-        return await _booted.get(repr(settings), boot)
+        return (await serving_version(_booted, key, boot, lambda b: b.source, check_bucket=check_version)).co
     except TopologyError as e:  # a misconfigured cluster: not the client's fault, and not ready
         raise ServiceUnavailable(f"coordinator topology: {e}") from None
 
@@ -162,7 +182,7 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
                            f"POST /v1/chat/completions, GET /v1/models")
         if method != want:
             raise MethodNotAllowed(f"{method} {request.path}: use {want}")
-        co = await coordinator_for(env)
+        co = await coordinator_for(env, check_version=path in ("/v1/completions", "/v1/chat/completions"))
         if path == "/v1/models":
             return openai_api.models(co)
         if path.startswith("/v1/models/"):
@@ -189,7 +209,7 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     if path.startswith("/v1/"):
         return await _openai(request, env, ctx)
     if path == "/generate" and request.method == "POST":
-        co = await coordinator_for(env)
+        co = await coordinator_for(env, check_version=True)
         return await _counted(co, "generate", lambda: _generate(request, co, ctx))
     if path == "/metrics" and request.method == "GET":
         co = await coordinator_for(env)

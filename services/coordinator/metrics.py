@@ -4,7 +4,9 @@ Counted here as requests run: requests, tokens, generations by outcome, time to 
 inter-token latency, per-hop latency (embed, station_i, logits), shard degradations, replays,
 queue wait. Gathered at scrape time from the services through the coordinator's bindings
 (GET /stats of every station and shard): where their tensors and embedding rows came from
-(warden vs R2), hence the warden hit ratios, and the stations' live KV sessions.
+(warden vs R2), hence the warden hit ratios, the stations' live KV sessions, and integrity:
+cached weight bytes found bad at each tier (each a miss, refetched), R2 reads that disagreed
+with the knot's crc32, and knot version reloads.
 
 prometheus_client is optional: where it does not import (a Python Worker bundle without it),
 the instruments below count nothing and GET /metrics answers 503 naming the missing package.
@@ -30,6 +32,13 @@ PREFIX = "knot"
 STATS_TIMEOUT_S = 2.0
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+# /stats field -> cache tier, for knot_cache_rejects: entries found bad (wrong version or crc32), refetched.
+STATION_REJECTS = {"invalidations": "layer_warden_frame", "warden_rejects_ram": "layer_warden_ram",
+                   "kept_rejected": "station_kept"}
+SHARD_REJECTS = {"row_cache_rejects": "shard_lru", "warden_rows_rejected": "cobordism_warden_frame",
+                 "warden_rejects_ram": "cobordism_warden_ram", "warden_rejects_kv": "kv"}
 
 
 def _ratio(hits: float, misses: float) -> float:
@@ -62,6 +71,21 @@ class ServiceStats:
         ratio = GaugeMetricFamily(f"{PREFIX}_warden_hit_ratio",
                                   "share of reads served by the warden cache rather than R2",
                                   labels=["service"])
+        rejects = CounterMetricFamily(f"{PREFIX}_cache_rejects", "cached weight bytes found bad (another knot "
+                                      "version or a crc32 mismatch): a miss, refetched", labels=["service", "tier"])
+        corrupt = CounterMetricFamily(f"{PREFIX}_r2_corrupt_reads", "R2 reads that disagreed with the knot's crc32",
+                                      labels=["service"])
+        reloads = CounterMetricFamily(f"{PREFIX}_service_version_reloads", "reloads on a new knot version in the "
+                                      "service's process (per service kind there)", labels=["service"])
+        for name, s, fields in ([(f"station_{i}", s, STATION_REJECTS) for i, s in enumerate(self.stations)]
+                                + [(f"shard_{i}", s, SHARD_REJECTS) for i, s in enumerate(self.shards)]):
+            if s is None:
+                continue
+            for field, tier in fields.items():
+                rejects.add_metric([name, tier], s.get(field, 0))
+            corrupt.add_metric([name], s.get("r2_corrupt_reads", 0))
+            reloads.add_metric([name], s.get("knot_reloads", 0))
+        yield from (rejects, corrupt, reloads)
         tot = {"station": [0, 0], "shard": [0, 0]}
         for i, s in enumerate(self.stations):
             up.add_metric([f"station_{i}"], 0 if s is None else 1)
@@ -133,6 +157,8 @@ class CoordinatorMetrics:
                                     ["shard", "stage"], registry=r)
         self.replays = Counter(f"{PREFIX}_session_replays", "prompts replayed after a station lost a KV session",
                                registry=r)
+        self.knot_reloads = Counter(f"{PREFIX}_version_reloads", "coordinator reloads on a new knot version",
+                                    registry=r)
         Gauge(f"{PREFIX}_requests_active", "generations running", registry=r).set_function(lambda: admission.active)
         Gauge(f"{PREFIX}_requests_queued", "requests waiting for a slot", registry=r).set_function(
             lambda: admission.queued)

@@ -3,6 +3,11 @@
 Seed section 3 merge with allSettled semantics: a shard that fails or times out gives zeros
 for its tokens at the embedding and -inf logits for its slice at the head; the rest stay exact,
 and the failure is logged and reported.
+
+Every hop names the knot version the request works on (X-Knot-Etag), and every reply must name
+the same one: a hop computed from another version, or one that refused over the knot's integrity,
+fails the whole request with IntegrityFailure (503, services/peer.py). That is never degraded
+around: a generation uses the bytes of one knot version or none.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import numpy as np
 from common import wire
 from common.runtime import BadGateway, HttpError, ServiceUnavailable
 from common.topology import ShardSpec
+from services.peer import IntegrityFailure
 from services.shard.client import ShardClient
 from services.station.client import SessionLost, StationClient
 
@@ -54,13 +60,23 @@ class Degradation:
                 "stage": self.stage, "error": self.error}
 
 
+def _raise_integrity(results: list) -> None:
+    """A shard that answered from another knot version fails the request: it is not degraded around."""
+    for res in results:
+        if isinstance(res, IntegrityFailure):
+            raise res
+
+
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
-                 shard_timeout_s: float, station_timeout_s: float, station_retry_s: float = 60.0):
+                 shard_timeout_s: float, station_timeout_s: float, station_retry_s: float = 60.0,
+                 knot_etag: str | None = None):
         """stations: service bindings, entry first; shards: (spec, binding) sorted by vocab_start,
-        tiling [0, vocab). Each binding is called through its typed client."""
-        self.stations = [StationClient(b, station_timeout_s) for b in stations]
-        self.shards = [(spec, ShardClient(b, shard_timeout_s)) for spec, b in shards]
+        tiling [0, vocab). Each binding is called through its typed client, which pins every hop to
+        knot_etag (None: not checked)."""
+        self.knot_etag = knot_etag
+        self.stations = [StationClient(b, station_timeout_s, knot_etag) for b in stations]
+        self.shards = [(spec, ShardClient(b, shard_timeout_s, knot_etag)) for spec, b in shards]
         self.dim, self.vocab_size = dim, vocab_size
         self.station_retry_s = station_retry_s
 
@@ -73,6 +89,7 @@ class Pipeline:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(shard.embed(frame) for _, shard in owners), return_exceptions=True)
         hops.add("embed", t0)
+        _raise_integrity(results)
         out = np.zeros((len(tokens), self.dim), np.float32)  # (T, dim)
         for (spec, _), res in zip(owners, results):
             if isinstance(res, BaseException):
@@ -91,6 +108,7 @@ class Pipeline:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(shard.logits(frame) for _, shard in self.shards), return_exceptions=True)
         hops.add("logits", t0)
+        _raise_integrity(results)
         out = np.full(self.vocab_size, -np.inf, np.float32)
         ok = 0
         for (spec, _), res in zip(self.shards, results):

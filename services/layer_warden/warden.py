@@ -4,27 +4,41 @@
         entries are kept as encoded tensor frames, so a hit costs no crc32 and one copy
     L3  R2 (env.KNOT_BUCKET) ranged reads          (L2, KV, is not used for layer tensors)
 
+Integrity: R2 reads are pinned to the served knot version and checked against the knot's crc32.
+Each entry is sealed with that version and the payload's crc32, which the frame's own crc32 is
+built from. A hit whose seal names another version is a miss. Its bytes are checked where they
+are used: the station compares each frame's payload crc32 (computed while decoding) with the
+knot header's, and invalidates an entry that disagrees (counted here in `rejects.reader`). For a
+knot without checksums the station has nothing to compare with, so the warden re-checks the
+frame's crc32 on every hit instead (a pass over the bytes; re-encode the knot to skip it).
+
 Endpoints (identity "{knot_key}|{layer_start}-{layer_end}"):
     POST /configure         {"knot_key", "layer_start", "layer_end", "budget_bytes"?}
     GET  /tensor/<name>     one tensor, as a tensor frame (common.wire)
     POST /tensors           names, one per line (text/plain; what stations send) or {"names": [...]}
                             -> a batch of tensor frames, in request order
     POST /invalidate/<name> drop one entry (a station that rejected a frame asks for this)
-    GET  /stats             hits, misses, bytes_resident, r2_bytes_read, ...
+    GET  /stats             hits, misses, bytes_resident, r2_bytes_read, rejects by tier, knot_etag, ...
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+from collections import Counter
 from typing import Any, Callable
 
 from common import wire
+from common.integrity import Seal, crc32
 from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
 from common.models import Model
 from common.runtime import BadRequest, NotFound, Request, Response
 from common.settings import default
-from services.warden_base import Identity, IdentityFields, WardenBase, budget_from
+from services.knot_source import KnotSource
+from services.warden_base import Identity, IdentityFields, Served, WardenBase, budget_from
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "layer_warden")  # 1 GiB
 RESIDENT_BELOW_BYTES = 1 << 20
@@ -51,49 +65,66 @@ class LayerWarden(WardenBase):
         ("GET", "/stats"): "stats",
     }
 
-    def __init__(self, state, env):
-        super().__init__(state, env)
-        self.header: KnotHeader | None = None
-        self.cache: ByteLRU[str, bytes] = ByteLRU(DEFAULT_BUDGET_BYTES)  # name -> encoded frame; set at configure
-
     def _validate(self, identity: Identity, header: KnotHeader, model: Model) -> None:
         n_layers = model.cfg.n_layer
         if identity.end > n_layers:
             raise BadRequest(f"layers [{identity.start}, {identity.end}) exceed the knot's {n_layers} layers")
 
-    async def _on_configure(self, header: KnotHeader, model: Model, body: dict) -> None:
-        self.header = header
-        self.cache = ByteLRU(budget_from(body, self.env, "layer_warden"), resident_rule(model))
+    def _caches(self, header: KnotHeader, model: Model, source: KnotSource,
+                body: dict) -> ByteLRU[str, tuple[Seal, bytes]]:
+        """name -> (seal, encoded frame)."""
+        return ByteLRU(budget_from(body, self.env, "layer_warden"), resident_rule(model))
 
     # -------------------------------------------------------- tensors
 
-    async def _frame(self, name: str) -> bytes:
+    async def _frame(self, v: Served, name: str, rejects: Counter) -> bytes:
         """The tensor's encoded frame (common.wire.encode_tensor), from RAM or read from R2."""
-        assert self.identity is not None and self.header is not None and self.source is not None
+        assert self.identity is not None
         m = _BLOCK.match(name)
         if m and not self.identity.start <= int(m.group(1)) < self.identity.end:
             raise BadRequest(f"tensor {name} is outside this warden's layers "
                              f"[{self.identity.start}, {self.identity.end})")
         try:
-            entry = self.header.entry(name)
+            entry = v.header.entry(name)
         except UnknownTensor as e:
             raise NotFound(str(e)) from None
-        frame = self.cache.get(name)
-        if frame is None:
-            start, end = self.header.tensor_range(name)
-            data = await self.source.read(start, end)
-            frame = wire.encode_tensor(wire.TensorFrame(name, entry.ggml_type, entry.shape, data))
-            self.cache.put(name, frame, len(data))  # the budget counts tensor bytes (+ ~60 B of frame)
+        hit = v.caches.get(name)
+        if hit is not None:
+            problem = self._problem(v, entry.crc32, *hit)
+            if problem is None:
+                return hit[1]
+            rejects["ram"] += 1
+            log.warning("LayerWarden entry %s rejected (%s): refetching from R2", name, problem)
+            v.caches.pop(name)
+        data = await v.source.read_tensor(name)  # pinned, and checked against the knot's crc32
+        crc = crc32(data) if entry.crc32 is None else entry.crc32
+        frame = wire.encode_tensor(wire.TensorFrame(name, entry.ggml_type, entry.shape, data, payload_crc32=crc))
+        v.caches.put(name, (Seal(v.source.etag, crc, len(data)), frame), len(data))  # budget: tensor bytes (+ ~60 B)
         return frame
 
+    @staticmethod
+    def _problem(v: Served, knot_crc: int | None, seal: Seal, frame: bytes) -> str | None:
+        if seal.etag != v.source.etag:
+            return f"sealed at knot version {seal.etag!r}, the warden serves {v.source.etag!r}"
+        if knot_crc is None:  # nobody downstream can check it against the knot: check the frame here
+            try:
+                got = wire.decode_tensor(frame).payload_crc32
+            except wire.WireError as e:
+                return str(e)
+            if got != seal.crc32:
+                return f"payload crc32 0x{got:08x}, sealed with 0x{seal.crc32:08x}"
+        return None
+
     async def tensor(self, request: Request, name: str) -> Response:
-        await self._identified(request)
+        v = await self._identified(request)
         if not name:
             raise BadRequest("GET /tensor/<name>: the name is missing")
-        return Response.from_bytes(await self._frame(name), wire.TENSOR_CONTENT_TYPE)
+        rejects: Counter = Counter()
+        frame = await self._frame(v, name, rejects)
+        return self._reply(v, Response.from_bytes(frame, wire.TENSOR_CONTENT_TYPE), rejects)
 
     async def tensors(self, request: Request, _rest: str) -> Response:
-        await self._identified(request)
+        v = await self._identified(request)
         if request.headers.get("Content-Type", "").startswith("text/plain"):  # the stations' form
             try:
                 names = wire.decode_names(request.body)
@@ -109,16 +140,20 @@ class LayerWarden(WardenBase):
             raise BadRequest(f"batch of {len(names)} tensors exceeds {MAX_BATCH}")
         # One missing tensor fails the whole batch (seed section 8: no silent partial loads).
         unique = list(dict.fromkeys(names))
-        got = dict(zip(unique, await asyncio.gather(*(self._frame(n) for n in unique))))
-        return Response.from_bytes(wire.join_batch([got[n] for n in names]), wire.BATCH_CONTENT_TYPE)
+        rejects: Counter = Counter()
+        got = dict(zip(unique, await asyncio.gather(*(self._frame(v, n, rejects) for n in unique))))
+        return self._reply(v, Response.from_bytes(wire.join_batch([got[n] for n in names]), wire.BATCH_CONTENT_TYPE),
+                           rejects)
 
     async def invalidate(self, request: Request, name: str) -> Response:
-        await self._identified(request)
-        dropped = self.cache.pop(name) is not None
-        return Response.from_json({"name": name, "dropped": dropped})
+        """A reader rejected this entry (it disagrees with the knot): drop it, and count it."""
+        v = await self._identified(request)
+        dropped = v.caches.pop(name) is not None
+        rejects = Counter(reader=int(dropped))
+        return self._reply(v, Response.from_json({"name": name, "dropped": dropped}), rejects)
 
-    def _stats(self) -> dict[str, Any]:
-        c = self.cache
+    def _stats(self, v: Served) -> dict[str, Any]:
+        c = v.caches
         return {"layer_start": self.identity.start, "layer_end": self.identity.end,
                 "hits": c.stats.hits, "misses": c.stats.misses, "evictions": c.stats.evictions,
                 "refused": c.stats.refused, "entries": len(c), "bytes_resident": c.bytes_used,

@@ -8,16 +8,17 @@ from services.peer import get_json, post_envelope
 
 
 class ShardClient:
-    def __init__(self, binding: Any, timeout_s: float):
+    def __init__(self, binding: Any, timeout_s: float, knot_etag: str | None = None):
         self.binding, self.timeout_s = binding, timeout_s
+        self.knot_etag = knot_etag  # every hop works on this knot version (None: not checked)
 
     async def embed(self, frame: wire.Envelope) -> wire.Envelope:
         """int32 tokens (T,) -> float32 (T, dim): the shard's rows, zeros for the tokens it does not own."""
-        return await post_envelope(self.binding, "/embed", frame, self.timeout_s)
+        return await post_envelope(self.binding, "/embed", frame, self.timeout_s, self.knot_etag)
 
     async def logits(self, frame: wire.Envelope) -> wire.Envelope:
         """float32 (T, dim) final normed hidden -> (T, n_rows) logits of the shard's slice."""
-        return await post_envelope(self.binding, "/logits", frame, self.timeout_s)
+        return await post_envelope(self.binding, "/logits", frame, self.timeout_s, self.knot_etag)
 
     async def stats(self, timeout_s: float | None = None) -> dict:
         return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)

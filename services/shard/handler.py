@@ -13,7 +13,9 @@ Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB), RO
 RAM -> KV -> R2 row hierarchy lives behind it).
 
 Rows also stay in a small isolate-local LRU in front of the warden: a decode step embeds one
-token, and without it every step paid a second hop (shard -> warden) on the critical path.
+token, and without it every step paid a second hop (shard -> warden) on the critical path. Each
+entry is sealed with the knot version and its crc32, checked on every hit (a bad one is a miss,
+counted in `row_cache_rejects`); the warden must answer for the shard's version (X-Knot-Etag).
 
 Why the LM head is here: a 7B's output matrix is ~447 MB in Q6_K, more than any 128 MB exit
 station holds; one eighth of it fits a shard.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import wire
+from common.integrity import Seal, seal
 from common.knot import KnotHeader
 from common.lru import ByteLRU
 from common.matmul import get_kernel
@@ -36,7 +39,7 @@ from common.settings import ConfigError, default, read
 from services.batcher import Batcher
 from services.boot import BootCache
 from services.cobordism_warden.client import CobordismWardenClient
-from services.knot_source import KnotSource
+from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +90,18 @@ class Shard:
         self.head: QTensor | None = None
         self.head_f32: QTensor | None = None
         self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self._logits_batch)
-        self.row_cache: ByteLRU[int, np.ndarray] = ByteLRU(settings.row_cache_bytes)  # row -> (dim,) f32
+        # row -> (seal, (dim,) float32 read-only)
+        self.row_cache: ByteLRU[int, tuple[Seal, np.ndarray]] = ByteLRU(settings.row_cache_bytes)
         self.stats = {"embed_calls": 0, "rows_from_local": 0, "rows_from_warden": 0, "rows_from_r2": 0,
-                      "warden_failures": 0, "logits_calls": 0}
+                      "warden_failures": 0, "warden_rows_rejected": 0, "row_cache_rejects": 0, "logits_calls": 0}
 
     async def boot(self) -> None:
         """The LM-head slice: one ranged read of rows [vocab_start, vocab_end), kept resident."""
         a, b = self.settings.vocab_start, self.settings.vocab_end
         e = self.header.entry(self.head_name)
-        data = await self.source.read(*self.header.row_range(self.head_name, a, b))
+        data = await self.source.read(*self.header.row_range(self.head_name, a, b))  # pinned to our version
+        if (a, b) == (0, e.n_rows):  # the whole tensor: the knot's crc32 covers it
+            self.source.verify(self.head_name, data)
         self.head = QTensor(f"{self.head_name}[{a}:{b}]", e.ggml_type, (e.shape[0], b - a),
                             np.frombuffer(data, dtype=np.uint8))
         f32_bytes = (b - a) * e.shape[0] * 4
@@ -110,7 +116,7 @@ class Shard:
         """row -> float32 (dim,): the local LRU, then the warden's hierarchy, R2 directly if the warden fails."""
         out: dict[int, np.ndarray] = {}
         for r in rows:
-            v = self.row_cache.get(r)
+            v = self._cached(r)
             if v is not None:
                 out[r] = v
         self.stats["rows_from_local"] += len(out)
@@ -123,8 +129,29 @@ class Shard:
             self.stats["rows_from_r2"] += 1
         for r in fetch:
             out[r].flags.writeable = False  # shared by later lookups: nobody may write into it
-            self.row_cache.put(r, out[r], out[r].nbytes)
+            self.row_cache.put(r, (seal(self.source.etag, out[r]), out[r]), out[r].nbytes)
         return out
+
+    def _cached(self, row: int) -> np.ndarray | None:
+        """A row from the local LRU if its seal holds (same knot version, same crc32); else a miss."""
+        hit = self.row_cache.get(row)
+        if hit is None:
+            return None
+        s, vec = hit
+        problem = s.problem(self.source.etag, vec)
+        if problem is None:
+            return vec
+        self.stats["row_cache_rejects"] += 1
+        log.warning("shard row cache entry %d rejected (%s): refetching", row, problem)
+        self.row_cache.pop(row)
+        return None
+
+    def warden_stats(self) -> dict[str, int]:
+        """What the warden client counted: replies for another version, bad entries it reported."""
+        if self.warden is None:
+            return {}
+        return {"warden_version_mismatches": self.warden.version_mismatches,
+                "warden_rejects_ram": self.warden.rejects["ram"], "warden_rejects_kv": self.warden.rejects["kv"]}
 
     async def _from_warden(self, rows: list[int]) -> dict[int, np.ndarray]:
         try:
@@ -136,6 +163,7 @@ class Shard:
         out = {}
         for f in frames:
             if f.name != self.embd_name or f.shape[0] != self.dim or f.row_start not in rows:
+                self.stats["warden_rows_rejected"] += 1
                 log.warning("cobordism warden frame %s row %d %s rejected", f.name, f.row_start, f.shape)
                 continue
             out[f.row_start] = dequantize_rows(f.payload, f.ggml_type, self.dim, self.embd_name)[0]
@@ -176,22 +204,23 @@ class Shard:
 _booted: BootCache[Shard] = BootCache()
 
 
-async def shard_for(env: Env) -> Shard:
+async def shard_for(env: Env, knot_etag: str | None = None) -> Shard:
+    """The shard serving knot version knot_etag (a request's X-Knot-Etag; None: the loaded one)."""
     settings = ShardSettings.from_env(env)
 
     async def boot() -> Shard:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
         header, model = await source.header(), await source.model()
         ns = read(env, "COBORDISM_WARDEN", "shard")
-        warden = (None if ns is None else
-                  CobordismWardenClient(ns, settings.knot_key, settings.vocab_start, settings.vocab_end))
+        warden = (None if ns is None else  # it must answer for our version
+                  CobordismWardenClient(ns, settings.knot_key, settings.vocab_start, settings.vocab_end, source.etag))
         sh = Shard(settings, model, header, source, warden)
         await sh.boot()
         log.info("shard booted: %s, head %s (%d bytes%s)", settings.boot_key, sh.head_name, sh.head.nbytes,
                  ", float32 cached" if sh.head_f32 else "")
         return sh
 
-    return await _booted.get(settings.boot_key, boot)
+    return await serving_version(_booted, settings.boot_key, boot, lambda sh: sh.source, knot_etag)
 
 
 async def ready(env: Env) -> None:
@@ -209,7 +238,13 @@ def _frame(request: Request, mode: str) -> wire.Envelope:
 
 
 async def fetch(request: Request, env: Env, ctx) -> Response:
-    sh = await shard_for(env)
+    sh = await shard_for(env, request.headers.get(KNOT_ETAG_HEADER))
+    resp = await _route(request, sh)
+    resp.headers[KNOT_ETAG_HEADER] = sh.source.etag  # the version this reply was computed from
+    return resp
+
+
+async def _route(request: Request, sh: Shard) -> Response:
     path = request.path
     if path == "/embed" and request.method == "POST":
         f = _frame(request, "embed")
@@ -234,5 +269,5 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         return Response.from_json({"boot_key": s.boot_key, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end,
                                    "head": sh.head_name, "head_bytes": sh.head.nbytes,
                                    "head_f32_cached": sh.head_f32 is not None, **sh.stats, **sh.batcher.stats(),
-                                   **sh.source.stats()})
+                                   **sh.warden_stats(), **sh.source.stats(), "knot_reloads": _booted.reloads})
     raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, GET /stats")

@@ -13,13 +13,14 @@ class SessionLost(Exception):
 
 
 class StationClient:
-    def __init__(self, binding: Any, timeout_s: float):
+    def __init__(self, binding: Any, timeout_s: float, knot_etag: str | None = None):
         self.binding, self.timeout_s = binding, timeout_s
+        self.knot_etag = knot_etag  # every hop works on this knot version (None: not checked)
 
     async def forward(self, frame: wire.Envelope) -> wire.Envelope:
         """A prefill or decode frame through the station's layers; SessionLost when it answers UnknownSession."""
         try:
-            return await post_envelope(self.binding, "/forward", frame, self.timeout_s)
+            return await post_envelope(self.binding, "/forward", frame, self.timeout_s, self.knot_etag)
         except PeerError as e:
             if e.peer_status == 409 and e.peer_error == "UnknownSession":
                 raise SessionLost(e.peer_message or "unknown session") from None

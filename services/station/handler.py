@@ -40,7 +40,7 @@ from common.settings import ConfigError, default, read
 from common.topology import TopologyError
 from services.batcher import Batcher
 from services.boot import BootCache
-from services.knot_source import KnotSource
+from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
 from services.layer_warden.client import LayerWardenClient
 from services.station.memory import ForwardWeights, MemoryPlan, StationMemory, describe_plan, plan_memory
 from services.station.tensors import PhaseLoader
@@ -105,7 +105,8 @@ class Station:
         self.emits_final = settings.role in ("exit", "solo")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.plan = self._plan()
-        self.memory = StationMemory(self.plan.budget_bytes, self.model.activation_bytes, lambda: self.kv_bytes)
+        self.memory = StationMemory(self.plan.budget_bytes, self.model.activation_bytes, lambda: self.kv_bytes,
+                                    keep=loader.sealed_copy, take=loader.unseal)  # kept copies sealed with the version
         self.boots_at = self.clock()
         self.forwards = 0
         self.sessions_evicted = 0
@@ -265,7 +266,7 @@ class Station:
             "kept_tensors": len(self.memory.kept),
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
             "forwards": self.forwards, "batched_rows": self.batched_rows, **self.batcher.stats(),
-            **self.loader.stats, **self.loader.source.stats(),
+            **self.loader.stats, **self.loader.warden_stats(), **self.loader.source.stats(),
         }
 
 
@@ -274,15 +275,16 @@ class Station:
 _booted: BootCache[Station] = BootCache()
 
 
-async def station_for(env: Env, ctx) -> Station:
+async def station_for(env: Env, ctx, knot_etag: str | None = None) -> Station:
+    """The station serving knot version knot_etag (a request's X-Knot-Etag; None: the loaded one)."""
     settings = StationSettings.from_env(env)
 
     async def boot() -> Station:
         source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
         header, model = await source.header(), await source.model()
         ns = read(env, "LAYER_WARDEN", "station")
-        warden = (None if ns is None else
-                  LayerWardenClient(ns, settings.knot_key, settings.layer_start, settings.layer_end))
+        warden = (None if ns is None else  # it must answer for our version
+                  LayerWardenClient(ns, settings.knot_key, settings.layer_start, settings.layer_end, source.etag))
         st = Station(settings, header, PhaseLoader(model, header, source, warden, ctx.wait_until))
         await st.boot()
         log.info("station booted: %s, %d resident tensors (%d bytes), budget %d bytes", settings.boot_key,
@@ -290,7 +292,7 @@ async def station_for(env: Env, ctx) -> Station:
         log.info("%s", describe_plan("station", (settings.layer_start, settings.layer_end), st.plan))
         return st
 
-    return await _booted.get(settings.boot_key, boot)
+    return await serving_version(_booted, settings.boot_key, boot, lambda st: st.loader.source, knot_etag)
 
 
 async def ready(env: Env) -> None:
@@ -299,7 +301,13 @@ async def ready(env: Env) -> None:
 
 
 async def fetch(request: Request, env: Env, ctx) -> Response:
-    st = await station_for(env, ctx)
+    st = await station_for(env, ctx, request.headers.get(KNOT_ETAG_HEADER))
+    resp = await _route(request, st, ctx)
+    resp.headers[KNOT_ETAG_HEADER] = st.loader.source.etag  # the version this reply was computed from
+    return resp
+
+
+async def _route(request: Request, st: Station, ctx) -> Response:
     path = request.path
     if path == "/forward" and request.method == "POST":
         try:
@@ -312,5 +320,5 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         rid = path[len("/release/"):]
         return Response.from_json({"request_id": rid, "released": st.release(rid)})
     if path == "/stats" and request.method == "GET":
-        return Response.from_json({**st.stats(), "boots": _booted.boots})
+        return Response.from_json({**st.stats(), "boots": _booted.boots, "knot_reloads": _booted.reloads})
     raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /release/<id>, GET /stats")

@@ -9,12 +9,14 @@ accounting that keeps the total within MEMORY_BUDGET_BYTES.
 
 Per phase: acquire() takes the phase's tensors from resident, then kept, and makes room before
 loading the rest; evict_or_keep() afterwards keeps what still fits beside everything else.
+What a kept entry is comes from `keep` and `take` (the station seals its copies with the knot
+version and crc32, services/station/tensors.py); an entry `take` refuses is a miss, loaded again.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 from common.lru import ByteLRU
 from common.matmul import DEFAULT_TILE_BYTES
@@ -103,15 +105,22 @@ class TensorSource(Protocol):
     def load(self, names: list[str]) -> Awaitable[dict[str, QTensor]]: ...
 
 
+def copy_of(t: QTensor) -> QTensor:
+    """A kept copy: a tensor from a warden batch is a view that pins the whole batch buffer."""
+    return QTensor(t.name, t.ggml_type, t.shape, t.data.copy())
+
+
 class StationMemory:
     def __init__(self, budget_bytes: int, activation_bytes: Callable[[int, int], int],
-                 kv_bytes: Callable[[], int]):
+                 kv_bytes: Callable[[], int], keep: Callable[[QTensor], Any] = copy_of,
+                 take: Callable[[Any], QTensor | None] = lambda kept: kept):
         self.budget_bytes = budget_bytes
         self.activation_bytes = activation_bytes  # (T new rows, S positions attended) -> bytes
         self.kv_bytes = kv_bytes
+        self.keep, self.take = keep, take  # tensor -> kept entry; kept entry -> tensor, or None: a miss
         self.resident: dict[str, QTensor] = {}
         self.resident_bytes = 0  # fixed after boot; summed once, not per phase
-        self.kept: ByteLRU[str, QTensor] = ByteLRU(budget_bytes)
+        self.kept: ByteLRU[str, Any] = ByteLRU(budget_bytes)
         self.peak_accounted_bytes = 0
 
     def hold(self, resident: Mapping[str, QTensor]) -> None:
@@ -156,9 +165,12 @@ class StationMemory:
         w = {n: self.resident[n] for n in names if n in self.resident}
         for n in names:
             if n not in w:
-                t = self.kept.get(n)
+                kept = self.kept.get(n)
+                t = None if kept is None else self.take(kept)
                 if t is not None:
                     w[n] = t
+                elif kept is not None:
+                    self.kept.pop(n)
         need = [n for n in names if n not in w]
         self.make_room(sum(source.nbytes(n) for n in need), T, S, protect=set(names))
         if need:
@@ -173,8 +185,7 @@ class StationMemory:
             if name in self.resident or name in self.kept:
                 continue
             if t.nbytes <= room - self.kept.bytes_used:
-                # A copy: a tensor from a warden batch is a view that pins the whole batch buffer.
-                self.kept.put(name, QTensor(t.name, t.ggml_type, t.shape, t.data.copy()), t.nbytes)
+                self.kept.put(name, self.keep(t), t.nbytes)
 
 
 class ForwardWeights:

@@ -6,17 +6,25 @@ Seed section 8 traps handled here:
 - layer-warden no-invalidate poisoning: a frame the station cannot decode, or one that
   disagrees with the knot header, is dropped from the warden (POST /invalidate/<name>, in
   the background) and the bytes are read from R2 instead.
+
+Integrity (issue 12): the warden must answer for the station's knot version (X-Knot-Etag, checked
+by the client), and each frame's payload crc32 (computed while the frame's own crc32 is checked)
+must equal the knot header's crc32 for the tensor; R2 reads are pinned to the version and checked
+the same way. A tensor the station keeps between forwards is a copy of checked bytes, read-only and
+sealed with the version and its crc32 (sealed_copy / unseal).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from common import wire
-from common.knot import KnotHeader
+from common.integrity import Seal, crc32
+from common.knot import CorruptKnot, KnotHeader
 from common.models import MissingTensorError, Model
 from common.quant import QTensor
 from common.runtime import HttpError
@@ -26,13 +34,21 @@ from services.layer_warden.client import LayerWardenClient
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SealedTensor:
+    """A kept tensor: a read-only copy, with the knot version and crc32 it was checked at."""
+
+    seal: Seal
+    tensor: QTensor
+
+
 class PhaseLoader:
     def __init__(self, model: Model, header: KnotHeader, source: KnotSource, warden: LayerWardenClient | None,
                  wait_until: Callable[[Awaitable[Any]], None]):
         self.model, self.header, self.source, self.warden = model, header, source, warden
         self.wait_until = wait_until
         self.stats = {"warden_tensors": 0, "warden_bytes": 0, "r2_tensors": 0, "r2_bytes": 0,
-                      "warden_failures": 0, "invalidations": 0}
+                      "warden_failures": 0, "invalidations": 0, "kept_rejected": 0}
 
     def names(self, layer: int, phase: str) -> list[str]:
         names = self.model.phase_tensors(layer, phase)
@@ -61,7 +77,7 @@ class PhaseLoader:
         return QTensor(name, e.ggml_type, e.shape, np.frombuffer(payload, dtype=np.uint8))
 
     async def _from_r2(self, name: str) -> QTensor:
-        data = await self.source.read(*self.header.tensor_range(name))
+        data = await self.source.read_tensor(name)  # pinned to our version, checked against the knot's crc32
         self.stats["r2_tensors"] += 1
         self.stats["r2_bytes"] += len(data)
         return self._qtensor(name, data)
@@ -101,6 +117,10 @@ class PhaseLoader:
             return f"{frame.ggml_type} {list(frame.shape)}, the knot says {e.ggml_type} {list(e.shape)}"
         if len(frame.payload) != e.length:
             return f"{len(frame.payload)} bytes, the knot says {e.length}"
+        try:
+            self.header.verify_crc(name, frame.payload_crc32, len(frame.payload))
+        except CorruptKnot as err:
+            return str(err)
         return None
 
     def _invalidate(self, name: str) -> None:
@@ -113,3 +133,36 @@ class PhaseLoader:
                 log.warning("invalidate %s failed: %s", name, e)
 
         self.wait_until(run())
+
+    def warden_stats(self) -> dict[str, int]:
+        """What the warden client counted: replies for another version, bad entries it reported."""
+        if self.warden is None:
+            return {}
+        return {"warden_version_mismatches": self.warden.version_mismatches,
+                "warden_rejects_ram": self.warden.rejects["ram"]}
+
+    # -------------------------------------------------------- kept tensors
+
+    def sealed_copy(self, t: QTensor) -> SealedTensor:
+        """A read-only copy of t to keep between forwards (a view into a warden batch would pin the
+        whole batch buffer), sealed with this station's knot version and the tensor's crc32. Every
+        tensor load() returns was checked against the knot's crc32 (the warden frame's payload crc32,
+        or the R2 read), so the seal takes that one: a fluid station keeps and evicts hundreds of MB
+        per forward, and hashing each copy again cost more than the copy. A knot without checksums
+        has nothing to take: the copy is hashed."""
+        data = t.data.copy()
+        crc = self.header.tensors[t.name].crc32
+        data.flags.writeable = False
+        return SealedTensor(Seal(self.source.etag, crc32(data) if crc is None else crc, data.nbytes),
+                            QTensor(t.name, t.ggml_type, t.shape, data))
+
+    def unseal(self, kept: SealedTensor) -> QTensor | None:
+        """The kept tensor if it is still this station's version and read-only; None (a miss) otherwise.
+        Its bytes were checked when loaded; a full check per use would cost a pass over every kept
+        byte per forward (53 ms for the 0.5B's first half, 126 MB), more than the forward itself."""
+        if kept.seal.etag != self.source.etag or kept.tensor.data.flags.writeable:
+            self.stats["kept_rejected"] += 1
+            log.warning("kept tensor %s rejected: sealed at version %r, station serves %r", kept.tensor.name,
+                        kept.seal.etag, self.source.etag)
+            return None
+        return kept.tensor

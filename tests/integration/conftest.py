@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -172,3 +173,29 @@ def wait_for(check, timeout_s: float = 10.0, what: str = "condition"):
             return got
         time.sleep(0.05)
     raise AssertionError(f"{what} not met within {timeout_s} s")
+
+
+PIPELINE = ["station-0", "station-1", *(f"shard-{i}" for i in range(8)), "coordinator"]
+
+
+@contextmanager
+def pipeline_services(procs: Procs, knot_path: Path, knot_key: str, overrides: dict[str, dict[str, str]] | None = None):
+    """Add the pipeline services of the default layout, serving knot_key (already uploaded), to the
+    running wardens (procs); overrides: service -> environment entries to change. Stops them after."""
+    # What `knot cluster up --model PATH` derives from the model: the layer split, the shard bounds.
+    layout = launcher.layout_for(launcher.choose_model(str(knot_path), {}))
+    specs = {s.name: s for s in launcher.plan(layout, {**CREDENTIALS, "KNOT_KEY": knot_key})}
+    for name, port in zip(PIPELINE, servers.free_ports(len(PIPELINE))):
+        procs.specs[name] = specs[name]
+        procs.specs[name].environment.update((overrides or {}).get(name, {}))
+        procs.addresses[name] = (8080, port)
+    started = []
+    try:
+        for name in PIPELINE:
+            procs.start(name)
+            started.append(name)
+        yield procs
+    finally:
+        for name in reversed(started):
+            if name in procs.running:
+                procs.stop(name)

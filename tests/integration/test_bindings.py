@@ -5,7 +5,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from common.runtime import RangeNotSatisfiable
+from common.runtime import PreconditionFailed, RangeNotSatisfiable
 from deploy.local.bindings import RedisKV, S3Bucket
 
 OBJECT = os.urandom(300_001)
@@ -41,6 +41,19 @@ async def test_bucket_contract(bucket):
     with pytest.raises(RangeNotSatisfiable):
         await bucket.get("tests/object.bin", range=(len(OBJECT) + 1, len(OBJECT) + 9))
     await bucket.ping()
+
+
+async def test_if_match_reads_only_that_version(bucket):
+    """S3 If-Match (R2 onlyIf): a same-size replacement is refused, never read as the old version."""
+    v1 = await bucket.put("tests/versioned.bin", b"a" * 1000)
+    got = await bucket.get("tests/versioned.bin", range=(10, 20), if_match=v1.etag)
+    assert (got.body, got.etag) == (b"a" * 10, v1.etag)
+    v2 = await bucket.put("tests/versioned.bin", b"b" * 1000)
+    assert v2.etag != v1.etag
+    with pytest.raises(PreconditionFailed, match="no longer version"):
+        await bucket.get("tests/versioned.bin", range=(10, 20), if_match=v1.etag)
+    assert (await bucket.get("tests/versioned.bin", range=(10, 20), if_match=v2.etag)).body == b"b" * 10
+    assert (await bucket.get("tests/versioned.bin", if_match=v2.etag)).body == b"b" * 1000
 
 
 async def test_kv_put_get_delete_and_ttl_expiry(redis_server):

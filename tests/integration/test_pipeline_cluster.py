@@ -13,13 +13,12 @@ from aiohttp import ClientSession, web
 
 from common.sampling import SamplingParams
 from common.topology import split_vocab
-from deploy import launcher, servers
+from deploy import servers
 from deploy.engine_local import LocalEngine
-from tests.integration.conftest import CREDENTIALS, http, wait_for
+from tests.integration.conftest import http, pipeline_services, wait_for
 
 KNOT_KEY = "pipeline.knot"
 PROMPT = "the def the"
-PIPELINE = ["station-0", "station-1", *(f"shard-{i}" for i in range(8)), "coordinator"]
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +29,8 @@ def engine(knot):
 @pytest.fixture(scope="module")
 def cluster(procs, upload, knot):
     """Adds the pipeline services of the default layout to the running wardens (procs)."""
-    upload(KNOT_KEY)
-    # What `knot cluster up --model PATH` derives from the model: the layer split, the shard bounds.
-    layout = launcher.layout_for(launcher.choose_model(str(knot.path), {}))
-    specs = {s.name: s for s in launcher.plan(layout, {**CREDENTIALS, "KNOT_KEY": KNOT_KEY})}
-    for name, port in zip(PIPELINE, servers.free_ports(len(PIPELINE))):
-        procs.specs[name] = specs[name]
-        procs.addresses[name] = (8080, port)
-    started = []
-    try:
-        for name in PIPELINE:
-            procs.start(name)
-            started.append(name)
-        yield procs
-    finally:
-        for name in reversed(started):
-            if name in procs.running:
-                procs.stop(name)
+    with pipeline_services(procs, knot.path, upload(KNOT_KEY)) as p:
+        yield p
 
 
 def generate(cluster, timeout_s: float = 120.0, **body) -> dict:
@@ -118,9 +102,10 @@ class CorruptingProxy:
                     self.corrupted += 1
                     body = bytearray(body)
                     body[len(body) // 2] ^= 0xFF
-                out = web.Response(status=r.status, body=bytes(body))
-                out.headers["Content-Type"] = r.headers.get("Content-Type", "application/octet-stream")
-                return out
+                # The reply's own headers (Content-Type, X-Knot-Etag, ...), less those aiohttp sets itself.
+                kept = {k: v for k, v in r.headers.items()
+                        if k.lower() not in ("content-length", "transfer-encoding", "content-encoding", "connection")}
+                return web.Response(status=r.status, body=bytes(body), headers=kept)
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", forward)

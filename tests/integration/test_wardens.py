@@ -7,7 +7,7 @@ import numpy as np
 from common import wire
 from common.quant import dequantize_rows
 from deploy.local.bindings import RedisKV
-from services.embed_cache import row_key
+from services.embed_cache import decode_row, row_key
 
 from .conftest import http, wait_for
 
@@ -92,10 +92,14 @@ def test_poisoned_kv_row_is_detected_deleted_and_refetched(procs, upload, knot, 
     assert (frame.ggml_type, frame.row_start) == ("Q4_K", 42)  # from R2, not the poisoned value
     s = stats(url, h)
     assert (s["kv_poisoned"], s["kv_hits"], s["misses"]) == (1, 0, 1)
-    # Deleted in the background, then rewritten with the right row (hidden * 4 bytes).
-    good = wait_for(lambda: (v := kv_call(redis_server.url, lambda kv: kv.get(kv_key))) and len(v) == hidden * 4 and v,
-                    10, "the rewritten KV row")
-    np.testing.assert_array_equal(np.frombuffer(good, "<f4"), embed_row(knot, 42))
+
+    def rewritten():  # deleted in the background, then rewritten with the right row, version, row id and crc32
+        v = kv_call(redis_server.url, lambda kv: kv.get(kv_key))
+        row = None if v is None else decode_row(v, etag, 42, hidden)
+        return None if row is None or isinstance(row, str) else [row]
+
+    (good,) = wait_for(rewritten, 10, "the rewritten KV row")
+    np.testing.assert_array_equal(good, embed_row(knot, 42))
 
 
 def test_do_restart_loses_ram_and_refills_from_kv_before_r2(procs, upload, knot, redis_server):

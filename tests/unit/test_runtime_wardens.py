@@ -18,7 +18,7 @@ from deploy.encoder import encode
 from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.tasks import BackgroundTasks
-from services.embed_cache import row_key
+from services.embed_cache import decode_row, row_key
 from tests.synth import TinySpec, write_tiny_gguf
 
 KEY = "models/tiny.knot"
@@ -148,9 +148,9 @@ async def test_cobordism_warden_rows_kv_tier_and_restart(tmp_path, knot):
     s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
     assert (s["misses"], s["kv_misses"], s["r2_reads"] - 1) == (4, 4, 3)  # 3, 4 coalesce into one read
     await w.tasks.drain(5)  # the KV writes went through wait_until
-    ns = f"{KEY}@{s['knot_etag']}"
+    etag = s["knot_etag"]
     for row in (3, 4, 7, 150):
-        np.testing.assert_array_equal(np.frombuffer(await w.kv.get(row_key(ns, row)), "<f4"),
+        np.testing.assert_array_equal(decode_row(await w.kv.get(row_key(f"{KEY}@{etag}", row)), etag, row, 1024),
                                       embed_rows(data, header, [row])[0])
 
     w.restart()  # RAM is gone; KV is not
@@ -181,7 +181,7 @@ async def test_cobordism_warden_poisoned_kv_row_is_deleted_and_refetched(tmp_pat
     s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
     assert (s["kv_poisoned"], s["kv_hits"]) == (1, 0)
     await w.tasks.drain(5)
-    np.testing.assert_array_equal(np.frombuffer(await w.kv.get(key), "<f4"), embed_rows(data, header, [5])[0])
+    np.testing.assert_array_equal(decode_row(await w.kv.get(key), etag, 5, 1024), embed_rows(data, header, [5])[0])
 
 
 class DownKV(MemoryKV):

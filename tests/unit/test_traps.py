@@ -16,22 +16,12 @@ from common.quant import UnsupportedQuantType, dequantize
 from common.runtime import Request, Response
 from deploy.encoder import encode
 from deploy.knotfile import open_model
-from services.embed_cache import row_key
+from services.embed_cache import decode_row, row_key
 from services.shard import handler as shard_handler
 from tests.inprocess import KNOT_KEY, build_cluster
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.synth import TinySpec, rewrite_metadata, write_tiny_gguf
 
 PROMPT = "the def the"
-
-
-def rewrite_metadata(src, dst, edit):
-    """Copy a knot with its header metadata edited (the payload is untouched)."""
-    buf = src.read_bytes()
-    h = knot.parse_header(buf)
-    meta = json.loads(json.dumps(h.metadata))
-    edit(meta)
-    dst.write_bytes(knot.pack_header(meta) + buf[h.payload_offset:])
-    return dst
 
 
 def embed_frame(tokens):
@@ -75,10 +65,10 @@ async def test_trap_tensor_type_vs_type_field_name(tiny_knot, tmp_path):
     alias = rewrite_metadata(tiny_knot, tmp_path / "alias.knot", rename)
     ref = await build_cluster(tiny_knot, tmp_path / "a", 2, 2)
     want = (await ref.generate(prompt=PROMPT, max_tokens=6)).json()["tokens"]
+    await ref.drain()  # its release calls would boot its stations again in this process's caches
     c = await build_cluster(alias, tmp_path / "b", 2, 2)
     assert (await c.generate(prompt=PROMPT, max_tokens=6)).json()["tokens"] == want
     await c.drain()
-    await ref.drain()
 
 
 async def test_trap_kvget_silent_cache_poisoning(tiny_knot, tmp_path):
@@ -92,8 +82,7 @@ async def test_trap_kvget_silent_cache_poisoning(tiny_knot, tmp_path):
     np.testing.assert_array_equal(got, want)
     await c.drain()
     fixed = await c.kv.get(key)
-    assert fixed is not None and len(fixed) == 256 * 4
-    np.testing.assert_array_equal(np.frombuffer(fixed, "<f4"), want[0])
+    np.testing.assert_array_equal(decode_row(fixed, etag, 100, 256), want[0])
     stats = (await c.cobordism_wardens.fetch("CobordismWarden", f"{KNOT_KEY}|0-{c.shard_ranges[0][1]}",
                                              Request("GET", "/stats"))).json()
     assert stats["kv_poisoned"] == 1
@@ -108,8 +97,10 @@ async def test_trap_missing_ctx_waituntil_on_kv_writes(tiny_knot, tmp_path):
     await c.drain()
     assert c.tasks.failed == 0 and len(c.tasks) == 0
     etag = (await c.bucket.head(KNOT_KEY)).etag
+    want = open_model(tiny_knot).tensor("token_embd.weight").dequantize()
     for row in (5, 6, 7):
-        assert len(await c.kv.get(row_key(f"{KNOT_KEY}@{etag}", row))) == 256 * 4
+        np.testing.assert_array_equal(decode_row(await c.kv.get(row_key(f"{KNOT_KEY}@{etag}", row)), etag, row, 256),
+                                      want[row])
 
 
 class Dead:
@@ -215,15 +206,17 @@ async def test_trap_layer_warden_no_invalidate_poisoning(tiny_knot, tmp_path):
     # 2. poisoned in the warden's RAM: a wrong-length entry is rejected, invalidated, then refetched
     name = "blk.0.ffn_up.weight"
     warden = c.layer_wardens._instances[("LayerWarden", f"{KNOT_KEY}|0-2")].obj
-    frame = wire.decode_tensor(warden.cache.peek(name))
+    cache = warden.served.caches
+    seal, encoded = cache.peek(name)
+    frame = wire.decode_tensor(encoded)
     short = wire.TensorFrame(name, frame.ggml_type, frame.shape, frame.payload[:-8])  # a valid frame, wrong length
-    warden.cache.put(name, wire.encode_tensor(short), len(frame.payload))
+    cache.put(name, (seal, wire.encode_tensor(short)), len(frame.payload))
     before = stats["invalidations"]
     assert (await c.generate(prompt=PROMPT, max_tokens=4)).json()["tokens"] == want
     await c.drain()
     after = (await c.stations[0].fetch(Request("GET", "/stats"))).json()["invalidations"]
     assert after == before + 1, "the poisoned entry was rejected once, then served clean"
-    assert len(wire.decode_tensor(warden.cache.peek(name)).payload) == len(frame.payload)
+    assert len(wire.decode_tensor(cache.peek(name)[1]).payload) == len(frame.payload)
 
 
 async def test_trap_layer_warden_bucket_binding_mismatch(tiny_knot, tmp_path):

@@ -1,0 +1,82 @@
+"""Checksums of weight bytes, and the seal every cached copy of them carries. Pure (stdlib only).
+
+One checksum everywhere: CRC-32 (zlib's, the IEEE polynomial). The knot's per-tensor checksums,
+the tensor frames of common/wire.py and the seals of the caches all use it; zlib.crc32 runs at
+~2 GB/s here and exists under Pyodide. It detects corruption and stale or misfiled entries, not a
+forger: an attacker who can write a cache can also write a matching CRC. What a forger cannot do
+is change the knot header the services pinned at boot, which is why a reader checks bytes against
+the knot's own checksum wherever it has one (docs/knot-format.md, "Checksums").
+
+A seal is where cached bytes came from: the object version (etag) they were read at and the CRC
+of their content. A cache returns a hit only when both match; anything else is a miss.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+crc32 = zlib.crc32
+
+_POLY = 0xEDB88320  # CRC-32 polynomial, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo p(x), reflected bit order. ref: zlib 1.2.12 crc32.c multmodp."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    """x^(2^k) mod p(x) for k = 0..31. ref: zlib crc32.c x2n_table."""
+    p, table = 1 << 30, []  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(a + b) from crc1 = crc32(a), crc2 = crc32(b) and len2 = len(b) bytes, without the bytes.
+    ref: zlib 1.2.12 crc32.c crc32_combine64 / x2nmodp (log2(len2) polynomial products)."""
+    p, k, n = 1 << 31, 3, len2  # x^(8 * len2): 2^3 bits per byte
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ (crc2 & 0xFFFFFFFF)
+
+
+@dataclass(frozen=True)
+class Seal:
+    """Where a cached copy of weight bytes came from, and what its content was."""
+
+    etag: str  # version of the knot object the bytes were read at
+    crc32: int  # of the bytes, as they were when sealed
+    nbytes: int
+
+    def problem(self, etag: str, data: bytes | memoryview) -> str | None:  # data: any contiguous buffer
+        """None when `data` is what was sealed, at version `etag`; else what is wrong with it."""
+        if self.etag != etag:
+            return f"sealed at knot version {self.etag!r}, this service serves {etag!r}"
+        nbytes = memoryview(data).nbytes
+        if nbytes != self.nbytes:
+            return f"{nbytes} bytes, sealed with {self.nbytes}"
+        got = crc32(data)
+        if got != self.crc32:
+            return f"crc32 0x{got:08x} over {self.nbytes} bytes, sealed with 0x{self.crc32:08x}"
+        return None
+
+
+def seal(etag: str, data: bytes | memoryview, crc: int | None = None) -> Seal:
+    """Seal bytes (any contiguous buffer) read at version etag; pass crc when it is already known."""
+    return Seal(etag, crc32(data) if crc is None else crc, memoryview(data).nbytes)

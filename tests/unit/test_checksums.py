@@ -1,0 +1,146 @@
+"""Checksums of weight bytes: the knot's per-tensor crc32 (old knots still load), crc32_combine,
+the seals of cache entries, the tensor frame's payload crc32, and the KV row value format."""
+from __future__ import annotations
+
+import json
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import knot, wire
+from common.integrity import crc32_combine, seal
+from deploy.cli import main
+from deploy.knotfile import open_model
+from services.embed_cache import decode_row, encode_row
+from tests.synth import rewrite_metadata, strip_checksums
+
+
+@given(st.binary(max_size=300), st.binary(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_crc32_combine_equals_the_crc_of_the_concatenation(a, b):
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc32_combine_on_long_inputs():
+    rng = np.random.default_rng(0)
+    a, b = rng.bytes(5000), rng.bytes((1 << 20) + 7)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_seal_holds_only_for_the_same_version_and_bytes():
+    data = np.arange(64, dtype=np.float32)
+    s = seal("v1", data)
+    assert s.nbytes == 256 and s.problem("v1", data) is None
+    assert "version" in s.problem("v2", data)
+    bad = data.copy()
+    bad[3] += 1
+    assert "crc32" in s.problem("v1", bad)
+    assert "bytes" in s.problem("v1", data[:-1])
+
+
+def test_frame_carries_its_payload_crc_and_a_false_one_is_caught():
+    payload = bytes(range(200))
+    frame = wire.TensorFrame("t", "F32", (50, 1), payload, 3)
+    assert wire.decode_tensor(wire.encode_tensor(frame)).payload_crc32 == zlib.crc32(payload)
+    # An encoder handed the crc of other bytes (a cache entry changed since it was sealed):
+    stale = wire.TensorFrame("t", "F32", (50, 1), payload, 3, payload_crc32=zlib.crc32(payload[::-1]))
+    with pytest.raises(wire.ChecksumMismatch):
+        wire.decode_tensor(wire.encode_tensor(stale))
+
+
+def test_kv_row_value_is_checked_for_version_row_length_and_content():
+    vec = np.linspace(-1, 1, 16, dtype=np.float32)
+    value = encode_row("etag-a", 7, vec)
+    np.testing.assert_array_equal(decode_row(value, "etag-a", 7, 16), vec)
+    assert "version" in decode_row(value, "etag-b", 7, 16)
+    assert "row 7" in decode_row(value, "etag-a", 8, 16)
+    assert "payload of 64 bytes" in decode_row(value, "etag-a", 7, 8)
+    flipped = bytearray(value)
+    flipped[-5] ^= 0x40  # the right length, the wrong content
+    assert "crc32" in decode_row(bytes(flipped), "etag-a", 7, 16)
+    assert "magic" in decode_row(vec.tobytes(), "etag-a", 7, 16)  # a value in the old, unchecked layout
+    assert "shorter" in decode_row(b"\x00" * 5, "etag-a", 7, 16)
+
+
+# ------------------------------------------------------------ the knot's checksums
+
+
+def test_encoder_writes_a_crc32_for_every_tensor_and_blob_and_they_hold(tiny_knot):
+    data = tiny_knot.read_bytes()
+    h = knot.parse_header(data, len(data))
+    assert h.unchecksummed == []
+    for name in h.tensors:
+        a, b = h.tensor_range(name)
+        assert h.tensors[name].crc32 == zlib.crc32(data[a:b]) and h.verify(name, data[a:b])
+    a, b = h.blob_range(knot.TOKENIZER_BLOB)
+    assert h.verify(knot.TOKENIZER_BLOB, data[a:b])
+    a, b = h.tensor_range("blk.0.attn_q.weight")
+    bad = bytearray(data[a:b])
+    bad[10] ^= 1
+    with pytest.raises(knot.CorruptKnot, match="blk.0.attn_q.weight: crc32 .* the knot header says"):
+        h.verify("blk.0.attn_q.weight", bytes(bad))
+
+
+def test_a_knot_without_checksums_still_loads(tiny_knot, tmp_path):
+    old = rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)
+    h = open_model(old).header
+    assert sorted(h.unchecksummed) == sorted([*h.tensors, *h.blobs])
+    data = old.read_bytes()
+    a, b = h.tensor_range("output_norm.weight")
+    assert h.verify("output_norm.weight", data[a:b]) is False  # nothing to check against, not an error
+    assert open_model(old).tensor("output_norm.weight").dequantize().shape == (256,)
+
+
+@pytest.mark.parametrize("crc", [-1, 1 << 32, "0xdead", 1.5, True])
+def test_a_malformed_crc32_field_is_refused(tiny_knot, tmp_path, crc):
+    def edit(meta):
+        meta["tensors"]["output_norm.weight"]["crc32"] = crc
+
+    with pytest.raises(knot.KnotError, match="output_norm.weight: crc32 .* unsigned 32-bit"):
+        open_model(rewrite_metadata(tiny_knot, tmp_path / "bad.knot", edit))
+
+
+def run_inspect(capsys, *argv):
+    code = main(["inspect", *map(str, argv)])
+    return code, capsys.readouterr().out
+
+
+def test_inspect_reports_checksums_and_verify_finds_corrupt_bytes(tiny_knot, tmp_path, capsys):
+    code, out = run_inspect(capsys, tiny_knot, "--tensors", "0")
+    assert code == 0 and "crc32 on 28 of 28 tensors and blobs; not verified" in out
+    code, out = run_inspect(capsys, tiny_knot, "--verify", "--tensors", "0")
+    assert code == 0 and "verified: all valid" in out
+
+    data = bytearray(tiny_knot.read_bytes())
+    h = knot.parse_header(bytes(data))
+    a, _ = h.tensor_range("blk.1.ffn_up.weight")
+    data[a + 100] ^= 0xFF  # same size, one byte changed: the stale guard cannot see it
+    corrupt = tmp_path / "corrupt.knot"
+    corrupt.write_bytes(bytes(data))
+    code, out = run_inspect(capsys, corrupt, "--tensors", "0")
+    assert code == 0 and "not verified" in out
+    code, out = run_inspect(capsys, corrupt, "--verify", "--tensors", "0")
+    assert code == 1 and "verified: 1 MISMATCHED" in out
+    assert "CORRUPT         tensor blk.1.ffn_up.weight: crc32" in out
+
+    old = rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)
+    code, out = run_inspect(capsys, old, "--verify", "--tensors", "0")
+    assert code == 0 and "checksums       absent" in out and "re-encode" in out
+    assert "crc32" not in json.dumps(open_model(old).header.metadata)
+
+
+def test_init_replaces_a_bucket_knot_without_checksums_once(tiny_knot, tmp_path):
+    from deploy.local.init import upload_dir
+
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    rewrite_metadata(tiny_knot, bucket / "m.knot", strip_checksums)  # what an older encoder uploaded
+    assert upload_dir(bucket, "m.knot", str(tiny_knot)).startswith("copied")
+    assert (bucket / "m.knot").read_bytes() == tiny_knot.read_bytes()
+    assert upload_dir(bucket, "m.knot", str(tiny_knot)).endswith("already present, not copying")
+    old = rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)  # the model itself has none
+    rewrite_metadata(tiny_knot, bucket / "o.knot", strip_checksums)
+    assert upload_dir(bucket, "o.knot", str(old)).endswith("already present, not copying")
