@@ -12,6 +12,13 @@ R2 ranged reads, measured on workerd-shaped objects: get(key, {range: {offset, l
 The Bucket contract is [start, end) with 0 <= start < end <= size or RangeNotSatisfiable, so the
 wrapper checks the returned object's size and body length, and on a thrown range error asks head()
 for the size to tell "past the end" (416) from a failing bucket (503).
+
+Pinned reads (get(..., if_match=etag)) pass onlyIf {etagMatches: etag}. When the object has another
+etag, workerd's get() resolves to the object's metadata without a body (an R2Object, not an
+R2ObjectBody: "when no body is present, preconditions have failed", Cloudflare's R2 example);
+some references say null. Either way the wrapper raises PreconditionFailed, as S3's 412 does
+locally, and it checks the etag of every body it returns, so a bucket that ignored onlyIf still
+cannot hand out another version's bytes.
 """
 from __future__ import annotations
 
@@ -24,8 +31,8 @@ from typing import Any, Awaitable
 import js
 from pyodide.ffi import JsException, to_js
 
-from common.runtime import (BadGateway, DurableObjectId, Env, ObjectBody, ObjectMeta, RangeNotSatisfiable, Request,
-                            Response, ServiceUnavailable)
+from common.runtime import (BadGateway, DurableObjectId, Env, ObjectBody, ObjectMeta, PreconditionFailed,
+                            RangeNotSatisfiable, Request, Response, ServiceUnavailable)
 from deploy.cloudflare.convert import as_bytes, js_object, request_to_js, response_from_js
 
 log = logging.getLogger(__name__)
@@ -71,10 +78,23 @@ class R2Bucket:
         obj = await self._call(f"head {key!r}", self._b.head(key))
         return None if _missing(obj) else self._meta(obj)
 
-    async def get(self, key: str, range: tuple[int, int] | None = None) -> ObjectBody | None:
+    async def _unmatched(self, key: str, obj: Any, if_match: str | None) -> bool:
+        """Whether get()'s result says the object is missing (False) or not version if_match
+        (PreconditionFailed); True: obj is a body of the version asked for."""
+        if _missing(obj):
+            if if_match is None or await self.head(key) is None:
+                return False
+            raise PreconditionFailed(f"{key}: the object is no longer version {if_match!r}")
+        if if_match is not None and str(obj.etag) != if_match:  # the failed onlyIf: metadata, no body
+            raise PreconditionFailed(f"{key}: the object is now version {str(obj.etag)!r}, not {if_match!r}")
+        return True
+
+    async def get(self, key: str, range: tuple[int, int] | None = None,
+                  if_match: str | None = None) -> ObjectBody | None:
+        options: dict[str, Any] = {} if if_match is None else {"onlyIf": {"etagMatches": if_match}}
         if range is None:
-            obj = await self._call(f"get {key!r}", self._b.get(key))
-            if _missing(obj):
+            obj = await self._call(f"get {key!r}", self._b.get(key, js_object(options)))
+            if not await self._unmatched(key, obj, if_match):
                 return None
             meta = self._meta(obj)
             return ObjectBody(key, meta.size, meta.etag, as_bytes(await obj.arrayBuffer()))
@@ -82,14 +102,14 @@ class R2Bucket:
         if not 0 <= start < end:
             raise RangeNotSatisfiable(f"{key}: invalid byte range [{start}, {end})")
         try:
-            obj = await self._b.get(key, js_object({"range": {"offset": start, "length": end - start}}))
+            obj = await self._b.get(key, js_object({**options, "range": {"offset": start, "length": end - start}}))
         except JsException as e:
             meta = await self.head(key)  # offset == size or offset > size throw; anything else is the bucket's
             if meta is not None and end > meta.size:
                 raise RangeNotSatisfiable(f"{key}: byte range [{start}, {end}) runs past the object's "
                                           f"{meta.size} bytes") from None
             raise ServiceUnavailable(f"R2 {self.name} get {key!r} [{start}, {end}): {e}") from None
-        if _missing(obj):
+        if not await self._unmatched(key, obj, if_match):
             return None
         meta = self._meta(obj)
         if end > meta.size:  # R2 clamped the length: never hand out a short read

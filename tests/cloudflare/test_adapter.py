@@ -4,12 +4,13 @@ every pitfall of docs/cloudflare.md, and a whole generation through the Worker e
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common.runtime import Env, NotFound, RangeNotSatisfiable, Request, Response
+from common.runtime import Env, NotFound, PreconditionFailed, RangeNotSatisfiable, Request, Response
 from deploy import wrangler
 from deploy.cloudflare import bindings, convert
 from deploy.cloudflare.entry import worker_entrypoint
@@ -52,6 +53,53 @@ async def test_r2_range_reads_and_the_offset_pitfalls(wrap):
     assert await b.get("missing", (0, 1)) is None
     assert await b.head("missing") is None
     assert (await b.head("k")).size == n
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["raw", "sdk-wrapped"])
+async def test_r2_reads_pinned_to_a_version_refuse_a_replaced_object(wrap):
+    js_bucket = R2Bucket({"k": OBJECT})
+    b = bindings.R2Bucket(sdk_wrapped(js_bucket) if wrap else js_bucket)
+    etag = (await b.head("k")).etag
+    got = await b.get("k", (100, 300), if_match=etag)
+    assert got.body == OBJECT[100:300] and got.etag == etag
+    assert (await b.get("k", if_match=etag)).body == OBJECT
+    assert js_bucket.calls[-1] == ("get", "k", None, etag)  # onlyIf {etagMatches} reached the binding
+    js_bucket.objects["k"] = OBJECT[::-1]  # replaced: same size, other bytes
+    with pytest.raises(PreconditionFailed, match="no longer version|now version"):
+        await b.get("k", (100, 300), if_match=etag)
+    with pytest.raises(PreconditionFailed):
+        await b.get("k", if_match=etag)
+    assert (await b.get("k", (100, 300))).body == OBJECT[::-1][100:300]  # unpinned reads see the new one
+    assert await b.get("missing", (0, 1), if_match=etag) is None
+
+
+class IgnoresOnlyIf(R2Bucket):
+    """A bucket that drops onlyIf (or answers null for a failed one, as older docs say)."""
+
+    def __init__(self, objects, null_on_mismatch: bool):
+        super().__init__(objects)
+        self.null_on_mismatch = null_on_mismatch
+
+    @fakejs.js_function
+    def get(self, key, options=None):
+        props = webapi._init_props(options, "R2Bucket.get")
+        only_if = props.pop("onlyIf", None)
+        want = None if only_if is None else only_if.etagMatches
+        if self.null_on_mismatch and want is not None and want != hashlib.md5(self.objects[key]).hexdigest():
+            return fakejs.JsPromise.resolve(None)
+        return R2Bucket.get(self, key, JsObject(props))
+
+
+@pytest.mark.parametrize("null_on_mismatch", [False, True], ids=["ignores-onlyIf", "null"])
+async def test_r2_pinned_reads_hold_when_the_binding_ignores_onlyif_or_answers_null(null_on_mismatch):
+    js_bucket = IgnoresOnlyIf({"k": OBJECT}, null_on_mismatch)
+    b = bindings.R2Bucket(js_bucket)
+    etag = (await b.head("k")).etag
+    js_bucket.objects["k"] = OBJECT[::-1]
+    with pytest.raises(PreconditionFailed):
+        await b.get("k", (0, 10), if_match=etag)
+    with pytest.raises(PreconditionFailed):
+        await b.get("k", if_match=etag)
 
 
 async def test_the_r2_double_has_the_measured_shapes():

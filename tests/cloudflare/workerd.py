@@ -6,6 +6,8 @@ Shapes and pitfalls (measured with workers-runtime-sdk 1.9.5 on workerd-shaped o
 - R2Bucket.get(key, {range: {offset, length}}): a length past the end is clamped; offset == size
   throws "get: Unspecified error (0)", offset > size throws error 10039; an options Map is no
   object, so its range is ignored and the whole object comes back;
+- R2Bucket.get(key, {onlyIf: {etagMatches}}) on an object with another etag resolves to its
+  metadata without a body (workerd's HeadResult, an R2Object), not to null and not to an error;
 - R2 put / KV put need bytes as a Uint8Array or ArrayBuffer (to_js), not a Python object;
 - KV put with expirationTtl < 60 throws (400 from the KV API);
 - a service binding's fetch(input, init) needs init as a plain object;
@@ -80,13 +82,17 @@ class R2Bucket(JsProxy):
     @js_function
     def get(self, key: str, options: Any = None) -> JsPromise:
         props = _init_props(options, "R2Bucket.get")
-        rng = props.get("range")
-        self.calls.append(("get", key, None if rng is None else (rng.offset, rng.length)))
+        rng, only_if = props.get("range"), props.get("onlyIf")
+        etag_matches = None if only_if is None else _init_props(only_if, "R2Conditional").get("etagMatches")
+        self.calls.append(("get", key, None if rng is None else (rng.offset, rng.length))
+                          + (() if etag_matches is None else (etag_matches,)))
 
         async def get() -> Any:
             data = self.objects.get(key)
             if data is None:
                 return None
+            if etag_matches is not None and etag_matches.strip('"') != R2Object(key, data).etag:
+                return R2Object(key, data)  # the precondition failed: metadata, no body
             if rng is None:
                 return R2ObjectBody(key, data, 0, len(data))
             offset, length = int(rng.offset), int(getattr(rng, "length", len(data)))
