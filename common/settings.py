@@ -210,6 +210,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("MINIO_ROOT_USER", "str", "knot", "compose", "MinIO's user, and every service's AWS_ACCESS_KEY_ID"),
     _s("MINIO_ROOT_PASSWORD", "str", "knot-secret-key", "compose",
        "MinIO's password, and every service's AWS_SECRET_ACCESS_KEY"),
+    _s("KNOT_REDIS_PASSWORD", "str", REQUIRED, "host launcher compose",
+       "the cluster's Redis password, generated per cluster (deploy/cluster_secrets.py: `knot cluster up` "
+       "keeps it in its run directory, `knot secrets` writes .env for docker compose); never logged "
+       "(host: required by a redis:// binding)", reader_defaults={"host": None, "launcher": None}),
     _s("STATION_MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "compose", "every station's MEMORY_BUDGET_BYTES",
        minimum=1),
     _s("KNOT_PROFILE", "choice", "worker", "compose launcher",

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "deploy.commands.serve",
     "deploy.commands.cluster",
     "deploy.commands.compose",
+    "deploy.commands.secrets_file",
     "deploy.commands.settings",
     "deploy.commands.bench",
     "deploy.commands.synth",

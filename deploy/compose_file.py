@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from common.settings import TABLE
+from common.settings import REQUIRED, TABLE
 from common.topology import Binding, ClusterLayout, Knob, Service
 
 CONTAINER_PORT = 8080  # every service of our image listens here inside its container
@@ -56,8 +56,14 @@ CONTAINERS: dict[str, Container] = {
                         volumes=("minio-data:/data",), local="seaweedfs",
                         environment={"MINIO_ROOT_USER": Knob("MINIO_ROOT_USER"),
                                      "MINIO_ROOT_PASSWORD": Knob("MINIO_ROOT_PASSWORD")}),
-    "kv": Container("redis:7.4-alpine", ("redis-server", "--save", "", "--appendonly", "no"),
-                    Healthcheck(("CMD", "redis-cli", "ping"), start_period=None), local="redis"),
+    # Redis requires the cluster's password (deploy/cluster_secrets.py). It reaches redis-server through
+    # a config file, not argv (which `ps` shows); redis-cli in the healthcheck reads REDISCLI_AUTH.
+    "kv": Container("redis:7.4-alpine",
+                    ("sh", "-c", 'umask 077 && printf "requirepass %s\\n" "$$KNOT_REDIS_PASSWORD" > /tmp/redis.conf'
+                                 ' && exec redis-server /tmp/redis.conf --save "" --appendonly no'),
+                    Healthcheck(("CMD", "redis-cli", "ping"), start_period=None), local="redis",
+                    environment={"KNOT_REDIS_PASSWORD": Knob("KNOT_REDIS_PASSWORD"),
+                                 "REDISCLI_AUTH": Knob("KNOT_REDIS_PASSWORD")}),
     # Fetches the model, encodes it to a .knot and uploads it to the bucket, once.
     "init": Container(command=("python", "-m", "deploy.local.init"), healthcheck=None, restart="no",
                       volumes=("model-cache:/cache",), environment={"KNOT_CACHE_DIR": "/cache"}),
@@ -86,11 +92,18 @@ def knot_env(layout: ClusterLayout) -> dict:
 
 
 def value(v) -> str:
-    """A layout value as compose text: a Knob is ${NAME:-default} (its default from common/settings.py)."""
+    """A layout value as compose text: a Knob is ${NAME:-default} (its default from common/settings.py),
+    or ${NAME:?why} when it has none (docker compose then refuses to start without it)."""
     if not isinstance(v, Knob):
         return str(v)
     default = v.default if v.default is not None else TABLE[v.name].default_for("compose")
+    if default is REQUIRED:
+        return f"${{{v.name}:?{REQUIRED_HINTS[v.name]}}}"
     return f"${{{v.name}:-{default}}}"
+
+
+# What the error of a required variable says (docker compose prints it when the variable is unset).
+REQUIRED_HINTS = {"KNOT_REDIS_PASSWORD": "the Redis password is generated per cluster; run knot secrets (writes .env)"}
 
 
 def binding_url(b: Binding, owner: Service, layout: ClusterLayout) -> str:
@@ -117,6 +130,8 @@ def environment(s: Service, layout: ClusterLayout) -> dict[str, str]:
             env["KNOT_DURABLE_OBJECTS"] = ",".join(s.durable_objects)
         env["KNOT_BINDINGS"] = ",".join(b.name for b in s.bindings)
     env.update({b.name: binding_url(b, s, layout) for b in s.bindings})
+    if any(b.kind == "kv" for b in s.bindings):  # the KV's Redis requires it (the URL carries no password)
+        env["KNOT_REDIS_PASSWORD"] = Knob("KNOT_REDIS_PASSWORD")
     if s.is_worker and s.vars:
         env["KNOT_VARS"] = ",".join(s.vars)
     env.update(s.vars)
@@ -176,6 +191,9 @@ HEADER = """\
 # Services reach each other by binding URLs (deploy/local/settings.py lists the schemes):
 #   s3://BUCKET   redis://HOST:PORT/DB   do+http://HOST:PORT/CLASS   do+local:CLASS   http://HOST:PORT
 # Only the coordinator publishes a port (KNOT_PORT). Every variable: docs/configuration.md.
+#
+# Redis requires a password generated per cluster: `knot secrets` writes it to .env (mode 600), which
+# docker compose reads; `knot cluster up` keeps its own in .knot-run/secrets.env.
 """
 
 

@@ -9,6 +9,9 @@ addresses rewritten to 127.0.0.1.
 
 Run directory (default .knot-run/, or KNOT_RUN_DIR):
     cluster.json         what is running: name, kind, pid, port, url, log
+    secrets.env          the cluster's generated secrets (deploy/cluster_secrets.py), mode 600, reused
+                         on every `up`; the Redis password reaches redis-server through a 0600 file
+                         and the services through their environment, never argv or a log
     logs/<service>.log   one log per service
     seaweedfs/ redis/    server data (the bucket survives `down`, so only the first `up` uploads)
 """
@@ -26,13 +29,14 @@ from typing import Mapping
 
 from common import settings
 from common.topology import ClusterLayout
-from deploy import compose_file, servers
+from deploy import cluster_secrets, compose_file, servers
 from deploy.local import compose
 from deploy.local.probe import probe
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "cluster.json"
+SECRETS_FILE = cluster_secrets.FILE_NAME
 ONESHOT_TIMEOUT_S = 3600.0  # init may download and encode a model
 READY_TIMEOUT_S = 120.0
 PROCESS_STOP_TIMEOUT_S = 40.0  # above the host's 30 s wait_until drain
@@ -221,6 +225,9 @@ class Cluster:
                                 f"run `knot cluster down` first")
         if model:  # --model wins over KNOT_MODEL; an explicit KNOT_KEY still wins over the model's key
             base_env["KNOT_MODEL"] = choice.source
+        for name, secret in cluster_secrets.ensure(self.run_dir / SECRETS_FILE).items():
+            if not base_env.get(name):  # one set in the environment wins, as over compose's .env
+                base_env[name] = secret
         specs = plan(layout, base_env)
         addresses = self.allocate(specs, base_port)
         running: list[Running] = []
@@ -250,7 +257,8 @@ class Cluster:
         if spec.kind == "seaweedfs":
             s = servers.start_seaweedfs(self.run_dir / "seaweedfs", addresses[spec.name][1], log_path)
         elif spec.kind == "redis":
-            s = servers.start_redis(self.run_dir / "redis", addresses[spec.name][1], log_path)
+            s = servers.start_redis(self.run_dir / "redis", addresses[spec.name][1], log_path,
+                                    password=settings.read(base_env, "KNOT_REDIS_PASSWORD", "launcher"))
         else:
             return start_process(spec, addresses, self.run_dir, base_env)
         return Running(spec.name, spec.kind, s.pid, s.port, s.url, s.log_path, stop_timeout_s=s.stop_timeout_s)

@@ -8,6 +8,7 @@ their own session (they outlive the launcher) with output in a log file; stop() 
 whole process group. CLI:
     python -m deploy.servers start DIR [--s3-port N] [--redis-port N]   (prints JSON endpoints)
     python -m deploy.servers stop DIR
+Redis always requires a password: the CLI keeps it in DIR/secrets.env (0600) and prints that path.
 """
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from deploy import cluster_secrets
 from deploy.local.probe import probe
 
 WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 STATE_FILE = "servers.json"
+SECRETS_FILE = cluster_secrets.FILE_NAME
 
 
 class ServerError(RuntimeError):
@@ -216,26 +219,49 @@ def start_seaweedfs(data_dir: str | Path, s3_port: int | None = None, log_path: 
     return ServerProcess("seaweedfs", pid, url, ports["s3"], str(log_path), stop_timeout_s=2.0)
 
 
-def _redis_ping(port: int) -> bool:
+def _redis_ping(port: int, password: str) -> bool:
+    """AUTH then PING, in RESP; True when the server answers +OK and +PONG."""
+    pw = password.encode()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n*1\r\n$4\r\nPING\r\n" % (len(pw), pw))
+            got = b""
+            while got.count(b"\r\n") < 2:
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                got += chunk
+            return got.startswith(b"+OK\r\n+PONG")
     except OSError:
         return False
 
 
+def write_redis_conf(path: Path, password: str) -> None:
+    """The password goes in a 0600 config file, not on the command line (`ps` shows argv to every user)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, f"requirepass {password}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def start_redis(data_dir: str | Path, port: int | None = None, log_path: str | Path | None = None,
-                timeout_s: float = 30.0) -> ServerProcess:
-    """A Redis-protocol server on 127.0.0.1 with persistence off (KV is a cache)."""
+                timeout_s: float = 30.0, *, password: str) -> ServerProcess:
+    """A Redis-protocol server on 127.0.0.1 with persistence off (KV is a cache) that requires
+    `password` (deploy/cluster_secrets.py generates one per cluster); the URL carries none."""
+    if not password:
+        raise ServerError("Redis needs a password (deploy/cluster_secrets.py)")
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = Path(log_path or data_dir / "redis.log")
     port = port or free_ports(1)[0]
-    cmd = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+    conf = data_dir / "redis.conf"
+    write_redis_conf(conf, password)
+    cmd = [redis_binary(), str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
            "--dir", str(data_dir), "--protected-mode", "no", "--daemonize", "no"]
     pid = spawn(cmd, log_path)
-    _wait(lambda: _redis_ping(port), f"Redis-protocol server ({Path(cmd[0]).name}, port {port})", pid,
+    _wait(lambda: _redis_ping(port, password), f"Redis-protocol server ({Path(cmd[0]).name}, port {port})", pid,
           log_path, timeout_s)
     return ServerProcess("redis", pid, f"redis://127.0.0.1:{port}/0", port, str(log_path))
 
@@ -252,10 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     state = args.dir / STATE_FILE
     if args.cmd == "start":
+        secrets_path = args.dir / SECRETS_FILE
+        password = cluster_secrets.ensure(secrets_path)["KNOT_REDIS_PASSWORD"]
         servers = [start_seaweedfs(args.dir / "seaweedfs", args.s3_port),
-                   start_redis(args.dir / "redis", args.redis_port)]
+                   start_redis(args.dir / "redis", args.redis_port, password=password)]
         state.write_text(json.dumps([asdict(x) for x in servers], indent=2))
-        sys.stdout.write(json.dumps({x.name: x.url for x in servers}) + "\n")
+        sys.stdout.write(json.dumps({**{x.name: x.url for x in servers}, "secrets": str(secrets_path)}) + "\n")
         return 0
     if not state.exists():
         sys.stderr.write(f"no servers recorded in {state}\n")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from common import settings as table
-from deploy import servers
+from deploy import cluster_secrets, servers
 from deploy.commands.cluster import add_layout_arguments
 from deploy.launcher import choose_model, default_run_dir, layout_for, plan
 from deploy.local import init, logs
@@ -49,6 +49,8 @@ async def _embedded(args) -> int:
     choice = choose_model(args.model, env)
     if args.model:
         env["KNOT_MODEL"] = choice.source
+    if not table.read(env, "KNOT_REDIS_PASSWORD", "launcher"):  # the KV is in memory here: a throwaway one will do
+        env["KNOT_REDIS_PASSWORD"] = cluster_secrets.generate()
     specs = plan(layout_for(choice, args.stations, args.shards), env)
     run_dir = Path(args.run_dir or default_run_dir()) / "embedded"
     topo = Topology(specs, run_dir)

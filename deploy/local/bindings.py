@@ -145,12 +145,14 @@ class S3Bucket:
 
 
 class RedisKV:
-    """Workers-KV-like namespace on Redis: keys under `prefix`, TTL through SET EX."""
+    """Workers-KV-like namespace on Redis: keys under `prefix`, TTL through SET EX. `password` is the
+    cluster's (deploy/cluster_secrets.py); it is sent as AUTH, never put into the URL or a message."""
 
-    def __init__(self, url: str, prefix: str, timeout_s: float = 5.0):
+    def __init__(self, url: str, prefix: str, timeout_s: float = 5.0, *, password: str | None = None):
         self.prefix = prefix
         self._timeout_s = timeout_s
-        self._r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._r = aioredis.from_url(url, password=password, socket_timeout=timeout_s,
+                                    socket_connect_timeout=timeout_s)
 
     async def _call(self, what: str, coro) -> Any:
         try:

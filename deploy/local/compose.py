@@ -32,17 +32,20 @@ class ComposeError(ValueError):
     pass
 
 
-_VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\})")
+_VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\})")
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:
-    """Compose variable substitution: ${VAR}, ${VAR:-default}, ${VAR-default}, $$ -> $."""
+    """Compose variable substitution: ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error},
+    ${VAR?error}, $$ -> $. A required variable that is missing raises ComposeError with its error."""
     if isinstance(value, str):
         def sub(m: re.Match) -> str:
             if m.group(0) == "$$":
                 return "$"
             name, op, default = m.group("name"), m.group("op"), m.group("default")
             v = env.get(name)
+            if (op == ":?" and not v) or (op == "?" and v is None):
+                raise ComposeError(f"{name} is not set: {default}")
             if op == ":-" and not v:
                 return default
             if op == "-" and v is None:

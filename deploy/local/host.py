@@ -215,7 +215,7 @@ def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.C
     return open_binding(name, url, {
         "s3": lambda b: S3Bucket(settings.s3, b.target),
         "dir": lambda b: DirectoryBucket(b.target),
-        "redis": lambda b: RedisKV(b.target, b.prefix, timeout_s),
+        "redis": lambda b: RedisKV(b.target, b.prefix, timeout_s, password=settings.redis_password),
         "memory": lambda b: MemoryKV(),
         "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s),
         "do+local": local_namespace,

@@ -13,7 +13,7 @@ turns the host's into HostSettings and says which binding URL schemes exist:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
@@ -94,6 +94,7 @@ class HostSettings:
     log_format: str
     access_log: str
     max_body_bytes: int
+    redis_password: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "HostSettings":
@@ -130,4 +131,14 @@ class HostSettings:
             log_format=get("KNOT_LOG_FORMAT"),
             access_log=get("KNOT_ACCESS_LOG"),
             max_body_bytes=get("KNOT_MAX_BODY_BYTES"),
+            redis_password=redis_password(bindings, get("KNOT_REDIS_PASSWORD")),
         )
+
+
+def redis_password(bindings: Mapping[str, str], password: str | None) -> str | None:
+    """The cluster's Redis requires a password: a redis:// binding without one fails at start."""
+    uses = [n for n, url in bindings.items() if binding_scheme(n, url) == "redis"]
+    if uses and not password:
+        raise ConfigError(f"Config 'KNOT_REDIS_PASSWORD' is missing: {', '.join(uses)} bind Redis, which "
+                          f"requires the cluster's password (deploy/cluster_secrets.py)", name="KNOT_REDIS_PASSWORD")
+    return password

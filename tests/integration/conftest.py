@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 from gguf import GGMLQuantizationType as Q
 
 from common.knot import read_header_sync
-from deploy import launcher, servers
+from deploy import cluster_secrets, launcher, servers
 from deploy.encoder import encode
 from deploy.local import compose
 from deploy.local.bindings import S3Settings, s3_client
@@ -55,11 +56,30 @@ def s3_server(run_dir):
     s.stop()
 
 
+@dataclass(frozen=True)
+class RedisServer:
+    url: str  # redis://127.0.0.1:PORT/0, no password in it
+    port: int
+    password: str  # the test cluster's, generated as `knot cluster up` generates one
+    pid: int
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, password=self.password)
+
+
 @pytest.fixture(scope="session")
 def redis_server(run_dir):
-    s = servers.start_redis(run_dir / "redis", log_path=run_dir / "logs" / "redis.log")
-    yield s
+    """A real Redis-protocol server that requires a password, like every cluster's."""
+    password = cluster_secrets.ensure(run_dir / launcher.SECRETS_FILE)["KNOT_REDIS_PASSWORD"]
+    s = servers.start_redis(run_dir / "redis", log_path=run_dir / "logs" / "redis.log", password=password)
+    yield RedisServer(s.url, s.port, password, s.pid)
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_env(redis_server) -> dict[str, str]:
+    """What the test clusters are planned with: the S3 credentials and the Redis password."""
+    return {**CREDENTIALS, "KNOT_REDIS_PASSWORD": redis_server.password}
 
 
 @pytest.fixture(scope="session")
@@ -96,8 +116,9 @@ def upload(s3_settings, knot):
 class Procs:
     """Project services as real processes, from the compose file's definitions."""
 
-    def __init__(self, run_dir: Path, addresses: dict, specs: dict):
+    def __init__(self, run_dir: Path, addresses: dict, specs: dict, env: dict[str, str]):
         self.run_dir, self.addresses, self.specs = run_dir, addresses, specs
+        self.env = env  # what the specs were planned with (cluster_env)
         self.running: dict[str, launcher.Running] = {}
 
     def url(self, name: str) -> str:
@@ -124,8 +145,8 @@ class Procs:
             self.stop(name)
 
 
-def probe_spec(port_var: str = "probe") -> compose.ServiceSpec:
-    env = {
+def probe_spec(port_var: str, redis_password: str) -> compose.ServiceSpec:
+    env = {"KNOT_REDIS_PASSWORD": redis_password,
         "KNOT_SERVICE": "tests.integration.probe_service", "KNOT_SERVICE_NAME": "probe",
         "KNOT_DURABLE_OBJECTS": "Sequencer", "KNOT_BINDINGS": "KV,SEQUENCER,SELF",
         "KV": "redis://redis:6379/0?prefix=probe:", "SEQUENCER": f"do+http://{port_var}:8080/Sequencer",
@@ -136,16 +157,16 @@ def probe_spec(port_var: str = "probe") -> compose.ServiceSpec:
 
 
 @pytest.fixture(scope="session")
-def procs(run_dir, s3_server, redis_server, upload):
+def procs(run_dir, s3_server, redis_server, cluster_env, upload):
     """The wardens exactly as docker-compose.yml defines them, plus the probe service."""
-    env = {**CREDENTIALS}
-    specs = {s.name: s for s in launcher.plan(launcher.default_layout(), env)}
-    specs["probe"], specs["probe-2"] = probe_spec("probe"), probe_spec("probe-2")
+    specs = {s.name: s for s in launcher.plan(launcher.default_layout(), cluster_env)}
+    specs["probe"], specs["probe-2"] = (probe_spec("probe", redis_server.password),
+                                        probe_spec("probe-2", redis_server.password))
     addresses = {"minio": (9000, s3_server.port), "redis": (6379, redis_server.port)}
     names = ["layer-warden", "cobordism-warden", "probe", "probe-2"]
     for name, port in zip(names, servers.free_ports(len(names))):
         addresses[name] = (8080, port)
-    p = Procs(run_dir, addresses, specs)
+    p = Procs(run_dir, addresses, specs, cluster_env)
     try:
         for name in ("layer-warden", "cobordism-warden", "probe"):
             p.start(name)
@@ -184,7 +205,7 @@ def pipeline_services(procs: Procs, knot_path: Path, knot_key: str, overrides: d
     running wardens (procs); overrides: service -> environment entries to change. Stops them after."""
     # What `knot cluster up --model PATH` derives from the model: the layer split, the shard bounds.
     layout = launcher.layout_for(launcher.choose_model(str(knot_path), {}))
-    specs = {s.name: s for s in launcher.plan(layout, {**CREDENTIALS, "KNOT_KEY": knot_key})}
+    specs = {s.name: s for s in launcher.plan(layout, {**procs.env, "KNOT_KEY": knot_key})}
     for name, port in zip(PIPELINE, servers.free_ports(len(PIPELINE))):
         procs.specs[name] = specs[name]
         procs.specs[name].environment.update((overrides or {}).get(name, {}))
@@ -199,3 +220,6 @@ def pipeline_services(procs: Procs, knot_path: Path, knot_key: str, overrides: d
         for name in reversed(started):
             if name in procs.running:
                 procs.stop(name)
+        for name in PIPELINE:  # a later module may start services of these names (its own layout)
+            procs.specs.pop(name, None)
+            procs.addresses.pop(name, None)

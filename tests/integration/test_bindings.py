@@ -5,7 +5,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from common.runtime import PreconditionFailed, RangeNotSatisfiable
+import redis
+
+from common.runtime import PreconditionFailed, RangeNotSatisfiable, ServiceUnavailable
 from deploy.local.bindings import RedisKV, S3Bucket
 
 OBJECT = os.urandom(300_001)
@@ -57,7 +59,7 @@ async def test_if_match_reads_only_that_version(bucket):
 
 
 async def test_kv_put_get_delete_and_ttl_expiry(redis_server):
-    kv = RedisKV(redis_server.url, "test-kv:", timeout_s=2.0)
+    kv = RedisKV(redis_server.url, "test-kv:", timeout_s=2.0, password=redis_server.password)
     try:
         await kv.put("plain", b"\x00\x01")
         await kv.put("short", b"x", expiration_ttl=1)
@@ -67,9 +69,35 @@ async def test_kv_put_get_delete_and_ttl_expiry(redis_server):
         assert await kv.get("plain") == b"\x00\x01"
         await kv.delete("plain")
         assert await kv.get("plain") is None
-        other = RedisKV(redis_server.url, "other-ns:", timeout_s=2.0)
+        other = RedisKV(redis_server.url, "other-ns:", timeout_s=2.0, password=redis_server.password)
         await kv.put("k", b"1")
         assert await other.get("k") is None  # namespaces do not see each other
         await other.close()
     finally:
         await kv.close()
+
+
+async def test_redis_refuses_a_client_without_the_cluster_password(redis_server, run_dir):
+    """The test Redis is started as every cluster's is: it requires the generated password."""
+    for password in (None, "not-the-password"):
+        r = redis.Redis.from_url(redis_server.url, password=password, socket_timeout=2.0)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            r.set("EMBED_CACHE:intruder", b"poison")
+        r.close()
+    with redis_server.client() as r:
+        assert r.ping() and r.get("EMBED_CACHE:intruder") is None  # nothing was written
+    # Our binding without it: a failing KV (ServiceUnavailable: the caches count it a miss), never a read.
+    anonymous = RedisKV(redis_server.url, "test-kv:", timeout_s=2.0)
+    try:
+        with pytest.raises(ServiceUnavailable, match="KV get"):
+            await anonymous.get("plain")
+    finally:
+        await anonymous.close()
+    # The password lives in a 0600 file, never in the server's command line (`ps` shows it to anyone;
+    # the server rewrites its process title once up, so this reads the title, argv before that).
+    cmdline = open(f"/proc/{redis_server.pid}/cmdline", "rb").read()
+    assert b"-server" in cmdline and redis_server.password.encode() not in cmdline
+    for path in (run_dir / "redis" / "redis.conf", run_dir / "secrets.env"):
+        assert os.stat(path).st_mode & 0o077 == 0, path
+    log = (run_dir / "logs" / "redis.log").read_text()
+    assert redis_server.password not in log

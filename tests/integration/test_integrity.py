@@ -71,9 +71,9 @@ def metric(cluster, name: str, **labels) -> float:
     return total
 
 
-def kv_rows(redis_url: str, etag: str) -> dict[int, bytes]:
+def kv_rows(redis_server, etag: str) -> dict[int, bytes]:
     """Every embedding row the KV holds for this knot version: row -> value."""
-    r = redis.Redis.from_url(redis_url)
+    r = redis_server.client()
     try:
         prefix = KV_PREFIX + row_key(f"{KNOT_KEY}@{etag}", 0)[:-1]
         return {int(k.decode()[len(prefix):]): r.get(k) for k in r.scan_iter(match=prefix + "*")}
@@ -114,7 +114,7 @@ def test_a_replaced_knot_is_served_from_one_version_and_the_original_comes_back_
     # Redis holds, under the original's version, only the original's rows (the bug: the changed row
     # was cached there for 24 h and served after the restore).
     e = h.tensors["token_embd.weight"]
-    rows = kv_rows(redis_server.url, etag)
+    rows = kv_rows(redis_server, etag)
     assert ids[-1] in rows
     for row, value in rows.items():
         a, b = h.row_range("token_embd.weight", row, row + 1)
@@ -126,9 +126,9 @@ def test_a_poisoned_redis_value_is_detected_counted_and_refetched(cluster, knot,
     baseline = tokens(cluster)
     etag = s3.head_object(Bucket=BUCKET, Key=KNOT_KEY)["ETag"].strip('"')
     ids = sorted(set(LocalEngine.open(knot.path).tokenizer.encode(PROMPT)))
-    rows = wait_for(lambda: (got := kv_rows(redis_server.url, etag)) and set(ids) <= set(got) and got, 10,
+    rows = wait_for(lambda: (got := kv_rows(redis_server, etag)) and set(ids) <= set(got) and got, 10,
                     "the prompt's rows in KV")
-    r = redis.Redis.from_url(redis_server.url)
+    r = redis_server.client()
     try:
         for t in ids:  # the right length, the wrong content: the top byte (sign, exponent) of the row's
             value = bytearray(rows[t])  # last 64 floats flipped
@@ -153,7 +153,7 @@ def test_a_poisoned_redis_value_is_detected_counted_and_refetched(cluster, knot,
     assert rejected == len(ids)
 
     def rewritten():  # deleted, then written again from R2, intact
-        got = kv_rows(redis_server.url, etag)
+        got = kv_rows(redis_server, etag)
         return all(t in got and not isinstance(decode_row(got[t], etag, t, e.shape[0]), str) for t in ids)
 
     wait_for(rewritten, 10, "the poisoned rows rewritten")

@@ -1,14 +1,19 @@
 """`knot cluster up|status|down` end to end: its processes are the default layout's (docker-compose.yml's)."""
 import asyncio
 import json
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
-from deploy import launcher, servers
+import pytest
+import redis
+
+from deploy import cluster_secrets, launcher, servers
 from deploy.local import compose
 from deploy.local.bindings import S3Settings, S3Bucket
 
-from .conftest import http
+from .conftest import http, wait_for
 
 
 def knot_cli(run_dir, *args, timeout_s=300):
@@ -22,7 +27,7 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
     try:
         assert up.returncode == 0, up.stderr
         state = json.loads((run_dir / "cluster.json").read_text())["services"]
-        planned = launcher.plan(launcher.default_layout(), {})
+        planned = launcher.plan(launcher.default_layout(), {"KNOT_REDIS_PASSWORD": "any"})
         assert [s["name"] for s in state] == [s.name for s in planned]  # the process set is the file's
         by_name = {s["name"]: s for s in state}
         assert (by_name["minio"]["kind"], by_name["redis"]["kind"], by_name["init"]["kind"]) == \
@@ -43,6 +48,19 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
         code, _, body = http("POST", url + "/generate", {"prompt": "the def", "max_tokens": 3}, timeout_s=120)
         assert code == 200 and len(json.loads(body)["tokens"]) == 3, body
 
+        # Redis requires the password generated for this cluster; the services use it.
+        secrets_file = run_dir / launcher.SECRETS_FILE
+        assert stat.S_IMODE(secrets_file.stat().st_mode) == 0o600
+        password = cluster_secrets.read(secrets_file)["KNOT_REDIS_PASSWORD"]
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis.from_url(by_name["redis"]["url"], socket_timeout=5).ping()
+        with redis.Redis.from_url(by_name["redis"]["url"], password=password, socket_timeout=5) as r:
+            wait_for(lambda: r.dbsize() > 0, 20, "the CobordismWarden's rows in the KV")  # it authenticated
+        assert password not in (run_dir / "cluster.json").read_text()
+        for s in state:  # no process carries it in its command line (`ps` shows those to every user)
+            if servers.pid_alive(s["pid"]) and s["kind"] != "oneshot":
+                assert password.encode() not in Path(f"/proc/{s['pid']}/cmdline").read_bytes(), s["name"]
+
         # init uploaded the knot under the key derived from --model.
         bucket = S3Bucket(S3Settings(by_name["minio"]["url"], "knot", "knot-secret-key"), "knots")
         meta = asyncio.run(bucket.head("tiny.knot"))
@@ -58,5 +76,17 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
     try:
         assert again.returncode == 0, again.stderr
         assert "already present" in (run_dir / "logs" / "init.log").read_text()  # only the first start uploads
+        assert cluster_secrets.read(secrets_file)["KNOT_REDIS_PASSWORD"] == password  # kept across restarts
+        redis_url = {s["name"]: s for s in json.loads((run_dir / "cluster.json").read_text())["services"]}["redis"]["url"]
+        with redis.Redis.from_url(redis_url, password=password, socket_timeout=5) as r:
+            assert r.ping()
     finally:
         assert knot_cli(run_dir, "down").returncode == 0
+    # The password appears in no log, no state file and no output of the launcher.
+    outputs = [up.stdout, up.stderr, status.stdout, status.stderr, again.stdout, again.stderr]
+    files = [p for p in run_dir.rglob("*") if p.is_file() and p.name not in ("secrets.env", "redis.conf")
+             and p.suffix in (".log", ".json", ".txt", "")]
+    assert {"coordinator.log", "cobordism-warden.log", "redis.log", "init.log"} <= {p.name for p in files}
+    leaks = [str(p) for p in files if password.encode() in p.read_bytes()]
+    leaks += [f"output {i}" for i, text in enumerate(outputs) if password in text]
+    assert not leaks, leaks

@@ -12,7 +12,7 @@ from common.sampling import SamplingParams
 from deploy import launcher, servers
 from deploy.encoder import encode
 from deploy.engine_local import LocalEngine
-from tests.integration.conftest import CREDENTIALS, http
+from tests.integration.conftest import http
 from tests.synth import TinySpec, write_tiny_gguf
 
 KNOT_KEY = "counts.knot"
@@ -43,7 +43,7 @@ def layouts(procs, counts_knot, run_dir):
         pending = []
         for n_stations, n_shards in LAYOUTS:
             specs = [s for s in launcher.plan(launcher.layout_for(choice, n_stations, n_shards),
-                                              {**CREDENTIALS, "KNOT_KEY": KNOT_KEY})
+                                              {**procs.env, "KNOT_KEY": KNOT_KEY})
                      if s.kind == "process" and not s.oneshot and s.name not in procs.addresses]
             addresses = {**procs.addresses}
             for s, port in zip(specs, servers.free_ports(len(specs))):

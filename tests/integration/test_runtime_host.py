@@ -13,10 +13,10 @@ from deploy.local.bindings import RedisKV
 from .conftest import http, wait_for
 
 
-def kv_get(url: str, prefix: str, key: str) -> bytes | None:
+def kv_get(redis_server, prefix: str, key: str) -> bytes | None:
     """One read with a fresh client (a redis.asyncio client belongs to the loop that made it)."""
     async def get():
-        kv = RedisKV(url, prefix)
+        kv = RedisKV(redis_server.url, prefix, password=redis_server.password)
         try:
             return await kv.get(key)
         finally:
@@ -65,8 +65,8 @@ def test_wait_until_completes_after_the_response(procs, redis_server):
     t0 = time.monotonic()
     status, _, _ = http("POST", procs.url("probe") + f"/deferred?key={key}&delay_s=0.5")
     assert status == 200 and time.monotonic() - t0 < 0.5
-    assert kv_get(redis_server.url, "probe:", key) is None  # not yet: it runs after the response
-    wait_for(lambda: kv_get(redis_server.url, "probe:", key) == b"done", 5, "deferred KV write")
+    assert kv_get(redis_server, "probe:", key) is None  # not yet: it runs after the response
+    wait_for(lambda: kv_get(redis_server, "probe:", key) == b"done", 5, "deferred KV write")
 
 
 def test_wait_until_completes_on_graceful_shutdown(procs, redis_server):
@@ -77,5 +77,5 @@ def test_wait_until_completes_on_graceful_shutdown(procs, redis_server):
     assert status == 200
     os.killpg(r.pid, signal.SIGTERM)  # right away: the task is still sleeping
     assert launcher.wait_exit(r.pid, 30) == 0
-    assert kv_get(redis_server.url, "probe:", key) == b"done"
+    assert kv_get(redis_server, "probe:", key) == b"done"
     assert not servers.pid_alive(r.pid)

@@ -32,10 +32,10 @@ def embed_row(knot, row):
     return dequantize_rows(knot.data[a:b], e.ggml_type, e.shape[0])[0]
 
 
-def kv_call(redis_url, fn):
+def kv_call(redis_server, fn):
     """Run fn(kv) with a fresh client on the compose binding's key prefix."""
     async def go():
-        kv = RedisKV(redis_url, "EMBED_CACHE:")
+        kv = RedisKV(redis_server.url, "EMBED_CACHE:", password=redis_server.password)
         try:
             return await fn(kv)
         finally:
@@ -85,7 +85,7 @@ def test_poisoned_kv_row_is_detected_deleted_and_refetched(procs, upload, knot, 
     kv_key = row_key(f"{key}@{etag}", 42)
     hidden = knot.header.tensors["token_embd.weight"].shape[0]
     # The seed's poisoning: a row of the wrong byte length (raw Q4_K size, 576 B) stored as if float32.
-    kv_call(redis_server.url, lambda kv: kv.put(kv_key, b"\x07" * 576, expiration_ttl=3600))
+    kv_call(redis_server, lambda kv: kv.put(kv_key, b"\x07" * 576, expiration_ttl=3600))
 
     status, _, body = http("POST", url + "/tensors", {"rows": [42]}, headers=h)
     (frame,) = wire.decode_batch(body)
@@ -94,7 +94,7 @@ def test_poisoned_kv_row_is_detected_deleted_and_refetched(procs, upload, knot, 
     assert (s["kv_poisoned"], s["kv_hits"], s["misses"]) == (1, 0, 1)
 
     def rewritten():  # deleted in the background, then rewritten with the right row, version, row id and crc32
-        v = kv_call(redis_server.url, lambda kv: kv.get(kv_key))
+        v = kv_call(redis_server, lambda kv: kv.get(kv_key))
         row = None if v is None else decode_row(v, etag, 42, hidden)
         return None if row is None or isinstance(row, str) else [row]
 

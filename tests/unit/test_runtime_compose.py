@@ -17,7 +17,8 @@ from deploy.local.host import load_service
 from deploy.local.settings import HostSettings
 from deploy.local.topology import Topology
 
-ENV = {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot"}
+SECRETS = {"KNOT_REDIS_PASSWORD": "redis-password-of-the-test"}  # what deploy/cluster_secrets.py generates
+ENV = {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **SECRETS}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_interpolation_and_model_choice():
     layout = layout_for(choice)
     assert [(s.layer_start, s.layer_end, s.role) for s in layout.stations] == [(0, 14, "entry"), (14, 28, "exit")]
     assert [s.vocab_start for s in layout.shards] == [18992 * i for i in range(8)] and layout.vocab_size == 151936
-    specs = {s.name: s for s in plan(layout, {"KNOT_KEY": "k"})}  # an explicit KNOT_KEY wins over the model's
+    specs = {s.name: s for s in plan(layout, {"KNOT_KEY": "k", **SECRETS})}  # an explicit KNOT_KEY wins over the model's
     assert specs["station-1"].environment["SPECIALIZATION_END_LAYER"] == "28"
     assert {specs[n].environment["KNOT_KEY"] for n in ("station-0", "shard-3", "coordinator", "init")} == {"k"}
     assert specs["init"].environment["KNOT_MODEL"] == "qwen2.5-coder-1.5b"
@@ -126,7 +127,7 @@ def test_layout_tiles_any_model_and_counts(n_stations, n_shards):
 
     for vocab in (151_936, 270, 1000):
         layout = ClusterLayout.build({"block_count": 24, "vocab_size": vocab}, n_stations, n_shards)
-        specs = {s.name: s for s in plan(layout, {})}
+        specs = {s.name: s for s in plan(layout, SECRETS)}
         shards = [ShardSpec(i, int(specs[f"shard-{i}"].environment["VOCAB_START"]),
                             int(specs[f"shard-{i}"].environment["VOCAB_END"])) for i in range(n_shards)]
         check_vocab_tiling(shards, vocab)
@@ -213,7 +214,7 @@ def test_knot_compose_writes_the_layout_for_any_counts(capsys):
     assert main(["compose", "--stations", "3", "--shards", "3"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("# GENERATED") and "#   knot compose --stations 3 --shards 3 > docker-compose.yml" in text
-    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), {}))}
+    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), SECRETS))}
     assert [specs[f"station-{i}"].environment["SPECIALIZATION_END_LAYER"] for i in range(3)] == ["8", "16", "24"]
     assert "shard-3" not in specs and specs["coordinator"].environment["STATIONS"] == "STATION_0,STATION_1,STATION_2"
     assert main(["compose", "--stations", "25"]) == 1
@@ -225,3 +226,71 @@ def test_cluster_up_refuses_counts_the_model_does_not_allow_before_starting(tmp_
     with pytest.raises(TopologyError, match="0 shards for a vocabulary of 151936"):
         cluster.up(n_shards=0, env={})
     assert not cluster.state_path.exists() and not (tmp_path / "logs").exists()  # nothing was started
+
+
+def test_redis_requires_the_cluster_password_in_compose(doc):
+    """Redis gets the generated password from the environment (.env), never from its argv; the
+    clients of the KV get it as KNOT_REDIS_PASSWORD, not in their binding URL; without it compose
+    and the launcher refuse to start."""
+    raw = yaml.safe_load(compose.COMPOSE_FILE.read_text())["services"]
+    required = "${KNOT_REDIS_PASSWORD:?"
+    assert raw["redis"]["environment"]["KNOT_REDIS_PASSWORD"].startswith(required)
+    assert raw["redis"]["environment"]["REDISCLI_AUTH"].startswith(required)  # the healthcheck's redis-cli
+    command = " ".join(raw["redis"]["command"])
+    assert "requirepass" in command and "$$KNOT_REDIS_PASSWORD" in command  # expanded by the container's sh
+    assert "exec redis-server /tmp/redis.conf" in command  # redis-server's argv: a file, not the password
+    assert raw["cobordism-warden"]["environment"]["KNOT_REDIS_PASSWORD"].startswith(required)
+    assert raw["cobordism-warden"]["environment"]["EMBED_CACHE"] == "redis://redis:6379/0"
+    services = doc["services"]
+    assert services["cobordism-warden"]["environment"]["KNOT_REDIS_PASSWORD"] == SECRETS["KNOT_REDIS_PASSWORD"]
+    for name, svc in services.items():  # only the KV's users carry it
+        has = "KNOT_REDIS_PASSWORD" in (svc.get("environment") or {})
+        assert has == (name in ("redis", "cobordism-warden")), name
+    with pytest.raises(compose.ComposeError, match="KNOT_REDIS_PASSWORD is not set: .*knot secrets"):
+        plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot"})
+    assert compose.interpolate("${A:?why}/${B?because}", {"A": "a", "B": ""}) == "a/"
+    with pytest.raises(compose.ComposeError, match="B is not set: because"):
+        compose.interpolate("${B?because}", {})
+
+
+def test_a_host_with_a_redis_binding_needs_the_password():
+    from deploy.local.settings import ConfigError
+
+    base = {"KNOT_SERVICE": "services.cobordism_warden", "KNOT_BINDINGS": "EMBED_CACHE",
+            "EMBED_CACHE": "redis://127.0.0.1:6379/0"}
+    with pytest.raises(ConfigError, match="KNOT_REDIS_PASSWORD.*EMBED_CACHE"):
+        HostSettings.from_env(base)
+    settings = HostSettings.from_env({**base, **SECRETS})
+    assert settings.redis_password == SECRETS["KNOT_REDIS_PASSWORD"]
+    assert SECRETS["KNOT_REDIS_PASSWORD"] not in repr(settings)  # a logged settings object does not leak it
+    assert HostSettings.from_env({"KNOT_SERVICE": "services.shard"}).redis_password is None  # no Redis: none needed
+
+
+def test_cluster_secrets_are_generated_once_private_and_kept(tmp_path, capsys):
+    import os
+    import stat
+
+    from deploy import cluster_secrets
+    from deploy.cli import main
+
+    path = tmp_path / "run" / "secrets.env"
+    first = cluster_secrets.ensure(path)
+    assert set(first) == set(cluster_secrets.SECRETS) and len(first["KNOT_REDIS_PASSWORD"]) >= 40
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert cluster_secrets.ensure(path) == first  # reused on restart
+    assert cluster_secrets.ensure(tmp_path / "other.env") != first  # per cluster
+    path.write_text(path.read_text() + "KNOT_PORT=9000\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(cluster_secrets.SecretsError, match="readable by other users"):
+        cluster_secrets.ensure(path)
+    os.chmod(path, 0o600)
+    path.write_text("KNOT_PORT=9000\n")  # a .env of the user's own: kept, the secret added
+    added = cluster_secrets.ensure(path)
+    assert cluster_secrets.read(path) == {"KNOT_PORT": "9000", **added}
+    # `knot secrets` writes .env for docker compose and names what it holds, never the values
+    env_file = tmp_path / ".env"
+    assert main(["secrets", "--file", str(env_file)]) == 0
+    values = cluster_secrets.read(env_file)
+    assert values["KNOT_REDIS_PASSWORD"] and stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    out = capsys.readouterr()
+    assert "KNOT_REDIS_PASSWORD" in out.out and values["KNOT_REDIS_PASSWORD"] not in out.out + out.err
