@@ -58,13 +58,14 @@ def test_the_start_up_line_says_fit_or_stream_and_how_to_switch():
 def test_the_profile_reaches_every_station_of_the_compose_plan():
     layout = ClusterLayout.build({"block_count": 28, "vocab_size": 151936}, 3, 4)
     for profile in ("worker", "resident"):
-        specs = launcher.plan(layout, {"KNOT_PROFILE": profile, "KNOT_RESIDENT_MAX_BYTES": "123456789"})
+        specs = launcher.plan(layout, {"KNOT_PROFILE": profile, "KNOT_RESIDENT_MAX_BYTES": "123456789",
+                                       "KNOT_REDIS_PASSWORD": "generated"})
         stations = [s for s in specs if s.name.startswith("station-")]
         assert len(stations) == 3
         for s in stations:
             assert s.environment["MEMORY_PROFILE"] == profile
             assert s.environment["RESIDENT_MAX_BYTES"] == "123456789"
-    default = [s for s in launcher.plan(layout, {}) if s.name.startswith("station-")]
+    default = [s for s in launcher.plan(layout, {"KNOT_REDIS_PASSWORD": "generated"}) if s.name.startswith("station-")]
     assert {s.environment["MEMORY_PROFILE"] for s in default} == {"worker"}
     assert {s.environment["RESIDENT_MAX_BYTES"] for s in default} == {""}  # read as unset: no cap
 
