@@ -1,24 +1,27 @@
 """One generation loop, shared by the single process and the cluster, and its record.
 
     gen = Generation(prompt_ids, max_tokens, sampling, stop, logprobs, request_id)
-    async for ev in generate_events(engine, gen, tokenizer, clock):
+    async for ev in generate_events(engine, gen, tokenizer, clock, drafter):
         TokenEvent(id, text, logprobs)   # one per sampled token; text is what it released
         FinishEvent(reason, text)        # last: "stop" | "length" (OpenAI's reasons), plus any held-back tail
 
 The engine computes logits (the Engine protocol below): deploy/engine_local.LocalEngine runs the
 whole model in this process, services/coordinator/generation.ClusterEngine runs the pipeline of
-stations and shards. Everything else is here, once: sampling, the end-of-generation token, stop
-strings with hold-back for streaming, max_tokens, the finish reason and the record. The clock is
-passed in (common/ reads none).
+stations and shards. Everything else is here, once: sampling, speculative decoding (a drafter
+proposes tokens, one engine trip verifies them all: common/speculative.py), the
+end-of-generation token, stop strings with hold-back for streaming, max_tokens, the finish
+reason and the record. The clock is passed in (common/ reads none).
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from common.sampling import Sampler, SamplingParams
+from common.speculative import Draft, Drafter, DraftLength, SpeculationParams, verify
 
 if TYPE_CHECKING:
     from common.tokenizer import Tokenizer
@@ -43,7 +46,12 @@ class Generation:
     finish_reason: FinishReason = "length"
     replays: int = 0  # the cluster: prompts replayed after a station lost the KV session
     degraded: list = field(default_factory=list)  # the cluster: shard failures merged (pipeline.Degradation)
-    decode_steps: int = field(default=0, compare=False)  # engine calls after the prompt's
+    speculation: SpeculationParams = field(default_factory=SpeculationParams, compare=False)
+    decode_steps: int = field(default=0, compare=False)  # tokens sampled after the first (an end-of-generation one too)
+    trips: int = field(default=0, compare=False)  # engine calls after the prompt's (next_logits, verify_logits)
+    drafted: int = field(default=0, compare=False)  # draft tokens verified
+    accepted: int = field(default=0, compare=False)  # ... and accepted
+    cached: int = field(default=0, compare=False)  # positions the engine's KV caches hold (rejected drafts too)
     t0: float = field(default=0.0, compare=False)  # clock (s) at the start,
     t_first: float = field(default=0.0, compare=False)  # once the prompt's logits were in,
     t_end: float = field(default=0.0, compare=False)  # and at the end
@@ -63,8 +71,15 @@ class Generation:
 
     @property
     def decode_tok_s(self) -> float:
-        # The first generated token comes from the prompt's logits; decode ran once per later token.
+        # The first generated token comes from the prompt's logits; decode gave every later one.
         return self.decode_steps / self.decode_s if self.decode_s > 0 else float("inf")
+
+    def speculation_summary(self) -> dict:
+        """drafted / accepted tokens and tokens per engine trip after the prompt."""
+        return {"source": self.speculation.source if self.speculation.on else "off", "trips": self.trips,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "tokens_per_trip": round(self.decode_steps / self.trips, 4) if self.trips else None}
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
@@ -81,6 +96,12 @@ class Engine(Protocol):
 
     async def next_logits(self, gen: Generation, token: int, history: list[int]) -> np.ndarray:
         """Logits (vocab,) f32 after one more token: history ends with it, at position len(history) - 1."""
+        ...
+
+    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray:
+        """Logits (len(tokens), vocab) f32 after each of tokens: context ends with them, the first at
+        position len(context) - len(tokens). Positions the caches hold from there on (an earlier
+        trip's rejected drafts) are dropped first; so does next_logits."""
         ...
 
 
@@ -116,35 +137,65 @@ def token_logprobs(logits: np.ndarray, tid: int, top_n: int) -> TokenLogprobs:
     return TokenLogprobs(float(logits[tid]) - lse, top)
 
 
-async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer",
-                          clock: Callable[[], float]) -> AsyncIterator[TokenEvent | FinishEvent]:
-    """Sample up to gen.max_tokens after the prompt; fills gen in as it goes."""
+async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer", clock: Callable[[], float],
+                          drafter: Drafter | None = None) -> AsyncIterator[TokenEvent | FinishEvent]:
+    """Sample up to gen.max_tokens after the prompt; fills gen in as it goes. With a drafter (and
+    gen.speculation on), each engine trip verifies the tokens it drafts (common/speculative.py)."""
     sampler = Sampler(gen.sampling)
     detok = tokenizer.stream(skip_special=True)
     stop = StopText(gen.stop)
     history = list(gen.prompt_ids)
+    draft_len = DraftLength(gen.speculation.max_draft) if drafter is not None and gen.speculation.on else None
     gen.t0 = clock()
     logits = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None
     gen.t_first = clock()
-    for i in range(gen.max_tokens):
-        tid = sampler(logits, history)
-        if tid in tokenizer.eog_ids:
-            gen.finish_reason = "stop"
-            break
-        lp = token_logprobs(logits, tid, gen.logprobs) if gen.logprobs is not None else None
-        gen.token_ids.append(tid)
-        history.append(tid)
-        delta, stopped = stop.push(detok.push(tid))
-        yield TokenEvent(tid, delta, lp)
-        if stopped or i + 1 == gen.max_tokens:
-            break
-        logits = await engine.next_logits(gen, tid, history)
-        gen.decode_steps += 1
+    # The tokens the last engine call decided, each with the logits row it was sampled from.
+    decided = [(sampler(logits, history), logits)] if gen.max_tokens > 0 else []
+    while decided:
+        for tid, row in decided:
+            gen.decode_steps += 1 if gen.trips else 0
+            if tid in tokenizer.eog_ids:
+                gen.finish_reason = "stop"
+                break
+            lp = token_logprobs(row, tid, gen.logprobs) if gen.logprobs is not None else None
+            gen.token_ids.append(tid)
+            history.append(tid)
+            delta, stopped = stop.push(detok.push(tid))
+            yield TokenEvent(tid, delta, lp)
+            if stopped or len(gen.token_ids) == gen.max_tokens:
+                break
+        else:
+            decided = await _trip(engine, gen, sampler, history, drafter, draft_len)
+            continue
+        break
     tail = "" if stop.stopped else stop.finish(detok.flush())
     if stop.stopped:  # a stop string, possibly completed by the detokenizer's flushed tail
         gen.finish_reason = "stop"
     gen.text, gen.t_end = stop.text, clock()
     yield FinishEvent(gen.finish_reason, tail)
+
+
+async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list[int], drafter: Drafter | None,
+                draft_len: DraftLength | None) -> list[tuple[int, np.ndarray]]:
+    """One engine call after the prompt's: the last token, and the drafts if there are any -> the
+    tokens it decides, each with its row."""
+    # A trip decides up to k + 1 tokens: draft no more than max_tokens leaves room for.
+    k = 0 if draft_len is None else min(draft_len.k, gen.max_tokens - len(gen.token_ids) - 1)
+    draft = Draft([])
+    if k > 0:
+        draft = drafter.propose(gen, history, k)
+        if inspect.isawaitable(draft):
+            draft = await draft
+    gen.trips += 1
+    if not draft.tokens:
+        row = await engine.next_logits(gen, history[-1], history)
+        return [(sampler(row, history), row)]
+    rows = await engine.verify_logits(gen, [history[-1], *draft.tokens], history + draft.tokens)
+    tokens, accepted = verify(sampler, rows, history, draft)
+    gen.drafted += len(draft.tokens)
+    gen.accepted += accepted
+    draft_len.update(len(draft.tokens), accepted)
+    return list(zip(tokens, rows))
 
 
 class StopText:

@@ -50,6 +50,10 @@ class KVCache:
             k_all, v_all = k_all.astype(np.float32), v_all.astype(np.float32)
         return k_all, v_all, self._pos[layer][:n]
 
+    def n_positions(self) -> int:
+        """Entries of the longest layer (every layer of a sequence holds as many once a forward is done)."""
+        return max(self._n.values(), default=0)
+
     def truncate(self, n_tokens: int) -> None:
         """Forget every entry past the first n_tokens in all layers (rewind a sequence)."""
         for layer in self._n:

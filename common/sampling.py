@@ -4,8 +4,18 @@ The chain is llama.cpp's default order (common/sampling.cpp, without the sampler
     penalties -> top_k -> top_p -> min_p -> temperature -> dist
 so top_p and min_p see temperature-1 probabilities, as in llama.cpp. temperature == 0 is
 greedy: penalties, then argmax (lowest id on ties), and no random draw.
-The draw uses numpy's Generator seeded from SamplingParams.seed: the same seed, logits and
-history give the same tokens. (llama.cpp uses mt19937, so seeded draws differ from its.)
+
+The draw is the Gumbel-max trick: the token is argmax(z + g) over the kept tokens, where z are
+the logits after the chain (already divided by the temperature) and g is Gumbel noise, so
+P(token) = softmax(z). The noise is counter-based: g(id) is a pure function of (seed, stream,
+position, id) (SplitMix64, below), never a generator's running state. Hence
+  - the same seed, logits, history and position give the same token, in any order of calls;
+  - a vocabulary slice can draw its own best argmax(z + g) over its ids, and the best of the
+    slices' bests is exactly the token the whole vocabulary would give (shard-side sampling);
+  - speculative decoding (common/speculative.py) verifying a drafted token at a position
+    compares it with the token this sampler gives there: the output is the same with or
+    without drafts, and the decisions at different positions use independent noise.
+(llama.cpp draws with mt19937 from a running state, so seeded draws differ from its.)
 """
 from __future__ import annotations
 
@@ -36,22 +46,37 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return self.penalty_last_n != 0 and (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                                             or self.frequency_penalty != 0.0)
 
-def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
-    """Repetition, frequency and presence penalties over the last p.penalty_last_n tokens."""
-    # ref: llama-sampling.cpp llama_sampler_penalties_apply
-    if p.penalty_last_n == 0 or (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                                 and p.frequency_penalty == 0.0):
-        return logits
+
+def penalty_window(history: Sequence[int], p: SamplingParams) -> Counter:
+    """token -> occurrences in the last p.penalty_last_n tokens of history (empty when penalties are off)."""
+    if not p.penalized:
+        return Counter()
     window = history if p.penalty_last_n < 0 else history[-p.penalty_last_n:]
-    if not len(window):
+    return Counter(int(t) for t in window)
+
+
+def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParams,
+                    offset: int = 0) -> np.ndarray:
+    """Repetition, frequency and presence penalties over the last p.penalty_last_n tokens.
+    logits may be a vocabulary slice starting at id `offset`: ids outside it are skipped."""
+    # ref: llama-sampling.cpp llama_sampler_penalties_apply
+    counts = penalty_window(history, p)
+    if not counts:
         return logits
     out = logits.copy()
-    for tok, count in Counter(int(t) for t in window).items():
-        x = out[tok]
+    for tok, count in counts.items():
+        i = tok - offset
+        if not 0 <= i < out.shape[0]:
+            continue
+        x = out[i]
         # Dividing a negative logit would raise its probability: multiply those instead.
         x = x * p.repetition_penalty if x <= 0 else x / p.repetition_penalty
-        out[tok] = x - count * p.frequency_penalty - p.presence_penalty
+        out[i] = x - count * p.frequency_penalty - p.presence_penalty
     return out
 
 
@@ -90,26 +115,104 @@ def min_p(logits: np.ndarray, p: float) -> np.ndarray:
     return np.where(logits >= logits.max() + np.log(p), logits, -np.inf)
 
 
+def scale(x: np.ndarray, temperature: float) -> np.ndarray:
+    """The kept logits divided by the temperature: float32, or float64 gaps to the best logit
+    when x / T overflows float32 (inf - inf is NaN in a softmax)."""
+    t32 = np.float32(temperature)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        z = x / t32
+        if t32 == 0 or np.isposinf(z).any():
+            z = (x.astype(np.float64) - x.max()) / temperature
+    return z
+
+
+# ---------------------------------------------------------------- counter-based noise
+# One stream per kind of decision, so no two decisions at a position share their noise.
+DRAW, ACCEPT, DRAFT = 0, 1, 2
+
+# ref: SplitMix64 (Steele, Lea, Flood 2014; Vigna's splitmix64.c): state += GAMMA, then mix.
+_MASK = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix64(z):
+    """SplitMix64's output function, on a Python int or a uint64 array (wrapping arithmetic)."""
+    if isinstance(z, int):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        return z ^ (z >> 31)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _stream_state(key: int, stream: int, position: int) -> int:
+    return _mix64((_mix64((_mix64(key & _MASK) + stream * _GAMMA) & _MASK) + position * _GAMMA) & _MASK)
+
+
+def uniform(key: int, stream: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """(n,) float64 in (0, 1), one per id: the ids-th outputs of a SplitMix64 seeded by (key, stream, position)."""
+    s = np.uint64(_stream_state(key, stream, position))
+    with np.errstate(over="ignore"):
+        x = _mix64(s + (np.asarray(ids, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GAMMA))
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # 53 bits, never 0 or 1
+
+
+def gumbel(key: int, stream: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """(n,) float64 standard Gumbel noise, one per id."""
+    return -np.log(-np.log(uniform(key, stream, position, ids)))
+
+
+def gumbel_argmax(z: np.ndarray, key: int, stream: int, position: int, offset: int = 0) -> tuple[int, float]:
+    """(id, z + g) of the best perturbed score over the finite entries of z; z may be a slice of
+    the vocabulary starting at id `offset`. (-1, -inf) when nothing is kept."""
+    kept = np.flatnonzero(np.isfinite(z))
+    if kept.size == 0:
+        return -1, float("-inf")
+    v = z[kept].astype(np.float64) + gumbel(key, stream, position, kept + offset)
+    i = int(np.argmax(v))
+    return int(kept[i]) + offset, float(v[i])
+
+
 class Sampler:
-    """Stateful only in its random generator: one per generated sequence."""
+    """Stateless but for its key: one per generated sequence."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        self.key = params.seed if params.seed is not None else int(np.random.default_rng().integers(1 << 63))
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """logits (vocab,) f32, history = prompt + generated ids so far -> next id."""
+    def scores(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """logits (vocab,) -> what the draw sees: the chain above, -inf outside the kept set, divided by T.
+        Greedy: the penalized logits."""
         p = self.params
         x = apply_penalties(np.asarray(logits, dtype=np.float32), history, p)
         if p.greedy:
-            return int(np.argmax(x))
-        x = min_p(top_p(top_k(x, p.top_k), p.top_p), p.min_p)
-        t32 = np.float32(p.temperature)
-        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            z = x / t32
-            if t32 == 0 or np.isposinf(z).any():
-                # A temperature so small that x / T overflows float32 (inf - inf is NaN in the softmax):
-                # scale the gaps to the best logit instead, in float64 (-> one-hot on the best ties).
-                z = (x.astype(np.float64) - x.max()) / p.temperature
-        probs = _probs(z)
-        return int(self.rng.choice(probs.shape[0], p=probs))
+            return x
+        return scale(min_p(top_p(top_k(x, p.top_k), p.top_p), p.min_p), p.temperature)
+
+    def probs(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """(vocab,) float64: the distribution a token is drawn from (one-hot on the argmax when greedy)."""
+        z = self.scores(logits, history)
+        if self.params.greedy:
+            out = np.zeros(z.shape[0], np.float64)
+            out[int(np.argmax(z))] = 1.0
+            return out
+        return _probs(z)
+
+    def draw(self, z: np.ndarray, position: int, stream: int = DRAW) -> int:
+        """The Gumbel-max draw from softmax(z) at a position (z: scores, -inf = never)."""
+        tid, _ = gumbel_argmax(z, self.key, stream, position)
+        if tid < 0:
+            raise ValueError("no token is kept: every score is -inf")
+        return tid
+
+    def uniform(self, position: int, stream: int = ACCEPT) -> float:
+        return float(uniform(self.key, stream, position, np.zeros(1, np.int64))[0])
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), position: int | None = None) -> int:
+        """logits (vocab,) f32, history = prompt + generated ids so far -> the next id, the token at
+        `position` (default len(history)) of the sequence."""
+        z = self.scores(logits, history)
+        if self.params.greedy:
+            return int(np.argmax(z))
+        return self.draw(z, len(history) if position is None else position)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from common.runtime import ServiceUnavailable
+from common.speculative import MAX_DRAFT
 
 READERS = {
     "coordinator": "the coordinator handler (a Worker var or binding)",
@@ -139,6 +140,11 @@ SETTINGS: tuple[Setting, ...] = (
        "requests waiting beyond those; more get 429", minimum=0),
     _s("RETRY_AFTER_S", "int", "1", "coordinator", "the 429's Retry-After", minimum=1),
     _s("MODEL_NAME", "str", None, "coordinator", "the model id /v1/models reports (default: KNOT_KEY without .knot)"),
+    _s("SPECULATION", "choice", "auto", "coordinator", "speculative decoding of requests that do not choose: "
+       "auto (prompt lookup for greedy requests, off for sampled ones), off, prompt_lookup, draft_model",
+       choices=("auto", "off", "prompt_lookup", "draft_model")),
+    _s("SPEC_MAX_DRAFT", "int", "8", "coordinator", "tokens drafted per trip at most (a request's max_draft "
+       f"may ask for fewer or more, up to {MAX_DRAFT})", minimum=1, maximum=MAX_DRAFT),
     # ------------------------------------------------------------ station
     _s("SPECIALIZATION_START_LAYER", "int", REQUIRED, "station", "first layer of the station", minimum=0),
     _s("SPECIALIZATION_END_LAYER", "int", REQUIRED, "station", "end of the station's layers (exclusive)",

@@ -220,7 +220,8 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
 #     8    4     position     u32, position of the first row of the array in its sequence
 #     12   4     seq_len      u32, sequence length once this frame is applied (position + rows)
 #     16   2     id_len       u16, bytes of the UTF-8 request id
-#     18   2     reserved     0
+#     18   2     flags        bit 0 REWIND (a station first drops the session's positions from
+#                             `position` on: the rejected drafts of a speculative trip); others 0
 #     20   ..    request_id   id_len bytes
 #     ..   8*nd  shape        u64 each, C order (rows first): (T, dim) activations, (T,) tokens
 #     ..   ..    payload      prod(shape) * itemsize bytes, little-endian
@@ -230,6 +231,8 @@ ENVELOPE_MAGIC = b"KENV"
 ENVELOPE_CONTENT_TYPE = "application/x-knot-envelope"
 MODES = ("prefill", "decode", "embed", "logits")
 DTYPES = ("<f4", "<i4")  # index = dtype code
+FLAG_REWIND = 1
+_ENV_FLAGS = FLAG_REWIND  # every flag this decoder knows
 _ENV_HEAD = struct.Struct("<4sBBBBIIHH")
 
 
@@ -240,6 +243,7 @@ class Envelope:
     position: int
     seq_len: int
     array: np.ndarray  # float32 activations (T, dim) / logits, or int32 token ids (T,)
+    rewind: bool = False  # stations: drop the session's positions >= position before applying
 
 
 def encode_envelope(env: Envelope) -> bytes:
@@ -251,7 +255,7 @@ def encode_envelope(env: Envelope) -> bytes:
     if env.mode not in MODES or len(rid) > 0xFFFF or arr.ndim > MAX_NDIM:
         raise ValueError(f"envelope: mode {env.mode!r}, id {len(rid)} B or ndim {arr.ndim} out of range")
     head = _ENV_HEAD.pack(ENVELOPE_MAGIC, VERSION, MODES.index(env.mode), DTYPES.index(dtype), arr.ndim,
-                          env.position, env.seq_len, len(rid), 0)
+                          env.position, env.seq_len, len(rid), FLAG_REWIND if env.rewind else 0)
     meta = head + rid + b"".join(_U64.pack(d) for d in arr.shape)
     payload = arr.astype(dtype, copy=False).tobytes()
     return b"".join((meta, payload, _CRC.pack(zlib.crc32(payload, zlib.crc32(meta)))))
@@ -259,11 +263,12 @@ def encode_envelope(env: Envelope) -> bytes:
 
 def decode_envelope(buf: bytes | memoryview) -> Envelope:
     r = _Reader(buf, "envelope")
-    magic, version, mode, dtype, ndim, position, seq_len, id_len, reserved = r.unpack(_ENV_HEAD, "envelope header")
+    magic, version, mode, dtype, ndim, position, seq_len, id_len, flags = r.unpack(_ENV_HEAD, "envelope header")
     _check_magic_version("envelope", magic, ENVELOPE_MAGIC, version, 0)
-    if mode >= len(MODES) or dtype >= len(DTYPES) or ndim > MAX_NDIM or reserved:
-        raise MalformedFrame(f"envelope: mode {mode}, dtype {dtype}, ndim {ndim}, reserved {reserved} "
-                             f"(modes 0..{len(MODES) - 1}, dtypes 0..{len(DTYPES) - 1}, ndim <= {MAX_NDIM})")
+    if mode >= len(MODES) or dtype >= len(DTYPES) or ndim > MAX_NDIM or flags & ~_ENV_FLAGS:
+        raise MalformedFrame(f"envelope: mode {mode}, dtype {dtype}, ndim {ndim}, flags 0x{flags:04x} "
+                             f"(modes 0..{len(MODES) - 1}, dtypes 0..{len(DTYPES) - 1}, ndim <= {MAX_NDIM}, "
+                             f"flags 0x{_ENV_FLAGS:04x})")
     try:
         rid = bytes(r.take(id_len, "request_id")).decode("utf-8")
     except UnicodeDecodeError as e:
@@ -289,7 +294,7 @@ def decode_envelope(buf: bytes | memoryview) -> Envelope:
     if seq_len < position:
         raise MalformedFrame(f"envelope {rid}: seq_len {seq_len} < position {position}")
     arr = np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
-    return Envelope(rid, MODES[mode], position, seq_len, arr)
+    return Envelope(rid, MODES[mode], position, seq_len, arr, bool(flags & FLAG_REWIND))
 
 
 # ---------------------------------------------------------------- warden requests (what to send)

@@ -23,6 +23,7 @@ from common.matmul import get_kernel
 from common.models import model_for
 from common.quant import QTensor
 from common.sampling import SamplingParams
+from common.speculative import Drafter, PromptLookup, SpeculationParams
 from common.sync import iterate_sync
 from common.tokenizer import Tokenizer
 
@@ -146,25 +147,49 @@ class LocalEngine:
     async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
         """The Engine protocol (common.generation): from position 0, so a fresh KV cache."""
         kv = self._sessions[gen.request_id] = self.new_kv()
-        return self.prefill(ids, kv)
+        out = self.prefill(ids, kv)
+        gen.cached = len(ids)
+        return out
 
     async def next_logits(self, gen: Generation, token: int, history: list[int]) -> np.ndarray:
-        return self.decode(token, self._sessions[gen.request_id], len(history) - 1)
+        return (await self.verify_logits(gen, [token], history))[0]
+
+    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray:
+        """The Engine protocol: logits (len(tokens), vocab) after each of tokens, one forward."""
+        kv = self._sessions[gen.request_id]
+        pos = len(context) - len(tokens)
+        if kv.n_positions() > pos:  # an earlier trip's rejected drafts
+            kv.truncate(pos)
+        out = self.forward(tokens, kv, pos, all_logits=True)
+        gen.cached = pos + len(tokens)
+        return out
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
                  max_tokens: int = 128, stop: Sequence[str] = (),
-                 on_text: Callable[[str], None] | None = None) -> Generation:
+                 on_text: Callable[[str], None] | None = None,
+                 speculation: SpeculationParams = SpeculationParams()) -> Generation:
         """Sample up to max_tokens after the prompt (fewer if the context ends first); stop at an
         end-of-generation token or when the text contains a stop string (the text is cut before
         it). on_text gets the text as it becomes final: incomplete UTF-8 and possible stop-string
-        prefixes are held back. Runs common.generation's loop in place, without an event loop."""
+        prefixes are held back. speculation: drafts verified k at a time (common/speculative.py).
+        Runs common.generation's loop in place, without an event loop."""
         prompt_ids = [int(t) for t in prompt_ids]
         max_tokens = max(0, min(max_tokens, self.cfg.context_length - len(prompt_ids)))
-        gen = Generation(prompt_ids, max_tokens, params, tuple(stop), request_id=uuid.uuid4().hex)
+        gen = Generation(prompt_ids, max_tokens, params, tuple(stop), request_id=uuid.uuid4().hex,
+                         speculation=speculation)
         try:
-            for ev in iterate_sync(generate_events(self, gen, self.tokenizer, time.perf_counter)):
+            drafter = self.drafter(speculation)
+            for ev in iterate_sync(generate_events(self, gen, self.tokenizer, time.perf_counter, drafter)):
                 if ev.text and on_text is not None:
                     on_text(ev.text)
         finally:
             self._sessions.pop(gen.request_id, None)
         return gen
+
+    def drafter(self, speculation: SpeculationParams) -> Drafter | None:
+        """What drafts for a generation with these params (None: no speculation)."""
+        if not speculation.on:
+            return None
+        if speculation.source == "prompt_lookup":
+            return PromptLookup(speculation.ngram_max, speculation.ngram_min)
+        raise ValueError(f"speculation source {speculation.source!r} needs a draft model: LocalEngine(draft=...)")

@@ -26,6 +26,7 @@ from common.generation import FinishEvent, Generation, TokenEvent, generate_even
 from common.kvcache import prefill_chunks
 from common.models import ModelConfig
 from common.runtime import ServiceUnavailable
+from common.speculative import Drafter, PromptLookup, SpeculationParams
 from common.tokenizer import Tokenizer, TokenizerError
 from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
@@ -53,30 +54,43 @@ class ClusterEngine:
     async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
         """The prompt in chunks (seed: floor(P/2)), pipelined through the stations."""
         rid, hops, degraded = gen.request_id, self._hops(gen), gen.degraded
-        chunks = prefill_chunks(len(ids))
         try:
-            h = await self.pipeline.prefill(rid, ids, chunks, hops, degraded)
+            h = await self._prefill(gen, ids)
         except SessionLost:
             # A station restarted mid-prompt: our later chunks found no session. Once more from 0.
-            h = await self.pipeline.prefill(rid, ids, chunks, hops, degraded)
-        return await self.pipeline.logits(rid, h, len(ids) - 1, hops, degraded)
+            h = await self._prefill(gen, ids)
+        return (await self.pipeline.logits(rid, h, len(ids) - 1, hops, degraded))[-1]
+
+    async def _prefill(self, gen: Generation, ids: list[int]) -> np.ndarray:
+        h = await self.pipeline.prefill(gen.request_id, ids, prefill_chunks(len(ids)), self._hops(gen), gen.degraded)
+        gen.cached = len(ids)
+        return h
 
     async def next_logits(self, gen: Generation, token: int, history: list[int]) -> np.ndarray:
-        """Decode one token; when a station lost our session, replay everything so far as one prefill."""
+        return (await self.verify_logits(gen, [token], history))[0]
+
+    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray:
+        """One trip for tokens (the last one and the drafts); when a station lost our session, replay
+        everything before them as one prefill, then the trip again."""
+        pos = len(context) - len(tokens)
         try:
-            return await self._step(gen, token, len(history) - 1)
+            return await self._step(gen, tokens, pos)
         except SessionLost as e:
             gen.replays += 1
             if gen.replays > MAX_REPLAYS:
                 raise ServiceUnavailable(f"request {gen.request_id}: stations lost the session {gen.replays} "
                                          f"times: {e}")
-            log.warning("request %s: %s; replaying %d tokens", gen.request_id, e, len(history))
-            return await self.prompt_logits(gen, history)
+            log.warning("request %s: %s; replaying %d tokens", gen.request_id, e, pos)
+            await self._prefill(gen, context[:pos])
+            return await self._step(gen, tokens, pos)
 
-    async def _step(self, gen: Generation, token: int, pos: int) -> np.ndarray:
+    async def _step(self, gen: Generation, tokens: list[int], pos: int) -> np.ndarray:
+        """tokens at positions [pos, pos + T) -> their logits (T, vocab); the stations drop what they hold
+        from pos on first (an earlier trip's rejected drafts)."""
         rid, hops, p = gen.request_id, self._hops(gen), self.pipeline
-        x = await p.embed(rid, [token], pos, hops, gen.degraded)
-        h = await p.stations_forward(rid, "decode", pos, x, hops)
+        x = await p.embed(rid, tokens, pos, hops, gen.degraded)
+        h = await p.stations_forward(rid, "decode", pos, x, hops, rewind=gen.cached > pos)
+        gen.cached = pos + len(tokens)
         return await p.logits(rid, h, pos, hops, gen.degraded)
 
 
@@ -93,7 +107,8 @@ def summary(gen: Generation) -> dict:
         "timings": {"time_to_first_token_ms": round(gen.prefill_s * 1e3, 3),
                     "decode_ms": round(decode_s * 1e3, 3),
                     "decode_tok_s": round(gen.decode_tok_s, 3) if gen.decode_steps and decode_s > 0 else None,
-                    "hops": Hops(gen.hop_ms).summary()},
+                    "hops": Hops(gen.hop_ms).summary(),
+                    "speculation": gen.speculation_summary()},
         "degraded_shards": [d.as_json() for d in gen.degraded],
         "replays": gen.replays,
     }
@@ -162,7 +177,24 @@ class Coordinator:
             raise InvalidParam(f"prompt of {n} tokens + max_tokens {max_tokens} exceeds the context length "
                                f"{ctx_len}; shorten the prompt or lower max_tokens", "max_tokens",
                                "context_length_exceeded")
-        return Generation(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex)
+        return Generation(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
+                          speculation=self.speculation(g))
+
+    def speculation(self, g: GenerateRequest) -> SpeculationParams:
+        """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is prompt
+        lookup for greedy requests (the output is the same, and code repeats itself) and off for
+        sampled ones."""
+        source = g.speculation.source if g.speculation.source != "auto" else self.settings.speculation
+        if source == "auto":
+            source = "prompt_lookup" if g.sampling.greedy else "off"
+        if source == "draft_model":
+            raise InvalidParam("speculation source 'draft_model': this coordinator has no draft model", "speculation")
+        max_draft = g.speculation.max_draft or self.settings.max_draft
+        return SpeculationParams(source, max_draft)
+
+    def drafter(self, gen: Generation) -> Drafter | None:
+        sp = gen.speculation
+        return PromptLookup(sp.ngram_max, sp.ngram_min) if sp.on else None
 
     # -------------------------------------------------------- the loop
 
@@ -171,8 +203,8 @@ class Coordinator:
         outcome = None
         t_last = 0.0
         try:
-            async with contextlib.aclosing(generate_events(self.engine, gen, self.tokenizer,
-                                                           time.perf_counter)) as events:
+            async with contextlib.aclosing(generate_events(self.engine, gen, self.tokenizer, time.perf_counter,
+                                                           self.drafter(gen))) as events:
                 async for ev in events:
                     if isinstance(ev, TokenEvent):
                         now = time.perf_counter()
@@ -201,5 +233,6 @@ class Coordinator:
         m.tokens.labels("completion").inc(len(gen.token_ids))
         if gen.replays:
             m.replays.inc(gen.replays)
+        m.observe_speculation(gen)
         for d in gen.degraded:
             m.degradations.labels(str(d.shard), d.stage).inc()

@@ -33,7 +33,7 @@ from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
 from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
-from common.settings import read
+from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
 from services.boot import BootCache
@@ -60,6 +60,8 @@ class CoordinatorSettings:
     max_queued: int  # requests waiting beyond those; more get 429
     retry_after_s: int
     model_name: str | None  # None: KNOT_KEY without ".knot"
+    speculation: str = default("SPECULATION", "coordinator")  # for requests that do not choose
+    max_draft: int = default("SPEC_MAX_DRAFT", "coordinator")
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
@@ -76,7 +78,7 @@ class CoordinatorSettings:
             shards.append((name, a, b))
         return cls(get("KNOT_KEY"), stations, tuple(shards), get("SHARD_TIMEOUT_S"), get("STATION_TIMEOUT_S"),
                    get("STATION_RETRY_S"), get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"),
-                   get("RETRY_AFTER_S"), get("MODEL_NAME"))
+                   get("RETRY_AFTER_S"), get("MODEL_NAME"), get("SPECULATION"), get("SPEC_MAX_DRAFT"))
 
     @property
     def model_id(self) -> str:

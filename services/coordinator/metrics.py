@@ -2,7 +2,7 @@
 
 Counted here as requests run: requests, tokens, generations by outcome, time to first token,
 inter-token latency, per-hop latency (embed, station_i, logits), shard degradations, replays,
-queue wait. Gathered at scrape time from the services through the coordinator's bindings
+queue wait, and speculative decoding (decode trips and their tokens, drafted and accepted tokens). Gathered at scrape time from the services through the coordinator's bindings
 (GET /stats of every station and shard): where their tensors and embedding rows came from
 (warden vs R2), hence the warden hit ratios, the stations' live KV sessions, and integrity:
 cached weight bytes found bad at each tier (each a miss, refetched), R2 reads that disagreed
@@ -155,6 +155,16 @@ class CoordinatorMetrics:
                                     buckets=LATENCY_BUCKETS_S, registry=r)
         self.degradations = Counter(f"{PREFIX}_shard_degradations", "shard failures merged as zeros / -inf",
                                     ["shard", "stage"], registry=r)
+        self.trips = Counter(f"{PREFIX}_decode_trips", "engine trips after the prompt (one verifies all its drafts)",
+                             registry=r)
+        self.decoded = Counter(f"{PREFIX}_decode_tokens", "tokens sampled from those trips (tokens per trip = "
+                               "decode_tokens / decode_trips)", registry=r)
+        self.drafted = Counter(f"{PREFIX}_spec_drafted_tokens", "draft tokens verified, by source", ["source"],
+                               registry=r)
+        self.accepted = Counter(f"{PREFIX}_spec_accepted_tokens", "draft tokens accepted, by source", ["source"],
+                                registry=r)
+        self.tokens_per_trip = Histogram(f"{PREFIX}_tokens_per_trip", "a generation's tokens per decode trip",
+                                         buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16, 33), registry=r)
         self.replays = Counter(f"{PREFIX}_session_replays", "prompts replayed after a station lost a KV session",
                                registry=r)
         self.knot_reloads = Counter(f"{PREFIX}_version_reloads", "coordinator reloads on a new knot version",
@@ -164,6 +174,17 @@ class CoordinatorMetrics:
             lambda: admission.queued)
         self.services = ServiceStats()
         r.register(self.services)
+
+    def observe_speculation(self, gen) -> None:
+        """A finished generation's decode trips, and its drafts by source (common.generation.Generation)."""
+        if not gen.trips:
+            return
+        self.trips.inc(gen.trips)
+        self.decoded.inc(gen.decode_steps)
+        self.tokens_per_trip.observe(gen.decode_steps / gen.trips)
+        if gen.drafted:
+            self.drafted.labels(gen.speculation.source).inc(gen.drafted)
+            self.accepted.labels(gen.speculation.source).inc(gen.accepted)
 
     def observe_hop(self, name: str, seconds: float) -> None:
         self.hops.labels(name).observe(seconds)

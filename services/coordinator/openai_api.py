@@ -19,7 +19,7 @@ from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
 from services.coordinator.generation import Coordinator
-from services.coordinator.params import GenerateRequest, number, sampling_params, stop_strings
+from services.coordinator.params import GenerateRequest, number, sampling_params, speculation_request, stop_strings
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
         raise InvalidParam(f"best_of={best_of} is not supported (only 1)", "best_of")
     logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
     max_tokens = number(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, integer=True)
-    g = GenerateRequest(prompt, None, max_tokens, sampling_params(body), stop_strings(body), prompt_ids, logprobs)
+    g = GenerateRequest(prompt, None, max_tokens, sampling_params(body), stop_strings(body), prompt_ids, logprobs,
+                        speculation_request(body))
     return g, opts
 
 
@@ -145,7 +146,7 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
     if top is not None and not want_logprobs:
         raise InvalidParam("top_logprobs needs logprobs=true", "top_logprobs")
     g = GenerateRequest(None, messages, max_tokens, sampling_params(body), stop_strings(body), None,
-                        (top or 0) if want_logprobs else None)
+                        (top or 0) if want_logprobs else None, speculation_request(body))
     return g, opts
 
 

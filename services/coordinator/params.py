@@ -6,13 +6,22 @@ endpoints (services/coordinator/openai_api.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling import SamplingParams
+from common.speculative import MAX_DRAFT, SOURCES
 from services.coordinator.errors import InvalidParam
 
 DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class SpeculationRequest:
+    """What a request asks of speculative decoding; "auto" and None leave it to the server."""
+
+    source: str = "auto"  # "auto" or one of common.speculative.SOURCES
+    max_draft: int | None = None
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,7 @@ class GenerateRequest:
     stop: tuple[str, ...]
     prompt_ids: tuple[int, ...] | None = None  # a prompt given as token ids (OpenAI completions)
     logprobs: int | None = None  # alternatives reported per token; None: no logprobs at all
+    speculation: SpeculationRequest = field(default_factory=SpeculationRequest)
 
 
 def number(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None,
@@ -81,6 +91,24 @@ def sampling_params(body: dict) -> SamplingParams:
     )
 
 
+def speculation_request(body: dict) -> SpeculationRequest:
+    """body["speculation"]: a source ("auto", "off", "prompt_lookup", "draft_model"), or
+    {"source": ..., "max_draft": n}; absent or null: the server's choice."""
+    v = body.get("speculation")
+    if v is None:
+        return SpeculationRequest()
+    if isinstance(v, str):
+        v = {"source": v}
+    if not isinstance(v, dict) or set(v) - {"source", "max_draft"}:
+        raise InvalidParam('speculation must be a source name or {"source": ..., "max_draft": n}', "speculation")
+    source = v.get("source") or "auto"
+    if source not in ("auto", *SOURCES):
+        raise InvalidParam(f"speculation source {source!r}: expected one of auto, {', '.join(SOURCES)}",
+                           "speculation")
+    max_draft = number(v, "max_draft", None, lo=1, hi=MAX_DRAFT, integer=True)
+    return SpeculationRequest(source, max_draft)
+
+
 def check_messages(messages: Any, param: str = "messages") -> list[dict]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -100,4 +128,5 @@ def parse_generate(body: Any) -> GenerateRequest:
     if messages is not None:
         check_messages(messages)
     max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
-    return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body))
+    return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body),
+                           speculation=speculation_request(body))

@@ -103,13 +103,13 @@ class Pipeline:
 
     async def logits(self, rid: str, h: np.ndarray, position: int, hops: Hops,
                      degraded: list[Degradation]) -> np.ndarray:
-        """h (1, dim) final normed hidden -> (vocab,) logits, slices concatenated in vocab order."""
+        """h (T, dim) final normed hidden -> (T, vocab) logits, slices concatenated in vocab order."""
         frame = wire.Envelope(rid, "logits", position, position + h.shape[0], h)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(shard.logits(frame) for _, shard in self.shards), return_exceptions=True)
         hops.add("logits", t0)
         _raise_integrity(results)
-        out = np.full(self.vocab_size, -np.inf, np.float32)
+        out = np.full((h.shape[0], self.vocab_size), -np.inf, np.float32)  # (T, vocab)
         ok = 0
         for (spec, _), res in zip(self.shards, results):
             want = (h.shape[0], spec.n_rows)
@@ -118,23 +118,26 @@ class Pipeline:
             if isinstance(res, BaseException):
                 self._degrade(spec, "logits", res, degraded)  # its slice stays -inf: never sampled
                 continue
-            out[spec.vocab_start:spec.vocab_end] = res.array[-1]
+            out[:, spec.vocab_start:spec.vocab_end] = res.array
             ok += 1
         if ok == 0:
             raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled")
         return out
 
-    async def stations_forward(self, rid: str, mode: str, position: int, x: np.ndarray, hops: Hops) -> np.ndarray:
-        """x (T, dim) through every station in order -> the exit's final normed hidden (1, dim)."""
+    async def stations_forward(self, rid: str, mode: str, position: int, x: np.ndarray, hops: Hops,
+                               rewind: bool = False) -> np.ndarray:
+        """x (T, dim) through every station in order -> the exit's final normed hidden: (1, dim) for a
+        prefill, (T, dim) for a decode. rewind: the stations first drop their positions >= position."""
         h = x
         for i, st in enumerate(self.stations):
-            h = await self._hop(i, st, rid, mode, position, h, hops)
+            h = await self._hop(i, st, rid, mode, position, h, hops, rewind)
         return h
 
-    async def _hop(self, i: int, st, rid: str, mode: str, position: int, h: np.ndarray, hops: Hops) -> np.ndarray:
+    async def _hop(self, i: int, st, rid: str, mode: str, position: int, h: np.ndarray, hops: Hops,
+                   rewind: bool = False) -> np.ndarray:
         """h (T, dim) through station i -> its output rows, timed as hop station_i."""
         t0 = time.perf_counter()
-        out = await self._forward_one(i, st, wire.Envelope(rid, mode, position, position + h.shape[0], h))
+        out = await self._forward_one(i, st, wire.Envelope(rid, mode, position, position + h.shape[0], h, rewind))
         hops.add(f"station_{i}", t0)
         return out.array
 

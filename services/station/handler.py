@@ -2,7 +2,8 @@
 
     POST /forward            envelope (prefill | decode) -> envelope
                              entry/middle: (T, dim) hidden states out; exit/solo: the
-                             output-normed hidden state of the last row, (1, dim)
+                             output-normed hidden states of the last row of a prefill,
+                             (1, dim), and of every row of a decode, (T, dim)
     POST /release/<rid>      drop a request's attention KV cache
     GET  /stats              boot key, memory accounting, tensor sources, sessions
 
@@ -10,6 +11,12 @@ Env: KNOT_KEY, SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER, SPECIALIZAT
 MEMORY_BUDGET_BYTES (default 128 MiB), MEMORY_PROFILE (worker | resident), RESIDENT_MAX_BYTES,
 SESSION_TTL_S (default 600), MAX_BATCH (default 16);
 bindings KNOT_BUCKET (R2) and LAYER_WARDEN (DO namespace, optional).
+
+Speculative decoding: a decode frame may hold several rows (the last token and the drafts the
+coordinator verifies in one trip). The next frame then says REWIND: its position may lie before
+the session's end, and the positions from there on (the rejected drafts) are dropped first. Only
+the positions of the last frame can be dropped: a rewind below its start, or past the session's
+end, is refused as UnknownSession (the coordinator replays), so a stray frame never erases a prompt.
 
 Batched decode: decode frames of different requests that arrive while a forward runs are
 stacked into the next forward (services/batcher.py), so each weight is read once per step for
@@ -91,6 +98,7 @@ class StationSettings:
 class Session:
     kv: KVCache
     length: int = 0
+    floor: int = 0  # where the last frame began: a REWIND may drop positions back to here, no further
     last_used: float = 0.0
 
 
@@ -158,7 +166,14 @@ class Station:
             if s is None:
                 raise UnknownSession(f"request {env.request_id}: no KV session on this station (expired, evicted "
                                      f"or the station restarted); replay the prompt from position 0")
-            if s.length != env.position:
+            if env.rewind and s.floor <= env.position <= s.length:
+                s.kv.truncate(env.position)  # the last frame's rejected drafts
+                s.length = env.position
+            elif env.rewind:
+                raise UnknownSession(f"request {env.request_id}: a rewind to position {env.position}, but only the "
+                                     f"last frame's positions [{s.floor}, {s.length}) can be dropped; replay the "
+                                     f"prompt from position 0")
+            elif s.length != env.position:
                 raise UnknownSession(f"request {env.request_id}: the session holds {s.length} positions, the frame "
                                      f"starts at {env.position}; replay the prompt from position 0")
         self.sessions.move_to_end(env.request_id)
@@ -242,7 +257,7 @@ class Station:
                 self.sessions.pop(env.request_id, None)
             raise
         for env, sess in runs:
-            sess.length = env.seq_len
+            sess.floor, sess.length = env.position, env.seq_len
         self._fit_sessions({env.request_id for env, _ in runs})
         self.forwards += 1
         self.batched_rows += N
@@ -251,7 +266,9 @@ class Station:
             b = a + env.array.shape[0]
             rows = h[a:b]
             if self.emits_final:
-                rows = self.model.final_norm(rows[-1:], self.memory.resident[self.model.OUTPUT_NORM])  # (1, dim)
+                # a prefill needs the last row's logits; a decode (speculative: several rows) every row's
+                rows = rows if env.mode == "decode" else rows[-1:]
+                rows = self.model.final_norm(rows, self.memory.resident[self.model.OUTPUT_NORM])  # (1 | T, dim)
             out.append(wire.Envelope(env.request_id, env.mode, env.position, env.seq_len, rows))
             a = b
         return out

@@ -62,10 +62,13 @@ def test_sample_is_always_a_kept_token(seed, k, p_top, p_min):
 def test_temperature_sampling_follows_softmax():
     logits = np.log(np.array([0.6, 0.3, 0.1], np.float32))
     s = Sampler(SamplingParams(temperature=1.0, seed=7))
-    counts = np.bincount([s(logits) for _ in range(3000)], minlength=3) / 3000
+    counts = np.bincount([s(logits, position=i) for i in range(3000)], minlength=3) / 3000
     np.testing.assert_allclose(counts, [0.6, 0.3, 0.1], atol=0.04)
     cold = Sampler(SamplingParams(temperature=0.05, seed=7))
-    assert {cold(logits) for _ in range(50)} == {0}
+    assert {cold(logits, position=i) for i in range(50)} == {0}
+    # The noise is keyed by the position: the same position draws the same token, in any order.
+    assert [s(logits, position=i) for i in (5, 9, 5)] == [s(logits, position=5), s(logits, position=9),
+                                                           s(logits, position=5)]
 
 
 def test_invalid_params_raise():

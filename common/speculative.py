@@ -1,0 +1,139 @@
+"""Speculative decoding: cheap drafts of the next tokens, verified k at a time by the model.
+
+One trip through the model takes the last sampled token and k drafted ones as a small batch and
+returns k + 1 rows of logits: after the last token, after each draft. The drafts are checked in
+order against those rows; the first rejected one is replaced, and the trip ends there, so a trip
+decides between 1 and k + 1 tokens for about the price of one (the weights are read once for
+all rows). The engines then drop the rejected drafts' positions from their KV caches.
+
+    draft = PromptLookup().propose(gen, context, k)  # or a draft model (a Drafter)
+    rows = await engine.verify_logits(gen, [context[-1], *draft.tokens], context + draft.tokens)
+    tokens, accepted = verify(sampler, rows, context, draft)
+
+The rule (verify()), so that speculation never changes what is generated:
+- a drafted token that is a point mass (prompt lookup; any greedy draft) is accepted iff it is
+  the token the sampler draws at its position from its row; else that token replaces it. Greedy,
+  that is the argmax. Sampled, the sampler's noise is keyed by position (common/sampling.py),
+  so the output is token for token the one without speculation, for the same seed; and this is
+  the standard rule for q = a point mass: accepted with probability p(d), else a draw from p
+  without d.
+- a draft model's sampled token d ~ q is accepted with probability min(1, p(d) / q(d)), else
+  replaced by a draw from max(0, p - q), normalized (Leviathan et al. 2023, "Fast Inference from
+  Transformers via Speculative Decoding", algorithm 1; Chen et al. 2023): the output has the
+  distribution p, though the tokens differ from an unspeculated run's.
+If every draft is accepted, the last row gives one more token (the "bonus").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Awaitable, Protocol, Sequence
+
+import numpy as np
+
+from common.sampling import Sampler
+
+if TYPE_CHECKING:
+    from common.generation import Generation
+
+SOURCES = ("off", "prompt_lookup", "draft_model")
+MAX_DRAFT = 32  # tokens one trip may verify besides the last one
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    source: str = "off"      # one of SOURCES
+    max_draft: int = 8       # tokens drafted per trip, at most
+    ngram_max: int = 3       # prompt lookup: the longest suffix of the text matched against it
+    ngram_min: int = 1       # ... and the shortest
+
+    def __post_init__(self):
+        if self.source not in SOURCES or not 0 <= self.max_draft <= MAX_DRAFT or not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"invalid speculation params: {self}")
+
+    @property
+    def on(self) -> bool:
+        return self.source != "off" and self.max_draft > 0
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    # The draft model's distributions the tokens were drawn from, (vocab,) float64 each; None:
+    # point masses (prompt lookup, or a greedy draft model).
+    q: list[np.ndarray] | None = None
+
+
+class Drafter(Protocol):
+    def propose(self, gen: "Generation", context: list[int], k: int) -> Draft | Awaitable[Draft]:
+        """Up to k tokens that may follow context (prompt + generated so far)."""
+        ...
+
+
+class PromptLookup:
+    """Drafts by copying: the longest recent n-gram of the text (ngram_max down to ngram_min tokens)
+    that occurred before, and the tokens that followed its latest earlier occurrence. No model;
+    code repeats itself (names, signatures, whole lines), so it often guesses right."""
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, gen: "Generation | None", context: Sequence[int], k: int) -> Draft:
+        return Draft(lookup(context, k, self.ngram_max, self.ngram_min))
+
+
+def lookup(context: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
+    """The k tokens after the latest earlier occurrence of the longest matching suffix of context."""
+    L = len(context)
+    if k <= 0 or L < ngram_min + 1:
+        return []
+    h = np.asarray(context, dtype=np.int64)
+    for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
+        starts = L - n  # occurrences start at i < L - n, so at least one token follows them
+        hit = np.ones(starts, dtype=bool)
+        for j in range(n):  # h[i + j] == suffix[j] for every j
+            hit &= h[j:starts + j] == h[L - n + j]
+        idx = np.flatnonzero(hit)
+        if idx.size:
+            i = int(idx[-1]) + n
+            return [int(t) for t in h[i:i + k]]
+    return []
+
+
+class DraftLength:
+    """How many tokens to draft next: more after a trip that accepted them all, fewer after a
+    rejection (the heuristic of Hugging Face's assisted generation: +2 / -1)."""
+
+    def __init__(self, max_draft: int, start: int | None = None):
+        self.max_draft = max_draft
+        self.k = max_draft if start is None else min(start, max_draft)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.k = min(self.max_draft, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+
+def verify(sampler: Sampler, rows: np.ndarray, context: list[int], draft: Draft) -> tuple[list[int], int]:
+    """rows (k + 1, vocab): the logits after context[-1] and after each of the k drafted tokens
+    -> (the tokens this trip decides: the accepted drafts, then the replacement or the bonus;
+    how many drafts were accepted)."""
+    k = len(draft.tokens)
+    assert rows.shape[0] == k + 1, f"{rows.shape=} for {k} drafts"
+    out: list[int] = []
+    for j, d in enumerate(draft.tokens):
+        hist = context + out
+        pos = len(hist)
+        if draft.q is None or sampler.params.greedy:
+            t = sampler(rows[j], hist, pos)
+            if t != d:
+                return out + [t], j
+        else:
+            p, q = sampler.probs(rows[j], hist), draft.q[j]
+            if not sampler.uniform(pos) * q[d] < p[d]:  # accepted with probability min(1, p(d) / q(d))
+                r = np.maximum(p - q, 0.0)  # the residual
+                if not r.any():  # p == q up to rounding, so p(d) < q(d) only by rounding: p is the residual
+                    r = p
+                with np.errstate(divide="ignore"):
+                    return out + [sampler.draw(np.log(r), pos)], j
+        out.append(d)
+    return out + [sampler(rows[k], context + out, len(context) + k)], k

@@ -1,0 +1,195 @@
+"""Speculative decoding (common/speculative.py): drafts verified k at a time never change what is
+generated; the stations take k rows and rewind past the first rejection, safely."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common import wire
+from common.generation import Generation
+from common.runtime import Request
+from common.sampling import Sampler, SamplingParams
+from common.speculative import Draft, DraftLength, PromptLookup, SpeculationParams, lookup, verify
+from deploy.engine_local import LocalEngine
+from tests.inprocess import build_cluster
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef"
+LOOKUP = SpeculationParams("prompt_lookup", max_draft=6)
+SAMPLED = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
+           SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.3)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_knot):
+    return LocalEngine.open(tiny_knot)
+
+
+# ------------------------------------------------------------------ drafts
+
+
+def test_lookup_copies_what_followed_the_latest_longest_match():
+    #          0  1  2  3  4  5  6  7  8  9
+    context = [5, 6, 7, 8, 9, 5, 6, 1, 2, 5, 6]
+    # suffix (5, 6) last occurred at 5, followed by 1, 2, 5, 6; the earlier (5, 6, 7) is not the latest
+    assert lookup(context, 3) == [1, 2, 5]
+    assert lookup(context, 10) == [1, 2, 5, 6]
+    assert lookup(context + [7], 2) == [8, 9], "the 3-gram (5, 6, 7) beats shorter matches"
+    assert lookup([1, 2, 3, 4], 4) == [], "nothing repeats"
+    assert lookup([3, 3], 4) == [3], "a match may run into the suffix itself"
+    assert lookup([7, 1, 7], 2, ngram_min=2) == [], "no 2-gram matches"
+    assert lookup(context, 0) == [] and lookup([], 3) == []
+
+
+def test_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection():
+    d = DraftLength(8, start=4)
+    d.update(4, 4)
+    assert d.k == 6
+    d.update(6, 2)
+    assert d.k == 5
+    for _ in range(9):
+        d.update(d.k, 0)
+    assert d.k == 1
+    d.update(0, 0)
+    assert d.k == 1, "a trip without drafts says nothing"
+    for _ in range(9):
+        d.update(d.k, d.k)
+    assert d.k == 8
+
+
+# ------------------------------------------------------------------ the rule
+
+
+def rows_for(tokens: list[int], vocab: int = 10) -> np.ndarray:
+    """Rows whose argmax is each of tokens."""
+    rows = np.zeros((len(tokens), vocab), np.float32)
+    rows[np.arange(len(tokens)), tokens] = 5.0
+    return rows
+
+
+def test_greedy_rule_accepts_the_argmax_and_replaces_the_first_miss():
+    s = Sampler(SamplingParams())
+    assert verify(s, rows_for([3, 4, 5, 6]), [1, 2], Draft([3, 4, 5])) == ([3, 4, 5, 6], 3), "all + the bonus"
+    assert verify(s, rows_for([3, 7, 5, 6]), [1, 2], Draft([3, 4, 5])) == ([3, 7], 1), "stops at the miss"
+    assert verify(s, rows_for([9, 4]), [1], Draft([3])) == ([9], 0)
+
+
+def test_point_mass_drafts_give_the_sampler_tokens_at_each_position():
+    """Sampled, a point-mass draft is accepted iff it is the token the sampler draws there, so a
+    trip decides exactly the tokens that sampling row by row would."""
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(4, 50)).astype(np.float32)
+    p = SamplingParams(temperature=1.0, seed=11)
+    context = [1, 2, 3]
+    plain = [Sampler(p)(rows[j], context, len(context) + j) for j in range(4)]
+    for draft in ([], plain[:1], plain[:3], [plain[0], (plain[1] + 1) % 50, plain[2]]):
+        tokens, accepted = verify(Sampler(p), rows[:len(draft) + 1], context, Draft(draft))
+        assert tokens == plain[:len(tokens)], draft
+        assert accepted == len(tokens) - 1
+
+
+# ------------------------------------------------------------------ engines
+
+
+@pytest.mark.parametrize("prompt", ["the def the", CODE])
+@pytest.mark.parametrize("case", range(len(SAMPLED)))
+def test_speculation_changes_nothing_in_the_single_process(engine, prompt, case):
+    ids = engine.tokenizer.encode(prompt)
+    plain = engine.generate(ids, SAMPLED[case], max_tokens=40)
+    spec = engine.generate(ids, SAMPLED[case], max_tokens=40, speculation=LOOKUP)
+    assert spec == plain and spec.token_ids == plain.token_ids
+    assert plain.trips == plain.decode_steps and plain.drafted == 0
+    assert spec.drafted > 0 and spec.decode_steps == plain.decode_steps
+    assert spec.trips + spec.accepted == spec.decode_steps, "each trip decides its accepted drafts and one more"
+    if SAMPLED[case].greedy:
+        assert spec.accepted > 0 and spec.trips < spec.decode_steps
+
+
+async def test_cluster_speculation_equals_the_single_process(engine, tiny_knot, tmp_path):
+    """Greedy requests use prompt lookup by default; the tokens are the single process's without it,
+    the stations rewound their rejected drafts, and /generate reports the trips."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3)
+    ids = engine.tokenizer.encode(CODE)
+    for sampling, spec in [({}, None), ({}, "off"), (dict(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
+                                                     {"source": "prompt_lookup", "max_draft": 4})]:
+        body = dict(prompt=CODE, max_tokens=40, **sampling) | ({} if spec is None else {"speculation": spec})
+        r = (await c.generate(**body)).json()
+        want = engine.generate(ids, SamplingParams(**sampling), max_tokens=40)
+        assert r["tokens"] == want.token_ids, (sampling, spec)
+        s = r["timings"]["speculation"]
+        if spec == "off":
+            assert s["source"] == "off" and s["drafted"] == 0 and s["tokens_per_trip"] == 1
+        else:
+            assert s["source"] == "prompt_lookup" and 0 < s["accepted"] <= s["drafted"]
+            assert s["trips"] < len(r["tokens"]) and s["tokens_per_trip"] > 1
+        assert r["replays"] == 0
+    metrics = (await c.coordinator.fetch(Request("GET", "/metrics"))).text()
+    assert 'knot_spec_drafted_tokens_total{source="prompt_lookup"}' in metrics
+    assert "knot_decode_trips_total" in metrics and "knot_tokens_per_trip_bucket" in metrics
+    await c.drain()
+
+
+def test_local_engine_verify_rows_equal_one_token_at_a_time(engine):
+    """k rows in one forward give each row's logits as decoding them one by one does (tiny model: exact)."""
+    ids = engine.tokenizer.encode(CODE)
+    more = engine.tokenizer.encode(" add(a, b)")
+    kv1, kv2 = engine.new_kv(), engine.new_kv()
+    engine.prefill(ids, kv1)
+    engine.prefill(ids, kv2)
+    batch = engine.forward(more, kv1, len(ids), all_logits=True)
+    one = np.stack([engine.decode(t, kv2, len(ids) + i) for i, t in enumerate(more)])
+    np.testing.assert_array_equal(batch, one)
+
+
+# ------------------------------------------------------------------ the station's rewind
+
+
+async def test_station_rewinds_only_the_last_frame_and_then_computes_as_if_fresh(tiny_knot, tmp_path):
+    c = await build_cluster(tiny_knot, tmp_path, 1, 1)
+    st = c.stations[0]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 256)).astype(np.float32)
+
+    async def forward(rid, mode, pos, rows, rewind=False):
+        frame = wire.Envelope(rid, mode, pos, pos + rows.shape[0], rows, rewind)
+        return await st.fetch(Request("POST", "/forward", {}, wire.encode_envelope(frame)))
+
+    # reference: 6 positions, then 1 more, in a fresh session
+    assert (await forward("ref", "prefill", 0, x[:6])).status == 200
+    want = wire.decode_envelope((await forward("ref", "decode", 6, x[8:9])).body).array
+    # speculative: the same 6, a trip of 3 rows (positions 6-8), two of them rejected
+    assert (await forward("s", "prefill", 0, x[:5])).status == 200
+    trip = await forward("s", "decode", 5, x[5:8])
+    assert trip.status == 200 and wire.decode_envelope(trip.body).array.shape == (3, 256), "every row of a decode"
+    for bad in [dict(pos=4, rewind=True), dict(pos=9, rewind=True), dict(pos=6)]:
+        r = await forward("s", "decode", bad["pos"], x[8:9], bad.get("rewind", False))
+        assert r.status == 409 and r.json()["error"] == "UnknownSession", bad
+        assert "replay" in r.json()["message"]
+    # the refusals changed nothing: a rewind to 6 drops positions 6 and 7 and runs as the fresh session did
+    got = await forward("s", "decode", 6, x[8:9], rewind=True)
+    assert got.status == 200
+    np.testing.assert_array_equal(wire.decode_envelope(got.body).array, want)
+    # only the last frame can be dropped: position 5 was before it
+    r = await forward("s", "decode", 5, x[8:9], rewind=True)
+    assert r.status == 409
+    await c.drain()
+
+
+def test_envelope_rewind_flag_round_trips_and_unknown_flags_are_refused():
+    e = wire.Envelope("r", "decode", 4, 6, np.zeros((2, 3), np.float32), rewind=True)
+    assert wire.decode_envelope(wire.encode_envelope(e)).rewind is True
+    assert wire.decode_envelope(wire.encode_envelope(wire.Envelope("r", "decode", 4, 5, e.array[:1]))).rewind is False
+    raw = bytearray(wire.encode_envelope(e))
+    raw[18] |= 0x80  # an unknown flag bit, with a crc32 that matches
+    import zlib
+    raw[-4:] = zlib.crc32(bytes(raw[:-4])).to_bytes(4, "little")
+    with pytest.raises(wire.MalformedFrame, match="flags"):
+        wire.decode_envelope(bytes(raw))
+
+
+def test_generation_record_reports_the_trips(engine):
+    ids = engine.tokenizer.encode(CODE)
+    g = engine.generate(ids, max_tokens=30, speculation=LOOKUP)
+    s = g.speculation_summary()
+    assert s["source"] == "prompt_lookup" and s["trips"] == g.trips and s["drafted"] == g.drafted
+    assert s["tokens_per_trip"] == round(g.decode_steps / g.trips, 4)
+    assert Generation([1], 1).speculation_summary()["source"] == "off"
