@@ -20,6 +20,7 @@ import numpy as np
 
 from common.kvcache import KVCache
 from common.models import Model, PhaseWeights, Sequences
+from common.quant import QTensor
 from common.sync import run_sync
 
 
@@ -72,3 +73,25 @@ def forward_range(model: Model, x: np.ndarray, layer_start: int, layer_end: int,
     positions (T,) are the absolute positions of x's rows; kv is the sequence's cache."""
     seqs = [(kv, np.asarray(positions, dtype=np.int64))]
     return run_sync(run_layers(model, x, layer_start, layer_end, seqs, _Functions(model, load_phase, release)))
+
+
+def forward_tokens(model: Model, tokens: Sequence[int], kv: KVCache, start_pos: int,
+                   load_phase: Callable[[int, str], PhaseWeights], tensor: Callable[[str], QTensor],
+                   head: QTensor, all_logits: bool = False) -> np.ndarray:
+    """The whole model, weights at hand: tokens at positions [start_pos, start_pos + T) -> logits
+    (T, vocab) f32 with all_logits, else (1, vocab) of the last. tensor(name) gives the embedding
+    table and the output norm, head the LM head (output.weight, or the tied embedding)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    emb = tensor(model.TOKEN_EMBD)
+    # One slice covers the whole vocabulary here, so an id outside it is an error, not the
+    # all-zero row a shard returns for another shard's token.
+    bad = tokens[(tokens < 0) | (tokens >= emb.n_rows)]
+    if bad.size:
+        raise ValueError(f"token ids {bad[:5].tolist()} outside the vocabulary [0, {emb.n_rows})")
+    positions = np.arange(start_pos, start_pos + tokens.shape[0], dtype=np.int64)
+    x = model.embed(tokens, emb, 0, emb.n_rows)                          # (T, dim)
+    h = forward_range(model, x, 0, model.cfg.n_layer, load_phase, kv, positions)
+    if not all_logits:
+        h = h[-1:]                                                       # (1, dim)
+    h = model.final_norm(h, tensor(model.OUTPUT_NORM))
+    return model.lm_head(h, head)                                        # (T|1, vocab)

@@ -89,7 +89,8 @@ def top_k(logits: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def _probs(logits: np.ndarray) -> np.ndarray:
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """(n,) scores, -inf = never -> (n,) float64 probabilities."""
     e = np.exp((logits - logits.max()).astype(np.float64))
     return e / e.sum()
 
@@ -99,7 +100,7 @@ def top_p(logits: np.ndarray, p: float) -> np.ndarray:
     if p >= 1.0:
         return logits
     order = np.argsort(-logits, kind="stable")
-    cum = np.cumsum(_probs(logits)[order])
+    cum = np.cumsum(softmax(logits)[order])
     n_keep = int(np.searchsorted(cum, p)) + 1   # first index where cum >= p, inclusive
     out = np.full_like(logits, -np.inf)
     keep = order[:n_keep]
@@ -197,7 +198,7 @@ class Sampler:
             out = np.zeros(z.shape[0], np.float64)
             out[int(np.argmax(z))] = 1.0
             return out
-        return _probs(z)
+        return softmax(z)
 
     def draw(self, z: np.ndarray, position: int, stream: int = DRAW) -> int:
         """The Gumbel-max draw from softmax(z) at a position (z: scores, -inf = never)."""

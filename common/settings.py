@@ -25,6 +25,7 @@ READERS = {
     "shard": "the cobordism shard handler",
     "layer_warden": "the LayerWarden Worker and its Durable Objects",
     "cobordism_warden": "the CobordismWarden Worker and its Durable Objects",
+    "drafter": "the drafter handler: a small model drafting tokens for speculative decoding",
     "host": "`knot serve`: the local aiohttp host around one handler (deploy/local/)",
     "init": "the compose `init` job: fetch, encode and upload the model once",
     "kernels": "the C matmul kernels, in every `knot` process",
@@ -36,7 +37,7 @@ READERS = {
     "bench": "benchmarks/",
     "build": "`pip install` of the C kernels (setup.py)",
 }
-HANDLERS = ("coordinator", "station", "shard", "layer_warden", "cobordism_warden")
+HANDLERS = ("coordinator", "station", "shard", "layer_warden", "cobordism_warden", "drafter")
 TYPES = ("str", "int", "float", "choice", "names", "binding")
 
 
@@ -104,13 +105,14 @@ def _s(name, type, default, readers, meaning, **kw) -> Setting:
 MiB = 1 << 20
 SETTINGS: tuple[Setting, ...] = (
     # ------------------------------------------------------------ the model and its bucket
-    _s("KNOT_KEY", "str", REQUIRED, "coordinator station shard init launcher compose",
-       "object key of the .knot in the bucket (launcher: default the model's name + .knot)",
+    _s("KNOT_KEY", "str", REQUIRED, "coordinator station shard drafter init launcher compose",
+       "object key of the .knot in the bucket (drafter: the draft model's; launcher: default the model's name + "
+       ".knot)",
        reader_defaults={"launcher": None}),
     _s("KNOT_MODEL", "str", REQUIRED, "init launcher compose",
        "model to serve: a registered name (`knot fetch-model --list`) or a .gguf/.knot path "
        "(launcher: default qwen2.5-coder-0.5b)", reader_defaults={"launcher": None}),
-    _s("KNOT_BUCKET", "binding", REQUIRED, "coordinator station shard layer_warden cobordism_warden init",
+    _s("KNOT_BUCKET", "binding", REQUIRED, "coordinator station shard layer_warden cobordism_warden drafter init",
        "the bucket holding the .knot (R2 binding; locally s3://BUCKET or dir:PATH)"),
     _s("KNOT_CACHE_DIR", "str", None, "models", "where fetched and encoded models are cached "
        "(default $XDG_CACHE_HOME/knot, else ~/.cache/knot)"),
@@ -126,6 +128,8 @@ SETTINGS: tuple[Setting, ...] = (
        "KV namespace for dequantized embedding rows (optional), the middle level of the row cache"),
     _s("STATION_<i>", "binding", None, "coordinator", "service binding to station i"),
     _s("SHARD_<i>", "binding", None, "coordinator", "service binding to shard i"),
+    _s("DRAFTER", "binding", None, "coordinator", "service binding to the drafter (optional): enables the "
+       "speculation source draft_model"),
     # ------------------------------------------------------------ coordinator
     _s("STATIONS", "names", REQUIRED, "coordinator", "station binding names in chain order, e.g. STATION_0,STATION_1"),
     _s("SHARDS", "str", REQUIRED, "coordinator",
@@ -152,9 +156,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("SPECIALIZATION_ROLE", "choice", REQUIRED, "station",
        "entry (embeds come in) / middle / exit (emits the normed last row) / solo (all layers)",
        choices=("entry", "middle", "exit", "solo")),
-    _s("MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "station shard layer_warden cobordism_warden",
-       "bytes the service may hold: kept weights and KV caches (station), its slice (shard), the warden's LRU",
-       minimum=1, reader_defaults={"layer_warden": str(1024 * MiB), "cobordism_warden": str(256 * MiB)}),
+    _s("MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "station shard layer_warden cobordism_warden drafter",
+       "bytes the service may hold: kept weights and KV caches (station), its slice (shard), the warden's LRU, "
+       "the draft model's tensors (drafter)", minimum=1,
+       reader_defaults={"layer_warden": str(1024 * MiB), "cobordism_warden": str(256 * MiB),
+                        "drafter": str(1024 * MiB)}),
     _s("MEMORY_PROFILE", "choice", "worker", "station",
        "worker: MEMORY_BUDGET_BYTES as it is (a Worker's memory); resident: the station's layers plus "
        "MEMORY_BUDGET_BYTES, so they stay between forwards", choices=("worker", "resident")),
@@ -230,6 +236,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_SHARD_THREADS", "int", "1", "compose",
        "every shard's KNOT_THREADS (the shards compute at once: one thread each fills the cores)", minimum=1),
     _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),
+    _s("KNOT_DRAFT_MODEL", "str", None, "compose launcher", "the draft model the drafter serves (a registered "
+       "name or a .gguf/.knot path), when the layout has one (`knot cluster up --draft-model`)"),
     _s("KNOT_RUN_DIR", "str", None, "launcher", "state, logs and server data of `knot cluster` "
        "(default: .knot-run/ in the repository)"),
     _s("KNOT_KERNELS_MARCH", "str", "native", "build", "-march of the C kernels' build (empty: the compiler's)"),

@@ -25,12 +25,14 @@ If every draft is accepted, the last row gives one more token (the "bonus").
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Protocol, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
-from common.sampling import Sampler
+from common.kvcache import KVCache
+from common.sampling import DRAFT, Sampler, SamplingParams, softmax
 
 if TYPE_CHECKING:
     from common.generation import Generation
@@ -97,6 +99,70 @@ def lookup(context: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 
             i = int(idx[-1]) + n
             return [int(t) for t in h[i:i + k]]
     return []
+
+
+class DraftModel:
+    """Drafts with a small model of the same vocabulary (the 0.5B for the 1.5B), k forwards of one
+    token each. It keeps a KV cache per generation: each proposal keeps what its cache shares with
+    the context (rewinding the drafts the target rejected), feeds the rest, then drafts.
+
+    forward(tokens, kv, start_pos) -> logits (T, vocab) of every row. Greedy requests draft the
+    argmax (point masses); sampled ones draw from the sampler's distribution with the DRAFT noise
+    stream and report it (Draft.q), which the accept/reject rule needs."""
+
+    def __init__(self, forward: Callable[[list[int], KVCache, int], np.ndarray], new_kv: Callable[[], KVCache],
+                 max_sessions: int = 64):
+        self.forward, self.new_kv, self.max_sessions = forward, new_kv, max_sessions
+        self.sessions: dict[str, tuple[KVCache, list[int]]] = {}  # request id -> (cache, tokens it holds)
+        self.forwards = 0
+
+    def draft(self, request_id: str, context: Sequence[int], k: int, sampling: SamplingParams,
+              key: int) -> tuple[list[int], list[np.ndarray] | None]:
+        """Up to k tokens after context, and for a sampled request the scores (vocab,) each was drawn
+        from (softmax(scores) is its distribution)."""
+        if k <= 0 or not context:
+            return [], None
+        kv, held = self.sessions.pop(request_id, None) or (self.new_kv(), [])
+        self.sessions[request_id] = (kv, held)  # most recent last
+        while len(self.sessions) > self.max_sessions:
+            del self.sessions[next(iter(self.sessions))]
+        n = 0  # the common prefix, leaving at least one token to feed
+        while n < min(len(held), len(context) - 1) and held[n] == context[n]:
+            n += 1
+        kv.truncate(n)
+        logits = self.forward(list(context[n:]), kv, n)[-1]
+        self.forwards += 1
+        sampler = Sampler(sampling)
+        sampler.key = key
+        hist, tokens, scores = list(context), [], []
+        for i in range(k):
+            z = sampler.scores(logits, hist)
+            if sampling.greedy:
+                t = int(np.argmax(z))
+            else:
+                t = sampler.draw(z, len(hist), DRAFT)
+                scores.append(z)
+            tokens.append(t)
+            hist.append(t)
+            if i + 1 < k:
+                logits = self.forward([t], kv, len(hist) - 1)[-1]
+                self.forwards += 1
+        self.sessions[request_id] = (kv, hist[:-1])  # the last draft was never fed
+        return tokens, (scores if scores else None)
+
+    def propose(self, gen: "Generation", context: list[int], k: int) -> Draft:
+        """The Drafter protocol, in process (the single process)."""
+        tokens, scores = self.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
+        return Draft(tokens, None if scores is None else [softmax(z) for z in scores])
+
+    def release(self, request_id: str) -> None:
+        self.sessions.pop(request_id, None)
+
+
+def draft_key(gen: "Generation") -> int:
+    """The key of a draft model's noise: the seed (its DRAFT stream is independent of the target's
+    streams), or for an unseeded request one of its own, from the request id."""
+    return gen.sampling.seed if gen.sampling.seed is not None else zlib.crc32(gen.request_id.encode())
 
 
 class DraftLength:

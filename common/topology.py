@@ -120,7 +120,8 @@ def parse_range(text: str, what: str = "range") -> tuple[int, int]:
 # processes (deploy/launcher.py) and, later, the wrangler configs. Plain data: a writer renders a
 # service's role, vars, bindings and dependencies in its own terms.
 
-SERVICE_ROLES = ("bucket", "kv", "init", "layer_warden", "cobordism_warden", "station", "shard", "coordinator")
+SERVICE_ROLES = ("bucket", "kv", "init", "layer_warden", "cobordism_warden", "station", "shard", "drafter",
+                 "coordinator")
 BINDING_KINDS = ("bucket", "kv", "durable_object", "service")
 CONDITIONS = ("started", "healthy", "completed")  # what a dependency must have reached first
 BUCKET_NAME = "knots"
@@ -180,10 +181,12 @@ class ClusterLayout:
 
     @classmethod
     def build(cls, model, n_stations: int = 2, n_shards: int = 8, *, knot_key: str = "model.knot",
-              model_source: str = "") -> "ClusterLayout":
+              model_source: str = "", draft_knot_key: str | None = None, draft_source: str = "") -> "ClusterLayout":
         """The cluster for a model (hparams or config) split over n_stations and n_shards.
 
         knot_key: the object key of its .knot; model_source: what the init job fetches (a name or path).
+        draft_knot_key, draft_source: a draft model for speculative decoding (the drafter service,
+        uploaded by its own init job, bound to the coordinator as DRAFTER); None: no drafter.
         TopologyError when the counts do not fit the model (1 <= stations <= layers, 1 <= shards <= vocab)."""
         n_layers, vocab = _dims(model)
         stations = tuple(split_layers(n_layers, n_stations))
@@ -224,12 +227,21 @@ class ClusterLayout:
                 (bucket, row_ns), depends_on={"cobordism-warden": "healthy"}))
         peers = [(f"STATION_{s.index}", f"station-{s.index}") for s in stations] + \
                 [(f"SHARD_{s.index}", f"shard-{s.index}") for s in shards]
+        if draft_knot_key is not None:
+            services.insert(3, Service("init-draft", "init", None, {
+                "KNOT_MODEL": Knob("KNOT_DRAFT_MODEL", draft_source), "KNOT_KEY": draft_knot_key},
+                (bucket,), depends_on={"minio": "healthy"}))
+            services.append(Service("drafter", "drafter", "services.drafter", {
+                "KNOT_KEY": draft_knot_key, "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "drafter")},
+                (bucket,), depends_on={"init-draft": "completed"}))
+            peers.append(("DRAFTER", "drafter"))
         services.append(Service("coordinator", "coordinator", "services.coordinator", {
             "KNOT_KEY": key,
             "STATIONS": ",".join(f"STATION_{s.index}" for s in stations),
             "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
             **{n: dflt(n, "coordinator") for n in ("SHARD_TIMEOUT_S", "STATION_TIMEOUT_S", "STATION_RETRY_S",
-                                                   "MAX_CONCURRENT_REQUESTS", "MAX_QUEUED_REQUESTS", "RETRY_AFTER_S")},
+                                                   "MAX_CONCURRENT_REQUESTS", "MAX_QUEUED_REQUESTS", "RETRY_AFTER_S",
+                                                   "SPECULATION", "SPEC_MAX_DRAFT")},
             "MODEL_NAME": Knob("KNOT_MODEL_NAME")},
             (bucket, *(Binding(b, "service", peer) for b, peer in peers)),
             depends_on={peer: "healthy" for _, peer in peers}, public=True))

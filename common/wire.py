@@ -214,7 +214,7 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
 #     off  size  field
 #     0    4     magic        b"KENV"
 #     4    1     version      1
-#     5    1     mode         0 prefill, 1 decode, 2 embed (shard), 3 logits (shard)
+#     5    1     mode         0 prefill, 1 decode, 2 embed (shard), 3 logits (shard), 4 draft (drafter)
 #     6    1     dtype        0 float32, 1 int32
 #     7    1     ndim         u8, dims of the array (<= MAX_NDIM)
 #     8    4     position     u32, position of the first row of the array in its sequence
@@ -229,7 +229,7 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
 
 ENVELOPE_MAGIC = b"KENV"
 ENVELOPE_CONTENT_TYPE = "application/x-knot-envelope"
-MODES = ("prefill", "decode", "embed", "logits")
+MODES = ("prefill", "decode", "embed", "logits", "draft")
 DTYPES = ("<f4", "<i4")  # index = dtype code
 FLAG_REWIND = 1
 _ENV_FLAGS = FLAG_REWIND  # every flag this decoder knows
@@ -261,8 +261,30 @@ def encode_envelope(env: Envelope) -> bytes:
     return b"".join((meta, payload, _CRC.pack(zlib.crc32(payload, zlib.crc32(meta)))))
 
 
+def encode_envelopes(envs: Iterable[Envelope]) -> bytes:
+    """Several envelopes back to back (a reply that carries more than one array)."""
+    return b"".join(encode_envelope(e) for e in envs)
+
+
+def decode_envelopes(buf: bytes | memoryview) -> list[Envelope]:
+    """The envelopes of encode_envelopes, in order; at least one, and nothing after the last."""
+    r = _Reader(buf, "envelope")
+    out = [_read_envelope(r)]
+    while r.remaining():
+        out.append(_read_envelope(r))
+    return out
+
+
 def decode_envelope(buf: bytes | memoryview) -> Envelope:
     r = _Reader(buf, "envelope")
+    env = _read_envelope(r)
+    if r.remaining():
+        raise MalformedFrame(f"envelope {env.request_id}: {r.remaining()} trailing bytes after the crc")
+    return env
+
+
+def _read_envelope(r: _Reader) -> Envelope:
+    start = r.pos
     magic, version, mode, dtype, ndim, position, seq_len, id_len, flags = r.unpack(_ENV_HEAD, "envelope header")
     _check_magic_version("envelope", magic, ENVELOPE_MAGIC, version, 0)
     if mode >= len(MODES) or dtype >= len(DTYPES) or ndim > MAX_NDIM or flags & ~_ENV_FLAGS:
@@ -286,11 +308,9 @@ def decode_envelope(buf: bytes | memoryview) -> Envelope:
                                  f"only {r.remaining()} left")
     payload = r.take(n * 4, f"payload {shape}")
     (crc,) = r.unpack(_CRC, "crc32")
-    got = zlib.crc32(r.buf[:r.pos - _CRC.size])
+    got = zlib.crc32(r.buf[start:r.pos - _CRC.size])
     if got != crc:
         raise ChecksumMismatch(f"envelope {rid}: crc32 0x{got:08x}, frame says 0x{crc:08x}")
-    if r.remaining():
-        raise MalformedFrame(f"envelope {rid}: {r.remaining()} trailing bytes after the crc")
     if seq_len < position:
         raise MalformedFrame(f"envelope {rid}: seq_len {seq_len} < position {position}")
     arr = np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)

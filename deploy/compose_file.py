@@ -71,6 +71,7 @@ CONTAINERS: dict[str, Container] = {
     "cobordism_warden": Container(),
     "station": Container(),
     "shard": Container(environment={"KNOT_THREADS": Knob("KNOT_SHARD_THREADS")}),
+    "drafter": Container(),
     # The public API: the only published port; it logs every request, and its calls wait for whole
     # generations' hops.
     "coordinator": Container(published_port=Knob("KNOT_PORT"),

@@ -18,12 +18,12 @@ import numpy as np
 
 from common.generation import Generation, generate_events
 from common.kvcache import KVCache, prefill_chunks
-from common.layers import forward_range
+from common.layers import forward_tokens
 from common.matmul import get_kernel
 from common.models import model_for
 from common.quant import QTensor
 from common.sampling import SamplingParams
-from common.speculative import Drafter, PromptLookup, SpeculationParams
+from common.speculative import Drafter, DraftModel, PromptLookup, SpeculationParams
 from common.sync import iterate_sync
 from common.tokenizer import Tokenizer
 
@@ -45,11 +45,19 @@ def _mem_available_bytes() -> int | None:
 
 class LocalEngine:
     def __init__(self, model, *, cache_f32: bool | None = None,
-                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=np.float32):
+                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=np.float32,
+                 draft: "LocalEngine | None" = None):
         """model: a deploy.knotfile.LocalModel. cache_f32=None: cache when the float32 weights
-        fit in cache_budget_bytes and in half the available memory. An architecture the model
-        registry does not know raises common.models.UnknownArchitecture."""
+        fit in cache_budget_bytes and in half the available memory. draft: a smaller model of the
+        same vocabulary that drafts for this one (speculation source "draft_model"). An
+        architecture the model registry does not know raises common.models.UnknownArchitecture."""
         self.model = model
+        self.draft = None
+        if draft is not None:
+            if draft.cfg.vocab_size != model_for(model.header).cfg.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) is not this model's")
+            self.draft = DraftModel(lambda tokens, kv, pos: draft.forward(tokens, kv, pos, all_logits=True),
+                                    draft.new_kv)
         self.arch = model_for(model.header)
         self.cfg = self.arch.cfg
         self.head_name = self.arch.head_tensor(model.has_tensor)
@@ -111,22 +119,8 @@ class LocalEngine:
     def forward(self, tokens: Sequence[int], kv: KVCache, start_pos: int,
                 all_logits: bool = False) -> np.ndarray:
         """One chunk at positions [start_pos, start_pos + T) -> logits (T or 1, vocab) f32."""
-        arch = self.arch
-        tokens = np.asarray(tokens, dtype=np.int64)
-        T = tokens.shape[0]
-        positions = np.arange(start_pos, start_pos + T, dtype=np.int64)
-        emb = self.model.tensor(arch.TOKEN_EMBD)
-        # One slice covers the whole vocabulary here, so an id outside it is an error, not the
-        # all-zero row a shard returns for another shard's token.
-        bad = tokens[(tokens < 0) | (tokens >= emb.n_rows)]
-        if bad.size:
-            raise ValueError(f"token ids {bad[:5].tolist()} outside the vocabulary [0, {emb.n_rows})")
-        x = arch.embed(tokens, emb, 0, emb.n_rows)                    # (T, dim)
-        h = forward_range(arch, x, 0, self.cfg.n_layer, self.load_phase, kv, positions)
-        if not all_logits:
-            h = h[-1:]                                                # (1, dim)
-        h = arch.final_norm(h, self.model.tensor(arch.OUTPUT_NORM))
-        return arch.lm_head(h, self.weight(self.head_name))           # (T|1, vocab)
+        return forward_tokens(self.arch, tokens, kv, start_pos, self.load_phase, self.model.tensor,
+                              self.weight(self.head_name), all_logits)
 
     def prefill(self, tokens: Sequence[int], kv: KVCache, start_pos: int = 0,
                 chunk_size: int | None = None, all_logits: bool = False) -> np.ndarray:
@@ -184,6 +178,8 @@ class LocalEngine:
                     on_text(ev.text)
         finally:
             self._sessions.pop(gen.request_id, None)
+            if self.draft is not None:
+                self.draft.release(gen.request_id)
         return gen
 
     def drafter(self, speculation: SpeculationParams) -> Drafter | None:
@@ -192,4 +188,6 @@ class LocalEngine:
             return None
         if speculation.source == "prompt_lookup":
             return PromptLookup(speculation.ngram_max, speculation.ngram_min)
-        raise ValueError(f"speculation source {speculation.source!r} needs a draft model: LocalEngine(draft=...)")
+        if self.draft is None:
+            raise ValueError("speculation source 'draft_model' needs a draft model: LocalEngine(draft=...)")
+        return self.draft

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Mapping
 
 from common import settings
-from common.topology import ClusterLayout
+from common.topology import ClusterLayout, TopologyError
 from deploy import cluster_secrets, compose_file, servers
 from deploy.local import compose
 from deploy.local.probe import probe
@@ -87,10 +87,16 @@ def choose_model(model: str | None, env: Mapping[str, str]) -> ModelChoice:
     raise LauncherError(f"--model {name}: neither a file nor a known model ({', '.join(models.MODELS)})")
 
 
-def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8) -> ClusterLayout:
-    """The cluster for a model; TopologyError (a clear message) when the counts do not fit it."""
+def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8,
+               draft: ModelChoice | None = None) -> ClusterLayout:
+    """The cluster for a model (and a draft model's drafter); TopologyError (a clear message) when the
+    counts do not fit it, or the draft model's vocabulary is not the model's."""
+    if draft is not None and draft.hparams["vocab_size"] != choice.hparams["vocab_size"]:
+        raise TopologyError(f"draft model {draft.source}: a vocabulary of {draft.hparams['vocab_size']} tokens, "
+                            f"the model's is {choice.hparams['vocab_size']}: it must share the tokenizer")
     return ClusterLayout.build(choice.hparams, n_stations, n_shards, knot_key=choice.knot_key,
-                               model_source=choice.source)
+                               model_source=choice.source, draft_knot_key=draft and draft.knot_key,
+                               draft_source=draft.source if draft else "")
 
 
 def default_layout() -> ClusterLayout:
@@ -214,11 +220,16 @@ class Cluster:
         return out
 
     def up(self, model: str | None = None, base_port: int | None = None, env: Mapping[str, str] | None = None,
-           n_stations: int = 2, n_shards: int = 8, profile: str | None = None) -> list[Running]:
+           n_stations: int = 2, n_shards: int = 8, profile: str | None = None,
+           draft_model: str | None = None) -> list[Running]:
         base_env = dict(os.environ if env is None else env)
         choice = choose_model(model, base_env)
-        layout = layout_for(choice, n_stations, n_shards)  # before anything starts: counts that do not fit fail here
+        draft = choose_model(draft_model, {}) if draft_model else None
+        # before anything starts: counts that do not fit fail here
+        layout = layout_for(choice, n_stations, n_shards, draft)
         base_env.update(profile_env(profile, base_env, len(layout.stations)))
+        if draft is not None:
+            base_env["KNOT_DRAFT_MODEL"] = draft.source
         alive = [r for r in self._load() if r.kind != "oneshot" and servers.pid_alive(r.pid)]
         if alive:
             raise LauncherError(f"cluster already up ({', '.join(f'{r.name}={r.pid}' for r in alive)}); "

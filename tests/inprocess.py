@@ -13,12 +13,14 @@ from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
 from deploy.local.tasks import BackgroundTasks
 from services.coordinator import handler as coordinator
+from services.drafter import handler as drafter
 from services.shard import handler as shard
 from services.station import handler as station
 from services.cobordism_warden import CobordismWarden
 from services.layer_warden import LayerWarden
 
 KNOT_KEY = "model.knot"
+DRAFT_KEY = "draft.knot"
 
 
 @dataclass
@@ -44,11 +46,12 @@ class Cluster:
 
 async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shards: int = 8,
                         station_budget_bytes: int = 128 << 20, wardens: bool = True,
-                        station_vars: dict | None = None) -> Cluster:
+                        station_vars: dict | None = None, draft_knot: Path | None = None) -> Cluster:
+    """draft_knot: also a drafter serving that model, bound to the coordinator as DRAFTER."""
     from deploy.knotfile import open_model
 
     cfg = model_for(open_model(knot_path).header).cfg
-    for svc in (station, shard, coordinator):  # a new cluster starts with fresh isolates
+    for svc in (station, shard, coordinator, drafter):  # a new cluster starts with fresh isolates
         svc._booted.clear()
     bucket = DirectoryBucket(tmp / "bucket")
     await bucket.put(KNOT_KEY, knot_path.read_bytes())
@@ -74,6 +77,9 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
         shards.append(LocalService(shard.fetch, env, tasks))
         bindings[f"SHARD_{s.index}"] = shards[-1]
         ranges.append((s.vocab_start, s.vocab_end))
+    if draft_knot is not None:
+        await bucket.put(DRAFT_KEY, draft_knot.read_bytes())
+        bindings["DRAFTER"] = LocalService(drafter.fetch, Env(base, {"KNOT_KEY": DRAFT_KEY}), tasks)
     co_env = Env({**base, **bindings}, {
         "KNOT_KEY": KNOT_KEY,
         "STATIONS": ",".join(f"STATION_{i}" for i in range(len(stations))),

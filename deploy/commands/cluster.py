@@ -31,6 +31,8 @@ def add_arguments(p) -> None:
 def add_layout_arguments(p) -> None:
     p.add_argument("--stations", type=int, default=2, help="layer stations: 1 to the model's layers (default 2)")
     p.add_argument("--shards", type=int, default=8, help="vocabulary shards: 1 to its vocabulary (default 8)")
+    p.add_argument("--draft-model", default=None, help="also a drafter serving this smaller model of the same "
+                   "vocabulary (name or path), for the speculation source draft_model")
 
 
 def _table(rows: list[dict]) -> str:
@@ -46,7 +48,7 @@ def run(args) -> int:
     try:
         if args.cluster_action == "up":
             running = cluster.up(model=args.model, base_port=args.base_port, n_stations=args.stations,
-                                 n_shards=args.shards, profile=args.profile)
+                                 n_shards=args.shards, profile=args.profile, draft_model=args.draft_model)
             print(_table(cluster.status()), file=sys.stderr)
             for line in cluster.memory_lines(running):
                 print(line, file=sys.stderr)

@@ -51,7 +51,10 @@ async def _embedded(args) -> int:
         env["KNOT_MODEL"] = choice.source
     if not table.read(env, "KNOT_REDIS_PASSWORD", "launcher"):  # the KV is in memory here: a throwaway one will do
         env["KNOT_REDIS_PASSWORD"] = cluster_secrets.generate()
-    specs = plan(layout_for(choice, args.stations, args.shards), env)
+    draft = choose_model(args.draft_model, {}) if args.draft_model else None
+    if draft is not None:
+        env["KNOT_DRAFT_MODEL"] = draft.source
+    specs = plan(layout_for(choice, args.stations, args.shards, draft), env)
     run_dir = Path(args.run_dir or default_run_dir()) / "embedded"
     topo = Topology(specs, run_dir)
     for s in specs:  # the init service, in-process: the bucket is a directory here

@@ -25,7 +25,7 @@ import numpy as np
 from common.generation import FinishEvent, Generation, TokenEvent, generate_events
 from common.kvcache import prefill_chunks
 from common.models import ModelConfig
-from common.runtime import ServiceUnavailable
+from common.runtime import HttpError, ServiceUnavailable
 from common.speculative import Drafter, PromptLookup, SpeculationParams
 from common.tokenizer import Tokenizer, TokenizerError
 from services.coordinator.admission import Admission
@@ -33,6 +33,7 @@ from services.coordinator.errors import InvalidParam
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.params import GenerateRequest
 from services.coordinator.pipeline import Hops, Pipeline
+from services.drafter.client import DrafterClient, RemoteDraftModel
 from services.station.client import SessionLost
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,11 @@ def summary(gen: Generation) -> dict:
 
 
 class Coordinator:
-    def __init__(self, settings, cfg: ModelConfig, tokenizer: Tokenizer, pipeline: Pipeline, model_id: str):
+    def __init__(self, settings, cfg: ModelConfig, tokenizer: Tokenizer, pipeline: Pipeline, model_id: str,
+                 drafter: DrafterClient | None = None):
         self.settings, self.cfg, self.tokenizer, self.pipeline = settings, cfg, tokenizer, pipeline
         self.model_id = model_id
+        self.drafter_client = drafter
         self.created = int(time.time())
         self.admission = Admission(settings.max_concurrent, settings.max_queued, settings.retry_after_s)
         self.metrics = CoordinatorMetrics(self.admission)
@@ -187,14 +190,19 @@ class Coordinator:
         source = g.speculation.source if g.speculation.source != "auto" else self.settings.speculation
         if source == "auto":
             source = "prompt_lookup" if g.sampling.greedy else "off"
-        if source == "draft_model":
-            raise InvalidParam("speculation source 'draft_model': this coordinator has no draft model", "speculation")
+        if source == "draft_model" and self.drafter_client is None:
+            raise InvalidParam("speculation source 'draft_model': this coordinator has no draft model (DRAFTER)",
+                               "speculation")
         max_draft = g.speculation.max_draft or self.settings.max_draft
         return SpeculationParams(source, max_draft)
 
     def drafter(self, gen: Generation) -> Drafter | None:
         sp = gen.speculation
-        return PromptLookup(sp.ngram_max, sp.ngram_min) if sp.on else None
+        if not sp.on:
+            return None
+        if sp.source == "draft_model":
+            return RemoteDraftModel(self.drafter_client)
+        return PromptLookup(sp.ngram_max, sp.ngram_min)
 
     # -------------------------------------------------------- the loop
 
@@ -224,7 +232,15 @@ class Coordinator:
             raise
         finally:
             ctx.wait_until(self.pipeline.release(gen.request_id))  # free the stations' KV caches, however we ended
+            if gen.speculation.source == "draft_model":
+                ctx.wait_until(self._release_draft(gen.request_id))
             self._count(gen, outcome or "cancelled")
+
+    async def _release_draft(self, rid: str) -> None:
+        try:
+            await self.drafter_client.release(rid)
+        except (HttpError, TimeoutError) as e:
+            log.warning("release %s on the drafter failed: %s", rid, e)
 
     def _count(self, gen: Generation, outcome: str) -> None:
         m = self.metrics

@@ -42,6 +42,7 @@ from services.coordinator.errors import openai_error_response
 from services.coordinator.generation import Coordinator, summary
 from services.coordinator.params import parse_generate
 from services.coordinator.pipeline import Pipeline
+from services.drafter.client import DrafterClient
 from services.knot_source import KnotSource, serving_version
 from services.station.client import StationClient
 
@@ -114,11 +115,12 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
                             settings.station_timeout_s, settings.station_retry_s, source.etag)
         station_stats = await _check_stations(pipeline.stations, cfg.n_layer)
+        drafter = await _drafter(env, settings, cfg.vocab_size)
         blob = await source.read_tensor(TOKENIZER_BLOB)  # checked against the knot's crc32
         tokenizer = Tokenizer(decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding))
-        log.info("coordinator booted on knot version %s: %d stations, %d shards, vocab %d", source.etag,
-                 len(stations), len(shards), cfg.vocab_size)
-        co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id)
+        log.info("coordinator booted on knot version %s: %d stations, %d shards, vocab %d%s", source.etag,
+                 len(stations), len(shards), cfg.vocab_size, ", a draft model" if drafter else "")
+        co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id, drafter)
         co.note_station_stats(station_stats)
         previous = _booted.peek(key)
         if previous is not None:  # a reload on a new knot version: counters and the queue carry on
@@ -146,6 +148,22 @@ async def _check_stations(stations: list[StationClient], n_layers: int) -> list[
         stats.append(s)
     check_station_chain(specs, n_layers)
     return stats
+
+
+async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> DrafterClient | None:
+    """The DRAFTER binding's client, once its model's vocabulary is known to be ours; None when unbound."""
+    binding = read(env, "DRAFTER", "coordinator")
+    if binding is None:
+        return None
+    client = DrafterClient(binding, settings.station_timeout_s)
+    try:
+        theirs = int((await client.stats())["vocab_size"])
+    except HttpError as e:
+        raise ServiceUnavailable(f"drafter {e}") from None
+    if theirs != vocab_size:
+        raise TopologyError(f"the drafter's model has a vocabulary of {theirs} tokens, the served model "
+                            f"{vocab_size}: a draft model must share the tokenizer")
+    return client
 
 
 async def ready(env: Env) -> None:

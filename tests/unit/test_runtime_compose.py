@@ -294,3 +294,26 @@ def test_cluster_secrets_are_generated_once_private_and_kept(tmp_path, capsys):
     assert values["KNOT_REDIS_PASSWORD"] and stat.S_IMODE(env_file.stat().st_mode) == 0o600
     out = capsys.readouterr()
     assert "KNOT_REDIS_PASSWORD" in out.out and values["KNOT_REDIS_PASSWORD"] not in out.out + out.err
+
+
+def test_a_draft_model_adds_its_init_job_and_the_drafter_bound_to_the_coordinator(capsys):
+    from deploy.cli import main
+
+    assert main(["compose", "--model", "qwen2.5-coder-1.5b", "--draft-model", "qwen2.5-coder-0.5b"]) == 0
+    text = capsys.readouterr().out
+    assert "#   knot compose --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b >" in text
+    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), {}))}
+    init, drafter, co = specs["init-draft"], specs["drafter"], specs["coordinator"]
+    assert (init.environment["KNOT_MODEL"], init.environment["KNOT_KEY"]) == \
+        ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b.knot") and init.oneshot
+    assert drafter.environment["KNOT_SERVICE"] == "services.drafter"
+    assert drafter.environment["KNOT_KEY"] == "qwen2.5-coder-0.5b.knot"
+    assert co.environment["DRAFTER"] == "http://drafter:8080" and "DRAFTER" in co.environment["KNOT_BINDINGS"]
+    names = [s.name for s in compose.plan(compose.interpolate(yaml.safe_load(text), {}))]
+    assert names.index("init-draft") < names.index("drafter") < names.index("coordinator")
+    plain = {s.name for s in compose.plan(compose.interpolate(compose_file.render(default_layout()), {}))}
+    assert "drafter" not in plain and "init-draft" not in plain, "no draft model, no drafter"
+    wrong = choose_model(None, {})
+    wrong = type(wrong)(wrong.source, "x.knot", {**wrong.hparams, "vocab_size": 1000})
+    with pytest.raises(TopologyError, match="must share the tokenizer"):
+        layout_for(choose_model(None, {}), 2, 8, wrong)

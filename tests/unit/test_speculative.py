@@ -193,3 +193,119 @@ def test_generation_record_reports_the_trips(engine):
     assert s["source"] == "prompt_lookup" and s["trips"] == g.trips and s["drafted"] == g.drafted
     assert s["tokens_per_trip"] == round(g.decode_steps / g.trips, 4)
     assert Generation([1], 1).speculation_summary()["source"] == "off"
+
+
+# ------------------------------------------------------------------ a draft model
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory):
+    """A second tiny model: the same vocabulary and tokenizer, other weights (a poor draft)."""
+    from deploy.encoder import encode
+    from tests.synth import TinySpec, write_tiny_gguf
+
+    d = tmp_path_factory.mktemp("draft")
+    encode(write_tiny_gguf(d / "draft.gguf", TinySpec(seed=1)), d / "draft.knot", progress=False)
+    return LocalEngine.open(d / "draft.knot")
+
+
+def test_greedy_draft_model_changes_nothing(tiny_knot, other_tiny):
+    e = LocalEngine.open(tiny_knot, draft=other_tiny)
+    good = LocalEngine.open(tiny_knot, draft=LocalEngine.open(tiny_knot))  # a perfect draft
+    ids = e.tokenizer.encode(CODE)
+    plain = e.generate(ids, max_tokens=30)
+    for engine in (e, good):
+        spec = engine.generate(ids, max_tokens=30, speculation=SpeculationParams("draft_model", 4))
+        assert spec.token_ids == plain.token_ids and spec.drafted > 0
+    assert spec.accepted == spec.drafted and spec.trips < spec.decode_steps / 2, "the perfect draft is always right"
+    assert e.draft.sessions == {}, "the draft model's caches are released with the generation"
+
+
+# Sampled: the standard rule keeps the target's distribution. The tiny model draws its first three
+# tokens (top-3 at temperature 1: 27 sequences) N times with a draft model whose logits are the
+# target's times 3 (sharper: most drafts accepted, the rest replaced from the residual), and
+# Pearson's chi-square compares the counts with the exact probabilities, computed by enumeration.
+# The seeds are fixed, so the statistic is too: it is a draw from chi-square(26) where the rule is
+# right (p < 0.001 beyond 54.05), and far beyond that where drafts pass unchecked (asserted below).
+CHI2_26_P001 = 54.05
+N_SAMPLES = 1000
+
+
+def test_sampled_draft_model_keeps_the_distribution(tiny_knot):
+    from common.speculative import DraftModel
+
+    e = LocalEngine.open(tiny_knot)
+    e.draft = DraftModel(lambda t, kv, p: 3.0 * e.forward(t, kv, p, all_logits=True), e.new_kv)
+    ids = e.tokenizer.encode("the def the")
+    params = lambda seed: SamplingParams(temperature=1.0, top_k=3, seed=seed)  # noqa: E731
+
+    def step(prefix, scale=1.0):  # the distribution of the next token after ids + prefix
+        kv = e.new_kv()
+        return Sampler(params(0)).probs(scale * e.prefill(ids + prefix, kv), ids + prefix)
+
+    p, q = {}, {}  # sequence of 3 -> probability under the target; with t2, t3 from the draft
+    p1 = step([])
+    for a in map(int, np.flatnonzero(p1)):
+        p2, q2 = step([a]), step([a], 3.0)
+        for b in map(int, np.flatnonzero(p2)):
+            p3, q3 = step([a, b]), step([a, b], 3.0)
+            for c in map(int, np.flatnonzero(p3)):
+                p[(a, b, c)] = p1[a] * p2[b] * p3[c]
+                q[(a, b, c)] = p1[a] * q2[b] * q3[c]
+    assert len(p) == 27 and abs(sum(p.values()) - 1) < 1e-9
+    counts: dict = {}
+    drafted = accepted = 0
+    for seed in range(N_SAMPLES):
+        g = e.generate(ids, params(seed), max_tokens=4, speculation=SpeculationParams("draft_model", 2))
+        counts[tuple(g.token_ids[:3])] = counts.get(tuple(g.token_ids[:3]), 0) + 1
+        drafted, accepted = drafted + g.drafted, accepted + g.accepted
+    assert set(counts) <= set(p), "only sequences the target can produce"
+    keys = sorted(p)
+    obs = np.array([counts.get(k, 0) for k in keys])
+    exp = np.array([p[k] * N_SAMPLES for k in keys])
+    assert exp.min() > 5, "Pearson's test wants every expected count above 5"
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < CHI2_26_P001, f"chi-square {chi2:.1f} over 26 degrees of freedom"
+    assert 0.3 < accepted / drafted < 0.95, (accepted, drafted, "both branches of the rule ran")
+    # The test's power: drafts accepted unchecked would give q's counts, whose expected statistic is
+    # N * sum (q - p)^2 / p (+ 26) -- far beyond the threshold.
+    noncentral = N_SAMPLES * sum((q[k] - p[k]) ** 2 / p[k] for k in keys)
+    assert noncentral > 4 * CHI2_26_P001, noncentral
+
+
+async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, other_tiny, tmp_path):
+    """The drafter service drafts as the in-process draft model does: the same records, greedy and
+    sampled; its sessions are released after each request; a bad draft request is a 400."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=other_tiny.model.path)
+    local = LocalEngine.open(tiny_knot, draft=other_tiny)
+    ids = local.tokenizer.encode(CODE)
+    for sampling in ({}, dict(temperature=0.9, top_k=40, seed=7)):
+        r = (await c.generate(prompt=CODE, max_tokens=24, speculation="draft_model", **sampling)).json()
+        want = local.generate(ids, SamplingParams(**sampling), max_tokens=24,
+                              speculation=SpeculationParams("draft_model", 8))
+        assert r["tokens"] == want.token_ids, sampling
+        s = r["timings"]["speculation"]
+        assert (s["source"], s["drafted"], s["accepted"], s["trips"]) == \
+            ("draft_model", want.drafted, want.accepted, want.trips)
+    await c.drain()
+    drafter = c.coordinator.env.DRAFTER
+    stats = (await drafter.fetch(Request("GET", "/stats"))).json()
+    assert stats["sessions"] == 0 and stats["drafted_tokens"] > 0
+    for body, needle in [({"request_id": "r", "context": [], "k": 2, "key": 1}, "context"),
+                         ({"request_id": "r", "context": [1], "k": 99, "key": 1}, "k must be"),
+                         ({"request_id": "r", "context": [1], "k": 2, "key": 1, "sampling": {"temperature": -1}},
+                          "sampling")]:
+        r = await drafter.fetch(Request("POST", "/draft", {}, __import__("json").dumps(body).encode()))
+        assert r.status == 400 and needle in r.json()["message"], (body, r.body)
+    r = await c.generate(prompt=CODE, max_tokens=4, speculation={"source": "draft_model", "max_draft": 40})
+    assert r.status == 400 and "max_draft" in r.json()["message"]
+    await c.drain()
+
+
+async def test_draft_model_without_a_drafter_is_a_400(tiny_knot, tmp_path):
+    c = await build_cluster(tiny_knot, tmp_path, 1, 1)
+    r = await c.generate(prompt="the", max_tokens=4, speculation="draft_model")
+    assert r.status == 400 and "no draft model" in r.json()["message"]
+    r = await c.generate(prompt="the", max_tokens=4, speculation="sideways")
+    assert r.status == 400 and "speculation source" in r.json()["message"]
+    await c.drain()

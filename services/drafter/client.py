@@ -1,0 +1,57 @@
+"""Typed calls to the drafter (services/drafter/handler.py), and the Drafter protocol over them."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from common import wire
+from common.runtime import BadGateway, Request
+from common.sampling import softmax
+from common.speculative import Draft, draft_key
+from services.drafter.handler import SAMPLING_FIELDS
+from services.peer import PEER_URL, call, get_json
+
+
+class DrafterClient:
+    def __init__(self, binding: Any, timeout_s: float):
+        self.binding, self.timeout_s = binding, timeout_s
+
+    async def draft(self, request_id: str, context: list[int], k: int, sampling, key: int
+                    ) -> tuple[list[int], np.ndarray | None]:
+        """Up to k ids after context, and for a sampled request the scores (k, vocab) each was drawn from."""
+        body = {"request_id": request_id, "context": context, "k": k, "key": key,
+                "sampling": {f: getattr(sampling, f) for f in SAMPLING_FIELDS}}
+        resp = await call(self.binding, Request("POST", f"{PEER_URL}/draft", {"Content-Type": "application/json"},
+                                                json.dumps(body).encode()), self.timeout_s)
+        try:
+            envs = wire.decode_envelopes(resp.body)
+        except wire.WireError as e:
+            raise BadGateway(f"/draft: malformed reply: {e}") from None
+        tokens = envs[0].array
+        if envs[0].mode != "draft" or tokens.dtype != np.int32 or tokens.ndim != 1 or len(tokens) > k:
+            raise BadGateway(f"/draft: ids {tokens.dtype} {tokens.shape}, expected int32 (<= {k},)")
+        scores = envs[1].array if len(envs) > 1 else None
+        if (scores is None) != sampling.greedy or (scores is not None and scores.shape[0] != len(tokens)):
+            raise BadGateway(f"/draft: scores {None if scores is None else scores.shape} for {len(tokens)} ids "
+                             f"of a {'greedy' if sampling.greedy else 'sampled'} request")
+        return tokens.tolist(), scores
+
+    async def release(self, request_id: str) -> bool:
+        resp = await call(self.binding, Request("POST", f"{PEER_URL}/release/{request_id}"), self.timeout_s)
+        return bool(resp.json().get("released"))
+
+    async def stats(self, timeout_s: float | None = None) -> dict:
+        return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)
+
+
+class RemoteDraftModel:
+    """The Drafter protocol (common.speculative) over the drafter service."""
+
+    def __init__(self, client: DrafterClient):
+        self.client = client
+
+    async def propose(self, gen, context: list[int], k: int) -> Draft:
+        tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
+        return Draft(tokens, None if scores is None else [softmax(z) for z in scores])

@@ -1,0 +1,153 @@
+"""Drafter: a small model of the same vocabulary (the 0.5B for the 1.5B) drafting tokens for
+speculative decoding (common/speculative.py, DraftModel).
+
+    POST /draft              JSON {"request_id", "context": [ids], "k", "sampling": {...}, "key"}
+                             -> envelopes (mode draft): int32 drafted ids (k,), then, for a sampled
+                             request, float32 (k, vocab): the scores each id was drawn from
+    POST /release/<rid>      drop a request's KV cache
+    GET  /stats
+
+Env: KNOT_KEY (the draft model's .knot), MEMORY_BUDGET_BYTES (default 1 GiB: the whole model and
+its KV caches); binding KNOT_BUCKET.
+
+Why a service of its own rather than a model inside the coordinator: the coordinator is a Worker
+that must stay small and keep serving every request from one event loop, while a draft model holds
+~400 MB and computes for ~20 ms per drafted token. Here its compute blocks nothing but drafting,
+and it scales (or runs elsewhere) apart from the coordinator. The cost is one hop per trip: the k
+tokens of a trip come from one call. The whole model is read from the bucket once at boot and
+stays resident; sessions keep their KV caches between trips (a trip's rejected drafts are rewound
+by the next call, which sends the context the drafts must follow).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from common import wire
+from common.layers import forward_tokens
+from common.quant import QTensor
+from common.runtime import BadRequest, Env, NotFound, Request, Response, ServiceUnavailable
+from common.sampling import SamplingParams
+from common.settings import read
+from common.speculative import MAX_DRAFT, DraftModel
+from services.boot import BootCache
+from services.knot_source import KnotSource
+
+log = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "penalty_last_n")
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    knot_key: str
+    budget_bytes: int
+
+    @classmethod
+    def from_env(cls, env: Env) -> "DrafterSettings":
+        return cls(read(env, "KNOT_KEY", "drafter"), read(env, "MEMORY_BUDGET_BYTES", "drafter"))
+
+
+class Drafter:
+    def __init__(self, settings: DrafterSettings, source: KnotSource):
+        self.settings, self.source = settings, source
+        self.tensors: dict[str, QTensor] = {}
+        self.drafts = 0
+        self.drafted = 0
+
+    async def boot(self) -> None:
+        """Every tensor of the draft model, resident: one ranged read of the payload."""
+        header, self.model = await self.source.header(), await self.source.model()
+        if header.payload_nbytes > self.settings.budget_bytes:
+            raise ServiceUnavailable(f"draft model {self.settings.knot_key!r}: {header.payload_nbytes} bytes of "
+                                     f"tensors exceed MEMORY_BUDGET_BYTES={self.settings.budget_bytes}")
+        a = header.payload_offset
+        payload = np.frombuffer(await self.source.read(a, a + header.payload_nbytes), dtype=np.uint8)
+        for name, e in header.tensors.items():
+            start, end = header.tensor_range(name)
+            self.tensors[name] = QTensor(name, e.ggml_type, tuple(e.shape), payload[start - a:end - a])
+        head = self.tensors[self.model.head_tensor(lambda n: n in self.tensors)]
+
+        def load_phase(layer: int, phase: str) -> dict[str, QTensor]:
+            return {n: self.tensors[n] for n in self.model.phase_tensors(layer, phase) if n in self.tensors}
+
+        def forward(tokens: list[int], kv, pos: int) -> np.ndarray:
+            return forward_tokens(self.model, tokens, kv, pos, load_phase, self.tensors.__getitem__, head, True)
+
+        self.draft_model = DraftModel(forward, self.model.new_kv)
+
+    def draft(self, body: dict) -> list[wire.Envelope]:
+        rid, context, k, sampling, key = _draft_request(body, self.model.cfg.vocab_size)
+        tokens, scores = self.draft_model.draft(rid, context, k, sampling, key)
+        self.drafts += 1
+        self.drafted += len(tokens)
+        n = len(context)
+        out = [wire.Envelope(rid, "draft", n, n + len(tokens), np.asarray(tokens, np.int32))]
+        if scores is not None:
+            out.append(wire.Envelope(rid, "draft", n, n + len(tokens), np.stack(scores).astype(np.float32)))
+        return out
+
+    def stats(self) -> dict:
+        return {"knot_key": self.settings.knot_key, "sessions": len(self.draft_model.sessions),
+                "drafts": self.drafts, "drafted_tokens": self.drafted, "forwards": self.draft_model.forwards,
+                "vocab_size": self.model.cfg.vocab_size, **self.source.stats()}
+
+
+def _draft_request(body, vocab_size: int) -> tuple[str, list[int], int, SamplingParams, int]:
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    rid, context, k, key = body.get("request_id"), body.get("context"), body.get("k"), body.get("key")
+    if not isinstance(rid, str) or not rid:
+        raise BadRequest("request_id must be a non-empty string")
+    if not isinstance(context, list) or not context or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in context):
+        raise BadRequest(f"context must be a non-empty list of token ids in [0, {vocab_size})")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT:
+        raise BadRequest(f"k must be an integer in [1, {MAX_DRAFT}], got {k!r}")
+    if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 1 << 64:
+        raise BadRequest(f"key must be an integer in [0, 2**64), got {key!r}")
+    raw = body.get("sampling") or {}
+    if not isinstance(raw, dict) or set(raw) - set(SAMPLING_FIELDS):
+        raise BadRequest(f"sampling must be an object with fields among {', '.join(SAMPLING_FIELDS)}")
+    try:
+        sampling = SamplingParams(**raw)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"sampling: {e}") from None
+    return rid, context, k, sampling, key
+
+
+_booted: BootCache[Drafter] = BootCache()
+
+
+async def drafter_for(env: Env) -> Drafter:
+    settings = DrafterSettings.from_env(env)
+
+    async def boot() -> Drafter:
+        d = Drafter(settings, KnotSource(env.KNOT_BUCKET, settings.knot_key))
+        await d.boot()
+        log.info("drafter booted: %s, %d tensors", settings.knot_key, len(d.tensors))
+        return d
+
+    return await _booted.get(f"{settings.knot_key}|{settings.budget_bytes}", boot)
+
+
+async def ready(env: Env) -> None:
+    DrafterSettings.from_env(env)
+
+
+async def fetch(request: Request, env: Env, ctx) -> Response:
+    d = await drafter_for(env)
+    path = request.path
+    if path == "/draft" and request.method == "POST":
+        return Response.from_bytes(wire.encode_envelopes(d.draft(request.json())), wire.ENVELOPE_CONTENT_TYPE)
+    if path.startswith("/release/") and request.method == "POST":
+        rid = path[len("/release/"):]
+        released = rid in d.draft_model.sessions
+        d.draft_model.release(rid)
+        return Response.from_json({"request_id": rid, "released": released})
+    if path == "/stats" and request.method == "GET":
+        return Response.from_json({**d.stats(), "boots": _booted.boots})
+    raise NotFound(f"{request.method} {path}: the drafter serves POST /draft, POST /release/<id>, GET /stats")
