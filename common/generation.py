@@ -56,6 +56,9 @@ class Generation:
     t_first: float = field(default=0.0, compare=False)  # once the prompt's logits were in,
     t_end: float = field(default=0.0, compare=False)  # and at the end
     hop_ms: dict[str, list[float]] = field(default_factory=dict, compare=False)  # the cluster: wall ms per hop
+    shard_sampled: int = field(default=0, compare=False)  # the cluster: LM-head calls decided from the shards' summaries
+    full_rows: int = field(default=0, compare=False)  # ... and those that fetched the full slices after all
+    sampler_key: int = field(default=0, compare=False)  # the sampler's noise key (the shards draw with it too)
 
     @property
     def prefill_s(self) -> float:
@@ -88,7 +91,9 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What computes the logits of a generation. It may keep state per gen.request_id (KV caches)."""
+    """What computes the logits of a generation. It may keep state per gen.request_id (KV caches).
+    A row may instead be the shards' summary of it (common/shard_sampling.RowSummary, the cluster):
+    the Sampler and token_logprobs take either."""
 
     async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
         """Logits (vocab,) f32 after ids, the whole sequence from position 0 (a prompt, or a replay)."""
@@ -125,7 +130,10 @@ class FinishEvent:
 
 
 def token_logprobs(logits: np.ndarray, tid: int, top_n: int) -> TokenLogprobs:
-    """logits (vocab,) float32, -inf where a shard is degraded -> log-softmax of tid and the top_n best."""
+    """logits (vocab,) float32, -inf where a shard is degraded -> log-softmax of tid and the top_n best.
+    A row that is the shards' summary (common/shard_sampling.RowSummary) holds what this needs."""
+    if not isinstance(logits, np.ndarray):
+        return TokenLogprobs(*logits.logprobs(tid, top_n))
     m = float(logits.max())
     lse = m + float(np.log(np.exp(logits - m, dtype=np.float64).sum()))
     top: tuple[tuple[int, float], ...] = ()
@@ -142,6 +150,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
     """Sample up to gen.max_tokens after the prompt; fills gen in as it goes. With a drafter (and
     gen.speculation on), each engine trip verifies the tokens it drafts (common/speculative.py)."""
     sampler = Sampler(gen.sampling)
+    gen.sampler_key = sampler.key
     detok = tokenizer.stream(skip_special=True)
     stop = StopText(gen.stop)
     history = list(gen.prompt_ids)

@@ -80,10 +80,22 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParam
     return out
 
 
+def top_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """(n,) -> the indices of the k highest, in the order (-x, index): on a tie the lowest index first,
+    so a slice's top k are the whole row's wherever they overlap (common/shard_sampling.py)."""
+    n = x.shape[0]
+    if k >= n:
+        return np.argsort(-x, kind="stable")
+    kth = x[np.argpartition(-x, k - 1)[k - 1]]  # the k-th highest value
+    above = np.flatnonzero(x > kth)  # fewer than k
+    sel = np.concatenate([above, np.flatnonzero(x == kth)[:k - above.size]])  # ascending index within each
+    return sel[np.argsort(-x[sel], kind="stable")] if sel.size > 1 else sel
+
+
 def top_k(logits: np.ndarray, k: int) -> np.ndarray:
     if k <= 0 or k >= logits.shape[0]:
         return logits
-    keep = np.argpartition(-logits, k - 1)[:k]
+    keep = top_indices(logits, k)  # ties at the k-th value: the lowest ids
     out = np.full_like(logits, -np.inf)
     out[keep] = logits[keep]
     return out
@@ -212,8 +224,12 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = (), position: int | None = None) -> int:
         """logits (vocab,) f32, history = prompt + generated ids so far -> the next id, the token at
-        `position` (default len(history)) of the sequence."""
+        `position` (default len(history)) of the sequence. A row that is not an array is the shards'
+        summary of one (common/shard_sampling.RowSummary): it decides, with the penalties applied shard-side."""
+        position = len(history) if position is None else position
+        if not isinstance(logits, np.ndarray):
+            return logits.sample(self.params, self.key, position)
         z = self.scores(logits, history)
         if self.params.greedy:
             return int(np.argmax(z))
-        return self.draw(z, len(history) if position is None else position)
+        return self.draw(z, position)

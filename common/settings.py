@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from common.runtime import ServiceUnavailable
 from common.speculative import MAX_DRAFT
+from common.wire import MAX_SAMPLE_TOP
 
 READERS = {
     "coordinator": "the coordinator handler (a Worker var or binding)",
@@ -149,6 +150,9 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("auto", "off", "prompt_lookup", "draft_model")),
     _s("SPEC_MAX_DRAFT", "int", "8", "coordinator", "tokens drafted per trip at most (a request's max_draft "
        f"may ask for fewer or more, up to {MAX_DRAFT})", minimum=1, maximum=MAX_DRAFT),
+    _s("SHARD_SAMPLE_TOP", "int", "64", "coordinator", "sampling on the shards: candidates per row each shard "
+       "sends with its max and log-sum-exp, from which the tokens are decided exactly; 0: full slices of logits",
+       minimum=0, maximum=MAX_SAMPLE_TOP),
     # ------------------------------------------------------------ station
     _s("SPECIALIZATION_START_LAYER", "int", REQUIRED, "station", "first layer of the station", minimum=0),
     _s("SPECIALIZATION_END_LAYER", "int", REQUIRED, "station", "end of the station's layers (exclusive)",

@@ -180,11 +180,12 @@ class DraftLength:
 
 
 def verify(sampler: Sampler, rows: np.ndarray, context: list[int], draft: Draft) -> tuple[list[int], int]:
-    """rows (k + 1, vocab): the logits after context[-1] and after each of the k drafted tokens
+    """rows (k + 1, vocab): the logits after context[-1] and after each of the k drafted tokens (or
+    the shards' summaries of them, common/shard_sampling.py: point-mass drafts only)
     -> (the tokens this trip decides: the accepted drafts, then the replacement or the bonus;
     how many drafts were accepted)."""
     k = len(draft.tokens)
-    assert rows.shape[0] == k + 1, f"{rows.shape=} for {k} drafts"
+    assert len(rows) == k + 1, f"{len(rows)} rows for {k} drafts"
     out: list[int] = []
     for j, d in enumerate(draft.tokens):
         hist = context + out

@@ -214,8 +214,9 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
 #     off  size  field
 #     0    4     magic        b"KENV"
 #     4    1     version      1
-#     5    1     mode         0 prefill, 1 decode, 2 embed (shard), 3 logits (shard), 4 draft (drafter)
-#     6    1     dtype        0 float32, 1 int32
+#     5    1     mode         0 prefill, 1 decode, 2 embed (shard), 3 logits (shard), 4 draft (drafter),
+#                               5 sample (shard: a slice's sampling summary, common/shard_sampling.py)
+#     6    1     dtype        0 float32, 1 int32, 2 float64
 #     7    1     ndim         u8, dims of the array (<= MAX_NDIM)
 #     8    4     position     u32, position of the first row of the array in its sequence
 #     12   4     seq_len      u32, sequence length once this frame is applied (position + rows)
@@ -229,8 +230,8 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
 
 ENVELOPE_MAGIC = b"KENV"
 ENVELOPE_CONTENT_TYPE = "application/x-knot-envelope"
-MODES = ("prefill", "decode", "embed", "logits", "draft")
-DTYPES = ("<f4", "<i4")  # index = dtype code
+MODES = ("prefill", "decode", "embed", "logits", "draft", "sample")
+DTYPES = ("<f4", "<i4", "<f8")  # index = dtype code
 FLAG_REWIND = 1
 _ENV_FLAGS = FLAG_REWIND  # every flag this decoder knows
 _ENV_HEAD = struct.Struct("<4sBBBBIIHH")
@@ -251,7 +252,7 @@ def encode_envelope(env: Envelope) -> bytes:
     arr = np.ascontiguousarray(env.array)
     dtype = arr.dtype.newbyteorder("<").str
     if dtype not in DTYPES:
-        raise ValueError(f"envelope array dtype {arr.dtype} is not float32 or int32")
+        raise ValueError(f"envelope array dtype {arr.dtype} is not float32, int32 or float64")
     if env.mode not in MODES or len(rid) > 0xFFFF or arr.ndim > MAX_NDIM:
         raise ValueError(f"envelope: mode {env.mode!r}, id {len(rid)} B or ndim {arr.ndim} out of range")
     head = _ENV_HEAD.pack(ENVELOPE_MAGIC, VERSION, MODES.index(env.mode), DTYPES.index(dtype), arr.ndim,
@@ -295,6 +296,7 @@ def _read_envelope(r: _Reader) -> Envelope:
         rid = bytes(r.take(id_len, "request_id")).decode("utf-8")
     except UnicodeDecodeError as e:
         raise MalformedFrame(f"envelope: request id is not UTF-8 (byte {e.start})") from None
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
     shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
     # A hostile shape such as (0, 2**63) claims no payload yet no array can take it: every
     # dimension must be >= 1 and the product must fit the bytes that are actually there.
@@ -303,10 +305,10 @@ def _read_envelope(r: _Reader) -> Envelope:
     n = 1
     for d in shape:
         n *= d
-        if n * 4 > r.remaining():
-            raise TruncatedFrame(f"envelope {rid}: shape {shape} needs at least {n * 4} payload bytes, "
+        if n * itemsize > r.remaining():
+            raise TruncatedFrame(f"envelope {rid}: shape {shape} needs at least {n * itemsize} payload bytes, "
                                  f"only {r.remaining()} left")
-    payload = r.take(n * 4, f"payload {shape}")
+    payload = r.take(n * itemsize, f"payload {shape}")
     (crc,) = r.unpack(_CRC, "crc32")
     got = zlib.crc32(r.buf[start:r.pos - _CRC.size])
     if got != crc:
@@ -315,6 +317,87 @@ def _read_envelope(r: _Reader) -> Envelope:
         raise MalformedFrame(f"envelope {rid}: seq_len {seq_len} < position {position}")
     arr = np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
     return Envelope(rid, MODES[mode], position, seq_len, arr, bool(flags & FLAG_REWIND))
+
+
+# ---------------------------------------------------------------- sampling spec (shard-side sampling)
+# POST /sample on a shard: this frame, then a "logits" envelope of the final normed hidden (T, dim).
+# It says what the sampler needs from the slice of each row (common/shard_sampling.py):
+#
+#     off  size  field
+#     0    4     magic          b"KSMP"
+#     4    1     version        1
+#     5    1     flags          bit 0 DRAW: also the slice's best Gumbel-perturbed score (temperature > 0,
+#                               no top-k / top-p / min-p: every token of the slice may be drawn); others 0
+#     6    2     reserved       0
+#     8    4     top            u32, candidates per row (>= 1): the slice's best logits and their ids
+#     12   4     penalty_last_n i32, the penalty window (0 off, -1 all), as SamplingParams
+#     16   8     temperature    f64
+#     24   8     key            u64, the sampler's noise key (the seed)
+#     32   8     repetition     f64, repetition_penalty
+#     40   8     frequency      f64, frequency_penalty
+#     48   8     presence       f64, presence_penalty
+#     56   4     n_history      u32, tokens that follow
+#     60   4*n   history        i32 each: the sequence's last tokens up to the last row's input token
+#                               (row j of T sees history[:n - (T - 1 - j)]: the penalties' window)
+#     ..   4     crc32          zlib.crc32 of every byte above
+
+SAMPLE_MAGIC = b"KSMP"
+SAMPLE_CONTENT_TYPE = "application/x-knot-sample"
+FLAG_DRAW = 1
+MAX_SAMPLE_TOP = 4096  # candidates per row a shard may be asked for
+_SAMPLE_HEAD = struct.Struct("<4sBBHIidQdddI")
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    top: int
+    temperature: float
+    key: int
+    draw: bool = False
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+    penalty_last_n: int = 0
+    history: tuple[int, ...] = ()
+
+
+def encode_sample_request(spec: SampleSpec, env: Envelope) -> bytes:
+    """The body of POST /sample: the spec frame, then the envelope."""
+    if not 1 <= spec.top <= MAX_SAMPLE_TOP or not -1 <= spec.penalty_last_n < 2 ** 31:
+        raise ValueError(f"sample spec: top {spec.top} or penalty_last_n {spec.penalty_last_n} out of range")
+    hist = np.asarray(spec.history, dtype="<i4").tobytes()
+    head = _SAMPLE_HEAD.pack(SAMPLE_MAGIC, VERSION, FLAG_DRAW if spec.draw else 0, 0, spec.top, spec.penalty_last_n,
+                             spec.temperature, spec.key & 0xFFFFFFFFFFFFFFFF, spec.repetition, spec.frequency,
+                             spec.presence, len(spec.history))
+    return head + hist + _CRC.pack(zlib.crc32(hist, zlib.crc32(head))) + encode_envelope(env)
+
+
+def decode_sample_request(buf: bytes | memoryview) -> tuple[SampleSpec, Envelope]:
+    r = _Reader(buf, "sample spec")
+    (magic, version, flags, reserved, top, last_n, temperature, key, repetition, frequency, presence,
+     n_hist) = r.unpack(_SAMPLE_HEAD, "sample spec header")
+    _check_magic_version("sample spec", magic, SAMPLE_MAGIC, version, flags & ~FLAG_DRAW)
+    if reserved or not 1 <= top <= MAX_SAMPLE_TOP or last_n < -1:
+        raise MalformedFrame(f"sample spec: reserved {reserved}, top {top} (1..{MAX_SAMPLE_TOP}) or "
+                             f"penalty_last_n {last_n} (>= -1) out of range")
+    # What SamplingParams and the sampler accept; NaN fails every comparison, so it is refused too.
+    if not (0 <= temperature < float("inf") and 0 < repetition < float("inf")
+            and abs(frequency) < float("inf") and abs(presence) < float("inf")):
+        raise MalformedFrame(f"sample spec: temperature {temperature}, repetition {repetition}, "
+                             f"frequency {frequency} or presence {presence} is not a valid finite value")
+    if flags & FLAG_DRAW and temperature == 0:
+        raise MalformedFrame("sample spec: DRAW with temperature 0 (greedy draws nothing)")
+    hist = np.frombuffer(r.take(4 * n_hist, f"history ({n_hist} tokens)"), dtype="<i4")
+    (crc,) = r.unpack(_CRC, "crc32")
+    got = zlib.crc32(r.buf[:r.pos - _CRC.size])
+    if got != crc:
+        raise ChecksumMismatch(f"sample spec: crc32 0x{got:08x}, frame says 0x{crc:08x}")
+    env = _read_envelope(r)
+    if r.remaining():
+        raise MalformedFrame(f"sample request: {r.remaining()} trailing bytes after the envelope")
+    spec = SampleSpec(top, temperature, key, bool(flags & FLAG_DRAW), repetition, frequency, presence, last_n,
+                      tuple(hist.tolist()))
+    return spec, env
 
 
 # ---------------------------------------------------------------- warden requests (what to send)

@@ -56,8 +56,20 @@ class IntegrityFailure(HttpError):
 async def post_envelope(binding: Any, path: str, frame: wire.Envelope, timeout_s: float,
                         knot_etag: str | None = None) -> wire.Envelope:
     """With knot_etag, the request names that version and the reply must come from it."""
-    headers = {"Content-Type": wire.ENVELOPE_CONTENT_TYPE} | ({KNOT_ETAG_HEADER: knot_etag} if knot_etag else {})
-    req = Request("POST", PEER_URL + path, headers, wire.encode_envelope(frame))
+    resp = await post_pinned(binding, path, wire.encode_envelope(frame), wire.ENVELOPE_CONTENT_TYPE, timeout_s,
+                             knot_etag)
+    try:
+        return wire.decode_envelope(resp.body)
+    except wire.WireError as e:
+        raise BadGateway(f"{path}: malformed reply: {e}") from None
+
+
+async def post_pinned(binding: Any, path: str, body: bytes, content_type: str, timeout_s: float,
+                      knot_etag: str | None = None) -> Response:
+    """POST a binary body -> the 2xx reply; with knot_etag, the request names that version and the
+    reply must come from it (else IntegrityFailure)."""
+    headers = {"Content-Type": content_type} | ({KNOT_ETAG_HEADER: knot_etag} if knot_etag else {})
+    req = Request("POST", PEER_URL + path, headers, body)
     try:
         resp = await call(binding, req, timeout_s)
     except PeerError as e:
@@ -67,10 +79,7 @@ async def post_envelope(binding: Any, path: str, frame: wire.Envelope, timeout_s
     if knot_etag and resp.headers.get(KNOT_ETAG_HEADER) != knot_etag:
         raise IntegrityFailure(f"{path}: answered from knot version {resp.headers.get(KNOT_ETAG_HEADER)!r}, the "
                                f"request works on {knot_etag!r}; refused rather than mixing versions")
-    try:
-        return wire.decode_envelope(resp.body)
-    except wire.WireError as e:
-        raise BadGateway(f"{path}: malformed reply: {e}") from None
+    return resp
 
 
 async def get_json(binding: Any, path: str, timeout_s: float | None) -> Any:

@@ -25,7 +25,9 @@ import numpy as np
 from common.generation import FinishEvent, Generation, TokenEvent, generate_events
 from common.kvcache import prefill_chunks
 from common.models import ModelConfig
+from common import wire
 from common.runtime import HttpError, ServiceUnavailable
+from common.shard_sampling import RowSummary, decide
 from common.speculative import Drafter, PromptLookup, SpeculationParams
 from common.tokenizer import Tokenizer, TokenizerError
 from services.coordinator.admission import Admission
@@ -46,8 +48,11 @@ class ClusterEngine:
     the layers, the shards' LM-head slices give the logits. Per generation it keeps nothing but what
     the stations keep under gen.request_id; hops, degradations and replays go to the record."""
 
-    def __init__(self, pipeline: Pipeline, observe_hop: Callable[[str, float], None] | None = None):
-        self.pipeline, self.observe_hop = pipeline, observe_hop
+    def __init__(self, pipeline: Pipeline, observe_hop: Callable[[str, float], None] | None = None,
+                 sample_top: int = 0):
+        """sample_top: candidates per row each shard sends (SHARD_SAMPLE_TOP); 0: the shards send their
+        full slices of logits and the coordinator samples from those."""
+        self.pipeline, self.observe_hop, self.sample_top = pipeline, observe_hop, sample_top
 
     def _hops(self, gen: Generation) -> Hops:
         return Hops(gen.hop_ms, self.observe_hop)
@@ -60,7 +65,7 @@ class ClusterEngine:
         except SessionLost:
             # A station restarted mid-prompt: our later chunks found no session. Once more from 0.
             h = await self._prefill(gen, ids)
-        return (await self.pipeline.logits(rid, h, len(ids) - 1, hops, degraded))[-1]
+        return (await self._rows(gen, h, len(ids) - 1, ids))[-1]
 
     async def _prefill(self, gen: Generation, ids: list[int]) -> np.ndarray:
         h = await self.pipeline.prefill(gen.request_id, ids, prefill_chunks(len(ids)), self._hops(gen), gen.degraded)
@@ -75,7 +80,7 @@ class ClusterEngine:
         everything before them as one prefill, then the trip again."""
         pos = len(context) - len(tokens)
         try:
-            return await self._step(gen, tokens, pos)
+            return await self._step(gen, tokens, context)
         except SessionLost as e:
             gen.replays += 1
             if gen.replays > MAX_REPLAYS:
@@ -83,16 +88,53 @@ class ClusterEngine:
                                          f"times: {e}")
             log.warning("request %s: %s; replaying %d tokens", gen.request_id, e, pos)
             await self._prefill(gen, context[:pos])
-            return await self._step(gen, tokens, pos)
+            return await self._step(gen, tokens, context)
 
-    async def _step(self, gen: Generation, tokens: list[int], pos: int) -> np.ndarray:
-        """tokens at positions [pos, pos + T) -> their logits (T, vocab); the stations drop what they hold
-        from pos on first (an earlier trip's rejected drafts)."""
+    async def _step(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray | list[RowSummary]:
+        """tokens at positions [pos, pos + T), context ending with them -> their rows (T, vocab); the
+        stations drop what they hold from pos on first (an earlier trip's rejected drafts)."""
         rid, hops, p = gen.request_id, self._hops(gen), self.pipeline
+        pos = len(context) - len(tokens)
         x = await p.embed(rid, tokens, pos, hops, gen.degraded)
         h = await p.stations_forward(rid, "decode", pos, x, hops, rewind=gen.cached > pos)
         gen.cached = pos + len(tokens)
-        return await p.logits(rid, h, pos, hops, gen.degraded)
+        return await self._rows(gen, h, pos, context)
+
+    async def _rows(self, gen: Generation, h: np.ndarray, pos: int, seq: list[int]) -> np.ndarray | list[RowSummary]:
+        """h (T, dim), the first row's input token at pos, seq the sequence up to the last row's input
+        token -> the rows the sampler takes: the shards' summaries when they decide every row's token
+        (common/shard_sampling.py), else the logits (T, vocab) of the full slices."""
+        p, hops = self.pipeline, self._hops(gen)
+        spec = self._sample_spec(gen, seq, h.shape[0])
+        if spec is not None:
+            rows = await p.sample(gen.request_id, h, pos, spec, hops, gen.degraded)
+            for r in rows:
+                r.token = decide(r, gen.sampling, gen.sampler_key)
+            if all(r.token is not None for r in rows):
+                gen.shard_sampled += 1
+                return rows
+            gen.full_rows += 1  # top_p / min_p reached past what a slice sent: the full slices after all
+        return await p.logits(gen.request_id, h, pos, hops, gen.degraded)
+
+    def _sample_spec(self, gen: Generation, seq: list[int], n_rows: int) -> wire.SampleSpec | None:
+        """What the shards send of each row, or None where the sampler needs the full slices: a sampled
+        draft model's accept/reject rule (the whole distribution), logprobs of raw logits under
+        penalties (the shards send penalized ones), more candidates than a shard may send."""
+        p = gen.sampling
+        if self.sample_top == 0 or (gen.speculation.source == "draft_model" and not p.greedy):
+            return None
+        if gen.logprobs is not None and p.penalized:
+            return None
+        top = max(self.sample_top, p.top_k, gen.logprobs or 0)
+        if top > wire.MAX_SAMPLE_TOP:
+            return None
+        history: list[int] = []
+        if p.penalized:  # row j's window: the last penalty_last_n tokens up to its input
+            history = seq if p.penalty_last_n < 0 else seq[-(p.penalty_last_n + n_rows - 1):]
+        no_filter = not 0 < p.top_k < self.pipeline.vocab_size and p.top_p >= 1.0 and p.min_p <= 0.0
+        return wire.SampleSpec(top, p.temperature, gen.sampler_key, not p.greedy and no_filter,
+                               p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                               p.penalty_last_n, tuple(history))
 
 
 def summary(gen: Generation) -> dict:
@@ -109,7 +151,8 @@ def summary(gen: Generation) -> dict:
                     "decode_ms": round(decode_s * 1e3, 3),
                     "decode_tok_s": round(gen.decode_tok_s, 3) if gen.decode_steps and decode_s > 0 else None,
                     "hops": Hops(gen.hop_ms).summary(),
-                    "speculation": gen.speculation_summary()},
+                    "speculation": gen.speculation_summary(),
+                    "shard_sampling": {"summaries": gen.shard_sampled, "full_slices": gen.full_rows}},
         "degraded_shards": [d.as_json() for d in gen.degraded],
         "replays": gen.replays,
     }
@@ -124,7 +167,7 @@ class Coordinator:
         self.created = int(time.time())
         self.admission = Admission(settings.max_concurrent, settings.max_queued, settings.retry_after_s)
         self.metrics = CoordinatorMetrics(self.admission)
-        self.engine = ClusterEngine(pipeline, self.metrics.observe_hop)
+        self.engine = ClusterEngine(pipeline, self.metrics.observe_hop, settings.sample_top)
         self.station_memory: list[dict | None] = []  # each station's /stats "memory", last known
 
     def note_station_stats(self, stats: list[dict | None]) -> None:

@@ -63,6 +63,7 @@ class CoordinatorSettings:
     model_name: str | None  # None: KNOT_KEY without ".knot"
     speculation: str = default("SPECULATION", "coordinator")  # for requests that do not choose
     max_draft: int = default("SPEC_MAX_DRAFT", "coordinator")
+    sample_top: int = default("SHARD_SAMPLE_TOP", "coordinator")  # 0: the shards send full slices
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
@@ -79,7 +80,8 @@ class CoordinatorSettings:
             shards.append((name, a, b))
         return cls(get("KNOT_KEY"), stations, tuple(shards), get("SHARD_TIMEOUT_S"), get("STATION_TIMEOUT_S"),
                    get("STATION_RETRY_S"), get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"),
-                   get("RETRY_AFTER_S"), get("MODEL_NAME"), get("SPECULATION"), get("SPEC_MAX_DRAFT"))
+                   get("RETRY_AFTER_S"), get("MODEL_NAME"), get("SPECULATION"), get("SPEC_MAX_DRAFT"),
+                   get("SHARD_SAMPLE_TOP"))
 
     @property
     def model_id(self) -> str:

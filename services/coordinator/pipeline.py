@@ -21,6 +21,7 @@ import numpy as np
 
 from common import wire
 from common.runtime import BadGateway, HttpError, ServiceUnavailable
+from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
 from services.peer import IntegrityFailure
 from services.shard.client import ShardClient
@@ -123,6 +124,30 @@ class Pipeline:
         if ok == 0:
             raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled")
         return out
+
+    async def sample(self, rid: str, h: np.ndarray, position: int, spec: wire.SampleSpec, hops: Hops,
+                     degraded: list[Degradation]) -> list[RowSummary]:
+        """h (T, dim) final normed hidden, the first row's input at position -> per row the merged
+        summaries of the slices (common/shard_sampling.py), not their logits."""
+        frame = wire.Envelope(rid, "logits", position, position + h.shape[0], h)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(shard.sample(spec, frame) for _, shard in self.shards),
+                                       return_exceptions=True)
+        hops.add("logits", t0)  # the LM-head hop, whatever the shards send back
+        _raise_integrity(results)
+        slices = []
+        for (spec_s, _), res in zip(self.shards, results):
+            if not isinstance(res, BaseException):
+                sl = SliceSummary(spec_s.vocab_start, spec_s.vocab_end, *(e.array for e in res))
+                bad = sl.check(h.shape[0])
+                if bad is None:
+                    slices.append(sl)
+                    continue
+                res = BadGateway(f"sample reply: {bad}")
+            self._degrade(spec_s, "logits", res, degraded)  # its slice is left out: never sampled
+        if not slices:
+            raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled")
+        return merge(slices, self.vocab_size, position + 1)
 
     async def stations_forward(self, rid: str, mode: str, position: int, x: np.ndarray, hops: Hops,
                                rewind: bool = False) -> np.ndarray:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from common import wire
-from services.peer import get_json, post_envelope
+from common.runtime import BadGateway
+from services.peer import get_json, post_envelope, post_pinned
 
 
 class ShardClient:
@@ -19,6 +20,19 @@ class ShardClient:
     async def logits(self, frame: wire.Envelope) -> wire.Envelope:
         """float32 (T, dim) final normed hidden -> (T, n_rows) logits of the shard's slice."""
         return await post_envelope(self.binding, "/logits", frame, self.timeout_s, self.knot_etag)
+
+    async def sample(self, spec: wire.SampleSpec, frame: wire.Envelope) -> list[wire.Envelope]:
+        """float32 (T, dim) final normed hidden -> the slice's summary: ids (T, t), logits (T, t), stats (T, 5)."""
+        resp = await post_pinned(self.binding, "/sample", wire.encode_sample_request(spec, frame),
+                                 wire.SAMPLE_CONTENT_TYPE, self.timeout_s, self.knot_etag)
+        try:
+            envs = wire.decode_envelopes(resp.body)
+        except wire.WireError as e:
+            raise BadGateway(f"/sample: malformed reply: {e}") from None
+        want = [("sample", "<i4"), ("sample", "<f4"), ("sample", "<f8")]
+        if [(e.mode, e.array.dtype.str) for e in envs] != want:
+            raise BadGateway(f"/sample: reply of {[(e.mode, e.array.dtype.str) for e in envs]}, expected {want}")
+        return envs
 
     async def stats(self, timeout_s: float | None = None) -> dict:
         return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)

@@ -6,6 +6,10 @@
     POST /logits    envelope mode "logits", float32 (T, dim) final normed hidden -> (T, n_rows):
                     this slice of the LM head (rows of output.weight, or token_embd when tied);
                     concurrent requests are batched into one product (services/batcher.py)
+    POST /sample    a sampling spec then a "logits" envelope (common/wire.py) -> three "sample"
+                    envelopes: the slice's summary per row (common/shard_sampling.py): candidate ids
+                    (T, t) int32, their logits (T, t) float32, stats (T, 5) float64; the coordinator
+                    decides the tokens from those, not from the slice's logits
     GET  /stats
 
 Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB), ROW_CACHE_BYTES
@@ -35,7 +39,9 @@ from common.matmul import get_kernel
 from common.models import Model
 from common.quant import QTensor, dequantize_rows
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
+from common.sampling import SamplingParams
 from common.settings import ConfigError, default, read
+from common.shard_sampling import summarize
 from services.batcher import Batcher
 from services.boot import BootCache
 from services.cobordism_warden.client import CobordismWardenClient
@@ -93,7 +99,8 @@ class Shard:
         # row -> (seal, (dim,) float32 read-only)
         self.row_cache: ByteLRU[int, tuple[Seal, np.ndarray]] = ByteLRU(settings.row_cache_bytes)
         self.stats = {"embed_calls": 0, "rows_from_local": 0, "rows_from_warden": 0, "rows_from_r2": 0,
-                      "warden_failures": 0, "warden_rows_rejected": 0, "row_cache_rejects": 0, "logits_calls": 0}
+                      "warden_failures": 0, "warden_rows_rejected": 0, "row_cache_rejects": 0, "logits_calls": 0,
+                      "sample_calls": 0}
 
     async def boot(self) -> None:
         """The LM-head slice: one ranged read of rows [vocab_start, vocab_end), kept resident."""
@@ -232,9 +239,45 @@ def _frame(request: Request, mode: str) -> wire.Envelope:
         env = wire.decode_envelope(request.body)
     except wire.WireError as e:
         raise BadRequest(f"malformed envelope: {e}") from None
+    return _mode(env, mode)
+
+
+def _mode(env: wire.Envelope, mode: str) -> wire.Envelope:
     if env.mode != mode:
         raise BadRequest(f"envelope mode {env.mode!r}, expected {mode!r}")
     return env
+
+
+def _hidden(sh: Shard, f: wire.Envelope) -> np.ndarray:
+    """The final normed hidden (T, dim) of a logits envelope, checked."""
+    h = f.array
+    if h.dtype != np.float32 or h.ndim != 2 or h.shape[1] != sh.dim:
+        raise BadRequest(f"logits envelope holds {h.dtype} {h.shape}, expected float32 (T, {sh.dim})")
+    if not np.isfinite(h).all():
+        # NaN in, NaN logits out: no token is the argmax of those, so refuse rather than sample one
+        raise BadRequest(f"logits envelope for {f.request_id}: the hidden state holds NaN or inf")
+    return h
+
+
+async def _sample(sh: Shard, request: Request) -> Response:
+    try:
+        spec, f = wire.decode_sample_request(request.body)
+    except wire.WireError as e:
+        raise BadRequest(f"malformed sample request: {e}") from None
+    h = _hidden(sh, _mode(f, "logits"))
+    vocab = sh.model.cfg.vocab_size
+    if any(not 0 <= t < vocab for t in spec.history):
+        raise BadRequest(f"sample request: history token ids must lie in [0, {vocab})")
+    params = SamplingParams(temperature=spec.temperature, repetition_penalty=spec.repetition,
+                            frequency_penalty=spec.frequency, presence_penalty=spec.presence,
+                            penalty_last_n=spec.penalty_last_n)
+    x = await sh.batcher.submit(h)  # (T, n_rows) logits of the slice
+    ids, vals, stats = summarize(x, sh.settings.vocab_start, spec.top, params, spec.key, spec.history,
+                                 f.position, spec.draw)
+    sh.stats["sample_calls"] += 1
+    body = wire.encode_envelopes(wire.Envelope(f.request_id, "sample", f.position, f.seq_len, a)
+                                 for a in (ids, vals, stats))
+    return Response.from_bytes(body, wire.ENVELOPE_CONTENT_TYPE)
 
 
 async def fetch(request: Request, env: Env, ctx) -> Response:
@@ -255,19 +298,15 @@ async def _route(request: Request, sh: Shard) -> Response:
                                                                       f.seq_len, out)), wire.ENVELOPE_CONTENT_TYPE)
     if path == "/logits" and request.method == "POST":
         f = _frame(request, "logits")
-        h = f.array
-        if h.dtype != np.float32 or h.ndim != 2 or h.shape[1] != sh.dim:
-            raise BadRequest(f"logits envelope holds {h.dtype} {h.shape}, expected float32 (T, {sh.dim})")
-        if not np.isfinite(h).all():
-            # NaN in, NaN logits out: no token is the argmax of those, so refuse rather than sample one
-            raise BadRequest(f"logits envelope for {f.request_id}: the hidden state holds NaN or inf")
-        out = await sh.batcher.submit(h)
+        out = await sh.batcher.submit(_hidden(sh, f))
         return Response.from_bytes(wire.encode_envelope(wire.Envelope(f.request_id, "logits", f.position,
                                                                       f.seq_len, out)), wire.ENVELOPE_CONTENT_TYPE)
+    if path == "/sample" and request.method == "POST":
+        return await _sample(sh, request)
     if path == "/stats" and request.method == "GET":
         s = sh.settings
         return Response.from_json({"boot_key": s.boot_key, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end,
                                    "head": sh.head_name, "head_bytes": sh.head.nbytes,
                                    "head_f32_cached": sh.head_f32 is not None, **sh.stats, **sh.batcher.stats(),
                                    **sh.warden_stats(), **sh.source.stats(), "knot_reloads": _booted.reloads})
-    raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, GET /stats")
+    raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, POST /sample, GET /stats")

@@ -131,3 +131,32 @@ def test_the_profile_is_reported_and_tells_the_truth(real_cluster):
     assert (len(lines) == 3) == (not all(s["fits"] for s in memory["stations"])), lines  # + the cluster line
     metrics = http("GET", url + "/metrics")[2].decode()
     assert f'knot_station_resident_fraction{{profile="{profile}",station="1"}}' in metrics
+
+
+CODE_PROMPT = ('def has_close_elements(numbers: list[float], threshold: float) -> bool:\n'
+               '    """Check if in given list of numbers, are any two numbers closer to each other than\n'
+               '    given threshold.\n    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n    """\n')
+
+
+def test_speculation_and_shard_sampling_change_no_token(real_cluster):
+    """Issue 15 on real weights: prompt-lookup speculation through the stations and the tokens
+    decided from the shards' summaries give the single process's tokens without either, greedy
+    and seeded; the speculative run verified drafts and the shards' summaries decided the tokens."""
+    from deploy import models
+
+    name, _, running = real_cluster
+    engine = LocalEngine.open(models.model_path(name))
+    url = running["coordinator"].url
+    n = 48
+    for sampling in ({}, {"temperature": 0.8, "top_p": 0.95, "seed": 3}):
+        want = engine.generate(engine.tokenizer.encode(CODE_PROMPT), SamplingParams(**sampling), max_tokens=n)
+        for spec in ("off", "prompt_lookup"):
+            status, _, raw = http("POST", url + "/generate", {"prompt": CODE_PROMPT, "max_tokens": n,
+                                                              "speculation": spec, **sampling}, timeout_s=900)
+            assert status == 200, raw
+            body = json.loads(raw)
+            assert body["tokens"] == want.token_ids, (sampling, spec, body["text"], want.text)
+            t = body["timings"]
+            assert t["shard_sampling"]["summaries"] > 0, t
+            if spec == "prompt_lookup":
+                assert t["speculation"]["drafted"] > 0, t

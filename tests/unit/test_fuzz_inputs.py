@@ -3,7 +3,7 @@ the answer is a result or a clean 4xx with a reason, never a 500, and the cluste
 baseline tokens afterwards.
 
     - the JSON bodies of every public endpoint, over the whole in-process cluster;
-    - every binary frame decoder (envelopes, tensor frames and batches, warden request bodies),
+    - every binary frame decoder (envelopes, tensor frames and batches, sampling specs, warden request bodies),
       on arbitrary bytes and on valid frames with bytes changed and the crc32 made to match.
 """
 from __future__ import annotations
@@ -147,12 +147,16 @@ def _valid_frames() -> dict[str, bytes]:
     env = wire.encode_envelope(wire.Envelope("req-1", "prefill", 0, 3, rng.standard_normal((3, 8), np.float32)))
     tok = wire.encode_envelope(wire.Envelope("req-2", "embed", 2, 4, np.array([1, 7], np.int32)))
     t = wire.TensorFrame("blk.0.attn_q.weight", "Q8_0", (32, 2), memoryview(bytes(range(68))), 0)
-    return {"envelope": env, "tokens": tok, "tensor": wire.encode_tensor(t), "batch": wire.encode_batch([t, t])}
+    spec = wire.SampleSpec(4, 0.8, 77, True, 1.1, 0.2, 0.1, 64, (1, 2, 3))
+    sample = wire.encode_sample_request(spec, wire.Envelope("req-3", "logits", 5, 8,
+                                                            rng.standard_normal((3, 8), np.float32)))
+    return {"envelope": env, "tokens": tok, "tensor": wire.encode_tensor(t), "batch": wire.encode_batch([t, t]),
+            "sample": sample}
 
 
 VALID = _valid_frames()
 DECODERS = {"envelope": wire.decode_envelope, "tokens": wire.decode_envelope, "tensor": wire.decode_tensor,
-            "batch": wire.decode_batch}
+            "batch": wire.decode_batch, "sample": wire.decode_sample_request}
 
 
 def _fix_crc(buf: bytearray) -> bytes:
@@ -181,7 +185,8 @@ def test_frame_decoders_raise_only_wire_errors(kind, data):
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_request_body_decoders_raise_only_wire_errors(body):
-    for decode in (wire.decode_envelope, wire.decode_tensor, wire.decode_batch, wire.decode_names, wire.decode_rows):
+    for decode in (wire.decode_envelope, wire.decode_tensor, wire.decode_batch, wire.decode_names, wire.decode_rows,
+                   wire.decode_sample_request, wire.decode_envelopes):
         try:
             decode(body)
         except wire.WireError:
@@ -189,13 +194,14 @@ def test_request_body_decoders_raise_only_wire_errors(body):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["envelope", "tokens"]), data=st.data())
+@given(kind=st.sampled_from(["envelope", "tokens", "sample"]), data=st.data())
 def test_stations_and_shards_answer_a_4xx_to_bad_frames(loop, cluster, kind, data):
     buf = bytearray(VALID[kind])
     for _ in range(data.draw(st.integers(1, 3))):
         buf[data.draw(st.integers(0, len(buf) - 1))] = data.draw(st.integers(0, 255))
     frame = _fix_crc(buf) if data.draw(st.booleans()) else bytes(buf)
-    targets = [(cluster.stations[0], "/forward"), (cluster.shards[0], "/embed"), (cluster.shards[0], "/logits")]
+    targets = [(cluster.stations[0], "/forward"), (cluster.shards[0], "/embed"), (cluster.shards[0], "/logits"),
+               (cluster.shards[0], "/sample")]
     for svc, path in targets:
         r = loop.run_until_complete(svc.fetch(Request("POST", path, {}, frame)))
         assert r.status < 500, (path, r.status, r.body[:300])

@@ -1,0 +1,205 @@
+"""Sampling on the shards: each vocabulary slice sends a summary of its logits, not the logits.
+
+A shard (services/shard) turns its slice of a row of logits into
+    - its `top` best candidates: ids and (penalized) logits, in the order (-logit, id);
+    - its max and log-sum-exp (float64);
+    - with DRAW, its best Gumbel-perturbed score argmax(z + g) over all its ids, and that id's logit
+(summarize below; the penalties are applied shard-side, each shard knowing its own ids). The
+coordinator merges the slices of a row (merge) and decides the token from the summaries alone
+(decide), exactly as common.sampling.Sampler would from the whole row:
+    - greedy: the first merged candidate (the argmax, lowest id on ties);
+    - top_k (k <= top): the first k merged candidates;
+    - top_p: the cumulative probabilities (the log-sum-exp gives the denominator) over the prefix
+      of the merged list that is known to be the global order's prefix ("trusted");
+    - min_p: the candidates above max + log(min_p), when no slice held back one that high;
+    - temperature: the Gumbel-max draw over the kept candidates, the same noise per id as the
+      whole row's draw; with no filter at all, the best of the slices' own draws.
+When the summaries cannot decide a row (top_p or min_p reaching past what a slice sent, or x / T
+overflowing float32), decide returns None and the caller fetches the full slices.
+
+Why the trusted prefix: a slice that sent its top t of n > t ids holds back ids that all come after
+its last sent one in the (-logit, id) order. The merged list is therefore the global order up to
+and including the earliest such "last sent" candidate among the truncated slices, and no further.
+
+Exactness: the same float32 logits, the same elementwise x / T and the same noise per id as the
+whole row, so the tokens are the full-logit sampler's; the one rounding difference is top_p's
+denominator (a sum of per-slice sums), which can move the cut only when a cumulative probability
+lies within ~1e-15 of top_p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from common.sampling import DRAW, SamplingParams, apply_penalties, gumbel, gumbel_argmax, min_p, scale, top_indices, top_p
+
+# stats columns of a slice's summary, per row (float64)
+MAX, LSE, BEST_ID, BEST_SCORE, BEST_LOGIT = range(5)
+N_STATS = 5
+
+
+def row_history(history: Sequence[int], n_rows: int, j: int) -> Sequence[int]:
+    """history ends at the last row's input token; row j of n_rows sees it without the last n_rows - 1 - j."""
+    cut = n_rows - 1 - j
+    return history[:len(history) - cut] if cut else history
+
+
+def summarize(x: np.ndarray, offset: int, top: int, params: SamplingParams, key: int, history: Sequence[int],
+              position: int, draw: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (T, n) float32 logits of ids [offset, offset + n) -> ids (T, t) int32, logits (T, t) float32,
+    stats (T, N_STATS) float64 with t = min(top, n). Row j's input token is at position + j: its
+    token is drawn at position + j + 1, its penalties see row_history(history, T, j)."""
+    T, n = x.shape
+    t = min(top, n)
+    ids = np.empty((T, t), np.int32)
+    vals = np.empty((T, t), np.float32)
+    stats = np.full((T, N_STATS), -np.inf, np.float64)
+    stats[:, BEST_ID] = -1
+    for j in range(T):
+        r = apply_penalties(x[j], row_history(history, T, j), params, offset)  # (n,) f32
+        idx = top_indices(r, t)
+        ids[j], vals[j] = idx + offset, r[idx]
+        m = float(r.max())
+        stats[j, MAX] = m
+        stats[j, LSE] = m + float(np.log(np.exp(r - m, dtype=np.float64).sum()))
+        if draw:
+            z = scale(r, params.temperature)
+            if z.dtype == np.float32:  # else x / T overflowed: the coordinator sees it and fetches the slices
+                tid, score = gumbel_argmax(z, key, DRAW, position + j + 1, offset)
+                stats[j, BEST_ID], stats[j, BEST_SCORE], stats[j, BEST_LOGIT] = tid, score, r[tid - offset]
+    return ids, vals, stats
+
+
+@dataclass(frozen=True)
+class SliceSummary:
+    """One shard's reply for T rows (checked by the caller against its slice)."""
+    vocab_start: int
+    vocab_end: int
+    ids: np.ndarray    # (T, t) int32, global ids, each row in (-logit, id) order
+    logits: np.ndarray  # (T, t) float32
+    stats: np.ndarray  # (T, N_STATS) float64
+
+    def check(self, n_rows: int) -> str | None:
+        """What is wrong with a peer's reply, or None."""
+        T, t = self.ids.shape
+        if (self.logits.shape != (T, t) or self.stats.shape != (T, N_STATS) or T != n_rows
+                or not 1 <= t <= self.vocab_end - self.vocab_start):
+            return f"shapes {self.ids.shape} {self.logits.shape} {self.stats.shape} for {n_rows} rows"
+        if ((self.ids < self.vocab_start) | (self.ids >= self.vocab_end)).any():
+            return f"candidate ids outside the slice [{self.vocab_start}, {self.vocab_end})"
+        if not (np.isfinite(self.logits).all() and np.isfinite(self.stats[:, [MAX, LSE]]).all()):
+            return "non-finite candidate logits, max or log-sum-exp"
+        best = self.stats[:, BEST_ID]
+        if ((best != -1) & ((best < self.vocab_start) | (best >= self.vocab_end) | (best != np.floor(best)))).any():
+            return "a best id outside the slice"
+        return None
+
+    @property
+    def truncated(self) -> bool:
+        return self.ids.shape[1] < self.vocab_end - self.vocab_start
+
+
+@dataclass
+class RowSummary:
+    """One row of logits as the merged summaries of the slices that answered."""
+    ids: np.ndarray     # (m,) int64, every candidate, in (-logit, id) order
+    logits: np.ndarray  # (m,) float32
+    trusted: int        # ids[:trusted] is the prefix of the whole row's (-logit, id) order
+    floors: np.ndarray  # (s,) float32: the last sent logit of each truncated slice
+    max: np.float32     # of the whole row
+    lse: float          # log-sum-exp of the whole row (float64)
+    best: tuple[int, float, float] | None  # (id, z + g, logit) of the slices' best draw; None: not drawn
+    vocab_size: int
+    position: int       # where this row's token goes
+    token: int | None = None  # decided (decide), set by the engine
+
+    def sample(self, params: SamplingParams, key: int, position: int) -> int:
+        """The Sampler's call on this row (history is applied shard-side)."""
+        assert position == self.position, f"row for position {self.position} sampled at {position}"
+        if self.token is None:
+            self.token = decide(self, params, key)
+            assert self.token is not None, "a row the summaries cannot decide reached the sampler"
+        return self.token
+
+    def logit(self, tid: int) -> float:
+        hit = np.flatnonzero(self.ids == tid)
+        if hit.size:
+            return float(self.logits[hit[0]])
+        assert self.best is not None and self.best[0] == tid, f"token {tid} is not among the candidates"
+        return self.best[2]
+
+    def logprobs(self, tid: int, top_n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """(log-softmax of tid, the top_n best with theirs); top_n <= trusted (the engine asked for enough)."""
+        assert top_n <= self.trusted, f"{top_n} logprobs from {self.trusted} trusted candidates"
+        top = tuple((int(i), float(v) - self.lse) for i, v in zip(self.ids[:top_n], self.logits[:top_n]))
+        return self.logit(tid) - self.lse, top
+
+
+def merge(slices: Sequence[SliceSummary], vocab_size: int, position: int) -> list[RowSummary]:
+    """The slices that answered (at least one) -> one RowSummary per row; row j's token goes at position + j."""
+    T = slices[0].ids.shape[0]
+    out = []
+    for j in range(T):
+        ids = np.concatenate([s.ids[j].astype(np.int64) for s in slices])
+        vals = np.concatenate([s.logits[j] for s in slices])
+        order = np.lexsort((ids, -vals))  # (-logit, id)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        trusted, end, floors = order.size, 0, []
+        for s in slices:
+            end += s.ids.shape[1]
+            if s.truncated:
+                trusted = min(trusted, int(rank[end - 1]) + 1)
+                floors.append(s.logits[j, -1])
+        maxes = np.array([s.stats[j, MAX] for s in slices])
+        m = float(maxes.max())
+        lse = m + float(np.log(np.exp(np.array([s.stats[j, LSE] for s in slices]) - m).sum()))
+        best = None
+        if all(s.stats[j, BEST_ID] >= 0 for s in slices):
+            # the best score; on a tie the lowest id, as argmax over the whole row
+            b = max(slices, key=lambda s: (s.stats[j, BEST_SCORE], -s.stats[j, BEST_ID]))
+            best = (int(b.stats[j, BEST_ID]), float(b.stats[j, BEST_SCORE]), float(b.stats[j, BEST_LOGIT]))
+        out.append(RowSummary(ids[order], vals[order], trusted, np.array(floors, np.float32), np.float32(m), lse,
+                              best, vocab_size, position + j))
+    return out
+
+
+def decide(row: RowSummary, p: SamplingParams, key: int) -> int | None:
+    """The token common.sampling.Sampler takes from the whole row, or None when the summaries cannot say."""
+    if p.greedy:
+        return int(row.ids[0])
+    n = None  # kept: the first n merged candidates; None: the whole row
+    if 0 < p.top_k < row.vocab_size:
+        if p.top_k > row.trusted:
+            return None
+        n = p.top_k
+    if p.top_p < 1.0:
+        if n is not None:
+            n = int(np.flatnonzero(np.isfinite(top_p(row.logits[:n], p.top_p))).size)
+        else:
+            # probabilities of the whole row: exp(x - max) / sum, the sum from the slices' log-sum-exps
+            prob = np.exp(row.logits[:row.trusted].astype(np.float64) - np.float64(row.max) - (row.lse - row.max))
+            n = int(np.searchsorted(np.cumsum(prob), p.top_p)) + 1
+            if n > row.trusted:
+                return None
+    if p.min_p > 0.0:
+        if n is None:
+            thr = row.max + np.log(p.min_p)  # min_p's threshold: the whole row's max + log(min_p)
+            if (row.floors >= thr).any():
+                return None  # a slice may hold back a token that high
+            n = row.trusted
+        kept = np.isfinite(min_p(row.logits[:n], p.min_p))
+    elif n is None:
+        if row.best is None:
+            return None
+        return row.best[0]  # every token may be drawn: the best of the slices' own draws
+    else:
+        kept = np.ones(n, bool)
+    ids, x = row.ids[:n][kept], row.logits[:n][kept]
+    by_id = np.argsort(ids, kind="stable")  # argmax takes the first of equal scores: the lowest id, as the row
+    ids, x = ids[by_id], x[by_id]
+    z = scale(x, p.temperature)
+    v = z.astype(np.float64) + gumbel(key, DRAW, row.position, ids)
+    return int(ids[int(np.argmax(v))])
