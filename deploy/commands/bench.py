@@ -14,6 +14,11 @@ Measures (issue 7's benchmark):
                                       default 128 MiB, a Worker's memory): its decode tok/s and the
                                       bytes per token the stations pulled from their LayerWardens
     peak RSS <service>                VmHWM of each service process at the end
+    speculation                       greedy decode of a code prompt (HumanEval-style) and a chat
+                                      prompt, with speculation off and with each source (prompt
+                                      lookup; the draft model with --draft-model): tok/s, acceptance
+                                      (accepted / drafted), tokens per trip, and whether the tokens
+                                      equal speculation off's; best of --spec-repeats runs each
 llama.cpp (llama-cpp-python, when installed) runs on the same GGUF with the same thread count:
 decode = N greedy tokens after a short prompt (the eval loop timed), prefill = one 512-token eval.
 
@@ -39,6 +44,15 @@ HELP = "benchmark the cluster against llama.cpp on the same GGUF and print one t
 SHORT_PROMPT = "def fibonacci(n):"
 RESIDENT_BUDGET_BYTES = 128 << 20  # --profile resident: each station's layers + this (KV caches, activations)
 FLUID_BUDGET_BYTES = 128 << 20   # --profile worker: a Worker's memory, the seed's fluid-memory profile
+# Speculation prompts: code repeats its names (prompt lookup's case), chat mostly does not.
+SPEC_PROMPTS = {
+    "code": {"prompt": 'from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) '
+                       '-> bool:\n    """ Check if in given list of numbers, are any two numbers closer to each '
+                       'other than\n    given threshold.\n    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    '
+                       'False\n    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n    """\n'},
+    "chat": {"messages": [{"role": "user", "content": "Explain what a Python list comprehension is, "
+                                                      "with one short example."}]},
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,6 +79,8 @@ def format_value(v: float | None, unit: str) -> str:
         return f"{v / 2**20:.0f} MiB"
     if unit == "x":
         return f"{v:.2f}x"
+    if unit == "%":
+        return f"{v * 100:.0f}%"
     return f"{v:g}"
 
 
@@ -131,6 +147,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the bucket survives, so later runs skip the upload)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--no-cluster", action="store_true", help="skip the cluster (single process and llama.cpp only)")
+    p.add_argument("--draft-model", default=None, help="also run the cluster with this draft model (name or "
+                   "path, same vocabulary) and measure the speculation source draft_model")
+    p.add_argument("--spec-repeats", type=int, default=2, metavar="N",
+                   help="runs of each speculation measurement; the best is reported (default 2)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the raw measurements to FILE")
 
 
@@ -214,7 +234,7 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-def start_cluster(model: str | None, args, budget_bytes: int, profile: str):
+def start_cluster(model: str | None, args, budget_bytes: int, profile: str, draft_model: str | None = None):
     from deploy import launcher, servers
 
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / "knot-bench"
@@ -223,7 +243,7 @@ def start_cluster(model: str | None, args, budget_bytes: int, profile: str):
     env.pop("KNOT_KEY", None)
     cluster = launcher.Cluster(run_dir)
     progress(f"starting the cluster in {run_dir} (profile {profile}, STATION_MEMORY_BUDGET_BYTES {budget_bytes:,})")
-    running = cluster.up(model=model, env=env, profile=profile)
+    running = cluster.up(model=model, env=env, profile=profile, draft_model=draft_model)
     for line in cluster.memory_lines(running):
         progress(line)
     return cluster, {r.name: r for r in running}
@@ -256,11 +276,13 @@ def measure_fluid(model: str | None, args) -> dict:
 def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int]) -> dict:
     from deploy import servers
 
-    cluster, running = start_cluster(model, args, args.budget_bytes, "resident")
+    cluster, running = start_cluster(model, args, args.budget_bytes, "resident", args.draft_model)
     out: dict = {"services": sorted(running)}
     try:
         url = running["coordinator"].url + "/generate"
-        gen = lambda prompt, n: http_json("POST", url, {"prompt": prompt, "max_tokens": n, "temperature": 0})
+        # speculation off: the plain decode (the speculation rows below measure it on and off)
+        gen = lambda prompt, n: http_json("POST", url, {"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                        "speculation": "off"})
         progress("cluster warm-up")
         gen(SHORT_PROMPT, 4)
 
@@ -288,6 +310,9 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
         body = gen(SHORT_PROMPT, 1)
         out["ttft_ms"] = body["timings"]["time_to_first_token_ms"]
         out["ttft_prompt_tokens"] = body["usage"]["prompt_tokens"]
+
+        sources = ["off", "prompt_lookup"] + (["draft_model"] if args.draft_model else [])
+        out["speculation"] = measure_speculation(url, tokens, sources, args.spec_repeats)
 
         out["aggregate"] = {}
         for c in concurrency:
@@ -322,6 +347,46 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
     return out
 
 
+def measure_speculation(url: str, tokens: int, sources: list[str], repeats: int) -> dict:
+    """"<kind>/<source>" -> the best decode tok/s of `repeats` greedy runs, the speculation record,
+    and whether the tokens equal speculation off's."""
+    out: dict = {}
+    for kind, body in SPEC_PROMPTS.items():
+        plain = None
+        for src in sources:
+            best = None
+            for _ in range(max(1, repeats)):
+                progress(f"speculation: {kind} prompt, {src}, {tokens} tokens")
+                r = http_json("POST", url, {**body, "max_tokens": tokens, "temperature": 0, "speculation": src})
+                if best is None or (r["timings"]["decode_tok_s"] or 0) > (best["timings"]["decode_tok_s"] or 0):
+                    best = r
+            if src == "off":
+                plain = best["tokens"]
+            s = best["timings"]["speculation"]
+            out[f"{kind}/{src}"] = {"decode_tok_s": best["timings"]["decode_tok_s"], "tokens": len(best["tokens"]),
+                                    "acceptance": s["acceptance"], "tokens_per_trip": s["tokens_per_trip"],
+                                    "drafted": s["drafted"], "accepted": s["accepted"],
+                                    "same_tokens_as_off": None if plain is None else best["tokens"] == plain,
+                                    "shard_sampling": best["timings"].get("shard_sampling")}
+    return out
+
+
+SOURCE_NAMES = {"off": "speculation off", "prompt_lookup": "prompt lookup", "draft_model": "draft model"}
+
+
+def speculation_figures(spec: dict, llama_decode: float | None) -> list[Figure]:
+    figs = []
+    for key, m in spec.items():
+        kind, src = key.split("/")
+        label = f"{kind} prompt, {SOURCE_NAMES.get(src, src)}"
+        figs.append(Figure(f"decode, {label}", m["decode_tok_s"], llama_decode, "tok/s"))
+        if src != "off":
+            figs.append(Figure(f"acceptance, {label}", m["acceptance"], None, "%"))
+            tpt = m["tokens_per_trip"]
+            figs.append(Figure(f"tokens per trip, {label}", None if tpt is None else round(tpt, 2), None, ""))
+    return figs
+
+
 def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurrency: list[int],
                   fluid: dict | None, fluid_budget_bytes: int) -> list[Figure]:
     cl, ll, fluid = cl or {}, ll or {}, fluid or {}
@@ -334,6 +399,7 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
                None, "x"),
         Figure("ttft", cl.get("ttft_ms"), None, "ms"),
     ]
+    figs += speculation_figures(cl.get("speculation", {}), ll.get("decode_tok_s"))
     for c in concurrency:
         figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c), None, "tok/s"))
     figs.append(Figure("R2 bytes per token", cl.get("r2_bytes_per_token"), None, "B"))
@@ -394,6 +460,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"R2 bytes by service during the decode run: {cl.get('r2_by_service')}")
         print(f"warden bytes by station during the decode run: {cl.get('warden_by_station')}")
         print(f"station stats: {json.dumps(cl.get('station_stats'))}")
+        for key, m in (cl.get("speculation") or {}).items():
+            print(f"speculation {key}: {m['tokens']} tokens, drafted {m['drafted']}, accepted {m['accepted']}, "
+                  f"same tokens as off: {m['same_tokens_as_off']}, shard sampling {m['shard_sampling']}")
     if fluid:
         print(f"fluid run: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
     if args.json:

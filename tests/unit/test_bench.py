@@ -1,7 +1,8 @@
 """`knot bench`'s table: ratios and formatting, no servers."""
 from __future__ import annotations
 
-from deploy.commands.bench import Figure, build_figures, format_value, per_token, ratio, render_table
+from deploy.commands.bench import (Figure, build_figures, format_value, per_token, ratio, render_table,
+                                   speculation_figures)
 
 
 def test_ratio_is_ours_over_llama_and_missing_sides_give_none():
@@ -57,3 +58,16 @@ def test_build_figures_names_the_required_rows():
     assert by["aggregate tok/s @4"].llama is None
     # nothing measured: every cell renders, no crash
     assert "decode" in render_table(build_figures(None, None, None, [1], None, 134217728))
+
+
+def test_speculation_rows_carry_the_llama_decode_and_the_acceptance():
+    spec = {"code/off": {"decode_tok_s": 20.0, "acceptance": None, "tokens_per_trip": 1.0},
+            "code/prompt_lookup": {"decode_tok_s": 40.0, "acceptance": 0.75, "tokens_per_trip": 2.345}}
+    by = {f.name: f for f in speculation_figures(spec, 50.0)}
+    assert ratio(by["decode, code prompt, speculation off"].ours, by["decode, code prompt, speculation off"].llama) == 0.4
+    assert by["decode, code prompt, prompt lookup"].llama == 50.0
+    assert format_value(by["acceptance, code prompt, prompt lookup"].ours, "%") == "75%"
+    assert by["tokens per trip, code prompt, prompt lookup"].ours == 2.35
+    assert "acceptance, code prompt, speculation off" not in by
+    figs = build_figures({"speculation": spec}, None, {"decode_tok_s": 50.0}, [], None, 1)
+    assert "decode, code prompt, prompt lookup" in [f.name for f in figs]
