@@ -14,8 +14,8 @@ Measures (issue 7's benchmark):
                                       default 128 MiB, a Worker's memory): its decode tok/s and the
                                       bytes per token the stations pulled from their LayerWardens
     peak RSS <service>                VmHWM of each service process at the end
-    speculation                       greedy decode of a code prompt (HumanEval-style) and a chat
-                                      prompt, with speculation off and with each source (prompt
+    speculation                       greedy decode of a code prompt (HumanEval-style), a chat
+                                      prompt and a code edit (chat), with speculation off and with each source (prompt
                                       lookup; the draft model with --draft-model): tok/s, acceptance
                                       (accepted / drafted), tokens per trip, and whether the tokens
                                       equal speculation off's; best of --spec-repeats runs each
@@ -52,6 +52,13 @@ SPEC_PROMPTS = {
                        'False\n    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n    """\n'},
     "chat": {"messages": [{"role": "user", "content": "Explain what a Python list comprehension is, "
                                                       "with one short example."}]},
+    # an edit: the answer copies most of the prompt, prompt lookup's best case
+    "code edit": {"messages": [{"role": "user", "content": (
+        "Add type hints to this function and change nothing else:\n```python\n"
+        "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError(\"window must be "
+        "positive\")\n    out = []\n    total = 0.0\n    for i, v in enumerate(values):\n        total += v\n"
+        "        if i >= window:\n            total -= values[i - window]\n        if i >= window - 1:\n"
+        "            out.append(total / window)\n    return out\n```")}]},
 }
 
 
