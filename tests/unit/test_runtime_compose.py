@@ -302,16 +302,16 @@ def test_a_draft_model_adds_its_init_job_and_the_drafter_bound_to_the_coordinato
     assert main(["compose", "--model", "qwen2.5-coder-1.5b", "--draft-model", "qwen2.5-coder-0.5b"]) == 0
     text = capsys.readouterr().out
     assert "#   knot compose --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b >" in text
-    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), {}))}
+    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), SECRETS))}
     init, drafter, co = specs["init-draft"], specs["drafter"], specs["coordinator"]
     assert (init.environment["KNOT_MODEL"], init.environment["KNOT_KEY"]) == \
         ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b.knot") and init.oneshot
     assert drafter.environment["KNOT_SERVICE"] == "services.drafter"
     assert drafter.environment["KNOT_KEY"] == "qwen2.5-coder-0.5b.knot"
     assert co.environment["DRAFTER"] == "http://drafter:8080" and "DRAFTER" in co.environment["KNOT_BINDINGS"]
-    names = [s.name for s in compose.plan(compose.interpolate(yaml.safe_load(text), {}))]
+    names = [s.name for s in compose.plan(compose.interpolate(yaml.safe_load(text), SECRETS))]
     assert names.index("init-draft") < names.index("drafter") < names.index("coordinator")
-    plain = {s.name for s in compose.plan(compose.interpolate(compose_file.render(default_layout()), {}))}
+    plain = {s.name for s in compose.plan(compose.interpolate(compose_file.render(default_layout()), SECRETS))}
     assert "drafter" not in plain and "init-draft" not in plain, "no draft model, no drafter"
     wrong = choose_model(None, {})
     wrong = type(wrong)(wrong.source, "x.knot", {**wrong.hparams, "vocab_size": 1000})
