@@ -212,7 +212,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_SPIN_US", "float", None, "kernels compose", "how long an idle kernel worker spins before it "
        "sleeps, in µs (default 1000; many services on few cores want less)", minimum=0, maximum=1e6,
        reader_defaults={"compose": "200"}),
-    _s("KNOT_KERNELS", "str", "", "kernels", "off (or 0, no, numpy) keeps matmul on the numpy reference path"),
+    _s("KNOT_KERNELS", "choice", "auto", "kernels", "the C kernels' ISA: auto (the best this CPU runs), scalar, "
+       "avx2 or avx512 (refused when the CPU lacks it); off (or 0, no, numpy) keeps matmul on the numpy "
+       "reference path", choices=("auto", "scalar", "avx2", "avx512", "off", "0", "no", "numpy")),
     _s("PYTHONUNBUFFERED", "str", None, "runtime", "1: logs reach the container's output at once"),
     _s("PYTHONPATH", "str", None, "runtime launcher", "the launcher puts the repository on it for each process"),
     _s("OPENBLAS_NUM_THREADS", "str", None, "runtime bench",
@@ -244,7 +246,8 @@ SETTINGS: tuple[Setting, ...] = (
        "name or a .gguf/.knot path), when the layout has one (`knot cluster up --draft-model`)"),
     _s("KNOT_RUN_DIR", "str", None, "launcher", "state, logs and server data of `knot cluster` "
        "(default: .knot-run/ in the repository)"),
-    _s("KNOT_KERNELS_MARCH", "str", "native", "build", "-march of the C kernels' build (empty: the compiler's)"),
+    _s("KNOT_KERNELS_MARCH", "str", "", "build", "-march of the C kernels' glue (empty: the compiler's baseline, "
+       "so one build runs on any x86-64; the AVX2 / AVX-512 kernels are chosen at run time either way)"),
     _s("KNOT_SKIP_REAL_MODELS", "choice", "0", "tests", "1: skip the tests that need the real weights "
        "(refused when CI is true)", choices=("0", "1")),
     _s("CI", "choice", "false", "tests", "true: a skipped real-model test fails instead (.ci/run sets it)",

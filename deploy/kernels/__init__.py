@@ -6,6 +6,12 @@ it was not built, install() logs why and registers nothing, and matmul stays on 
 
 Numerics follow llama.cpp's CPU path: each activation row is quantized to Q8_0 (Q4_0, Q5_0,
 Q8_0 weights) or Q8_K (Q4_K, Q6_K), then integer block dot products are scaled per block.
+
+One build runs on any x86-64: the extension picks, at import, the best kernels the CPU runs
+(isas(): "scalar", "avx2", "avx512"), and every one gives the same bits. KNOT_KERNELS chooses:
+    auto (or unset)         the best one
+    scalar | avx2 | avx512  that one (an error at start if the CPU does not run it)
+    off | numpy             the numpy reference path, no C at all
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ except ImportError as e:  # not built: no compiler, or the optional build failed
     _qmatmul = None
     UNAVAILABLE_REASON = f"C extension deploy.kernels._qmatmul not built ({e})"
 
+KERNELS_ENV = "KNOT_KERNELS"
+OFF_VALUES = ("off", "0", "no", "numpy")
 THREADS_ENV = "KNOT_THREADS"
 SPIN_ENV = "KNOT_SPIN_US"
 _installed: list[str] = []
@@ -80,9 +88,38 @@ def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Ker
     return kernel
 
 
+def isas() -> list[str]:
+    """The kernel sets this build has and this CPU runs, worst to best ([] when not built)."""
+    return list(_qmatmul.ISAS) if _qmatmul else []
+
+
+def get_isa() -> str:
+    return _qmatmul.get_isa()
+
+
+def set_isa(name: str) -> None:
+    """Run the kernels of one ISA from now on (ValueError when not built or not runnable here)."""
+    _qmatmul.set_isa(name)
+
+
+def isa_from_env(env: Mapping[str, str]) -> str | None:
+    """KNOT_KERNELS as an ISA name: None for the numpy path, else one of isas() (auto: the best).
+    ConfigError (a ValueError) for an ISA this machine does not run."""
+    choice = settings.read(env, KERNELS_ENV, "kernels")
+    if choice in OFF_VALUES:
+        return None
+    if choice == "auto":
+        return isas()[-1] if _qmatmul else None
+    if choice not in isas():
+        raise settings.ConfigError(f"Config {KERNELS_ENV!r}={choice!r}: this machine runs "
+                                   f"{', '.join(['auto', *isas(), 'off'])}"
+                                   + ("" if _qmatmul else f" ({UNAVAILABLE_REASON})"), name=KERNELS_ENV)
+    return choice
+
+
 def describe() -> str:
-    """e.g. "avx2+avx512vnni, 2 threads" (the ISA the extension was built for)."""
-    return f"{_qmatmul.ISA}, {_qmatmul.get_threads()} threads" if _qmatmul else UNAVAILABLE_REASON
+    """e.g. "avx512 kernels, 2 threads" (the ISA chosen at run time)."""
+    return f"{_qmatmul.get_isa()} kernels, {_qmatmul.get_threads()} threads" if _qmatmul else UNAVAILABLE_REASON
 
 
 def set_threads(n: int) -> None:
@@ -94,14 +131,13 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
     """Register the C kernels for every type they support; return those types ([] if not built).
 
     threads: per matmul, the caller included (default: KNOT_THREADS, else the CPU count).
-    KNOT_KERNELS=off keeps the numpy reference path (what Cloudflare's Python Workers run)."""
-    choice = settings.read(env, "KNOT_KERNELS", "kernels")
-    if choice.lower() in ("off", "0", "no", "numpy"):
-        log.info("matmul stays on numpy: KNOT_KERNELS=%s", choice)
+    KNOT_KERNELS picks the ISA (see the module doc); off keeps the numpy reference path (what
+    Cloudflare's Python Workers run)."""
+    isa = isa_from_env(env)
+    if isa is None:
+        log.info("matmul stays on numpy: %s", f"{KERNELS_ENV} is off" if _qmatmul else UNAVAILABLE_REASON)
         return []
-    if _qmatmul is None:
-        log.info("matmul stays on numpy: %s", UNAVAILABLE_REASON)
-        return []
+    _qmatmul.set_isa(isa)
     spin = spin_us_from_env(env)
     n = threads if threads is not None else threads_from_env(env)
     _qmatmul.set_threads(n) if spin is None else _qmatmul.set_threads(n, spin)

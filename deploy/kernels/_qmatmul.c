@@ -7,8 +7,13 @@
  *   quants.h       block geometry, activation quantization, the reference dot products: they
  *                  define the numerics (exact integer lanes, then float32 multiply and add in a
  *                  fixed order, no FMA: built with -ffp-contract=off)
- *   quants_avx2.h  the same numbers on AVX2 (+ AVX-512 VNNI), one token or four at a time
+ *   quants_avx2.h  the same numbers on AVX2 (+ AVX-512 VNNI), one token or four at a time,
+ *                  compiled twice under function-level targets: simd_avx2.c, simd_avx512.c
  *   pool.h         the thread pool
+ *
+ * The extension itself is built for the baseline ISA (x86-64: SSE2), so one build runs on any
+ * CPU. At import it takes the best kernel table the CPU runs: avx512 (AVX-512 VL/BW/VNNI), avx2
+ * (AVX2 + F16C) or scalar (the reference); set_isa() picks another one (the tests run each).
  *
  * So a result does not depend on the ISA, on the thread count (a row is computed by one thread),
  * or on how many tokens share the call. The GIL is released while computing. Only the buffer
@@ -32,35 +37,15 @@ typedef struct {
     const char *name;
     int block_elems, block_bytes;
     int act_k;  /* 0: Q8_0 activations, 1: Q8_K */
-    dot_fn ref, simd;
-    dot4_fn simd4;  /* 4 tokens at once, or NULL */
-    int corr_offset;  /* the simd kernel reads corr lanes of this offset (VNNI legacy kernels) */
+    int k;      /* index into isa_kernels' tables */
 } qtype_t;
 
-#if HAVE_VNNI
-#define Q8_0_CORR Q8_0_OFFSET
-#define Q4_0_CORR Q4_0_OFFSET
-#define Q5_0_CORR Q5_0_OFFSET
-#else
-#define Q8_0_CORR 0
-#define Q4_0_CORR 0
-#define Q5_0_CORR 0
-#endif
-
 static const qtype_t QTYPES[] = {
-#if HAVE_AVX2
-    {GGML_Q4_0, "Q4_0", QK, Q4_0_BYTES, 0, dot_q4_0_ref, dot_q4_0_avx2, dot4_q4_0_avx2, Q4_0_CORR},
-    {GGML_Q5_0, "Q5_0", QK, Q5_0_BYTES, 0, dot_q5_0_ref, dot_q5_0_avx2, dot4_q5_0_avx2, Q5_0_CORR},
-    {GGML_Q8_0, "Q8_0", QK, Q8_0_BYTES, 0, dot_q8_0_ref, dot_q8_0_avx2, dot4_q8_0_avx2, Q8_0_CORR},
-    {GGML_Q4_K, "Q4_K", QK_K, Q4_K_BYTES, 1, dot_q4_K_ref, dot_q4_K_avx2, dot4_q4_K_avx2, 0},
-    {GGML_Q6_K, "Q6_K", QK_K, Q6_K_BYTES, 1, dot_q6_K_ref, dot_q6_K_avx2, dot4_q6_K_avx2, 0},
-#else
-    {GGML_Q4_0, "Q4_0", QK, Q4_0_BYTES, 0, dot_q4_0_ref, dot_q4_0_ref, NULL, 0},
-    {GGML_Q5_0, "Q5_0", QK, Q5_0_BYTES, 0, dot_q5_0_ref, dot_q5_0_ref, NULL, 0},
-    {GGML_Q8_0, "Q8_0", QK, Q8_0_BYTES, 0, dot_q8_0_ref, dot_q8_0_ref, NULL, 0},
-    {GGML_Q4_K, "Q4_K", QK_K, Q4_K_BYTES, 1, dot_q4_K_ref, dot_q4_K_ref, NULL, 0},
-    {GGML_Q6_K, "Q6_K", QK_K, Q6_K_BYTES, 1, dot_q6_K_ref, dot_q6_K_ref, NULL, 0},
-#endif
+    {GGML_Q4_0, "Q4_0", QK, Q4_0_BYTES, 0, K_Q4_0},
+    {GGML_Q5_0, "Q5_0", QK, Q5_0_BYTES, 0, K_Q5_0},
+    {GGML_Q8_0, "Q8_0", QK, Q8_0_BYTES, 0, K_Q8_0},
+    {GGML_Q4_K, "Q4_K", QK_K, Q4_K_BYTES, 1, K_Q4_K},
+    {GGML_Q6_K, "Q6_K", QK_K, Q6_K_BYTES, 1, K_Q6_K},
 };
 #define N_QTYPES ((int)(sizeof(QTYPES) / sizeof(QTYPES[0])))
 
@@ -70,12 +55,44 @@ static const qtype_t *find_qtype(int type) {
     return NULL;
 }
 
+/* ------------------------------------------------------------------ ISA tables and dispatch */
+
+static const isa_kernels ISA_SCALAR = {
+    "scalar",
+    {dot_q4_0_ref, dot_q5_0_ref, dot_q8_0_ref, dot_q4_K_ref, dot_q6_K_ref},
+    {NULL, NULL, NULL, NULL, NULL},
+    {0, 0, 0, 0, 0},
+    quantize_row_q8_0, quantize_row_q8_K, lane_corr,
+};
+extern const isa_kernels knot_isa_avx2, knot_isa_avx512;  /* simd_avx2.c, simd_avx512.c */
+
+static const isa_kernels *const ISAS[] = {&ISA_SCALAR, &knot_isa_avx2, &knot_isa_avx512};  /* worst to best */
+#define N_ISAS ((int)(sizeof(ISAS) / sizeof(ISAS[0])))
+
+static const isa_kernels *_Atomic isa_current = &ISA_SCALAR;
+
+/* compiled in, and this CPU (and its OS: __builtin_cpu_supports checks XCR0) runs it */
+static int isa_runs(const isa_kernels *isa) {
+    if (!isa->name) return 0;
+    if (isa == &ISA_SCALAR) return 1;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (isa == &knot_isa_avx2) return avx2;
+    if (isa == &knot_isa_avx512)
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+               && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+#endif
+    return 0;
+}
+
 /* ------------------------------------------------------------------ matmul */
 
 typedef struct {
     const float *x;
     act_t a;
-    int ne0, act_k, simd;
+    int ne0, act_k;
+    const isa_kernels *isa;
     int corr_offset;  /* > 0: fill a.corr for the VNNI legacy kernels */
     int rows_per_task;
 } quant_ctx;
@@ -87,12 +104,9 @@ static void quant_task(void *vctx, int task) {  /* one task = rows_per_task acti
         const float *x = c->x + (size_t)t * c->ne0;
         int8_t *qs = c->a.qs + (size_t)t * c->ne0;
         float *d = c->a.d + (size_t)t * nblk;
-        if (c->act_k) quantize_row_q8_K(x, qs, d, c->a.bsums + (size_t)t * (c->ne0 / 16), c->ne0);
-#if HAVE_AVX2
-        else if (c->simd) quantize_row_q8_0_avx2(x, qs, d, c->ne0);
-#endif
-        else quantize_row_q8_0(x, qs, d, c->ne0);
-        if (c->corr_offset) lane_corr(qs, c->a.corr + (size_t)t * (c->ne0 / 4), c->ne0, c->corr_offset);
+        if (c->act_k) c->isa->quantize_q8_K(x, qs, d, c->a.bsums + (size_t)t * (c->ne0 / 16), c->ne0);
+        else c->isa->quantize_q8_0(x, qs, d, c->ne0);
+        if (c->corr_offset) c->isa->lane_corr(qs, c->a.corr + (size_t)t * (c->ne0 / 4), c->ne0, c->corr_offset);
     }
 }
 
@@ -140,29 +154,28 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
 }
 
 /* y (T, ne1) = x (T, ne0) @ W.T; returns 0, or -1 when out of memory */
-static int qmatmul(const qtype_t *qt, const float *x, const uint8_t *w, float *y,
-                   int T, int ne0, int ne1, int simd, int parallel) {
+static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, const uint8_t *w, float *y,
+                   int T, int ne0, int ne1, int parallel) {
     const int nb = ne0 / qt->block_elems;
     const int nblk_act = ne0 / (qt->act_k ? QK_K : QK);
     act_t a = {0};
     a.qs = malloc((size_t)T * ne0);
     a.d = malloc((size_t)T * nblk_act * sizeof(float));
-    const int corr_offset = simd && HAVE_AVX2 ? qt->corr_offset : 0;
+    const int corr_offset = isa->corr_offset[qt->k];
     if (qt->act_k) a.bsums = malloc((size_t)T * (ne0 / 16) * sizeof(int16_t));
     if (corr_offset) a.corr = malloc((size_t)T * (ne0 / 4) * sizeof(int32_t));
     if (!a.qs || !a.d || (qt->act_k && !a.bsums) || (corr_offset && !a.corr)) {
         free(a.qs); free(a.d); free(a.bsums); free(a.corr);
         return -1;
     }
-    quant_ctx qc = {x, a, ne0, qt->act_k, simd, corr_offset, T >= 16 ? 4 : 1};
+    quant_ctx qc = {x, a, ne0, qt->act_k, isa, corr_offset, T >= 16 ? 4 : 1};
     const int n_qtasks = T / qc.rows_per_task;
     parallel_for(quant_task, &qc, n_qtasks, parallel && T >= 16);
     quant_ctx rest = qc;
     rest.rows_per_task = 1;
     for (int t = n_qtasks * qc.rows_per_task; t < T; t++) quant_task(&rest, t);  /* remainder rows */
 
-    mm_ctx c = {simd && HAVE_AVX2 ? qt->simd : qt->ref, simd && HAVE_AVX2 ? qt->simd4 : NULL,
-                w, (size_t)nb * qt->block_bytes,
+    mm_ctx c = {isa->dot[qt->k], isa->dot4[qt->k], w, (size_t)nb * qt->block_bytes,
                 ne0, ne1, nb, T, a, y, 1, 1};
     /* tokens per tile: a multiple of 4 whose activations (qs, corr lanes) stay in L1 while the
      * task's rows of W go by */
@@ -223,7 +236,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
         int rc = 0;
         if (T > 0 && ne1 > 0) {
             Py_BEGIN_ALLOW_THREADS
-            rc = qmatmul(qt, xb.buf, wb.buf, yb.buf, T, ne0, ne1, simd, parallel);
+            rc = qmatmul(qt, simd ? isa_current : &ISA_SCALAR, xb.buf, wb.buf, yb.buf, T, ne0, ne1, parallel);
             Py_END_ALLOW_THREADS
         }
         if (rc) PyErr_NoMemory();
@@ -252,7 +265,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     PyObject *bs = k ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)T * (ne0 / 16) * 2) : Py_NewRef(Py_None);
     if (!qs || !d || !bs) { Py_XDECREF(qs); Py_XDECREF(d); Py_XDECREF(bs); PyBuffer_Release(&xb); return NULL; }
     quant_ctx c = {xb.buf, {(int8_t *)PyBytes_AS_STRING(qs), (float *)PyBytes_AS_STRING(d),
-                            k ? (int16_t *)PyBytes_AS_STRING(bs) : NULL, NULL}, ne0, k, simd, 0, T};
+                            k ? (int16_t *)PyBytes_AS_STRING(bs) : NULL, NULL}, ne0, k,
+                   simd ? isa_current : &ISA_SCALAR, 0, T};
     if (T) quant_task(&c, 0);
     PyBuffer_Release(&xb);
     return Py_BuildValue("(NNN)", qs, d, bs);
@@ -279,6 +293,25 @@ static PyObject *py_get_threads(PyObject *self, PyObject *noargs) {
     return PyLong_FromLong(P.n_threads);
 }
 
+static PyObject *py_set_isa(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    for (int i = 0; i < N_ISAS; i++) {
+        if (!ISAS[i]->name || strcmp(ISAS[i]->name, name)) continue;
+        if (!isa_runs(ISAS[i])) return PyErr_Format(PyExc_ValueError, "ISA %s: this CPU does not run it", name);
+        isa_current = ISAS[i];
+        Py_RETURN_NONE;
+    }
+    return PyErr_Format(PyExc_ValueError, "ISA %s: not compiled in (have: scalar%s%s)", name,
+                        knot_isa_avx2.name ? ", avx2" : "", knot_isa_avx512.name ? ", avx512" : "");
+}
+
+static PyObject *py_get_isa(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyUnicode_FromString(isa_current->name);
+}
+
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS,
      "matmul(ggml_type, x, w, y, T, ne0, ne1, simd=True, parallel=True): y (T, ne1) = x (T, ne0) @ W.T"},
@@ -286,6 +319,8 @@ static PyMethodDef methods[] = {
      "quantize(x, T, ne0, k, simd=True) -> (qs, d, bsums|None): the Q8_0 (k false) or Q8_K activation"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): threads per matmul, caller included"},
     {"get_threads", py_get_threads, METH_NOARGS, "threads per matmul, caller included"},
+    {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): the kernels matmul(simd=True) runs, one of ISAS"},
+    {"get_isa", py_get_isa, METH_NOARGS, "the name of the kernels matmul(simd=True) runs"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -302,7 +337,18 @@ PyMODINIT_FUNC PyInit__qmatmul(void) {
         Py_DECREF(v);
     }
     PyModule_AddObject(m, "TYPES", types);  /* name -> ggml type id */
-    PyModule_AddStringConstant(m, "ISA", HAVE_VNNI ? "avx2+avx512vnni" : HAVE_AVX2 ? "avx2" : "scalar");
+    /* ISAS: the kernel tables this build has and this CPU runs, worst to best; the best is current */
+    PyObject *isas = PyTuple_New(0);
+    for (int i = 0; i < N_ISAS; i++) {
+        if (!isa_runs(ISAS[i])) continue;
+        PyObject *name = PyUnicode_FromString(ISAS[i]->name);
+        if (_PyTuple_Resize(&isas, PyTuple_GET_SIZE(isas) + 1)) { Py_DECREF(name); Py_DECREF(m); return NULL; }
+        PyTuple_SET_ITEM(isas, PyTuple_GET_SIZE(isas) - 1, name);
+        isa_current = ISAS[i];
+    }
+    PyModule_AddObject(m, "ISAS", isas);
+    /* the baseline the module itself was compiled for: x86-64 unless KNOT_KERNELS_MARCH raised it */
+    PyModule_AddIntConstant(m, "BASELINE_AVX2", HAVE_AVX2);
     static int forked_hook = 0;
     if (!forked_hook) { pthread_atfork(NULL, NULL, after_fork_child); forked_hook = 1; }
     return m;

@@ -1,6 +1,10 @@
 /* ggml blocks for the matmul kernels: geometry, f16, activation quantization (Q8_0, Q8_K) and
- * the portable reference dot products, which define the numerics of every ISA's kernels.
- * Included once, by _qmatmul.c. */
+ * the portable reference dot products, which define the numerics of every ISA's kernels, and
+ * isa_kernels, the table of one instruction set's kernels.
+ *
+ * Included by each translation unit: _qmatmul.c (the portable baseline) and simd_avx2.c /
+ * simd_avx512.c, which compile quants_avx2.h under a function-level target: there the target
+ * pragma defines __AVX2__ (and __AVX512VNNI__ ...) before this header is read. */
 #ifndef KNOT_QUANTS_H
 #define KNOT_QUANTS_H
 
@@ -34,7 +38,7 @@ enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-static float f16_to_f32(uint16_t h) {
+static inline float f16_to_f32(uint16_t h) {
 #if HAVE_AVX2
     return _cvtsh_ss(h);
 #else
@@ -52,7 +56,7 @@ static float f16_to_f32(uint16_t h) {
 }
 
 /* float32 -> nearest f16 (ties to even) -> float32, as GGML_FP32_TO_FP16 then back. */
-static float round_f16(float f) {
+static inline float round_f16(float f) {
 #if HAVE_AVX2
     return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
 #else
@@ -88,13 +92,13 @@ typedef struct {
     int32_t *corr;
 } act_t;
 
-static void lane_corr(const int8_t *qs, int32_t *corr, int ne0, int offset) {
+static inline void lane_corr(const int8_t *qs, int32_t *corr, int ne0, int offset) {
     for (int j = 0; j < ne0 / 4; j++)
         corr[j] = -offset * (qs[4 * j] + qs[4 * j + 1] + qs[4 * j + 2] + qs[4 * j + 3]);
 }
 
 /* ref: x86 quants.c quantize_row_q8_0 (the AVX2 one: id = 127 / amax, round half to even) */
-static void quantize_row_q8_0(const float *x, int8_t *qs, float *d, int ne0) {
+static inline void quantize_row_q8_0(const float *x, int8_t *qs, float *d, int ne0) {
     for (int b = 0; b < ne0 / QK; b++, x += QK, qs += QK) {
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
@@ -105,7 +109,7 @@ static void quantize_row_q8_0(const float *x, int8_t *qs, float *d, int ne0) {
 }
 
 /* ref: ggml-quants.c quantize_row_q8_K_ref (iscale = -127 / signed max, round half to even) */
-static void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16_t *bsums, int ne0) {
+static inline void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16_t *bsums, int ne0) {
     for (int b = 0; b < ne0 / QK_K; b++, x += QK_K, qs += QK_K, bsums += QK_K / 16) {
         float max = 0.0f, amax = 0.0f;
         for (int j = 0; j < QK_K; j++) {
@@ -166,7 +170,7 @@ static inline void lanes_ref(float acc[8], const int8_t *w8, const int8_t *q, fl
     }
 }
 
-static float dot_q8_0_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
+static inline float dot_q8_0_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     (void)aux;
     float acc[8] = {0};
     for (int b = 0; b < nb; b++, w += Q8_0_BYTES, q += QK)
@@ -175,7 +179,7 @@ static float dot_q8_0_ref(const uint8_t *w, const int8_t *q, const float *ad, co
 }
 
 /* Q4_0 / Q5_0: low nibbles are elements 0..15, high nibbles 16..31 */
-static float dot_q4_0_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
+static inline float dot_q4_0_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     (void)aux;
     float acc[8] = {0};
     int8_t w8[QK];
@@ -190,7 +194,7 @@ static float dot_q4_0_ref(const uint8_t *w, const int8_t *q, const float *ad, co
 }
 
 /* Q5_0: bit j of qh (u32 LE) is the 5th bit of element j; value = q - 16 */
-static float dot_q5_0_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
+static inline float dot_q5_0_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     (void)aux;
     float acc[8] = {0};
     int8_t w8[QK];
@@ -219,7 +223,7 @@ static inline void q4_k_scales(const uint8_t *w, uint32_t utmp[4]) {
 
 /* Lanes as the AVX2 code: lane k of a super-block sums, over its 8 sub-blocks of 32, the scale
  * times the products of elements 4k..4k+3; the mins go in 4 lanes of 2 sub-blocks each. */
-static float dot_q4_K_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
+static inline float dot_q4_K_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     const int16_t *bs = aux;
     float acc[8] = {0}, accm[4] = {0};
     for (int b = 0; b < nb; b++, w += Q4_K_BYTES, q += QK_K, bs += QK_K / 16) {
@@ -257,7 +261,7 @@ static inline int q6_k_quant(const uint8_t *w, int e) {  /* element e of the blo
     return (k < 2 ? lb & 0x0F : lb >> 4) | (((w[128 + 32 * h + l] >> (2 * k)) & 3) << 4);
 }
 
-static float dot_q6_K_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
+static inline float dot_q6_K_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     const int16_t *bs = aux;
     float acc[8] = {0};
     for (int b = 0; b < nb; b++, w += Q6_K_BYTES, q += QK_K, bs += QK_K / 16) {
@@ -275,5 +279,19 @@ static float dot_q6_K_ref(const uint8_t *w, const int8_t *q, const float *ad, co
     }
     return hsum8(acc);
 }
+
+/* ------------------------------------------------------------------ one ISA's kernels */
+
+enum { K_Q4_0, K_Q5_0, K_Q8_0, K_Q4_K, K_Q6_K, N_KTYPES };  /* index into the tables below */
+
+typedef struct {
+    const char *name;           /* NULL: not compiled in (the compiler lacks the target, or not x86) */
+    dot_fn dot[N_KTYPES];
+    dot4_fn dot4[N_KTYPES];     /* 4 tokens at once, or NULL */
+    int corr_offset[N_KTYPES];  /* > 0: the kernel reads the activation's corr lanes (VNNI legacy) */
+    void (*quantize_q8_0)(const float *x, int8_t *qs, float *d, int ne0);
+    void (*quantize_q8_K)(const float *x, int8_t *qs, float *d, int16_t *bsums, int ne0);
+    void (*lane_corr)(const int8_t *qs, int32_t *corr, int ne0, int offset);
+} isa_kernels;
 
 #endif

@@ -1,5 +1,8 @@
-/* AVX2 kernels (with AVX-512 VNNI where built for it): the same numbers as the reference dot
- * products of quants.h, bit for bit, computed on 32-byte vectors. Included once, by _qmatmul.c. */
+/* AVX2 kernels (with AVX-512 VNNI where compiled for it): the same numbers as the reference dot
+ * products of quants.h, bit for bit, computed on 32-byte vectors.
+ *
+ * Included by simd_avx2.c and simd_avx512.c, each after its target pragma, with KNOT_ISA (the
+ * name of the table exported at the end) and KNOT_ISA_NAME defined. */
 #ifndef KNOT_QUANTS_AVX2_H
 #define KNOT_QUANTS_AVX2_H
 
@@ -356,6 +359,22 @@ static void quantize_row_q8_0_avx2(const float *x, int8_t *qs, float *d, int ne0
         _mm256_storeu_si256((__m256i *)qs, p);
     }
 }
+
+#if HAVE_VNNI
+#define CORR(T) T##_OFFSET
+#else
+#define CORR(T) 0
+#endif
+
+const isa_kernels KNOT_ISA = {
+    KNOT_ISA_NAME,
+    {dot_q4_0_avx2, dot_q5_0_avx2, dot_q8_0_avx2, dot_q4_K_avx2, dot_q6_K_avx2},
+    {dot4_q4_0_avx2, dot4_q5_0_avx2, dot4_q8_0_avx2, dot4_q4_K_avx2, dot4_q6_K_avx2},
+    {CORR(Q4_0), CORR(Q5_0), CORR(Q8_0), 0, 0},
+    quantize_row_q8_0_avx2, quantize_row_q8_K, lane_corr,  /* the last two: quants.h's, compiled for this ISA */
+};
+#else
+const isa_kernels KNOT_ISA = {NULL};  /* the compiler did not take the target: the module runs without it */
 #endif /* HAVE_AVX2 */
 
 #endif

