@@ -24,6 +24,13 @@ cache="${KNOT_CACHE_DIR:-$HOME/.cache/knot}/docker"
 
 say() { echo "docker-images: $*" >&2; }
 elapsed() { echo "$(( $(date +%s) - $1 )) s"; }
+build() {  # docker build ARGS...: quiet, its log shown only when it fails
+  local log; log="$(mktemp)"
+  if ! docker build --force-rm "$@" >"$log" 2>&1; then
+    tail -30 "$log" >&2; rm -f "$log"; return 1
+  fi
+  rm -f "$log"
+}
 
 # ---- 1. the rootfs: debootstrap once, then the cached tarball
 key="$(printf '%s\n' "$SUITE" minbase "$INCLUDE" "$MIRROR" | sha256sum | cut -c1-12)"
@@ -62,19 +69,18 @@ t0=$(date +%s)
 ctx="$(mktemp -d)"
 trap 'rm -rf "$ctx"' EXIT
 cp "$CA_BUNDLE" "$ctx/ca-certificates.crt"
-docker build -q -f deploy/docker/base.Dockerfile --build-arg ROOTFS_IMAGE="$rootfs_image" \
-  -t "$BASE_IMAGE" "$ctx" >/dev/null
+build -f deploy/docker/base.Dockerfile --build-arg ROOTFS_IMAGE="$rootfs_image" -t "$BASE_IMAGE" "$ctx"
 say "$BASE_IMAGE ($(elapsed "$t0"))"
 
 # ---- 3. the stand-ins for MinIO and Redis
 for target in seaweedfs:4.48 valkey:9.1; do
   t0=$(date +%s)
-  docker build -q -f deploy/docker/standins.Dockerfile --target "${target%%:*}" \
-    --build-arg PYTHON_IMAGE="$BASE_IMAGE" -t "knot/$target" "$ctx" >/dev/null
+  build -f deploy/docker/standins.Dockerfile --target "${target%%:*}" \
+    --build-arg PYTHON_IMAGE="$BASE_IMAGE" -t "knot/$target" "$ctx"
   say "knot/$target ($(elapsed "$t0"))"
 done
 
-# ---- 4. the cluster's image on that base
+# ---- 4. the cluster's image on that base (docker-compose.yml's `image:`; `up` uses it as built)
 t0=$(date +%s)
-docker compose -f docker-compose.yml -f deploy/docker/offline.yml build -q
+build -f deploy/docker/Dockerfile --build-arg PYTHON_IMAGE="$BASE_IMAGE" -t knot-cluster:local .
 say "knot-cluster:local ($(elapsed "$t0"))"
