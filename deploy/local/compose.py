@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import yaml
 
 from common.settings import read
+from deploy.compose_file import probe_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -104,11 +105,9 @@ def _published(svc: dict) -> int | None:
 
 
 def _healthcheck_url(svc: dict) -> str | None:
-    """The URL of a `python -m deploy.local.probe URL` healthcheck, so the launcher can run the same check."""
+    """The URL an HTTP healthcheck (compose_file.http_probe) GETs, so the launcher can run the same check."""
     test = (svc.get("healthcheck") or {}).get("test") or []
-    if isinstance(test, list) and "deploy.local.probe" in test:
-        return test[test.index("deploy.local.probe") + 1]
-    return None
+    return probe_url(test) if isinstance(test, list) else None
 
 
 def plan(doc: dict) -> list[ServiceSpec]:

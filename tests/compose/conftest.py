@@ -16,13 +16,14 @@ import time
 
 import pytest
 
+from common import settings
 from tests.integration.conftest import http
 
 MODEL = "qwen2.5-coder-0.5b"
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("KNOT_COMPOSE_STACK") == "1":
+    if settings.read(os.environ, "KNOT_COMPOSE_STACK", "tests") == "1":
         return
     skip = pytest.mark.skip(reason="no compose stack: scripts/test-compose.sh brings one up and runs these")
     for item in items:
@@ -90,7 +91,7 @@ class Stack:
 
 @pytest.fixture(scope="session")
 def stack() -> Stack:
-    return Stack(int(os.environ["KNOT_PORT"]))
+    return Stack(settings.read(os.environ, "KNOT_PORT", "tests"))
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from common import matmul as mm
+from common import settings
 from common.quant import QUANT_TYPES, QTensor
 from deploy import kernels
 from tests.unit.test_quant import random_raw
@@ -289,8 +290,9 @@ def test_isas_reported_best_chosen_and_each_selectable():
 def test_extension_is_built_for_the_baseline():
     # setup.py compiles the module for plain x86-64 unless asked otherwise: only simd_*.c carry
     # AVX2 / AVX-512 (function-level targets), so the same build runs on any x86-64 CPU.
-    if os.environ.get("KNOT_KERNELS_MARCH"):
-        pytest.skip(f"built with KNOT_KERNELS_MARCH={os.environ['KNOT_KERNELS_MARCH']}")
+    march = settings.read(os.environ, "KNOT_KERNELS_MARCH", "tests")
+    if march:
+        pytest.skip(f"built with KNOT_KERNELS_MARCH={march}")
     assert _qmatmul.BASELINE_AVX2 == 0
 
 

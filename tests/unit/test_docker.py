@@ -1,0 +1,73 @@
+"""The Docker deployment as files: supervision and limits in the generated docker-compose.yml,
+cheap healthchecks, the offline override and the scripts that build what it names."""
+from __future__ import annotations
+
+import re
+
+import yaml
+
+from deploy import compose_file
+from deploy.launcher import default_layout
+from deploy.local import compose
+
+ROOT = compose.REPO_ROOT
+SIZE = re.compile(r"(\d+)([kmg])")
+
+
+def size_bytes(text: str) -> int:
+    n, unit = SIZE.fullmatch(text).groups()
+    return int(n) << {"k": 10, "m": 20, "g": 30}[unit]
+
+
+def test_every_container_is_supervised_and_limited():
+    doc = compose.load(compose.COMPOSE_FILE, {})  # the defaults, as `docker compose up` sees them
+    for name, s in doc["services"].items():
+        assert s["restart"] == ("no" if name == "init" else "unless-stopped"), name
+        assert s["memswap_limit"] == s["mem_limit"], name  # no swap beyond the limit
+        assert 64 << 20 <= size_bytes(s["mem_limit"]) <= 3 << 30, (name, s["mem_limit"])
+        test = (s.get("healthcheck") or {}).get("test", [])
+        assert "python" not in test, f"{name}: a healthcheck that starts an interpreter"
+    assert size_bytes(doc["services"]["station-0"]["mem_limit"]) > int(
+        doc["services"]["station-0"]["environment"]["MEMORY_BUDGET_BYTES"])
+    assert size_bytes(doc["services"]["layer-warden"]["mem_limit"]) > int(
+        doc["services"]["layer-warden"]["environment"]["MEMORY_BUDGET_BYTES"])
+
+
+def test_only_the_coordinator_publishes_on_loopback_by_default():
+    doc = compose.load(compose.COMPOSE_FILE, {})
+    assert {n for n, s in doc["services"].items() if s.get("ports")} == {"coordinator"}
+    assert doc["services"]["coordinator"]["ports"] == ["127.0.0.1:8000:8080"]
+    doc = compose.load(compose.COMPOSE_FILE, {"KNOT_PUBLISH_ADDRESS": "0.0.0.0", "KNOT_PORT": "9001"})
+    assert doc["services"]["coordinator"]["ports"] == ["0.0.0.0:9001:8080"]
+
+
+def test_http_probe_is_bash_only_and_the_launcher_reads_its_url():
+    test = compose_file.http_probe("http://127.0.0.1:8080/readyz")
+    assert test[:3] == ("CMD", "bash", "-c") and "/dev/tcp/127.0.0.1/8080" in test[3]
+    assert compose_file.probe_url(list(test)) == "http://127.0.0.1:8080/readyz"
+    assert compose_file.probe_url(["CMD", "redis-cli", "ping"]) is None
+    specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, {"KNOT_MODEL": "m", "KNOT_KEY": "k"}))}
+    assert specs["coordinator"].healthcheck_url == "http://127.0.0.1:8080/readyz"
+
+
+def test_the_image_builds_on_a_chosen_base():
+    doc = compose.load(compose.COMPOSE_FILE, {})
+    builds = [s["build"] for s in doc["services"].values() if "build" in s]
+    assert builds and all(b["args"] == {"PYTHON_IMAGE": "python:3.11-slim"} for b in builds)
+    dockerfile = (ROOT / "deploy/docker/Dockerfile").read_text()
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in dockerfile
+    assert dockerfile.count("FROM ${PYTHON_IMAGE}") == 2  # a build stage and a runtime stage
+    ignore = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
+    assert ignore[0] == "*" and "**/*.so" in ignore  # the sources only: no host-built kernels
+
+
+def test_offline_override_replaces_exactly_the_stores_with_the_images_the_script_builds():
+    layout = default_layout()
+    stores = {s.name for s in layout.services if compose_file.CONTAINERS[s.role].image is not None}
+    override = yaml.safe_load((ROOT / "deploy/docker/offline.yml").read_text().replace("!reset", ""))
+    assert set(override["services"]) == stores == {"minio", "redis"}
+    script = (ROOT / "scripts/docker-images.sh").read_text()
+    for s in override["services"].values():
+        repo, tag = s["image"].split(":")
+        assert f"{repo.split('/')[1]}:{tag}" in script, s["image"]
+        assert s["healthcheck"]["test"][:2] == ["CMD", "bash"]
