@@ -7,7 +7,8 @@ clusters asked in turn so both see the same background load.
         docker compose up -d --wait
     .venv/bin/python benchmarks/compose_vs_local.py --compose-url http://127.0.0.1:8000 [--tokens 64] [--rounds 3]
 
-Prints decode tok/s and time to first token, median over the rounds, for each, and their ratio.
+Prints decode tok/s and time to first token, median over the rounds, for each (and each round's
+decode, to see the spread on a loaded machine), and their ratio.
 Benchmarks are not tests: nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -50,7 +51,9 @@ def main() -> int:
     print(f"{args.tokens} greedy tokens, median of {args.rounds} rounds; same tokens: "
           f"{tokens['containers'] == tokens['processes']}")
     for name, m in med.items():
-        print(f"  {name:10s}  decode {m['decode_tok_s']:6.2f} tok/s   first token {m['ttft_ms']:7.1f} ms")
+        rounds = " ".join(f"{v:.2f}" for v in got[name]["decode_tok_s"])
+        print(f"  {name:10s}  decode {m['decode_tok_s']:6.2f} tok/s   first token {m['ttft_ms']:7.1f} ms"
+              f"   (decode per round: {rounds})")
     print(f"  containers / processes decode: {med['containers']['decode_tok_s'] / med['processes']['decode_tok_s']:.2f}")
     return 0
 
