@@ -2,7 +2,7 @@
 (`knot cluster up`), in one run on one machine: greedy tokens from the same prompt, the two
 clusters asked in turn so both see the same background load.
 
-    scripts/test-compose.sh leaves nothing up, so bring the stack up first, e.g.
+    scripts/test-compose.sh leaves nothing up, so bring the stack up first (after `knot secrets`), e.g.
     KNOT_MODELS_DIR=~/.cache/knot COMPOSE_FILE=docker-compose.yml:deploy/docker/offline.yml:tests/compose/override.yml \
         docker compose up -d --wait
     .venv/bin/python benchmarks/compose_vs_local.py --compose-url http://127.0.0.1:8000 [--tokens 64] [--rounds 3]

@@ -3,8 +3,8 @@
 #   1. a Docker engine with Compose v2 (scripts/docker-engine.sh: installs and starts what is missing);
 #   2. the images: from Docker Hub when it answers, else built from Debian and PyPI packages
 #      (scripts/docker-images.sh, deploy/docker/offline.yml);
-#   3. `docker compose up -d --wait` as its own project (knot-ci) on a free port, init taking the
-#      host's cached knot (tests/compose/override.yml);
+#   3. the cluster's secrets (`knot secrets`: .env), then `docker compose up -d --wait` as its own
+#      project (knot-ci) on a free port, init taking the host's cached knot (tests/compose/override.yml);
 #   4. pytest -m compose tests/compose (arguments go to pytest);
 #   5. always `docker compose down -v`, on success or failure.
 # Prints how long each step took. Needs .venv (scripts/setup.sh dev) and root.
@@ -40,6 +40,8 @@ step images
 
 # init uploads the knot the host already has (the suite fetched and encoded it)
 .venv/bin/knot fetch-model --encode qwen2.5-coder-0.5b >/dev/null
+# the cluster's Redis password in .env (mode 600, kept when there), which docker compose reads
+.venv/bin/knot secrets >/dev/null
 KNOT_MODELS_DIR="$(.venv/bin/python -c 'from deploy.models import cache_dir; print(cache_dir())')"
 KNOT_PORT="$(.venv/bin/python -c 'from deploy.servers import free_ports; print(free_ports(1)[0])')"
 export KNOT_MODELS_DIR KNOT_PORT

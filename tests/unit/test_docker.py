@@ -12,6 +12,7 @@ from deploy.local import compose
 
 ROOT = compose.REPO_ROOT
 SIZE = re.compile(r"(\d+)([kmg])")
+SECRETS = {"KNOT_REDIS_PASSWORD": "generated"}  # what `knot secrets` writes to .env; compose refuses to start without it
 
 
 def size_bytes(text: str) -> int:
@@ -20,7 +21,7 @@ def size_bytes(text: str) -> int:
 
 
 def test_every_container_is_supervised_and_limited():
-    doc = compose.load(compose.COMPOSE_FILE, {})  # the defaults, as `docker compose up` sees them
+    doc = compose.load(compose.COMPOSE_FILE, SECRETS)  # the defaults, as `docker compose up` sees them
     for name, s in doc["services"].items():
         assert s["restart"] == ("no" if name == "init" else "unless-stopped"), name
         assert s["memswap_limit"] == s["mem_limit"], name  # no swap beyond the limit
@@ -34,10 +35,10 @@ def test_every_container_is_supervised_and_limited():
 
 
 def test_only_the_coordinator_publishes_on_loopback_by_default():
-    doc = compose.load(compose.COMPOSE_FILE, {})
+    doc = compose.load(compose.COMPOSE_FILE, SECRETS)
     assert {n for n, s in doc["services"].items() if s.get("ports")} == {"coordinator"}
     assert doc["services"]["coordinator"]["ports"] == ["127.0.0.1:8000:8080"]
-    doc = compose.load(compose.COMPOSE_FILE, {"KNOT_PUBLISH_ADDRESS": "0.0.0.0", "KNOT_PORT": "9001"})
+    doc = compose.load(compose.COMPOSE_FILE, {**SECRETS, "KNOT_PUBLISH_ADDRESS": "0.0.0.0", "KNOT_PORT": "9001"})
     assert doc["services"]["coordinator"]["ports"] == ["0.0.0.0:9001:8080"]
 
 
@@ -46,12 +47,12 @@ def test_http_probe_is_bash_only_and_the_launcher_reads_its_url():
     assert test[:3] == ("CMD", "bash", "-c") and "/dev/tcp/127.0.0.1/8080" in test[3]
     assert compose_file.probe_url(list(test)) == "http://127.0.0.1:8080/readyz"
     assert compose_file.probe_url(["CMD", "redis-cli", "ping"]) is None
-    specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, {"KNOT_MODEL": "m", "KNOT_KEY": "k"}))}
+    specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, {**SECRETS, "KNOT_MODEL": "m", "KNOT_KEY": "k"}))}
     assert specs["coordinator"].healthcheck_url == "http://127.0.0.1:8080/readyz"
 
 
 def test_the_image_builds_on_a_chosen_base():
-    doc = compose.load(compose.COMPOSE_FILE, {})
+    doc = compose.load(compose.COMPOSE_FILE, SECRETS)
     builds = [s["build"] for s in doc["services"].values() if "build" in s]
     assert builds and all(b["args"] == {"PYTHON_IMAGE": "python:3.11-slim"} for b in builds)
     dockerfile = (ROOT / "deploy/docker/Dockerfile").read_text()
