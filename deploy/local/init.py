@@ -28,6 +28,11 @@ from deploy.local.settings import parse_binding
 
 log = logging.getLogger("deploy.local.init")
 MULTIPART_CHUNK_BYTES = 64 << 20
+# Parts in flight at once. boto3's default, 10, sends 640 MiB at once; a store that admits less
+# (the SeaweedFS stand-in of deploy/docker caps in-flight uploads at 128 MB to stay in its memory
+# limit) leaves the others unread until S3_READ_TIMEOUT_S resets them, and init fails on a slow
+# disk. Two parts keep every admitted socket moving.
+UPLOAD_CONCURRENCY = 2
 
 
 def s3_settings(env: Mapping[str, str]) -> S3Settings:
@@ -81,7 +86,8 @@ def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
         if _valid_remote(read_range, size, model):
             return f"s3://{bucket}/{key} already present ({size} bytes), not uploading"
     path = knot_for(model)
-    s3.upload_file(str(path), bucket, key, Config=TransferConfig(multipart_chunksize=MULTIPART_CHUNK_BYTES))
+    s3.upload_file(str(path), bucket, key, Config=TransferConfig(multipart_chunksize=MULTIPART_CHUNK_BYTES,
+                                                                     max_concurrency=UPLOAD_CONCURRENCY))
     got = int(s3.head_object(Bucket=bucket, Key=key)["ContentLength"])
     if got != path.stat().st_size:
         raise ConfigError(f"upload of {path} to s3://{bucket}/{key}: {got} bytes landed, expected {path.stat().st_size}")
