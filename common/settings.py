@@ -239,7 +239,9 @@ SETTINGS: tuple[Setting, ...] = (
        "every station's MEMORY_PROFILE: worker (Cloudflare's 128 MiB) or resident (layers stay; faster)",
        choices=("worker", "resident")),
     _s("KNOT_RESIDENT_MAX_BYTES", "int", None, "compose launcher", "every station's RESIDENT_MAX_BYTES "
-       "(launcher: default 3/4 of the host's available memory over the stations)", minimum=1),
+       "(launcher: default 3/4 of the host's available memory over the stations; compose: 384 MiB, under "
+       "KNOT_STATION_MEM_LIMIT's 512m: raise both together, e.g. 1g and 805306368 for the 1.5B)", minimum=1,
+       reader_defaults={"compose": str(384 * MiB)}),
     _s("KNOT_SHARD_THREADS", "int", "1", "compose",
        "every shard's KNOT_THREADS (the shards compute at once: one thread each fills the cores)", minimum=1),
     _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),
@@ -258,6 +260,8 @@ SETTINGS: tuple[Setting, ...] = (
           "LAYER_WARDEN": ("1536m", "the LayerWarden", "budget 1 GiB; measured peak 383 MiB with the 0.5B"),
           "COBORDISM_WARDEN": ("512m", "the CobordismWarden", "budget 256 MiB; measured peak 86 MiB"),
           "COORDINATOR": ("512m", "the coordinator", "measured peak 200 MiB"),
+          "DRAFTER": ("1536m", "the drafter", "the whole draft model resident, ~0.5 GB for the 0.5B; not "
+                      "measured in a container"),
           "INIT": ("3g", "init", "encoding peaks at 0.6 GB RSS for the 0.5B, 1.7 GB for the 1.5B"),
           "S3": ("1g", "minio", "SeaweedFS in its place: 250 MiB peak while init uploads"),
           "KV": ("256m", "redis", "it evicts past --maxmemory 128mb"),

@@ -216,7 +216,7 @@ class ClusterLayout:
                 "KNOT_KEY": key, "SPECIALIZATION_START_LAYER": str(s.layer_start),
                 "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
                 "MEMORY_BUDGET_BYTES": Knob("STATION_MEMORY_BUDGET_BYTES"), "MEMORY_PROFILE": Knob("KNOT_PROFILE"),
-                "RESIDENT_MAX_BYTES": Knob("KNOT_RESIDENT_MAX_BYTES", ""),
+                "RESIDENT_MAX_BYTES": Knob("KNOT_RESIDENT_MAX_BYTES"),
                 "SESSION_TTL_S": dflt("SESSION_TTL_S", "station"),
                 "MAX_BATCH": dflt("MAX_BATCH", "station")}, (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
         for s in shards:
