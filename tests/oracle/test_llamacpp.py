@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deploy.llamacpp import open_llama
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 N_GEN = 32
@@ -171,12 +173,12 @@ def llama_vs_itself(llm, llm_other, ids: list[int], n_gen: int = N_GEN) -> dict:
 
 
 def open_pair(name: str):
-    llama_cpp = _import_llama()
+    _import_llama()
     from deploy.engine_local import LocalEngine
 
     path = _model_path(name)
-    llm = llama_cpp.Llama(str(path), n_ctx=1024, n_threads=2, n_threads_batch=2, logits_all=True,
-                          flash_attn=False, verbose=False, seed=0)
+    llm = open_llama(path, n_ctx=1024, n_threads=2, n_threads_batch=2, logits_all=True,
+                     flash_attn=False, verbose=False, seed=0)
     return llm, LocalEngine.open(path)
 
 
@@ -214,14 +216,12 @@ def test_greedy_ids_equal_except_after_near_ties(pair, results):
     itself flips between its attention kernels. A divergence at a wider gap is excused only when
     llama.cpp's own kernels flip there too: llama.cpp with flash attention on, against itself with
     it off, diverges at the same step or earlier (measured here, not assumed)."""
-    import llama_cpp
-
     name, llm, engine = pair
     bad = [r for r in results if not r.greedy_ok]
     if not bad:
         return
-    llm_fa = llama_cpp.Llama(str(_model_path(name)), n_ctx=1024, n_threads=2, n_threads_batch=2,
-                             logits_all=True, flash_attn=True, verbose=False, seed=0)
+    llm_fa = open_llama(_model_path(name), n_ctx=1024, n_threads=2, n_threads_batch=2,
+                        logits_all=True, flash_attn=True, verbose=False, seed=0)
     try:
         unexcused = []
         for r in bad:
@@ -264,8 +264,8 @@ def main(argv: list[str]) -> int:
                      for s in TRICKY_STRINGS)
         rs = [compare_prompt(llm, engine, *p) for p in PROMPTS]
         # llama.cpp's own noise floor: flash attention on against off, same prompts.
-        llm_fa = llama_cpp.Llama(str(_model_path(name)), n_ctx=1024, n_threads=2, n_threads_batch=2,
-                                 logits_all=True, flash_attn=True, verbose=False, seed=0)
+        llm_fa = open_llama(_model_path(name), n_ctx=1024, n_threads=2, n_threads_batch=2,
+                            logits_all=True, flash_attn=True, verbose=False, seed=0)
         fa = []
         for _, text, chat in PROMPTS:
             if chat:
