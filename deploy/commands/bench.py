@@ -190,8 +190,8 @@ def measure_llama(gguf: Path, threads: int, tokens: int, short_ids: list[int], l
 
     llm = open_llama(gguf, n_ctx=max(1024, len(long_ids) + 16, len(short_ids) + tokens + 16),
                      n_batch=512, n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
-    if llm.extra_bufts_off:
-        progress("llama.cpp: extra buffer types off (AMX faults on this CPU; deploy/llamacpp.py)")
+    if llm.amx_denied:
+        progress("llama.cpp: AMX refused (it faults on these VMs; deploy/llamacpp.py)")
     out = {}
     # prefill: one eval of the long prompt (after a warm-up eval)
     llm.reset(); llm.eval(long_ids[:16])
