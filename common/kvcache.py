@@ -3,26 +3,47 @@
 Decode appends one token's k, v per layer; prefill appends a chunk. Positions come from the
 caller and are stored beside the keys: attention masks by position (key pos <= query pos),
 so a chunked prefill sees exactly what an unchunked one does.
+
+Keys are stored transposed and head-major, (n_kv, hd, capacity), values head-major,
+(n_kv, capacity, hd): a slice of the first S tokens is then a matrix per head that BLAS takes
+as it is, K^T for q @ K^T and V for p @ V. (Token-major storage, (S, n_kv, hd), makes numpy's
+matmul fall back to its own loops: 7x slower for a decode step at 30k tokens.)
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
-_MIN_CAPACITY = 16
+# Capacity grows in whole blocks of tokens and by at least an eighth: a long decode copies O(n)
+# in total, and a cache holds at most an eighth (or one block) more than its tokens.
+KV_BLOCK_TOKENS = 256
+
+# The prefill chunk: a prompt enters the layers in chunks of at most this many tokens, so a
+# phase's activations are bounded by the chunk (and attention's by chunk x tile), whatever the
+# prompt's length. Boundaries depend on the prompt's length alone (prefill_chunks), so a replay
+# cuts a prompt exactly where the first run did.
+PREFILL_CHUNK_TOKENS = 256
+
+
+def kv_capacity(have: int, need: int) -> int:
+    """The capacity (tokens) a layer grows to when it holds `have` and must hold `need` > have."""
+    want = max(need, have + have // 8)
+    return -(-want // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
 
 
 class KVCache:
-    """Keys and values per layer, each (n_tokens, n_kv_head, head_dim), in arrival order.
+    """Keys and values per layer, in arrival order: K^T (n_kv, hd, capacity), V (n_kv, capacity, hd).
 
     A station only ever appends the layers it runs, so layers are created on first use.
-    `dtype` is the storage type; attention always reads float32.
+    `dtype` is the storage type; attention converts to float32 one tile at a time.
     """
 
     def __init__(self, n_kv_head: int, head_dim: int, dtype=np.float32):
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
         self.dtype = np.dtype(dtype)
-        self._k: dict[int, np.ndarray] = {}    # layer -> (capacity, n_kv, hd)
-        self._v: dict[int, np.ndarray] = {}
+        self._k: dict[int, np.ndarray] = {}    # layer -> K^T (n_kv, hd, capacity)
+        self._v: dict[int, np.ndarray] = {}    # layer -> V (n_kv, capacity, hd)
         self._pos: dict[int, np.ndarray] = {}  # layer -> (capacity,) int64
         self._n: dict[int, int] = {}
         self._nbytes = 0  # of the arrays above, kept current by _reserve (stations read it per phase)
@@ -34,21 +55,42 @@ class KVCache:
     def nbytes(self) -> int:
         return self._nbytes
 
+    def token_bytes(self) -> int:
+        """Bytes one token of capacity takes in one layer: its k, its v and its position."""
+        return 2 * self.n_kv_head * self.head_dim * self.dtype.itemsize + np.dtype(np.int64).itemsize
+
+    def nbytes_after(self, layers: Iterable[int], n_new: int) -> int:
+        """What this cache will hold once n_new more tokens are appended to each of `layers` (the
+        layers it does not hold yet start empty), plus the largest reallocation on the way, when
+        a layer's old and new arrays are both alive for the copy."""
+        total, copy = self._nbytes, 0
+        for layer in layers:
+            have = self._k[layer].shape[-1] if layer in self._k else 0
+            n = self._n.get(layer, 0)
+            if n + n_new > have:
+                total += (kv_capacity(have, n + n_new) - have) * self.token_bytes()
+                copy = max(copy, have * self.token_bytes())
+        return total + copy
+
+    def nbytes_bound(self, n_tokens: int, n_layers: int) -> int:
+        """The most a cache of n_tokens in n_layers layers can hold, however it grew (capacity is at
+        most an eighth and a block over), plus the copy that grew it last."""
+        cap = -(-(n_tokens + n_tokens // 8) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+        return self.token_bytes() * (n_layers * cap + n_tokens)
+
     def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray):
-        """Add k, v (T, n_kv, hd) at positions (T,); return all (S, n_kv, hd) x2 and (S,) so far."""
+        """Add k, v (T, n_kv, hd) at positions (T,) -> everything so far as views:
+        K^T (n_kv, hd, S), V (n_kv, S, hd), positions (S,), in the storage dtype."""
         T = k.shape[0]
         assert k.shape == v.shape == (T, self.n_kv_head, self.head_dim), f"{k.shape=} {v.shape=}"
         assert positions.shape == (T,), f"{positions.shape=}"
         n = self._n.get(layer, 0)
         self._reserve(layer, n + T)
-        self._k[layer][n:n + T] = k
-        self._v[layer][n:n + T] = v
+        self._k[layer][:, :, n:n + T] = k.transpose(1, 2, 0)   # (T, n_kv, hd) -> (n_kv, hd, T)
+        self._v[layer][:, n:n + T] = v.transpose(1, 0, 2)      # (T, n_kv, hd) -> (n_kv, T, hd)
         self._pos[layer][n:n + T] = positions
         self._n[layer] = n = n + T
-        k_all, v_all = self._k[layer][:n], self._v[layer][:n]
-        if self.dtype != np.float32:
-            k_all, v_all = k_all.astype(np.float32), v_all.astype(np.float32)
-        return k_all, v_all, self._pos[layer][:n]
+        return self._k[layer][:, :, :n], self._v[layer][:, :n], self._pos[layer][:n]
 
     def n_positions(self) -> int:
         """Entries of the longest layer (every layer of a sequence holds as many once a forward is done)."""
@@ -60,30 +102,24 @@ class KVCache:
             self._n[layer] = min(self._n[layer], n_tokens)
 
     def _reserve(self, layer: int, need: int) -> None:
-        # Capacity doubles, so a long decode copies O(n) in total rather than O(n^2).
-        have = self._k[layer].shape[0] if layer in self._k else 0
+        have = self._k[layer].shape[-1] if layer in self._k else 0
         if need <= have:
             return
-        cap = max(_MIN_CAPACITY, need, 2 * have)
+        cap = kv_capacity(have, need)
         n = self._n.get(layer, 0)
-        shape = (cap, self.n_kv_head, self.head_dim)
-        k, v, pos = np.empty(shape, self.dtype), np.empty(shape, self.dtype), np.empty(cap, np.int64)
+        kv, hd = self.n_kv_head, self.head_dim
+        k, v, pos = np.empty((kv, hd, cap), self.dtype), np.empty((kv, cap, hd), self.dtype), np.empty(cap, np.int64)
         if n:
-            k[:n], v[:n], pos[:n] = self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
+            k[:, :, :n], v[:, :n], pos[:n] = self._k[layer][:, :, :n], self._v[layer][:, :n], self._pos[layer][:n]
         if layer in self._k:
             self._nbytes -= self._k[layer].nbytes + self._v[layer].nbytes + self._pos[layer].nbytes
         self._nbytes += k.nbytes + v.nbytes + pos.nbytes
         self._k[layer], self._v[layer], self._pos[layer] = k, v, pos
 
 
-def default_chunk_size(n_tokens: int) -> int:
-    """The seed's prefill chunk: floor(P/2), and at least 1."""
-    return max(1, n_tokens // 2)
-
-
-def prefill_chunks(n_tokens: int, chunk_size: int | None = None) -> list[tuple[int, int]]:
-    """[start, end) ranges covering [0, n_tokens) in order, each at most chunk_size long."""
-    size = default_chunk_size(n_tokens) if chunk_size is None else chunk_size
-    if size < 1:
-        raise ValueError(f"chunk_size {size} < 1")
-    return [(a, min(a + size, n_tokens)) for a in range(0, n_tokens, size)]
+def prefill_chunks(n_tokens: int, chunk_size: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int, int]]:
+    """[start, end) ranges covering [0, n_tokens) in order, each at most chunk_size long; a pure
+    function of its arguments."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size {chunk_size} < 1")
+    return [(a, min(a + chunk_size, n_tokens)) for a in range(0, n_tokens, chunk_size)]

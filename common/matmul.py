@@ -33,6 +33,12 @@ def register_kernel(ggml_type: str, kernel: Kernel | None) -> Kernel | None:
 DEFAULT_TILE_BYTES = 4 << 20
 
 
+def tile_rows(ne0: int, ne1: int, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
+    """Rows of W (numpy shape (ne1, ne0)) the numpy path dequantizes at a time: whole rows whose
+    float32 fits tile_bytes, at least one. Its tile is 4 * ne0 * tile_rows(...) bytes."""
+    return max(1, min(ne1, tile_bytes // (4 * ne0)))
+
+
 def get_kernel(ggml_type: str) -> Kernel | None:
     """The registered kernel of a ggml type, or None when the numpy path serves it."""
     return _KERNELS.get(ggml_type)
@@ -68,7 +74,7 @@ def matmul_tiled(x: np.ndarray, w: QTensor, tile_bytes: int = DEFAULT_TILE_BYTES
         W = w.data.view(np.float32).reshape(ne1, ne0)  # zero-copy view of the raw bytes
         np.matmul(x, W.T, out=y)  # (T, ne0) @ (ne0, ne1) -> (T, ne1)
         return y
-    rows = max(1, min(ne1, tile_bytes // (4 * ne0)))  # whole rows whose float32 fits tile_bytes
+    rows = tile_rows(ne0, ne1, tile_bytes)
     tile = np.empty((rows, ne0), np.float32)
     nb = row_nbytes(w.ggml_type, ne0, w.name)
     for a in range(0, ne1, rows):

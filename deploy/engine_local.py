@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from common.generation import Generation, generate_events
-from common.kvcache import KVCache, prefill_chunks
+from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
 from common.layers import forward_tokens
 from common.matmul import get_kernel
 from common.models import model_for
@@ -123,9 +123,9 @@ class LocalEngine:
                               self.weight(self.head_name), all_logits)
 
     def prefill(self, tokens: Sequence[int], kv: KVCache, start_pos: int = 0,
-                chunk_size: int | None = None, all_logits: bool = False) -> np.ndarray:
-        """Chunked prefill (default chunk floor(P/2), as the seed says) -> logits (vocab,),
-        or (P, vocab) with all_logits."""
+                chunk_size: int = PREFILL_CHUNK_TOKENS, all_logits: bool = False) -> np.ndarray:
+        """Chunked prefill, in the cluster's chunks (common/kvcache.py) -> logits (vocab,), or
+        (P, vocab) with all_logits."""
         if len(tokens) == 0:
             raise ValueError("prefill of an empty prompt")
         outs = [self.forward(tokens[a:b], kv, start_pos + a, all_logits)

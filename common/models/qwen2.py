@@ -154,41 +154,117 @@ def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis with max subtraction; -inf entries get 0."""
-    m = x.max(axis=-1, keepdims=True)
-    e = np.exp(x - m)
+def softmax_(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis with max subtraction, in place (x is returned); -inf entries get 0."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
     # ref: ggml_vec_soft_max_f32 sums in double, then scales by 1/sum.
-    inv = (1.0 / e.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
-    return e * inv
+    x *= (1.0 / x.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    return x
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
-              q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
-    """Causal grouped-query attention.
+# Attention runs over the keys in tiles, flash-attention style: an online softmax keeps a running
+# max and sum per query row, so its temporaries are the (n_head, T, tile) scores of one tile, not
+# (n_head, T, S). A tile's scores take about ATTN_TILE_BYTES; a decode step (T = 1) fits every key
+# of a 32k context in one tile, which is exactly the untiled computation.
+ATTN_TILE_BYTES = 4 << 20
+ATTN_TILE_ALIGN = 64  # tiles start at multiples of this many keys
 
-    q (T, n_head, hd), k/v (S, n_kv, hd), q_pos (T,), k_pos (S,) -> (T, n_head * hd) f32.
-    Query t sees key s iff k_pos[s] <= q_pos[t], so chunked prefill and decode need no
-    other bookkeeping than the positions.
+
+def attn_tile_keys(n_head: int, T: int, convert_bytes_per_key: int = 0) -> int:
+    """Keys per tile for T query rows: as many as keep the tile's float32 scores (n_head, T, tile),
+    and its float32 copies of k and v (convert_bytes_per_key, when the cache stores another
+    dtype), within ATTN_TILE_BYTES; a multiple of ATTN_TILE_ALIGN, and at least that."""
+    n = ATTN_TILE_BYTES // (4 * n_head * T + convert_bytes_per_key)
+    return max(ATTN_TILE_ALIGN, n - n % ATTN_TILE_ALIGN)
+
+
+def attention_bytes(n_head: int, hd: int, T: int, S: int) -> int:
+    """An upper bound of attention()'s float32 temporaries for T query rows over S float32 keys
+    (any T_i <= T, S_i <= S of a batch's sequences, run one after another, stay within it)."""
+    scores = min(4 * n_head * T * S, max(ATTN_TILE_BYTES, 4 * n_head * T * ATTN_TILE_ALIGN))  # one tile
+    mask = scores // (4 * n_head)                                # (T, tile) bool
+    rows = 4 * T * n_head * (5 * hd + 8)  # q regrouped, the accumulator, one tile's p @ V, the output
+    return scores + mask + rows + _NUMPY_BUFFER_BYTES  # twice (regrouped back); m, l, alpha per row
+
+
+# numpy's casting buffers (8192 elements of the wider type, both ways), e.g. a float32 sum in double.
+_NUMPY_BUFFER_BYTES = 2 * 8192 * 8
+
+
+def attention(q: np.ndarray, kT: np.ndarray, v: np.ndarray,
+              q_pos: np.ndarray, k_pos: np.ndarray, tile: int | None = None) -> np.ndarray:
+    """Causal grouped-query attention, tiled over the keys.
+
+    q (T, n_head, hd) f32, kT (n_kv, hd, S), v (n_kv, S, hd) (common/kvcache.py's layout, any
+    float dtype), q_pos (T,), k_pos (S,) -> (T, n_head * hd) f32. Query t sees key s iff
+    k_pos[s] <= q_pos[t], so chunked prefill, decode and several rows at any positions need no
+    other bookkeeping than the positions. tile: keys per tile (default attn_tile_keys).
     """
     T, n_head, hd = q.shape
-    S, n_kv, _ = k.shape
+    n_kv, _, S = kT.shape
     g = n_head // n_kv  # query heads per kv head: head h reads kv head h // g (ggml broadcast)
-    qg = q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3)        # (T, n_kv, g, hd) -> (n_kv, g, T, hd)
-    kt = k.transpose(1, 2, 0)[:, None]                          # (S, n_kv, hd) -> (n_kv, 1, hd, S)
-    vt = v.transpose(1, 0, 2)[:, None]                          # (S, n_kv, hd) -> (n_kv, 1, S, hd)
-    scores = np.matmul(qg, kt)                                  # (n_kv, g, T, hd) @ (n_kv, 1, hd, S) -> (n_kv, g, T, S)
+    if tile is None:
+        convert = 0 if kT.dtype == np.float32 else 2 * 4 * n_kv * hd
+        tile = attn_tile_keys(n_head, T, convert)
+    qg = q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * T, hd)  # (n_kv, g*T, hd), head-major
+    if S <= tile:
+        out = _attend_one_tile(qg, kT, v, q_pos, k_pos, g)
+    else:
+        out = _attend_tiles(qg, kT, v, q_pos, k_pos, g, tile)
+    # (n_kv, g*T, hd) -> (n_kv, g, T, hd) -> (T, n_kv, g, hd) -> (T, n_head * hd)
+    return out.reshape(n_kv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, n_head * hd)
+
+
+def _scores(qg: np.ndarray, kT: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, g: int) -> np.ndarray:
+    """Scaled, masked scores of one tile: qg (n_kv, g*T, hd), kT (n_kv, hd, t) -> (n_kv, g*T, t) f32."""
+    n_kv, gT, hd = qg.shape
+    T = gT // g
+    s = np.matmul(qg, kT.astype(np.float32, copy=False))       # (n_kv, g*T, hd) @ (n_kv, hd, t) -> (n_kv, g*T, t)
     # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
-    scores *= np.float32(1.0 / np.sqrt(np.float32(hd)))
-    masked = k_pos[None, :] > q_pos[:, None]                    # (T, S)
-    scores[..., masked] = -np.inf
-    p = softmax(scores)                                         # (n_kv, g, T, S)
-    out = np.matmul(p, vt)                                      # (n_kv, g, T, S) @ (n_kv, 1, S, hd) -> (n_kv, g, T, hd)
-    return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)    # -> (T, n_kv, g, hd) -> (T, n_head * hd)
+    s *= np.float32(1.0 / np.sqrt(np.float32(hd)))
+    masked = k_pos[None, :] > q_pos[:, None]                    # (T, t)
+    if masked.any():  # in place, broadcast over the heads (boolean indexing would build index arrays)
+        np.copyto(s.reshape(n_kv, g, T, -1), np.float32(-np.inf), where=masked)
+    return s
+
+
+def _attend_one_tile(qg, kT, v, q_pos, k_pos, g: int) -> np.ndarray:
+    """All S keys at once -> (n_kv, g*T, hd): softmax(scores) @ V."""
+    p = softmax_(_scores(qg, kT, q_pos, k_pos, g))              # (n_kv, g*T, S)
+    return np.matmul(p, v.astype(np.float32, copy=False))       # (n_kv, g*T, S) @ (n_kv, S, hd) -> (n_kv, g*T, hd)
+
+
+def _attend_tiles(qg, kT, v, q_pos, k_pos, g: int, tile: int) -> np.ndarray:
+    """The keys in tiles of `tile`, with an online softmax (ref: FlashAttention, Dao et al. 2022,
+    algorithm 1): per query row a running max m and sum l; the output accumulates exp(s - m) @ V
+    and is rescaled by exp(m_old - m_new) whenever the max grows. -> (n_kv, g*T, hd)."""
+    n_kv, gT, hd = qg.shape
+    S = kT.shape[-1]
+    m = np.full((n_kv, gT, 1), -np.inf, np.float32)             # running max of each row
+    l = np.zeros((n_kv, gT, 1), np.float64)                      # running sum, in double as ggml's softmax
+    acc = np.zeros((n_kv, gT, hd), np.float32)                   # running exp(s - m) @ V
+    q_last = q_pos.max()
+    for a in range(0, S, tile):
+        b = min(a + tile, S)
+        if k_pos[a:b].min() > q_last:
+            continue  # every key of the tile is after every query: masked out entirely
+        s = _scores(qg, kT[:, :, a:b], q_pos, k_pos[a:b], g)     # (n_kv, g*T, t)
+        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+        m_use = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that has seen no key yet
+        s -= m_use
+        np.exp(s, out=s)                                          # masked keys -> 0
+        alpha = np.exp(m - m_use)                                 # (n_kv, g*T, 1); 0 before the first key
+        l = l * alpha + s.sum(axis=-1, keepdims=True, dtype=np.float64)
+        acc *= alpha
+        acc += np.matmul(s, v[:, a:b].astype(np.float32, copy=False))  # (n_kv, g*T, t) @ (n_kv, t, hd)
+        m = m_new
+        del s  # before the next tile's scores: one tile alive at a time
+    return acc * (1.0 / l).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------- phases
@@ -233,8 +309,8 @@ def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str
     outs, a0 = [], 0
     for (kv, _), p in zip(seqs, pos):
         a1 = a0 + p.shape[0]
-        k_all, v_all, k_pos = kv.append(layer, k[a0:a1], v[a0:a1], p)  # (S_i, n_kv, hd) x2, (S_i,)
-        outs.append(attention(q[a0:a1], k_all, v_all, p, k_pos))        # (T_i, n_head * hd)
+        kT_all, v_all, k_pos = kv.append(layer, k[a0:a1], v[a0:a1], p)  # (n_kv, hd, S_i), (n_kv, S_i, hd), (S_i,)
+        outs.append(attention(q[a0:a1], kT_all, v_all, p, k_pos))        # (T_i, n_head * hd)
         a0 = a1
     assert a0 == N, f"sequences hold {a0} rows, x has {N}"
     a = outs[0] if len(outs) == 1 else np.concatenate(outs)     # (N, n_head * hd)
@@ -321,9 +397,16 @@ class Qwen2(Model):
         return name == self.OUTPUT_NORM or (name.startswith("blk.") and name.split(".", 2)[-1] in _RESIDENT_SUFFIXES)
 
     def activation_bytes(self, T: int, S: int) -> int:
-        # x, the normed x, q/k/v and the attention output, the (n_head, T, S) scores, gate/up/act of the FFN.
+        # Everything alive while a phase runs, the state it received included (measured against
+        # tracemalloc in tests/unit/test_attention.py), plus the C kernels' quantized copy of a
+        # matmul's input (at most 2.25 B per element; malloc'd, so tracemalloc cannot see it).
         c = self.cfg
-        return 4 * T * (4 * c.dim + 3 * c.ffn_dim + c.n_head * S)
+        kvd = c.n_kv_head * c.head_dim
+        # x, normed x, q, k, v, RoPE's halves, the attention output, the o product and the sum
+        attn = 4 * T * (7 * c.dim + 4 * kvd) + attention_bytes(c.n_head, c.head_dim, T, S)
+        ffn = 4 * T * (2 * c.dim + 3 * c.ffn_dim)  # residual, normed x, act, and two (T, ffn_dim) temporaries
+        norm = 4 * T * c.dim + 16 * T * c.dim      # x, and rmsnorm's float64 copy and its square
+        return 3 * T * max(c.dim, c.ffn_dim) + max(attn, ffn, norm) + _NUMPY_BUFFER_BYTES
 
     def run_phase(self, layer: int, phase: str, state, w: PhaseWeights, seqs: Sequences):
         if phase == "attn":

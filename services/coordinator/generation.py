@@ -58,7 +58,7 @@ class ClusterEngine:
         return Hops(gen.hop_ms, self.observe_hop)
 
     async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
-        """The prompt in chunks (seed: floor(P/2)), pipelined through the stations."""
+        """The prompt in chunks of at most PREFILL_CHUNK_TOKENS, pipelined through the stations."""
         rid, hops, degraded = gen.request_id, self._hops(gen), gen.degraded
         try:
             h = await self._prefill(gen, ids)

@@ -27,6 +27,14 @@ phase of each layer in turn. A phase's tensors stay only when the budget has roo
 the activations and the KV caches (services/station/memory.py); with the default 128 MiB that
 keeps a 0.5B's layers, while a 7B runs fluid. MEMORY_PROFILE=resident sizes the budget from the
 knot instead, so the station's layers stay (plan_memory); /stats "memory" says what was decided.
+
+The budget holds (docs/runtime.md, "Long prompts"): before a forward the station reserves what
+its KV caches will hold afterwards and checks that the largest phase fits beside them. If it does
+not, other sessions are evicted (least recently used first) until a pass of PASS_FLOOR_ROWS rows
+fits; a prefill frame then runs in passes of as many rows as fit, a batch frame by frame. A frame
+that cannot run even alone, one row at a time, is refused: 413 StationMemoryFull with the bytes.
+/stats reports max_session_tokens, the longest sequence whose KV caches fit; the coordinator
+refuses longer prompts before any work.
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ from common import wire
 from common.knot import KnotHeader
 from common.kvcache import KVCache
 from common.layers import run_layers
-from common.matmul import DEFAULT_TILE_BYTES
+from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
 from common.settings import ConfigError, default, read
 from common.topology import TopologyError
@@ -49,7 +57,8 @@ from services.batcher import Batcher
 from services.boot import BootCache
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
 from services.layer_warden.client import LayerWardenClient
-from services.station.memory import ForwardWeights, MemoryPlan, StationMemory, describe_plan, plan_memory
+from services.station.memory import (ForwardWeights, MemoryPlan, StationMemory, StationMemoryFull, describe_plan,
+                                        largest, plan_memory)
 from services.station.tensors import PhaseLoader
 
 log = logging.getLogger(__name__)
@@ -57,6 +66,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "station")
 DEFAULT_SESSION_TTL_S = default("SESSION_TTL_S", "station")
 DEFAULT_MAX_BATCH = default("MAX_BATCH", "station")  # decode frames per batched forward
+PASS_FLOOR_ROWS = 32  # idle sessions are evicted before a prefill runs in passes of fewer rows
 
 
 class UnknownSession(Conflict):
@@ -119,6 +129,10 @@ class Station:
         self.forwards = 0
         self.sessions_evicted = 0
         self.batched_rows = 0
+        self.layers = range(settings.layer_start, settings.layer_end)
+        self.phase_bytes = 0  # the largest phase's streamed tensors (set at boot)
+        self.split_frames = 0  # frames run in several passes to fit the budget
+        self.refused_frames = 0
         # One forward at a time (memory is accounted for one); decode frames that arrive while it
         # runs are batched into the next.
         self.batcher = Batcher(self._run_batch, self._batchable, max_batch=settings.max_batch)
@@ -130,6 +144,12 @@ class Station:
         if self.emits_final:
             names.append(self.model.OUTPUT_NORM)
         self.memory.hold(await self.loader.load(names))
+        streamed = [[n for n in self.loader.names(l, p) if not self.model.is_resident(n)]
+                    for l in self.layers for p in self.model.phases]
+        self.phase_bytes = max(sum(self.loader.nbytes(n) for n in names) for names in streamed)
+        self.memory.tile_bytes = max(4 * e.shape[0] * tile_rows(*e.shape)
+                                     for e in (self.header.tensors[n] for names in streamed for n in names)
+                                     if len(e.shape) == 2)
 
     def _plan(self) -> MemoryPlan:
         """The budget under the profile, from the knot's tensor table (nothing is loaded for it)."""
@@ -179,6 +199,40 @@ class Station:
         self.sessions.move_to_end(env.request_id)
         s.last_used = self.clock()
         return s
+
+    # -------------------------------------------------------- the budget
+
+    def frame_bytes(self, N: int) -> int:
+        """A forward's frames of N rows: the request body, the rows the layers run on, the reply."""
+        return 3 * 4 * N * self.cfg.dim
+
+    def kv_after(self, runs: list[tuple[wire.Envelope, Session]]) -> int:
+        """Every session's KV bytes once the frames of `runs` have been appended (reallocations included)."""
+        batch = {id(sess) for _, sess in runs}
+        idle = sum(s.kv.nbytes for s in self.sessions.values() if id(s) not in batch)
+        return idle + sum(sess.kv.nbytes_after(self.layers, env.array.shape[0]) for env, sess in runs)
+
+    def max_session_tokens(self) -> int:
+        """The longest sequence (<= the context) whose KV caches fit, alone, beside a pass of one row."""
+        kv, L = self.model.new_kv(), len(self.layers)
+        return largest(lambda n: self.memory.bytes_beside(kv.nbytes_bound(n, L), self.frame_bytes(1), 1, n)
+                       + self.phase_bytes <= self.plan.budget_bytes, self.cfg.context_length)
+
+    def _rows_per_pass(self, runs: list[tuple[wire.Envelope, Session]]) -> int:
+        """How many rows a pass through the layers may take (0: none fit), evicting idle sessions,
+        least recently used first, while fewer than PASS_FLOOR_ROWS (or all the rows) fit."""
+        N = sum(env.array.shape[0] for env, _ in runs)
+        S = max(env.seq_len for env, _ in runs)
+        keep = {env.request_id for env, _ in runs}
+        while True:
+            with self.memory.reserve(self.kv_after(runs), self.frame_bytes(N)):
+                t = self.memory.rows_per_pass(N, S, self.phase_bytes)
+            idle = [r for r in self.sessions if r not in keep]
+            if t >= min(N, PASS_FLOOR_ROWS) or not idle:
+                return t
+            del self.sessions[idle[0]]
+            self.sessions_evicted += 1
+            log.warning("session %s evicted: the KV caches leave no room for a forward of %d rows", idle[0], N)
 
     def _fit_sessions(self, keep: set[str]) -> None:
         """Evict least recently used sessions (never those in `keep`) while KV caches overflow half the budget."""
@@ -230,27 +284,53 @@ class Station:
                 runs.append((i, env, self._session(env)))
             except UnknownSession as e:
                 results[i] = e
-        if runs:
+        # A batch whose frames do not fit the budget together runs them one after another.
+        together = len(runs) < 2 or self._rows_per_pass([(env, sess) for _, env, sess in runs]) == sum(
+            env.array.shape[0] for _, env, _ in runs)
+        for group in [runs] if together else [[r] for r in runs]:
             try:
-                outs = await self._forward([(env, sess) for _, env, sess in runs])
-            except Exception as e:  # noqa: BLE001 - every frame of the batch failed with it
-                for i, _, _ in runs:
+                outs = await self._forward([(env, sess) for _, env, sess in group])
+            except Exception as e:  # noqa: BLE001 - every frame of the group failed with it
+                for i, _, _ in group:
                     results[i] = e
             else:
-                for (i, _, _), out in zip(runs, outs):
+                for (i, _, _), out in zip(group, outs):
                     results[i] = out
         return results
 
     async def _forward(self, runs: list[tuple[wire.Envelope, Session]]) -> list[wire.Envelope]:
-        """Frames of distinct sessions -> their output frames, one pass over the layers."""
+        """Frames of distinct sessions -> their output frames: one pass over the layers, or for a
+        single frame that does not fit at once, passes of as many rows as fit."""
+        t = self._rows_per_pass(runs)
+        N = sum(env.array.shape[0] for env, _ in runs)
+        S = max(env.seq_len for env, _ in runs)  # the longest attention span in the batch
+        if t == 0 or (t < N and len(runs) > 1):
+            self.refused_frames += 1
+            env, sess = runs[0]
+            raise StationMemoryFull(
+                f"request {env.request_id}: {N} rows at position {env.position} do not fit the station's "
+                f"budget of {self.plan.budget_bytes} bytes ({self.plan.profile} profile, MEMORY_BUDGET_BYTES="
+                f"{self.settings.budget_bytes}) even one row at a time: the KV caches would "
+                f"hold {self.kv_after(runs)} bytes, the largest phase {self.phase_bytes}, resident tensors "
+                f"{self.memory.resident_bytes}. This station holds the KV cache of at most "
+                f"{self.max_session_tokens()} tokens per sequence; raise MEMORY_BUDGET_BYTES "
+                f"(STATION_MEMORY_BUDGET_BYTES in compose) or run more stations")
         xs = [env.array for env, _ in runs]
         h = np.concatenate(xs) if len(xs) > 1 else np.array(xs[0], dtype=np.float32)  # (N, dim), writable
-        N = h.shape[0]
-        S = max(env.seq_len for env, _ in runs)  # the longest attention span in the batch
-        seqs = [(sess.kv, np.arange(env.position, env.seq_len, dtype=np.int64)) for env, sess in runs]
+        a, b = self.settings.layer_start, self.settings.layer_end
         try:
-            h = await run_layers(self.model, h, self.settings.layer_start, self.settings.layer_end, seqs,
-                                 ForwardWeights(self.memory, self.loader, N, S))
+            with self.memory.reserve(self.kv_after(runs), self.frame_bytes(N)):
+                if t == N:
+                    seqs = [(sess.kv, np.arange(env.position, env.seq_len, dtype=np.int64)) for env, sess in runs]
+                    h = await run_layers(self.model, h, a, b, seqs, ForwardWeights(self.memory, self.loader, N, S))
+                else:  # one frame, in passes of t rows, each through every layer
+                    (env, sess), = runs
+                    self.split_frames += 1
+                    for r in range(0, N, t):
+                        p0, p1 = env.position + r, env.position + min(r + t, N)
+                        h[r:r + t] = await run_layers(self.model, h[r:r + t], a, b,
+                                                      [(sess.kv, np.arange(p0, p1, dtype=np.int64))],
+                                                      ForwardWeights(self.memory, self.loader, p1 - p0, p1))
         except BaseException:
             # A half-applied forward leaves the KV caches inconsistent: forget those sessions.
             for env, _ in runs:
@@ -282,6 +362,8 @@ class Station:
             "resident_bytes": self.memory.resident_bytes, "kept_bytes": self.memory.kept.bytes_used,
             "kept_tensors": len(self.memory.kept),
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
+            "max_session_tokens": self.max_session_tokens(), "phase_bytes": self.phase_bytes,
+            "split_frames": self.split_frames, "refused_frames": self.refused_frames,
             "forwards": self.forwards, "batched_rows": self.batched_rows, **self.batcher.stats(),
             **self.loader.stats, **self.loader.warden_stats(), **self.loader.source.stats(),
         }

@@ -3,26 +3,33 @@ accounting that keeps the total within MEMORY_BUDGET_BYTES.
 
     resident     the small tensors of its layers (norms, biases; output_norm on exit), for life
     kept         phase tensors kept between forwards while the budget has room
-    KV caches    the sessions' (owned by the station, counted here through kv_bytes())
-    activations  the phase's float32 temporaries (model.activation_bytes(T, S))
+    KV caches    the sessions' (owned by the station, counted here through kv_bytes()); during a
+                 forward, what they will hold once it has appended (reserve())
+    frames       the forward's frames in and out
+    activations  the phase's temporaries (model.activation_bytes(T, S), tiled attention included)
     the tile     matmul's dequantization tile
 
 Per phase: acquire() takes the phase's tensors from resident, then kept, and makes room before
-loading the rest; evict_or_keep() afterwards keeps what still fits beside everything else.
+loading the rest; evict_or_keep() afterwards keeps what still fits beside everything else. Kept
+tensors are the only thing a phase may evict; the station checks before a forward that the rest
+fits (rows_per_pass), so make_room never runs out, and refuses with StationMemoryFull otherwise.
 What a kept entry is comes from `keep` and `take` (the station seals its copies with the knot
 version and crc32, services/station/tensors.py); an entry `take` refuses is a miss, loaded again.
 """
 from __future__ import annotations
 
-import logging
+import contextlib
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol
 
 from common.lru import ByteLRU
 from common.matmul import DEFAULT_TILE_BYTES
 from common.quant import QTensor
+from common.runtime import PayloadTooLarge
 
-log = logging.getLogger(__name__)
+
+class StationMemoryFull(PayloadTooLarge):
+    """413: a frame cannot run within MEMORY_BUDGET_BYTES, even alone and in passes of one row."""
 
 
 PROFILES = ("worker", "resident")  # MEMORY_PROFILE's choices (common/settings.py)
@@ -113,8 +120,10 @@ def copy_of(t: QTensor) -> QTensor:
 class StationMemory:
     def __init__(self, budget_bytes: int, activation_bytes: Callable[[int, int], int],
                  kv_bytes: Callable[[], int], keep: Callable[[QTensor], Any] = copy_of,
-                 take: Callable[[Any], QTensor | None] = lambda kept: kept):
+                 take: Callable[[Any], QTensor | None] = lambda kept: kept,
+                 tile_bytes: int = DEFAULT_TILE_BYTES):
         self.budget_bytes = budget_bytes
+        self.tile_bytes = tile_bytes  # matmul's float32 tile, at most DEFAULT_TILE_BYTES
         self.activation_bytes = activation_bytes  # (T new rows, S positions attended) -> bytes
         self.kv_bytes = kv_bytes
         self.keep, self.take = keep, take  # tensor -> kept entry; kept entry -> tensor, or None: a miss
@@ -122,15 +131,36 @@ class StationMemory:
         self.resident_bytes = 0  # fixed after boot; summed once, not per phase
         self.kept: ByteLRU[str, Any] = ByteLRU(budget_bytes)
         self.peak_accounted_bytes = 0
+        self.kv_after_bytes = 0  # set by reserve() for the running forward
+        self.frame_bytes = 0
 
     def hold(self, resident: Mapping[str, QTensor]) -> None:
         """The resident set, held for the station's life."""
         self.resident = dict(resident)
         self.resident_bytes = sum(t.nbytes for t in self.resident.values())
 
+    @contextlib.contextmanager
+    def reserve(self, kv_after_bytes: int, frame_bytes: int) -> Iterator[None]:
+        """For one forward: count the KV caches at what they will hold once it has appended (the
+        largest reallocation included), and its frames, from its first phase on."""
+        self.kv_after_bytes, self.frame_bytes = kv_after_bytes, frame_bytes
+        try:
+            yield
+        finally:
+            self.kv_after_bytes = self.frame_bytes = 0
+
     def fixed_bytes(self, T: int, S: int) -> int:
         """Everything a phase needs besides its own tensors and the kept ones."""
-        return self.resident_bytes + self.kv_bytes() + self.activation_bytes(T, S) + DEFAULT_TILE_BYTES
+        return self.bytes_beside(max(self.kv_bytes(), self.kv_after_bytes), self.frame_bytes, T, S)
+
+    def bytes_beside(self, kv_bytes: int, frame_bytes: int, T: int, S: int) -> int:
+        """What a phase of T rows over S positions holds besides tensors, with these KV caches and frames."""
+        return self.resident_bytes + kv_bytes + frame_bytes + self.activation_bytes(T, S) + self.tile_bytes
+
+    def rows_per_pass(self, N: int, S: int, phase_bytes: int) -> int:
+        """The most rows (<= N) one pass through the layers may take so that every phase fits with
+        phase_bytes of its own tensors loaded and nothing kept (within reserve()); 0: not even one."""
+        return largest(lambda t: self.fixed_bytes(t, S) + phase_bytes <= self.budget_bytes, N)
 
     def account(self, phase_bytes: int, T: int, S: int) -> int:
         """The bytes held while a phase runs with phase_bytes of freshly loaded tensors; tracks the peak."""
@@ -155,9 +185,11 @@ class StationMemory:
                 break
             if name not in protect:
                 self.kept.pop(name)
-        if self.kept.bytes_used > max(limit, 0):
-            log.warning("phase needs %d new bytes; %d fixed + %d kept exceed the %d-byte budget",
-                        need_bytes, self.fixed_bytes(T, S), self.kept.bytes_used, self.budget_bytes)
+        if self.kept.bytes_used > max(limit, 0) or limit < 0:
+            raise StationMemoryFull(
+                f"a phase of {T} rows over {S} positions needs {need_bytes} bytes of tensors and "
+                f"{self.fixed_bytes(T, S)} of KV caches, frames, activations and resident tensors, "
+                f"{self.kept.bytes_used} kept ones left: over the {self.budget_bytes}-byte budget")
 
     async def acquire(self, names: list[str], T: int, S: int, source: TensorSource) -> dict[str, QTensor]:
         """The phase's tensors: resident, then kept (a hit refreshes it), then loaded from source
@@ -199,3 +231,14 @@ class ForwardWeights:
 
     def done(self, layer: int, phase: str, w: Mapping[str, QTensor]) -> None:
         self.memory.evict_or_keep(w, self.T, self.S)
+
+
+def largest(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest n in [0, hi] with fits(n), for a fits that holds up to some n and not beyond; 0 if none."""
+    if fits(hi):
+        return hi
+    lo = 0  # fits(lo) or lo == 0; not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -9,7 +9,7 @@ Acceptance (issue 3), per model and prompt:
   * at every step compared (same context on both sides), the logits of llama.cpp's top 10
     tokens are within TOP10_TOL of ours.
 llama.cpp runs with flash attention off and n_threads=2; it evaluates the prompt as one batch and
-then one token at a time, as its generation does. We prefill in the default chunks (floor(P/2)).
+then one token at a time, as its generation does. We prefill in the default chunks (PREFILL_CHUNK_TOKENS).
 
 Run as a script to print the markdown table recorded in docs/fidelity.md:
     .venv/bin/python tests/oracle/test_llamacpp.py [model names...]
@@ -149,7 +149,7 @@ def compare_prompt(llm, engine, name: str, text: str, chat: bool, n_gen: int = N
     ref_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
     ref_logits, ref_gen = llama_greedy(llm, ref_ids, n_gen)
     kv = engine.new_kv()
-    first = engine.prefill(ids, kv)  # default chunks: floor(P/2)
+    first = engine.prefill(ids, kv)  # default chunks: PREFILL_CHUNK_TOKENS
     f = follow(ref_logits, ref_gen, first, lambda t, i: engine.decode(t, kv, len(ids) + i))
     gen = f.pop("gen")
     return PromptResult(name=name, n_prompt=len(ids), ids_equal=ids == ref_ids,

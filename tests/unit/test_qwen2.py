@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common.kvcache import KVCache, default_chunk_size, prefill_chunks
+from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
 from common.layers import forward_range
 from common.models import qwen2
 from common.models.qwen2 import MissingTensorError, Qwen2, Qwen2Config, phase_tensors
@@ -137,7 +137,8 @@ def test_attention_gqa_causal_against_loops():
     k = rng.normal(size=(T, n_kv, hd)).astype(np.float32)
     v = rng.normal(size=(T, n_kv, hd)).astype(np.float32)
     pos = np.arange(T)
-    got = qwen2.attention(q, k, v, pos, pos).reshape(T, n_head, hd)
+    kT, vh = k.transpose(1, 2, 0), v.transpose(1, 0, 2)  # the cache's layout: (n_kv, hd, S), (n_kv, S, hd)
+    got = qwen2.attention(q, kT, vh, pos, pos).reshape(T, n_head, hd)
     for t in range(T):
         for h in range(n_head):
             kh = h // (n_head // n_kv)  # consecutive query heads share a kv head
@@ -228,16 +229,21 @@ def test_embed_slices_sum_to_full_lookup_exactly():
         qwen2.embed(TOKENS, emb.rows(0, 10), 0, 11)
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 3, 5])
+@pytest.mark.parametrize("chunk", [PREFILL_CHUNK_TOKENS, 1, 3, 5])
 def test_chunked_prefill_equals_unchunked(chunk):
     np.testing.assert_allclose(run_model(TOKENS, chunk_size=chunk), REF, rtol=1e-5, atol=1e-5 * np.abs(REF).max())
 
 
-def test_default_chunk_is_half_the_prompt():
-    assert [default_chunk_size(p) for p in (0, 1, 2, 7, 512)] == [1, 1, 1, 3, 256]
-    assert prefill_chunks(7) == [(0, 3), (3, 6), (6, 7)]
+def test_prefill_chunks_have_a_fixed_maximum_size():
+    """Not half the prompt: a 30k-token prompt enters in chunks of PREFILL_CHUNK_TOKENS, and the
+    boundaries depend on the length alone (a replay cuts where the first run did)."""
+    n = PREFILL_CHUNK_TOKENS
+    assert prefill_chunks(2 * n + 7) == [(0, n), (n, 2 * n), (2 * n, 2 * n + 7)]
+    assert prefill_chunks(30_000) == prefill_chunks(30_000)
+    assert max(b - a for a, b in prefill_chunks(30_000)) == n
     assert prefill_chunks(1) == [(0, 1)]
     assert prefill_chunks(5, 10) == [(0, 5)]
+    assert prefill_chunks(7, 3) == [(0, 3), (3, 6), (6, 7)]
 
 
 def test_decode_with_kv_cache_equals_full_recompute():
@@ -281,7 +287,8 @@ def test_batched_attn_phase_equals_each_sequence_alone():
         np.testing.assert_array_equal(pa, pb)
         # F16/F32 weights go through BLAS, whose sums may group differently for 1 row and for
         # N rows (an ulp); the quantized kernels are row-wise exact (test_kernels: ..._batch_agree_bit_for_bit).
-        np.testing.assert_allclose(np.stack([ka, va]), np.stack([kb, vb]), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(ka, kb, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(va, vb, rtol=0, atol=1e-6)
 
 
 def test_kvcache_grows_and_truncates():
@@ -290,12 +297,12 @@ def test_kvcache_grows_and_truncates():
     ks = rng.normal(size=(40, 2, 4)).astype(np.float32)
     for i in range(40):
         k, v, pos = kv.append(0, ks[i:i + 1], -ks[i:i + 1], np.array([i]))
-    np.testing.assert_array_equal(k, ks)
-    np.testing.assert_array_equal(v, -ks)
+    np.testing.assert_array_equal(k, ks.transpose(1, 2, 0))  # K^T (n_kv, hd, S)
+    np.testing.assert_array_equal(v, -ks.transpose(1, 0, 2))  # V (n_kv, S, hd)
     np.testing.assert_array_equal(pos, np.arange(40))
     kv.truncate(10)
     k, _, pos = kv.append(0, ks[:1], ks[:1], np.array([10]))
-    assert k.shape == (11, 2, 4) and pos[-1] == 10 and kv.n_tokens(1) == 0
+    assert k.shape == (2, 4, 11) and pos[-1] == 10 and kv.n_tokens(1) == 0
 
 
 def test_kvcache_nbytes_counts_every_array_as_it_grows():

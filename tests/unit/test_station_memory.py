@@ -3,10 +3,11 @@ accounting, most-recently-used eviction, keep-if-it-fits, and the cyclic scan it
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from common.matmul import DEFAULT_TILE_BYTES
 from common.quant import QTensor
-from services.station.memory import ForwardWeights, StationMemory
+from services.station.memory import ForwardWeights, StationMemory, StationMemoryFull, largest
 
 ACT_PER_ROW = 1000  # activation bytes per row, in these tests
 
@@ -77,8 +78,10 @@ def test_make_room_stops_once_the_phase_fits():
     assert list(m.kept.keys()) == ["a", "b", "c", "d"], "everything fits: nothing evicted"
     m.make_room(100, 1, 1, protect=set())
     assert list(m.kept.keys()) == ["a", "b", "c"], "one tensor's room: the newest went"
-    m.make_room(0, 301, 1, protect=set())  # a long prefill: 300 more rows of activations, nothing loaded
+    m.make_room(0, 1, 41, protect=set())  # 40 more positions of activations, exactly the kept bytes
     assert list(m.kept.keys()) == [], "activations need room too"
+    with pytest.raises(StationMemoryFull, match="over the .*-byte budget"):
+        m.make_room(0, 301, 1, protect=set())  # 300 more rows than the budget holds: refused, never run over
 
 
 def test_evict_or_keep_keeps_what_fits_as_copies_and_skips_resident_and_kept():

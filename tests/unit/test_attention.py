@@ -1,0 +1,182 @@
+"""Tiled attention (online softmax over key tiles) against the one-tile computation: equal within
+float32 rounding on random data, the same greedy tokens on a tiny model, and temporaries bounded
+by the tile instead of by the prompt."""
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from common.kvcache import KVCache
+from common.models import qwen2
+from common.sampling import SamplingParams
+
+
+def qkv(T: int, S: int, n_head: int = 4, n_kv: int = 2, hd: int = 16, seed: int = 0):
+    """Random q (T, n_head, hd) and k, v in the cache's layout: K^T (n_kv, hd, S), V (n_kv, S, hd)."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(0, 2.0, (T, n_head, hd)).astype(np.float32)  # scale 2: peaked rows, as attention sinks make
+    kT = rng.normal(size=(n_kv, hd, S)).astype(np.float32)
+    v = rng.normal(size=(n_kv, S, hd)).astype(np.float32)
+    return q, kT, v
+
+
+@pytest.mark.parametrize("T,S,tile", [(1, 300, 64), (37, 300, 64), (37, 300, 128), (64, 1000, 192), (5, 70, 64)])
+def test_tiled_equals_one_tile_on_random_data(T, S, tile):
+    """A prefill chunk: T queries at the last T positions over S keys, in tiles of `tile` keys."""
+    q, kT, v = qkv(T, S, seed=T + S)
+    k_pos, q_pos = np.arange(S), np.arange(S - T, S)
+    want = qwen2.attention(q, kT, v, q_pos, k_pos, tile=S)
+    got = qwen2.attention(q, kT, v, q_pos, k_pos, tile=tile)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
+def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile():
+    """Query rows at arbitrary positions (a speculative verify frame, a batch's rows) and keys in
+    any order: the mask is by position alone, and a row whose keys all sit in other tiles still
+    gets exactly its own softmax."""
+    S, T = 260, 9
+    q, kT, v = qkv(T, S, seed=5)
+    rng = np.random.default_rng(6)
+    k_pos = rng.permutation(S)
+    q_pos = np.array([0, 259, 3, 128, 64, 65, 200, 1, 255])
+    want = qwen2.attention(q, kT, v, q_pos, k_pos, tile=S)
+    for tile in (64, 128):
+        got = qwen2.attention(q, kT, v, q_pos, k_pos, tile=tile)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    # Row 0 sees key position 0 only: its output is that key's value row, whatever the tiles.
+    g = 2
+    key0 = int(np.flatnonzero(k_pos == 0)[0])
+    got0 = qwen2.attention(q, kT, v, q_pos, k_pos, tile=64).reshape(T, 4, 16)[0]
+    np.testing.assert_allclose(got0, np.repeat(v[:, key0], g, axis=0), rtol=1e-6)
+
+
+def test_float16_storage_converts_per_tile():
+    q, kT, v = qkv(16, 300, seed=2)
+    kT16, v16 = kT.astype(np.float16), v.astype(np.float16)
+    pos = np.arange(300)
+    want = qwen2.attention(q, kT16.astype(np.float32), v16.astype(np.float32), pos[-16:], pos, tile=300)
+    got = qwen2.attention(q, kT16, v16, pos[-16:], pos, tile=64)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
+def test_tile_keys_bound_the_scores_and_decode_takes_one_tile():
+    tile_bytes = qwen2.ATTN_TILE_BYTES
+    for n_head, T in [(14, 256), (28, 256), (12, 1), (14, 3000)]:
+        tile = qwen2.attn_tile_keys(n_head, T)
+        assert tile % qwen2.ATTN_TILE_ALIGN == 0 and tile >= qwen2.ATTN_TILE_ALIGN
+        assert 4 * n_head * T * tile <= tile_bytes or tile == qwen2.ATTN_TILE_ALIGN
+    # A decode step of a 32-head model over a 32k context: one tile, the untiled computation.
+    assert qwen2.attn_tile_keys(32, 1) >= 32768
+
+
+def peak_bytes(fn) -> int:
+    """Peak bytes numpy allocated while fn ran (numpy reports its buffers to tracemalloc)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt():
+    """A 256-row chunk at the end of an 8k-token prompt: the one-tile computation would hold
+    (n_head, T, S) float32 scores (32 MiB here); the tiled one about one tile's worth."""
+    T, S, n_head = 256, 8192, 4
+    q, kT, v = qkv(T, S, n_head=n_head)
+    q_pos, k_pos = np.arange(S - T, S), np.arange(S)
+    full_scores = 4 * n_head * T * S
+    tiled = peak_bytes(lambda: qwen2.attention(q, kT, v, q_pos, k_pos))
+    accounted = qwen2.attention_bytes(n_head, 16, T, S)
+    assert tiled <= accounted < full_scores / 4, (tiled, accounted, full_scores)
+    assert accounted < 1.3 * tiled, "the bound is the real footprint, not a guess far above it"
+
+
+def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch):
+    """The tiny model decodes the same greedy tokens when every attention runs in tiles of 4 keys."""
+    from deploy.engine_local import LocalEngine
+
+    eng = LocalEngine.open(tiny_gguf)
+    ids = eng.tokenizer.encode("the cat in the hat sat on the mat and then the dog came by")
+    want = eng.generate(ids, SamplingParams(), max_tokens=24)
+    monkeypatch.setattr(qwen2, "ATTN_TILE_ALIGN", 4)
+    monkeypatch.setattr(qwen2, "ATTN_TILE_BYTES", 1)
+    assert qwen2.attn_tile_keys(4, 1) == 4
+    got = eng.generate(ids, SamplingParams(), max_tokens=24)
+    assert got.token_ids == want.token_ids and len(want.token_ids) == 24
+
+
+def test_kv_cache_views_feed_attention_without_copies():
+    kv = KVCache(2, 16)
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(10, 2, 16)).astype(np.float32)
+    kT, v, pos = kv.append(0, k, -k, np.arange(10))
+    assert kT.shape == (2, 16, 10) and v.shape == (2, 10, 16)
+    assert np.shares_memory(kT, kv._k[0]) and np.shares_memory(v, kv._v[0])
+    assert kT.strides[-1] == v.strides[-1] == 4, "each head's matrix has unit stride rows: BLAS takes it as is"
+
+
+# ------------------------------------------------------------------ the station's accounting
+
+def phase_weights(dim: int, ffn: int, n_kv: int, hd: int) -> dict:
+    """Layer 0's tensors, F32 (matmul allocates only its output for them, as the C kernels do)."""
+    from common.quant import QTensor
+
+    rng = np.random.default_rng(0)
+    kvd = n_kv * hd
+    shapes = {"attn_norm.weight": (dim,), "attn_q.weight": (dim, dim), "attn_q.bias": (dim,),
+              "attn_k.weight": (kvd, dim), "attn_k.bias": (kvd,), "attn_v.weight": (kvd, dim),
+              "attn_v.bias": (kvd,), "attn_output.weight": (dim, dim), "ffn_norm.weight": (dim,),
+              "ffn_gate.weight": (ffn, dim), "ffn_up.weight": (ffn, dim), "ffn_down.weight": (dim, ffn)}
+    out = {}
+    for name, shape in shapes.items():
+        a = (rng.normal(size=shape) * 0.05).astype(np.float32)
+        out["blk.0." + name] = QTensor("blk.0." + name, "F32", tuple(reversed(shape)), a.reshape(-1).view(np.uint8))
+    return out
+
+
+def state_bytes(st) -> int:
+    if isinstance(st, qwen2.FfnState):
+        return sum(a.nbytes for a in (st.residual, st.xn, st.act) if a is not None)
+    return st.nbytes
+
+
+# (dim, ffn, n_head, n_kv): the tiny test model's shape and the 0.5B's.
+SHAPES = {"tiny": (64, 96, 4, 2), "0.5b": (896, 4864, 14, 2)}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("T,S", [(1, 1), (1, 8192), (256, 256), (256, 2048), (64, 1000)])
+def test_activation_bytes_bound_every_phase_as_measured(shape, T, S, numpy_matmul):
+    """model.activation_bytes(T, S), what a station accounts for a phase's temporaries, is at least
+    what each phase really holds (the state it was handed included), measured by tracemalloc,
+    and no more than 1.5x the largest phase's."""
+    dim, ffn, n_head, n_kv = SHAPES[shape]
+    hp = dict(block_count=1, embedding_length=dim, feed_forward_length=ffn, head_count=n_head,
+              head_count_kv=n_kv, rope_freq_base=1e6, rms_eps=1e-6, context_length=32768, vocab_size=100)
+    model = qwen2.Qwen2.from_hparams(hp)
+    hd = model.cfg.head_dim
+    w = phase_weights(dim, ffn, n_kv, hd)
+    kv = KVCache(n_kv, hd)
+    if S > T:
+        old = np.zeros((S - T, n_kv, hd), np.float32)
+        kv.append(0, old, old, np.arange(S - T))
+    kv._reserve(0, S)  # the KV's growth is accounted apart (nbytes_after), not as an activation
+    seqs = [(kv, np.arange(S - T, S))]
+    state = np.random.default_rng(1).normal(size=(T, dim)).astype(np.float32)
+    measured = {}
+    for phase in model.phases:
+        held = state_bytes(state)
+        box = []
+        measured[phase] = peak_bytes(lambda: box.append(model.run_phase(0, phase, state, w, seqs))) + held
+        state = box.pop()
+    accounted = model.activation_bytes(T, S)
+    assert max(measured.values()) <= accounted, (measured, accounted)
+    # Beyond 1.5x the measured peak only: the C kernels' quantized inputs (which tracemalloc cannot
+    # see) and a fixed allowance for numpy's casting buffers.
+    slack = 3 * T * max(dim, ffn) + 2 * qwen2._NUMPY_BUFFER_BYTES
+    assert accounted <= 1.5 * max(measured.values()) + slack, (measured, accounted)
