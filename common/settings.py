@@ -205,8 +205,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_ACCESS_LOG", "choice", "all", "host compose",
        "all: log every request; errors: only 4xx/5xx (internal hops run ~10 requests per token)",
        choices=("all", "errors"), reader_defaults={"compose": "errors"}),
-    _s("KNOT_MAX_BODY_BYTES", "int", str(256 * MiB), "host", "largest request body accepted (413 beyond)",
-       minimum=1),
+    _s("KNOT_MAX_BODY_BYTES", "int", None, "host", "largest request body accepted, 413 before it is read "
+       "(default: the service module's MAX_BODY_BYTES, 4 MiB for the coordinator; else 64 MiB)", minimum=1),
     # ------------------------------------------------------------ kernels and the container runtime
     _s("KNOT_THREADS", "int", None, "kernels", "threads per matmul, the caller's included "
        "(default: the CPUs this process may run on)", minimum=1, maximum=256),

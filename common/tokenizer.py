@@ -53,6 +53,23 @@ class TokenizerError(ValueError):
     pass
 
 
+class TooManyTokens(TokenizerError):
+    """encode_bounded() stopped: the text holds more than max_tokens ids (at least n_tokens)."""
+
+    def __init__(self, n_tokens: int, max_tokens: int):
+        self.n_tokens, self.max_tokens = n_tokens, max_tokens
+        super().__init__(f"more than {max_tokens} tokens (at least {n_tokens})")
+
+
+# encode_bounded() encodes a long text in pieces of about this many characters, cut only where
+# the pre-tokenizer would cut anyway (_SAFE_CUT), so it stops early with the same ids.
+ENCODE_PIECE_CHARS = 1 << 15
+# After a newline, before what is not whitespace (optionally after spaces and tabs): no regex
+# alternative matches across it (none takes a newline and then more than spaces), and the match
+# after it starts there either way. A special token with a newline in it disables cutting.
+_SAFE_CUT = re.compile(r"\n(?=[ \t]*[^\s])")
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable characters."""
     # ref: openai/gpt-2 encoder.py bytes_to_unicode
@@ -128,6 +145,8 @@ class Tokenizer:
         self._special_id = {tokens[i]: i for i in sorted(self.control_ids)}  # the markers a template may write
         self._special_re = None
         self._piece_cache: dict[int, bytes] = {}
+        self._uncuttable: bool | None = None
+        self._max_token_bytes: int | None = None
 
     @staticmethod
     def _build(tokens, types, vocab, pairs, pattern) -> "HFTokenizer":
@@ -155,6 +174,37 @@ class Tokenizer:
             return self._bpe.encode(text, None if special else self._user_defined)
         self._hf.encode_special_tokens = not special
         return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_bounded(self, text: str, max_tokens: int, special: bool = True) -> list[int]:
+        """encode(text) when that is at most max_tokens ids; TooManyTokens as soon as more are
+        certain, after encoding about max_tokens ids' worth of the text rather than all of it."""
+        ids: list[int] = []
+        for piece in self._pieces(text):
+            ids += self.encode(piece, special)
+            if len(ids) > max_tokens:
+                raise TooManyTokens(len(ids), max_tokens)
+        return ids
+
+    def _pieces(self, text: str):
+        """text cut at _SAFE_CUT points into pieces of about ENCODE_PIECE_CHARS (whole, when it cannot be cut)."""
+        if self._uncuttable is None:
+            self._uncuttable = any("\n" in self.tokens[i] for i in self.special_ids)
+        a = 0
+        while not self._uncuttable and len(text) - a > ENCODE_PIECE_CHARS:
+            cut = _SAFE_CUT.search(text, a + ENCODE_PIECE_CHARS)
+            if cut is None:
+                break
+            yield text[a:cut.end()]
+            a = cut.end()
+        yield text[a:]
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes any one token stands for: a text of n characters needs at least
+        n / max_token_bytes tokens (a character is at least a byte)."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+        return self._max_token_bytes
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (control and user-defined tokens: their text)."""
@@ -192,7 +242,8 @@ class Tokenizer:
             bos_token=bos, eos_token=eos, **extra)
 
 
-    def encode_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                    max_tokens: int | None = None) -> list[int]:
         """A chat -> ids, where only the template's own markers are control tokens.
 
         Rendering the chat and encoding it with specials on (as llama.cpp's server does) lets a
@@ -200,7 +251,14 @@ class Tokenizer:
         template is rendered with a placeholder for each message's content; the special tokens
         the template itself wrote are split out, and everything between them (template text and
         contents alike) is encoded as plain text. With no special text in any content, the ids
-        equal encode(render_chat(...)): specials split the text before pre-tokenization anyway."""
+        equal encode(render_chat(...)): specials split the text before pre-tokenization anyway.
+        With max_tokens, TooManyTokens as soon as the chat is certainly longer (encode_bounded)."""
+        def encode(text: str, special: bool) -> list[int]:
+            if max_tokens is None:
+                return self.encode(text, special)
+            return self.encode_bounded(text, max_tokens - len(ids), special)
+
+        ids: list[int] = []
         msgs = [dict(m) for m in messages]
         marks = [f"\x00knot-content-{i}\x00" for i in range(len(msgs))]
         skeleton = self.render_chat([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
@@ -213,8 +271,7 @@ class Tokenizer:
             if any(t in m["content"] for m in msgs for t in self._special_id):
                 raise TokenizerError("a message holds the text of a control token and this model's chat "
                                      "template does not place contents verbatim, so it cannot be kept as text")
-            return self.encode(self.render_chat(msgs, add_generation_prompt))
-        ids: list[int] = []
+            return encode(self.render_chat(msgs, add_generation_prompt), True)
         text = ""  # plain text since the last template marker
         for i, piece in enumerate(pieces):
             if i % 2:
@@ -222,11 +279,15 @@ class Tokenizer:
                 continue
             for j, part in enumerate(self._split_specials(piece)):
                 if j % 2:  # a marker the template wrote
-                    ids += self.encode(text, special=False) + [self._special_id[part]]
+                    ids += encode(text, False)
+                    ids.append(self._special_id[part])
                     text = ""
                 else:
                     text += part
-        return ids + self.encode(text, special=False)
+        ids += encode(text, False)
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise TooManyTokens(len(ids), max_tokens)
+        return ids
 
     def _split_specials(self, text: str) -> list[str]:
         """[text, special, text, special, ..., text]: the control tokens' texts split out, longest first."""

@@ -21,6 +21,10 @@ from services.layer_warden import LayerWarden
 
 KNOT_KEY = "model.knot"
 DRAFT_KEY = "draft.knot"
+# A station budget just above what short prompts of the tiny synthetic model need on a station of
+# both its layers (matmul's tile, one phase's tensors, a KV block, the activations): the stations
+# keep little between phases and stream the rest from their wardens (fluid).
+FLUID_BUDGET_BYTES = 1792 << 10
 
 
 @dataclass

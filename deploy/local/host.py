@@ -38,11 +38,18 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 5.0
 
 
+# Request bodies beyond this are refused with 413 before they are read in full, unless the service
+# module says otherwise (MAX_BODY_BYTES: the coordinator's public API takes a few MiB) or
+# KNOT_MAX_BODY_BYTES does. Internal frames are at most a prefill chunk of hidden states.
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class ServiceModule:
     handler: Handler
     durable_objects: dict[str, type]
     ready: Callable[[Env], Awaitable[None]] | None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def load_service(module_path: str) -> ServiceModule:
@@ -50,7 +57,8 @@ def load_service(module_path: str) -> ServiceModule:
     handler = getattr(module, "fetch", None)
     if handler is None:
         raise ConfigError(f"service module {module_path} has no fetch(request, env, ctx)")
-    return ServiceModule(handler, dict(getattr(module, "DURABLE_OBJECTS", {})), getattr(module, "ready", None))
+    return ServiceModule(handler, dict(getattr(module, "DURABLE_OBJECTS", {})), getattr(module, "ready", None),
+                         int(getattr(module, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)))
 
 
 @dataclass
@@ -66,12 +74,18 @@ class ServiceRuntime:
     checks: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     access_log: str = "all"  # "errors": successful requests are logged at DEBUG only
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 # ---------------------------------------------------------------- translation
 
 
 async def to_runtime_request(request: web.Request, url: str | None = None) -> Request:
+    # A declared length over the limit is refused before a byte of the body is read; a chunked
+    # body, once it passes the limit (aiohttp's read() raises the same 413).
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     return Request(request.method, url or str(request.url), Headers(request.headers.items()), await request.read())
 
 
@@ -186,8 +200,8 @@ async def _worker(request: web.Request) -> web.StreamResponse:
     return await send_response(request, resp)
 
 
-def build_app(rt: ServiceRuntime, max_body_bytes: int = 256 << 20) -> web.Application:
-    app = web.Application(middlewares=[request_context], client_max_size=max_body_bytes)
+def build_app(rt: ServiceRuntime) -> web.Application:
+    app = web.Application(middlewares=[request_context], client_max_size=rt.max_body_bytes)
     app[RUNTIME] = rt
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -261,7 +275,7 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
     # Exit callbacks run last-in first-out: wait_until work drains before any client closes.
     stack.push_async_callback(tasks.drain, settings.shutdown_timeout_s)
     return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks,
-                          access_log=settings.access_log)
+                          access_log=settings.access_log, max_body_bytes=settings.max_body_bytes or svc.max_body_bytes)
 
 
 async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Callable[[], None] | None = None,
@@ -292,7 +306,7 @@ async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Cal
 async def serve_one(settings: HostSettings) -> None:
     async with contextlib.AsyncExitStack() as stack:
         rt = await open_runtime(settings, stack)
-        app = build_app(rt, settings.max_body_bytes)
+        app = build_app(rt)
         await serve_apps([(app, settings.host, settings.port)],
                          on_ready=lambda: log.info("listening on %s:%d", settings.host, settings.port,
                                                    extra={"port": settings.port}))

@@ -93,7 +93,7 @@ class HostSettings:
     shutdown_timeout_s: float
     log_format: str
     access_log: str
-    max_body_bytes: int
+    max_body_bytes: int | None  # None: the service module's MAX_BODY_BYTES (deploy/local/host.py)
     redis_password: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
 
     @classmethod

@@ -76,7 +76,8 @@ class Topology:
             tasks = BackgroundTasks(f"{s.name} wait_until")
             do_host = (DurableObjectHost({c: svc.durable_objects[c] for c in st.durable_objects}, tasks)
                        if st.durable_objects else None)
-            self.runtimes[s.name] = ServiceRuntime(s.name, svc.handler, Env(), tasks, do_host, svc.ready)
+            self.runtimes[s.name] = ServiceRuntime(s.name, svc.handler, Env(), tasks, do_host, svc.ready,
+                                                 max_body_bytes=st.max_body_bytes or svc.max_body_bytes)
             stack.push_async_callback(tasks.drain, st.shutdown_timeout_s)
         for s in self.specs:
             st, rt = self.settings[s.name], self.runtimes[s.name]

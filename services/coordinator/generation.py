@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import jinja2
@@ -29,7 +30,7 @@ from common import wire
 from common.runtime import HttpError, ServiceUnavailable
 from common.shard_sampling import RowSummary, decide
 from common.speculative import Drafter, PromptLookup, SpeculationParams
-from common.tokenizer import Tokenizer, TokenizerError
+from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
 from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
 from services.coordinator.metrics import CoordinatorMetrics
@@ -158,12 +159,27 @@ def summary(gen: Generation) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class StationCapacity:
+    """What station `index` reports: the longest sequence whose KV caches fit its budget."""
+
+    index: int
+    max_session_tokens: int
+    budget_bytes: int
+
+
 class Coordinator:
     def __init__(self, settings, cfg: ModelConfig, tokenizer: Tokenizer, pipeline: Pipeline, model_id: str,
-                 drafter: DrafterClient | None = None):
+                 drafter: DrafterClient | None = None, capacity: list[StationCapacity] = ()):
         self.settings, self.cfg, self.tokenizer, self.pipeline = settings, cfg, tokenizer, pipeline
         self.model_id = model_id
         self.drafter_client = drafter
+        # The longest sequence this cluster runs: the model's context, or less where a station's
+        # memory budget cannot hold that many tokens' KV caches (prompt and completion together).
+        self.capacity = min(capacity, key=lambda c: c.max_session_tokens, default=None)
+        self.context_tokens = cfg.context_length
+        if self.capacity is not None and self.capacity.max_session_tokens < cfg.context_length:
+            self.context_tokens = self.capacity.max_session_tokens
         self.created = int(time.time())
         self.admission = Admission(settings.max_concurrent, settings.max_queued, settings.retry_after_s)
         self.metrics = CoordinatorMetrics(self.admission)
@@ -197,32 +213,44 @@ class Coordinator:
     # -------------------------------------------------------- before any work: the 400s
 
     def prepare(self, g: GenerateRequest) -> Generation:
-        tok, ctx_len = self.tokenizer, self.cfg.context_length
+        """The request -> its Generation, or a 400 before any work: CPU-bound (tokenizing), so the
+        handlers run it off the event loop; it never tokenizes more than the context holds."""
+        tok, ctx_len = self.tokenizer, self.context_tokens
         if g.prompt_ids is not None:
             prompt_ids, param = list(g.prompt_ids), "prompt"
+            if len(prompt_ids) >= ctx_len:
+                raise self._too_long(f"the prompt is {len(prompt_ids)} tokens", param)
             bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise InvalidParam(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})",
                                    "prompt")
-        elif g.messages is not None:
-            param = "messages"
+        else:
+            param = "prompt" if g.messages is None else "messages"
+            texts = [g.prompt or ""] if g.messages is None else [m.get("content") for m in g.messages]
+            n_chars = sum(len(t) for t in texts if isinstance(t, str))
+            # No token stands for more than max_token_bytes bytes, and a character is at least one.
+            least = -(-n_chars // tok.max_token_bytes)
+            if least >= ctx_len:
+                raise self._too_long(f"the prompt is {n_chars} characters, so at least {least} tokens (no token of "
+                                     f"this model is longer than {tok.max_token_bytes} bytes)", param)
             try:
-                prompt_ids = tok.encode_chat(g.messages)
+                if g.messages is not None:
+                    prompt_ids = tok.encode_chat(g.messages, max_tokens=ctx_len - 1)
+                else:
+                    prompt_ids = tok.encode_bounded(g.prompt or "", ctx_len - 1)
+            except TooManyTokens as e:
+                raise self._too_long(f"the prompt is more than {e.max_tokens} tokens", param) from None
             except (TokenizerError, jinja2.TemplateError) as e:
                 raise InvalidParam(f"messages: the chat template refused them: {e}", "messages") from None
-        else:
-            prompt_ids, param = tok.encode(g.prompt or ""), "prompt"
         if not prompt_ids:
             raise InvalidParam("the prompt encodes to no tokens", param)
         n = len(prompt_ids)
         if n >= ctx_len:
-            raise InvalidParam(f"the prompt is {n} tokens, and the context length is {ctx_len} tokens: no room "
-                               f"for a completion; shorten the prompt", param, "context_length_exceeded")
+            raise self._too_long(f"the prompt is {n} tokens", param)
         max_tokens = g.max_tokens if g.max_tokens is not None else ctx_len - n
         if n + max_tokens > ctx_len:
-            raise InvalidParam(f"prompt of {n} tokens + max_tokens {max_tokens} exceeds the context length "
-                               f"{ctx_len}; shorten the prompt or lower max_tokens", "max_tokens",
-                               "context_length_exceeded")
+            raise InvalidParam(f"prompt of {n} tokens + max_tokens {max_tokens} exceeds {self._context_note()}; "
+                               f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
         return Generation(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
                           speculation=self.speculation(g))
 
@@ -246,6 +274,18 @@ class Coordinator:
         if sp.source == "draft_model":
             return RemoteDraftModel(self.drafter_client)
         return PromptLookup(sp.ngram_max, sp.ngram_min)
+
+    def _context_note(self) -> str:
+        if self.context_tokens == self.cfg.context_length:
+            return f"the context length {self.context_tokens}"
+        c = self.capacity
+        return (f"the {self.context_tokens} tokens whose KV cache station {c.index}'s MEMORY_BUDGET_BYTES={c.budget_bytes} "
+                f"holds (the model's context length is {self.cfg.context_length}; raise "
+                f"STATION_MEMORY_BUDGET_BYTES or run more stations)")
+
+    def _too_long(self, what: str, param: str) -> InvalidParam:
+        return InvalidParam(f"{what}, and a sequence holds at most {self._context_note()}: no room for a "
+                            f"completion; shorten the prompt", param, "context_length_exceeded")
 
     # -------------------------------------------------------- the loop
 

@@ -18,6 +18,11 @@ hyperparameters, topology checks), keeping its metrics and admission queue. Ever
 generation then names that version (pipeline.py), so the whole cluster follows, and a generation
 never computes with two versions: it completes on one, or fails with 503.
 
+The event loop stays free for every request (docs/runtime.md, "Huge requests"): bodies over
+MAX_BODY_BYTES are refused by the host (413) before they are read in full, a prompt whose length
+alone rules it out is refused before tokenizing, tokenizing stops as soon as the prompt is longer
+than the context, and parsing and tokenizing run off the event loop (common.runtime.off_loop).
+
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
 SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S,
 STATION_RETRY_S (how long an unreachable station is retried); MAX_CONCURRENT_REQUESTS (generations
@@ -32,14 +37,15 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
-from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
+from common.runtime import (Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, off_loop,
+                            status_for)
 from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
 from services.boot import BootCache
 from services.coordinator import openai_api
 from services.coordinator.errors import openai_error_response
-from services.coordinator.generation import Coordinator, summary
+from services.coordinator.generation import Coordinator, StationCapacity, summary
 from services.coordinator.params import parse_generate
 from services.coordinator.pipeline import Pipeline
 from services.drafter.client import DrafterClient
@@ -47,6 +53,10 @@ from services.knot_source import KnotSource, serving_version
 from services.station.client import StationClient
 
 log = logging.getLogger(__name__)
+
+# The host refuses larger request bodies (413) before reading them (KNOT_MAX_BODY_BYTES overrides).
+# A 32k-token prompt is a few hundred KB of JSON, even as escaped CJK text or token ids.
+MAX_BODY_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -118,12 +128,16 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
                             settings.station_timeout_s, settings.station_retry_s, source.etag)
         station_stats = await _check_stations(pipeline.stations, cfg.n_layer)
         drafter = await _drafter(env, settings, cfg.vocab_size)
+        capacity = [StationCapacity(i, int(s["max_session_tokens"]), int(s["budget_bytes"]))
+                    for i, s in enumerate(station_stats)]
         blob = await source.read_tensor(TOKENIZER_BLOB)  # checked against the knot's crc32
         tokenizer = Tokenizer(decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding))
-        log.info("coordinator booted on knot version %s: %d stations, %d shards, vocab %d%s", source.etag,
-                 len(stations), len(shards), cfg.vocab_size, ", a draft model" if drafter else "")
-        co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id, drafter)
+        co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id, drafter, capacity)
         co.note_station_stats(station_stats)
+        await off_loop(lambda: tokenizer.max_token_bytes)  # a pass over the vocabulary, once
+        log.info("coordinator booted on knot version %s: %d stations, %d shards, vocab %d, sequences up to %d "
+                 "tokens%s", source.etag, len(stations), len(shards), cfg.vocab_size, co.context_tokens,
+                 ", a draft model" if drafter else "")
         previous = _booted.peek(key)
         if previous is not None:  # a reload on a new knot version: counters and the queue carry on
             co.admission, co.metrics = previous.co.admission, previous.co.metrics
@@ -185,8 +199,8 @@ async def _counted(co: Coordinator, endpoint: str, run: Callable[[], Awaitable[R
 
 
 async def _generate(request: Request, co: Coordinator, ctx) -> Response:
-    g = parse_generate(request.json())
-    gen = co.prepare(g)
+    g = parse_generate(await off_loop(request.json))
+    gen = await off_loop(co.prepare, g)
     async with co.slot():
         async for _ in co.events(gen, ctx):
             pass
@@ -216,7 +230,7 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
         endpoint = "chat_completions" if path == "/v1/chat/completions" else "completions"
 
         async def run() -> Response:
-            g, opts = parse(request.json())
+            g, opts = parse(await off_loop(request.json))
             return await openai_api.complete(co, g, opts, ctx)
 
         return await _counted(co, endpoint, run)
@@ -246,6 +260,7 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
                        for s, _ in co.pipeline.shards],
             "hparams": {"n_layer": co.cfg.n_layer, "dim": co.cfg.dim, "vocab_size": co.cfg.vocab_size,
                         "context_length": co.cfg.context_length},
+            "max_sequence_tokens": co.context_tokens,
         })
     raise NotFound(f"{request.method} {path}: the coordinator serves POST /generate, POST /v1/completions, "
                    f"POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /topology")

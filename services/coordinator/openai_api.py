@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from common.generation import FinishEvent, Generation, TokenEvent
-from common.runtime import Response, status_for
+from common.runtime import Response, off_loop, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
 from services.coordinator.generation import Coordinator
 from services.coordinator.params import GenerateRequest, number, sampling_params, speculation_request, stop_strings
@@ -224,7 +224,7 @@ class Shape:
 
 
 async def complete(co: Coordinator, g: GenerateRequest, opts: Options, ctx) -> Response:
-    gen = co.prepare(g)  # 400s (context length, bad template) before taking a slot
+    gen = await off_loop(co.prepare, g)  # 400s (context length, bad template) before taking a slot
     if not opts.stream:
         events: list[TokenEvent] = []
         async with co.slot():

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from common import wire
-from common.runtime import Request
+from common.runtime import PayloadTooLarge, Request
 from services.peer import PEER_URL, PeerError, call, get_json, post_envelope
 
 
@@ -18,12 +18,15 @@ class StationClient:
         self.knot_etag = knot_etag  # every hop works on this knot version (None: not checked)
 
     async def forward(self, frame: wire.Envelope) -> wire.Envelope:
-        """A prefill or decode frame through the station's layers; SessionLost when it answers UnknownSession."""
+        """A prefill or decode frame through the station's layers; SessionLost when it answers
+        UnknownSession, PayloadTooLarge when its memory budget cannot hold the sequence."""
         try:
             return await post_envelope(self.binding, "/forward", frame, self.timeout_s, self.knot_etag)
         except PeerError as e:
             if e.peer_status == 409 and e.peer_error == "UnknownSession":
                 raise SessionLost(e.peer_message or "unknown session") from None
+            if e.peer_status == PayloadTooLarge.status:  # StationMemoryFull: the client's sequence is too long here
+                raise PayloadTooLarge(f"station: {e.peer_message}") from None
             raise
 
     async def release(self, request_id: str) -> bool:

@@ -15,6 +15,7 @@ from common.sampling import SamplingParams
 from common.topology import split_vocab
 from deploy import servers
 from deploy.engine_local import LocalEngine
+from tests.inprocess import FLUID_BUDGET_BYTES
 from tests.integration.conftest import http, pipeline_services, wait_for
 
 KNOT_KEY = "pipeline.knot"
@@ -124,10 +125,10 @@ def test_corrupted_warden_frame_is_invalidated_and_read_from_r2(cluster, engine)
     proxy = CorruptingProxy(cluster.url("layer-warden"))
     original = cluster.specs["station-0"]
     cluster.stop("station-0")
-    # Fluid station (no room to keep tensors): every phase is loaded through the proxy.
+    # Fluid station (little room to keep tensors): phases are loaded through the proxy.
     cluster.specs["station-0"] = dataclasses.replace(original, environment={
         **original.environment, "LAYER_WARDEN": f"do+http://127.0.0.1:{proxy.port}/LayerWarden",
-        "MEMORY_BUDGET_BYTES": "1"})
+        "MEMORY_BUDGET_BYTES": str(FLUID_BUDGET_BYTES)})
     try:
         cluster.start("station-0")
         proxy.armed = 4

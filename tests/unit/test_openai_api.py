@@ -189,7 +189,7 @@ async def test_models(cluster):
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", None, "boolean"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "stop", None, "stop must be"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", None, "batch of 2"),
-    ("/v1/completions", {"prompt": "the " * 300}, "prompt", "context_length_exceeded", "context length is 256"),
+    ("/v1/completions", {"prompt": "the " * 300}, "prompt", "context_length_exceeded", "at most the context length 256"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, "max_tokens", "context_length_exceeded",
      "exceeds the context length 256"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages", None, "messages must be"),

@@ -18,7 +18,7 @@ from deploy.encoder import encode
 from deploy.knotfile import open_model
 from services.embed_cache import decode_row, row_key
 from services.shard import handler as shard_handler
-from tests.inprocess import KNOT_KEY, build_cluster
+from tests.inprocess import FLUID_BUDGET_BYTES, KNOT_KEY, build_cluster
 from tests.synth import TinySpec, rewrite_metadata, write_tiny_gguf
 
 PROMPT = "the def the"
@@ -190,7 +190,7 @@ class CorruptingNamespace:
 
 async def test_trap_layer_warden_no_invalidate_poisoning(tiny_knot, tmp_path):
     """A rejected warden frame is invalidated and read from R2; the next request gets a clean entry."""
-    c = await build_cluster(tiny_knot, tmp_path, 1, 2, station_budget_bytes=1)  # fluid: reload every phase
+    c = await build_cluster(tiny_knot, tmp_path, 1, 2, station_budget_bytes=FLUID_BUDGET_BYTES)  # fluid
     want = (await c.generate(prompt=PROMPT, max_tokens=4)).json()["tokens"]
     env = c.station_envs[0]
     ns = CorruptingNamespace(env.LAYER_WARDEN)
@@ -235,7 +235,7 @@ async def test_trap_layer_warden_bucket_binding_mismatch(tiny_knot, tmp_path):
 
 async def test_trap_do_scaffolding_vs_hot_path(tiny_knot, tmp_path):
     """The shards' rows and the stations' tensors really flow through the wardens."""
-    c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=1)
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=FLUID_BUDGET_BYTES)
     await c.generate(prompt=PROMPT, max_tokens=4)
     await c.generate(prompt=PROMPT, max_tokens=4)
     first = [(await sh.fetch(Request("GET", "/stats"))).json() for sh in c.shards]
