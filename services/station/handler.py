@@ -47,7 +47,7 @@ import numpy as np
 
 from common import wire
 from common.knot import KnotHeader
-from common.kvcache import KVCache
+from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache
 from common.layers import run_layers
 from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
@@ -213,9 +213,10 @@ class Station:
         return idle + sum(sess.kv.nbytes_after(self.layers, env.array.shape[0]) for env, sess in runs)
 
     def max_session_tokens(self) -> int:
-        """The longest sequence (<= the context) whose KV caches fit, alone, beside a pass of one row."""
-        kv, L = self.model.new_kv(), len(self.layers)
-        return largest(lambda n: self.memory.bytes_beside(kv.nbytes_bound(n, L), self.frame_bytes(1), 1, n)
+        """The longest sequence (<= the context) whose KV caches fit, alone, beside the frame of a
+        prefill chunk run in passes of one row."""
+        kv, L, frame = self.model.new_kv(), len(self.layers), self.frame_bytes(PREFILL_CHUNK_TOKENS)
+        return largest(lambda n: self.memory.bytes_beside(kv.nbytes_bound(n, L), frame, 1, n)
                        + self.phase_bytes <= self.plan.budget_bytes, self.cfg.context_length)
 
     def _rows_per_pass(self, runs: list[tuple[wire.Envelope, Session]]) -> int:
