@@ -221,7 +221,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("OPENBLAS_NUM_THREADS", "str", None, "runtime bench",
        "1: many small services share few cores, BLAS thread pools would spin against each other"),
     _s("MALLOC_MMAP_THRESHOLD_", "str", None, "runtime", "glibc: blocks under this come from the heap and are "
-       "reused; 1 GiB keeps a station's 30-60 MB warden batches from page-faulting afresh each time"),
+       "reused; 1 GiB keeps a station's 30-60 MB warden batches from page-faulting afresh each time "
+       "(set for the stations and the LayerWarden only: elsewhere freed memory goes back)"),
     _s("MALLOC_TRIM_THRESHOLD_", "str", None, "runtime", "glibc: keep up to this much freed heap (see above)"),
     # ------------------------------------------------------------ deployment
     _s("KNOT_PORT", "int", "8000", "compose tests", "host port the coordinator is published on", minimum=1,

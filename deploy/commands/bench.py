@@ -19,6 +19,10 @@ Measures (issue 7's benchmark):
                                       lookup; the draft model with --draft-model): tok/s, acceptance
                                       (accepted / drafted), tokens per trip, and whether the tokens
                                       equal speculation off's; best of --spec-repeats runs each
+    long prompts (--long-prompts)     optional: prefill tok/s of prompts of N tokens (e.g. 2048,8192,30000)
+                                      through the cluster (POST /generate, 1 token: N over the time to
+                                      first token) and through llama.cpp (one eval of the N tokens, in its
+                                      n_batch steps); they run before the peak RSS is read
 llama.cpp (llama-cpp-python, when installed) runs on the same GGUF with the same thread count:
 decode = N greedy tokens after a short prompt (the eval loop timed), prefill = one 512-token eval.
 
@@ -159,6 +163,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-repeats", type=int, default=2, metavar="N",
                    help="runs of each speculation measurement; the best is reported (default 2)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the raw measurements to FILE")
+    p.add_argument("--long-prompts", default="", metavar="N,N",
+                   help="also measure the prefill of prompts of these token counts, e.g. 2048,8192,30000 "
+                        "(the cluster's stations need the budget for their KV caches)")
 
 
 def http_json(method: str, url: str, body: dict | None = None, timeout_s: float = 1800.0) -> dict:
@@ -173,14 +180,30 @@ def http_json(method: str, url: str, body: dict | None = None, timeout_s: float 
 
 def long_prompt_ids(tokenizer, n: int) -> list[int]:
     """About n tokens of plausible Python (repeated functions), cut to exactly n ids."""
-    parts, i = [], 0
-    while True:
-        parts.append(f"def function_{i}(values, scale={i}):\n    total = 0\n    for v in values:\n"
-                     f"        total += v * scale - {i}\n    return total / max(1, len(values))\n\n")
-        ids = tokenizer.encode("".join(parts))
+    k = 8
+    while True:  # doubling the functions: O(n log n) tokenizing, not O(n^2)
+        ids = tokenizer.encode("".join(
+            f"def function_{i}(values, scale={i}):\n    total = 0\n    for v in values:\n"
+            f"        total += v * scale - {i}\n    return total / max(1, len(values))\n\n" for i in range(k)))
         if len(ids) >= n:
             return ids[:n]
-        i += 1
+        k *= 2
+
+
+def measure_llama_prefill(gguf: Path, threads: int, ids: list[int]) -> float:
+    """llama.cpp's prefill tok/s of one prompt: a context of its length, one eval in n_batch steps."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), n_ctx=len(ids) + 16, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                          flash_attn=False, verbose=False)
+    try:
+        llm.eval(ids[:16])  # warm-up
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        return len(ids) / (time.perf_counter() - t0)
+    finally:
+        del llm
 
 
 def measure_llama(gguf: Path, threads: int, tokens: int, short_ids: list[int], long_ids: list[int]) -> dict:
@@ -283,7 +306,26 @@ def measure_fluid(model: str | None, args) -> dict:
         cluster.down()
 
 
-def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int]) -> dict:
+def measure_long_prompts(gen, texts: dict[int, str]) -> dict[int, dict]:
+    """N -> the cluster's prefill of an N-token prompt: tok/s, or the error that refused it."""
+    out = {}
+    for n, text in texts.items():
+        progress(f"cluster prefill: a {n}-token prompt")
+        try:
+            body = gen(text, 1)
+        except RuntimeError as e:  # e.g. 400: the stations' budgets cannot hold that many tokens' KV
+            progress(f"  refused: {e}")
+            out[n] = {"error": str(e)}
+            continue
+        ttft_s = body["timings"]["time_to_first_token_ms"] / 1e3
+        out[n] = {"prompt_tokens": body["usage"]["prompt_tokens"], "ttft_s": ttft_s,
+                  "prefill_tok_s": body["usage"]["prompt_tokens"] / ttft_s}
+        progress(f"  {out[n]['prefill_tok_s']:.1f} tok/s over {ttft_s:.0f} s")
+    return out
+
+
+def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int],
+                    long_texts: dict[int, str] | None = None) -> dict:
     from deploy import servers
 
     cluster, running = start_cluster(model, args, args.budget_bytes, "resident", args.draft_model)
@@ -348,6 +390,8 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
             done = sum(r["usage"]["completion_tokens"] for r in results if r)
             out["aggregate"][c] = done / wall if done else None
 
+        if long_texts:
+            out["long_prompts"] = measure_long_prompts(gen, long_texts)
         out["peak_rss"] = {n: peak_rss_bytes(r.pid) for n, r in running.items()
                            if r.kind == "process" and servers.pid_alive(r.pid)}
         out["station_stats"] = _station_stats(running)
@@ -400,6 +444,7 @@ def speculation_figures(spec: dict, llama_decode: float | None) -> list[Figure]:
 def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurrency: list[int],
                   fluid: dict | None, fluid_budget_bytes: int) -> list[Figure]:
     cl, ll, fluid = cl or {}, ll or {}, fluid or {}
+    long_ns = sorted(set(cl.get("long_prompts", {})) | set(ll.get("long_prefill_tok_s", {})))
     figs = [
         Figure("decode", cl.get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"),
         Figure("prefill", cl.get("prefill_tok_s"), ll.get("prefill_tok_s"), "tok/s"),
@@ -412,6 +457,9 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
     figs += speculation_figures(cl.get("speculation", {}), ll.get("decode_tok_s"))
     for c in concurrency:
         figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c), None, "tok/s"))
+    for n in long_ns:
+        figs.append(Figure(f"prefill, {n}-token prompt", cl.get("long_prompts", {}).get(n, {}).get("prefill_tok_s"),
+                           ll.get("long_prefill_tok_s", {}).get(n), "tok/s"))
     figs.append(Figure("R2 bytes per token", cl.get("r2_bytes_per_token"), None, "B"))
     mib = fluid_budget_bytes / 2**20
     figs.append(Figure(f"fluid ({mib:g} MiB stations) decode", fluid.get("decode_tok_s"), ll.get("decode_tok_s"),
@@ -441,6 +489,8 @@ def run(args: argparse.Namespace) -> int:
     short_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(SHORT_PROMPT)
     long_ids = long_prompt_ids(tok, args.prompt_tokens)
     long_text = tok.decode(long_ids)
+    long_ns = [int(n) for n in args.long_prompts.split(",") if n.strip()]
+    long_sets = {n: long_prompt_ids(tok, n) for n in long_ns}
 
     ll = None
     if not args.no_llama:
@@ -451,11 +501,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             progress(f"llama.cpp: prefill {len(long_ids)} tokens, decode {args.tokens} tokens, {args.threads} threads")
             ll = measure_llama(gguf, args.threads, args.tokens, short_ids, long_ids)
+            ll["long_prefill_tok_s"] = {}
+            for n, ids in long_sets.items():
+                progress(f"llama.cpp: prefill of a {n}-token prompt")
+                ll["long_prefill_tok_s"][n] = measure_llama_prefill(gguf, args.threads, ids)
     progress(f"single process: decode {args.tokens} tokens")
     local = measure_local(knot, args.tokens, short_ids)
     cl = fluid = None
     if not args.no_cluster:
-        cl = measure_cluster(args.model, args, args.tokens, long_text, concurrency)
+        cl = measure_cluster(args.model, args, args.tokens, long_text, concurrency,
+                             {n: tok.decode(ids) for n, ids in long_sets.items()})
         if not args.no_fluid:
             fluid = measure_fluid(args.model, args)
 
@@ -473,6 +528,8 @@ def run(args: argparse.Namespace) -> int:
         for key, m in (cl.get("speculation") or {}).items():
             print(f"speculation {key}: {m['tokens']} tokens, drafted {m['drafted']}, accepted {m['accepted']}, "
                   f"same tokens as off: {m['same_tokens_as_off']}, shard sampling {m['shard_sampling']}")
+        for n, r in (cl.get("long_prompts") or {}).items():
+            print(f"{n}-token prompt: {r}")
     if fluid:
         print(f"fluid run: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
     if args.json:

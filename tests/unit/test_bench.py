@@ -71,3 +71,20 @@ def test_speculation_rows_carry_the_llama_decode_and_the_acceptance():
     assert "acceptance, code prompt, speculation off" not in by
     figs = build_figures({"speculation": spec}, None, {"decode_tok_s": 50.0}, [], None, 1)
     assert "decode, code prompt, prompt lookup" in [f.name for f in figs]
+
+
+def test_build_figures_adds_the_long_prompt_rows_with_their_ratio():
+    cl = {"long_prompts": {2048: {"prefill_tok_s": 100.0}, 30000: {"error": "HTTP 400: ..."}}}
+    ll = {"long_prefill_tok_s": {2048: 200.0, 30000: 80.0}}
+    by = {f.name: f for f in build_figures(cl, None, ll, [1], None, 134217728)}
+    assert ratio(by["prefill, 2048-token prompt"].ours, by["prefill, 2048-token prompt"].llama) == 0.5
+    assert by["prefill, 30000-token prompt"].ours is None and by["prefill, 30000-token prompt"].llama == 80.0
+    assert not any(n.startswith("prefill, ") for n in (f.name for f in build_figures({}, None, {}, [1], None, 1)))
+
+
+def test_long_prompt_ids_are_exactly_n():
+    from deploy.commands.bench import long_prompt_ids
+    from tests.unit.test_tokenizer import TOK
+
+    for n in (1, 100, 3000):
+        assert len(long_prompt_ids(TOK, n)) == n
