@@ -4,10 +4,11 @@ Decode appends one token's k, v per layer; prefill appends a chunk. Positions co
 caller and are stored beside the keys: attention masks by position (key pos <= query pos),
 so a chunked prefill sees exactly what an unchunked one does.
 
-Keys are stored transposed and head-major, (n_kv, hd, capacity), values head-major,
-(n_kv, capacity, hd): a slice of the first S tokens is then a matrix per head that BLAS takes
-as it is, K^T for q @ K^T and V for p @ V. (Token-major storage, (S, n_kv, hd), makes numpy's
-matmul fall back to its own loops: 7x slower for a decode step at 30k tokens.)
+Keys and values are stored token-major, (capacity, n_kv, hd). Attention reads K through a
+transposed view, for which numpy's matmul takes its own loop: every score is then a sequential
+float32 sum over head_dim, the same whatever the tiling, the chunking or the batch. (A head-major
+K^T would let BLAS take it, 20% faster at 2k tokens of context, but BLAS sums in another order,
+which moved the real models' logits by up to 0.09 and flipped a llama.cpp fidelity prompt.)
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def kv_capacity(have: int, need: int) -> int:
 
 
 class KVCache:
-    """Keys and values per layer, in arrival order: K^T (n_kv, hd, capacity), V (n_kv, capacity, hd).
+    """Keys and values per layer, each (capacity, n_kv_head, head_dim), in arrival order.
 
     A station only ever appends the layers it runs, so layers are created on first use.
     `dtype` is the storage type; attention converts to float32 one tile at a time.
@@ -42,8 +43,8 @@ class KVCache:
     def __init__(self, n_kv_head: int, head_dim: int, dtype=np.float32):
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
         self.dtype = np.dtype(dtype)
-        self._k: dict[int, np.ndarray] = {}    # layer -> K^T (n_kv, hd, capacity)
-        self._v: dict[int, np.ndarray] = {}    # layer -> V (n_kv, capacity, hd)
+        self._k: dict[int, np.ndarray] = {}    # layer -> (capacity, n_kv, hd)
+        self._v: dict[int, np.ndarray] = {}
         self._pos: dict[int, np.ndarray] = {}  # layer -> (capacity,) int64
         self._n: dict[int, int] = {}
         self._nbytes = 0  # of the arrays above, kept current by _reserve (stations read it per phase)
@@ -65,7 +66,7 @@ class KVCache:
         a layer's old and new arrays are both alive for the copy."""
         total, copy = self._nbytes, 0
         for layer in layers:
-            have = self._k[layer].shape[-1] if layer in self._k else 0
+            have = self._k[layer].shape[0] if layer in self._k else 0
             n = self._n.get(layer, 0)
             if n + n_new > have:
                 total += (kv_capacity(have, n + n_new) - have) * self.token_bytes()
@@ -79,18 +80,18 @@ class KVCache:
         return self.token_bytes() * (n_layers * cap + n_tokens)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray):
-        """Add k, v (T, n_kv, hd) at positions (T,) -> everything so far as views:
-        K^T (n_kv, hd, S), V (n_kv, S, hd), positions (S,), in the storage dtype."""
+        """Add k, v (T, n_kv, hd) at positions (T,) -> everything so far as views: k, v (S, n_kv, hd)
+        in the storage dtype, positions (S,)."""
         T = k.shape[0]
         assert k.shape == v.shape == (T, self.n_kv_head, self.head_dim), f"{k.shape=} {v.shape=}"
         assert positions.shape == (T,), f"{positions.shape=}"
         n = self._n.get(layer, 0)
         self._reserve(layer, n + T)
-        self._k[layer][:, :, n:n + T] = k.transpose(1, 2, 0)   # (T, n_kv, hd) -> (n_kv, hd, T)
-        self._v[layer][:, n:n + T] = v.transpose(1, 0, 2)      # (T, n_kv, hd) -> (n_kv, T, hd)
+        self._k[layer][n:n + T] = k
+        self._v[layer][n:n + T] = v
         self._pos[layer][n:n + T] = positions
         self._n[layer] = n = n + T
-        return self._k[layer][:, :, :n], self._v[layer][:, :n], self._pos[layer][:n]
+        return self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
 
     def n_positions(self) -> int:
         """Entries of the longest layer (every layer of a sequence holds as many once a forward is done)."""
@@ -102,15 +103,15 @@ class KVCache:
             self._n[layer] = min(self._n[layer], n_tokens)
 
     def _reserve(self, layer: int, need: int) -> None:
-        have = self._k[layer].shape[-1] if layer in self._k else 0
+        have = self._k[layer].shape[0] if layer in self._k else 0
         if need <= have:
             return
         cap = kv_capacity(have, need)
         n = self._n.get(layer, 0)
-        kv, hd = self.n_kv_head, self.head_dim
-        k, v, pos = np.empty((kv, hd, cap), self.dtype), np.empty((kv, cap, hd), self.dtype), np.empty(cap, np.int64)
+        shape = (cap, self.n_kv_head, self.head_dim)
+        k, v, pos = np.empty(shape, self.dtype), np.empty(shape, self.dtype), np.empty(cap, np.int64)
         if n:
-            k[:, :, :n], v[:, :n], pos[:n] = self._k[layer][:, :, :n], self._v[layer][:, :n], self._pos[layer][:n]
+            k[:n], v[:n], pos[:n] = self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
         if layer in self._k:
             self._nbytes -= self._k[layer].nbytes + self._v[layer].nbytes + self._pos[layer].nbytes
         self._nbytes += k.nbytes + v.nbytes + pos.nbytes

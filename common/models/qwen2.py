@@ -196,72 +196,76 @@ def attention_bytes(n_head: int, hd: int, T: int, S: int) -> int:
 _NUMPY_BUFFER_BYTES = 2 * 8192 * 8
 
 
-def attention(q: np.ndarray, kT: np.ndarray, v: np.ndarray,
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
               q_pos: np.ndarray, k_pos: np.ndarray, tile: int | None = None) -> np.ndarray:
     """Causal grouped-query attention, tiled over the keys.
 
-    q (T, n_head, hd) f32, kT (n_kv, hd, S), v (n_kv, S, hd) (common/kvcache.py's layout, any
-    float dtype), q_pos (T,), k_pos (S,) -> (T, n_head * hd) f32. Query t sees key s iff
-    k_pos[s] <= q_pos[t], so chunked prefill, decode and several rows at any positions need no
-    other bookkeeping than the positions. tile: keys per tile (default attn_tile_keys).
+    q (T, n_head, hd) f32, k/v (S, n_kv, hd) (any float dtype: the cache's), q_pos (T,), k_pos (S,)
+    -> (T, n_head * hd) f32. Query t sees key s iff k_pos[s] <= q_pos[t], so chunked prefill,
+    decode and rows at any positions need no other bookkeeping than the positions.
+    tile: keys per tile (default attn_tile_keys); S <= tile is the one-tile computation.
     """
     T, n_head, hd = q.shape
-    n_kv, _, S = kT.shape
+    S, n_kv, _ = k.shape
     g = n_head // n_kv  # query heads per kv head: head h reads kv head h // g (ggml broadcast)
     if tile is None:
-        convert = 0 if kT.dtype == np.float32 else 2 * 4 * n_kv * hd
-        tile = attn_tile_keys(n_head, T, convert)
-    qg = q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * T, hd)  # (n_kv, g*T, hd), head-major
+        tile = attn_tile_keys(n_head, T, 0 if k.dtype == np.float32 else 2 * 4 * n_kv * hd)
+    qg = q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3)        # (T, n_kv, g, hd) -> (n_kv, g, T, hd)
     if S <= tile:
-        out = _attend_one_tile(qg, kT, v, q_pos, k_pos, g)
+        out = _attend_one_tile(qg, k, v, q_pos, k_pos)
     else:
-        out = _attend_tiles(qg, kT, v, q_pos, k_pos, g, tile)
-    # (n_kv, g*T, hd) -> (n_kv, g, T, hd) -> (T, n_kv, g, hd) -> (T, n_head * hd)
-    return out.reshape(n_kv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, n_head * hd)
+        out = _attend_tiles(qg, k, v, q_pos, k_pos, tile)
+    return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)    # (n_kv, g, T, hd) -> (T, n_kv, g, hd) -> (T, n_head * hd)
 
 
-def _scores(qg: np.ndarray, kT: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, g: int) -> np.ndarray:
-    """Scaled, masked scores of one tile: qg (n_kv, g*T, hd), kT (n_kv, hd, t) -> (n_kv, g*T, t) f32."""
-    n_kv, gT, hd = qg.shape
-    T = gT // g
-    s = np.matmul(qg, kT.astype(np.float32, copy=False))       # (n_kv, g*T, hd) @ (n_kv, hd, t) -> (n_kv, g*T, t)
+def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """Scaled, masked scores of one tile: qg (n_kv, g, T, hd), k (t, n_kv, hd) -> (n_kv, g, T, t) f32."""
+    kt = k.astype(np.float32, copy=False).transpose(1, 2, 0)[:, None]  # (t, n_kv, hd) -> (n_kv, 1, hd, t)
+    # This view is not one BLAS takes: numpy's own loop sums each score over hd in order, so a
+    # score is the same bits in any tile, chunk or batch.
+    s = np.matmul(qg, kt)                                       # (n_kv, g, T, hd) @ (n_kv, 1, hd, t) -> (n_kv, g, T, t)
     # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
-    s *= np.float32(1.0 / np.sqrt(np.float32(hd)))
+    s *= np.float32(1.0 / np.sqrt(np.float32(qg.shape[-1])))
     masked = k_pos[None, :] > q_pos[:, None]                    # (T, t)
     if masked.any():  # in place, broadcast over the heads (boolean indexing would build index arrays)
-        np.copyto(s.reshape(n_kv, g, T, -1), np.float32(-np.inf), where=masked)
+        np.copyto(s, np.float32(-np.inf), where=masked)
     return s
 
 
-def _attend_one_tile(qg, kT, v, q_pos, k_pos, g: int) -> np.ndarray:
-    """All S keys at once -> (n_kv, g*T, hd): softmax(scores) @ V."""
-    p = softmax_(_scores(qg, kT, q_pos, k_pos, g))              # (n_kv, g*T, S)
-    return np.matmul(p, v.astype(np.float32, copy=False))       # (n_kv, g*T, S) @ (n_kv, S, hd) -> (n_kv, g*T, hd)
+def _values(v: np.ndarray) -> np.ndarray:
+    """v (t, n_kv, hd) -> (n_kv, 1, t, hd) f32, a view when the cache is float32."""
+    return v.astype(np.float32, copy=False).transpose(1, 0, 2)[:, None]
 
 
-def _attend_tiles(qg, kT, v, q_pos, k_pos, g: int, tile: int) -> np.ndarray:
+def _attend_one_tile(qg, k, v, q_pos, k_pos) -> np.ndarray:
+    """All S keys at once -> (n_kv, g, T, hd): softmax(scores) @ V."""
+    p = softmax_(_scores(qg, k, q_pos, k_pos))                  # (n_kv, g, T, S)
+    return np.matmul(p, _values(v))                             # (n_kv, g, T, S) @ (n_kv, 1, S, hd) -> (n_kv, g, T, hd)
+
+
+def _attend_tiles(qg, k, v, q_pos, k_pos, tile: int) -> np.ndarray:
     """The keys in tiles of `tile`, with an online softmax (ref: FlashAttention, Dao et al. 2022,
     algorithm 1): per query row a running max m and sum l; the output accumulates exp(s - m) @ V
-    and is rescaled by exp(m_old - m_new) whenever the max grows. -> (n_kv, g*T, hd)."""
-    n_kv, gT, hd = qg.shape
-    S = kT.shape[-1]
-    m = np.full((n_kv, gT, 1), -np.inf, np.float32)             # running max of each row
-    l = np.zeros((n_kv, gT, 1), np.float64)                      # running sum, in double as ggml's softmax
-    acc = np.zeros((n_kv, gT, hd), np.float32)                   # running exp(s - m) @ V
+    and is rescaled by exp(m_old - m_new) whenever the max grows. -> (n_kv, g, T, hd)."""
+    S = k.shape[0]
+    rows = qg.shape[:3]                                          # (n_kv, g, T)
+    m = np.full((*rows, 1), -np.inf, np.float32)                 # running max of each row
+    l = np.zeros((*rows, 1), np.float64)                         # running sum, in double as ggml's softmax
+    acc = np.zeros(qg.shape, np.float32)                         # running exp(s - m) @ V, (n_kv, g, T, hd)
     q_last = q_pos.max()
     for a in range(0, S, tile):
         b = min(a + tile, S)
         if k_pos[a:b].min() > q_last:
             continue  # every key of the tile is after every query: masked out entirely
-        s = _scores(qg, kT[:, :, a:b], q_pos, k_pos[a:b], g)     # (n_kv, g*T, t)
+        s = _scores(qg, k[a:b], q_pos, k_pos[a:b])               # (n_kv, g, T, t)
         m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
         m_use = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that has seen no key yet
         s -= m_use
         np.exp(s, out=s)                                          # masked keys -> 0
-        alpha = np.exp(m - m_use)                                 # (n_kv, g*T, 1); 0 before the first key
+        alpha = np.exp(m - m_use)                                 # 0 before the row's first key
         l = l * alpha + s.sum(axis=-1, keepdims=True, dtype=np.float64)
         acc *= alpha
-        acc += np.matmul(s, v[:, a:b].astype(np.float32, copy=False))  # (n_kv, g*T, t) @ (n_kv, t, hd)
+        acc += np.matmul(s, _values(v[a:b]))                      # (n_kv, g, T, t) @ (n_kv, 1, t, hd)
         m = m_new
         del s  # before the next tile's scores: one tile alive at a time
     return acc * (1.0 / l).astype(np.float32)
@@ -309,8 +313,8 @@ def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str
     outs, a0 = [], 0
     for (kv, _), p in zip(seqs, pos):
         a1 = a0 + p.shape[0]
-        kT_all, v_all, k_pos = kv.append(layer, k[a0:a1], v[a0:a1], p)  # (n_kv, hd, S_i), (n_kv, S_i, hd), (S_i,)
-        outs.append(attention(q[a0:a1], kT_all, v_all, p, k_pos))        # (T_i, n_head * hd)
+        k_all, v_all, k_pos = kv.append(layer, k[a0:a1], v[a0:a1], p)  # (S_i, n_kv, hd) x2, (S_i,)
+        outs.append(attention(q[a0:a1], k_all, v_all, p, k_pos))        # (T_i, n_head * hd)
         a0 = a1
     assert a0 == N, f"sequences hold {a0} rows, x has {N}"
     a = outs[0] if len(outs) == 1 else np.concatenate(outs)     # (N, n_head * hd)

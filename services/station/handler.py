@@ -215,9 +215,10 @@ class Station:
     def max_session_tokens(self) -> int:
         """The longest sequence (<= the context) whose KV caches fit, alone, beside the frame of a
         prefill chunk run in passes of one row."""
-        kv, L, frame = self.model.new_kv(), len(self.layers), self.frame_bytes(PREFILL_CHUNK_TOKENS)
-        return largest(lambda n: self.memory.bytes_beside(kv.nbytes_bound(n, L), frame, 1, n)
-                       + self.phase_bytes <= self.plan.budget_bytes, self.cfg.context_length)
+        kv, L = self.model.new_kv(), len(self.layers)
+        return largest(lambda n: self.memory.bytes_beside(kv.nbytes_bound(n, L), self.frame_bytes(
+            min(n, PREFILL_CHUNK_TOKENS)), 1, n) + self.phase_bytes <= self.plan.budget_bytes,
+            self.cfg.context_length)
 
     def _rows_per_pass(self, runs: list[tuple[wire.Envelope, Session]]) -> int:
         """How many rows a pass through the layers may take (0: none fit), evicting idle sessions,

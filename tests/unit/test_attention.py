@@ -14,21 +14,21 @@ from common.sampling import SamplingParams
 
 
 def qkv(T: int, S: int, n_head: int = 4, n_kv: int = 2, hd: int = 16, seed: int = 0):
-    """Random q (T, n_head, hd) and k, v in the cache's layout: K^T (n_kv, hd, S), V (n_kv, S, hd)."""
+    """Random q (T, n_head, hd) and k, v (S, n_kv, hd)."""
     rng = np.random.default_rng(seed)
     q = rng.normal(0, 2.0, (T, n_head, hd)).astype(np.float32)  # scale 2: peaked rows, as attention sinks make
-    kT = rng.normal(size=(n_kv, hd, S)).astype(np.float32)
-    v = rng.normal(size=(n_kv, S, hd)).astype(np.float32)
-    return q, kT, v
+    k = rng.normal(size=(S, n_kv, hd)).astype(np.float32)
+    v = rng.normal(size=(S, n_kv, hd)).astype(np.float32)
+    return q, k, v
 
 
 @pytest.mark.parametrize("T,S,tile", [(1, 300, 64), (37, 300, 64), (37, 300, 128), (64, 1000, 192), (5, 70, 64)])
 def test_tiled_equals_one_tile_on_random_data(T, S, tile):
     """A prefill chunk: T queries at the last T positions over S keys, in tiles of `tile` keys."""
-    q, kT, v = qkv(T, S, seed=T + S)
+    q, k, v = qkv(T, S, seed=T + S)
     k_pos, q_pos = np.arange(S), np.arange(S - T, S)
-    want = qwen2.attention(q, kT, v, q_pos, k_pos, tile=S)
-    got = qwen2.attention(q, kT, v, q_pos, k_pos, tile=tile)
+    want = qwen2.attention(q, k, v, q_pos, k_pos, tile=S)
+    got = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
 
 
@@ -37,27 +37,27 @@ def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile():
     any order: the mask is by position alone, and a row whose keys all sit in other tiles still
     gets exactly its own softmax."""
     S, T = 260, 9
-    q, kT, v = qkv(T, S, seed=5)
+    q, k, v = qkv(T, S, seed=5)
     rng = np.random.default_rng(6)
     k_pos = rng.permutation(S)
     q_pos = np.array([0, 259, 3, 128, 64, 65, 200, 1, 255])
-    want = qwen2.attention(q, kT, v, q_pos, k_pos, tile=S)
+    want = qwen2.attention(q, k, v, q_pos, k_pos, tile=S)
     for tile in (64, 128):
-        got = qwen2.attention(q, kT, v, q_pos, k_pos, tile=tile)
+        got = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
     # Row 0 sees key position 0 only: its output is that key's value row, whatever the tiles.
     g = 2
     key0 = int(np.flatnonzero(k_pos == 0)[0])
-    got0 = qwen2.attention(q, kT, v, q_pos, k_pos, tile=64).reshape(T, 4, 16)[0]
-    np.testing.assert_allclose(got0, np.repeat(v[:, key0], g, axis=0), rtol=1e-6)
+    got0 = qwen2.attention(q, k, v, q_pos, k_pos, tile=64).reshape(T, 4, 16)[0]
+    np.testing.assert_allclose(got0, np.repeat(v[key0], g, axis=0), rtol=1e-6)
 
 
 def test_float16_storage_converts_per_tile():
-    q, kT, v = qkv(16, 300, seed=2)
-    kT16, v16 = kT.astype(np.float16), v.astype(np.float16)
+    q, k, v = qkv(16, 300, seed=2)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
     pos = np.arange(300)
-    want = qwen2.attention(q, kT16.astype(np.float32), v16.astype(np.float32), pos[-16:], pos, tile=300)
-    got = qwen2.attention(q, kT16, v16, pos[-16:], pos, tile=64)
+    want = qwen2.attention(q, k16.astype(np.float32), v16.astype(np.float32), pos[-16:], pos, tile=300)
+    got = qwen2.attention(q, k16, v16, pos[-16:], pos, tile=64)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
 
 
@@ -87,10 +87,10 @@ def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt():
     """A 256-row chunk at the end of an 8k-token prompt: the one-tile computation would hold
     (n_head, T, S) float32 scores (32 MiB here); the tiled one about one tile's worth."""
     T, S, n_head = 256, 8192, 4
-    q, kT, v = qkv(T, S, n_head=n_head)
+    q, k, v = qkv(T, S, n_head=n_head)
     q_pos, k_pos = np.arange(S - T, S), np.arange(S)
     full_scores = 4 * n_head * T * S
-    tiled = peak_bytes(lambda: qwen2.attention(q, kT, v, q_pos, k_pos))
+    tiled = peak_bytes(lambda: qwen2.attention(q, k, v, q_pos, k_pos))
     accounted = qwen2.attention_bytes(n_head, 16, T, S)
     assert tiled <= accounted < full_scores / 4, (tiled, accounted, full_scores)
     assert accounted < 1.3 * tiled, "the bound is the real footprint, not a guess far above it"
@@ -110,14 +110,14 @@ def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch):
     assert got.token_ids == want.token_ids and len(want.token_ids) == 24
 
 
-def test_kv_cache_views_feed_attention_without_copies():
-    kv = KVCache(2, 16)
-    rng = np.random.default_rng(0)
-    k = rng.normal(size=(10, 2, 16)).astype(np.float32)
-    kT, v, pos = kv.append(0, k, -k, np.arange(10))
-    assert kT.shape == (2, 16, 10) and v.shape == (2, 10, 16)
-    assert np.shares_memory(kT, kv._k[0]) and np.shares_memory(v, kv._v[0])
-    assert kT.strides[-1] == v.strides[-1] == 4, "each head's matrix has unit stride rows: BLAS takes it as is"
+def test_scores_are_the_same_bits_in_any_tile():
+    """Each score is numpy's in-order float32 sum over head_dim, whatever the tile: tiling changes
+    only how the softmax's pieces are combined."""
+    q, k, v = qkv(8, 300, seed=9)
+    pos = np.arange(300)
+    qg = q.reshape(8, 2, 2, 16).transpose(1, 2, 0, 3)
+    whole = qwen2._scores(qg, k, pos[-8:], pos)
+    np.testing.assert_array_equal(qwen2._scores(qg, k[64:128], pos[-8:], pos[64:128]), whole[..., 64:128])
 
 
 # ------------------------------------------------------------------ the station's accounting

@@ -54,9 +54,8 @@ def batch(engine, lens, seed=0):
 
 
 def kv_arrays(kv):
-    """layer -> (keys, values, positions) held so far, token-major: (n, n_kv, hd) x2, (n,)."""
-    return {l: (kv._k[l][:, :, :n].transpose(2, 0, 1), kv._v[l][:, :n].transpose(1, 0, 2), kv._pos[l][:n])
-            for l, n in kv._n.items()}
+    """layer -> (keys, values, positions) held so far."""
+    return {l: (kv._k[l][:n], kv._v[l][:n], kv._pos[l][:n]) for l, n in kv._n.items()}
 
 
 def copy_seqs(seqs):

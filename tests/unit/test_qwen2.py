@@ -137,8 +137,7 @@ def test_attention_gqa_causal_against_loops():
     k = rng.normal(size=(T, n_kv, hd)).astype(np.float32)
     v = rng.normal(size=(T, n_kv, hd)).astype(np.float32)
     pos = np.arange(T)
-    kT, vh = k.transpose(1, 2, 0), v.transpose(1, 0, 2)  # the cache's layout: (n_kv, hd, S), (n_kv, S, hd)
-    got = qwen2.attention(q, kT, vh, pos, pos).reshape(T, n_head, hd)
+    got = qwen2.attention(q, k, v, pos, pos).reshape(T, n_head, hd)
     for t in range(T):
         for h in range(n_head):
             kh = h // (n_head // n_kv)  # consecutive query heads share a kv head
@@ -297,12 +296,12 @@ def test_kvcache_grows_and_truncates():
     ks = rng.normal(size=(40, 2, 4)).astype(np.float32)
     for i in range(40):
         k, v, pos = kv.append(0, ks[i:i + 1], -ks[i:i + 1], np.array([i]))
-    np.testing.assert_array_equal(k, ks.transpose(1, 2, 0))  # K^T (n_kv, hd, S)
-    np.testing.assert_array_equal(v, -ks.transpose(1, 0, 2))  # V (n_kv, S, hd)
+    np.testing.assert_array_equal(k, ks)
+    np.testing.assert_array_equal(v, -ks)
     np.testing.assert_array_equal(pos, np.arange(40))
     kv.truncate(10)
     k, _, pos = kv.append(0, ks[:1], ks[:1], np.array([10]))
-    assert k.shape == (2, 4, 11) and pos[-1] == 10 and kv.n_tokens(1) == 0
+    assert k.shape == (11, 2, 4) and pos[-1] == 10 and kv.n_tokens(1) == 0
 
 
 def test_kvcache_nbytes_counts_every_array_as_it_grows():
