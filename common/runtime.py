@@ -12,11 +12,7 @@ and optionally DURABLE_OBJECTS = {"ClassName": cls}, each class built as cls(sta
 """
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import functools
 import json as _json
-import sys
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping, Protocol
 from urllib.parse import parse_qsl, urlsplit
@@ -448,25 +444,6 @@ async def call_handler(handler: Handler, request: Request, env: Env, ctx: Ctx,
 
 
 # ---------------------------------------------------------------- small helpers for handlers
-
-
-_threads = sys.platform != "emscripten"  # Pyodide (Cloudflare's Python Workers) cannot start threads
-
-
-async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) in a worker thread, so the event loop keeps answering meanwhile: for the CPU-heavy
-    steps of a handler (parsing a body, tokenizing a prompt). Where threads cannot start (Pyodide,
-    one thread per isolate) it runs inline. Context variables (the request id in logs) go along."""
-    global _threads
-    if _threads:
-        call = functools.partial(contextvars.copy_context().run, fn, *args)
-        try:
-            future = asyncio.get_running_loop().run_in_executor(None, call)
-        except RuntimeError:  # "can't start new thread": fn has not run
-            _threads = False
-        else:
-            return await future
-    return fn(*args)
 
 
 def int_param(value: str | None, what: str, *, minimum: int = 0) -> int:

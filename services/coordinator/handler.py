@@ -21,7 +21,7 @@ never computes with two versions: it completes on one, or fails with 503.
 The event loop stays free for every request (docs/runtime.md, "Huge requests"): bodies over
 MAX_BODY_BYTES are refused by the host (413) before they are read in full, a prompt whose length
 alone rules it out is refused before tokenizing, tokenizing stops as soon as the prompt is longer
-than the context, and parsing and tokenizing run off the event loop (common.runtime.off_loop).
+than the context, and parsing and tokenizing run off the event loop (services/offload.py).
 
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
 SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S,
@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
-from common.runtime import (Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, off_loop,
-                            status_for)
+from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
 from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
@@ -50,6 +49,7 @@ from services.coordinator.params import parse_generate
 from services.coordinator.pipeline import Pipeline
 from services.drafter.client import DrafterClient
 from services.knot_source import KnotSource, serving_version
+from services.offload import off_loop
 from services.station.client import StationClient
 
 log = logging.getLogger(__name__)

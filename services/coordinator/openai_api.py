@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from common.generation import FinishEvent, Generation, TokenEvent
-from common.runtime import Response, off_loop, status_for
+from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
 from services.coordinator.generation import Coordinator
 from services.coordinator.params import GenerateRequest, number, sampling_params, speculation_request, stop_strings
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
+from services.offload import off_loop
 
 log = logging.getLogger(__name__)
 

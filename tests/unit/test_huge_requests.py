@@ -12,11 +12,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings, strategies as st
 
-from common import runtime, tokenizer as tokenizer_mod
+from common import tokenizer as tokenizer_mod
 from common.runtime import Env, Request, Response
 from common.tokenizer import Tokenizer, TooManyTokens
 from deploy.local.host import ServiceRuntime, build_app, load_service
 from deploy.local.tasks import BackgroundTasks
+from services import offload
 from services.coordinator import handler as coordinator
 from tests.inprocess import build_cluster
 from tests.unit.test_tokenizer import SPECIALS, tiny_data
@@ -175,15 +176,15 @@ async def test_tokenizing_runs_off_the_event_loop(tiny_knot, tmp_path, monkeypat
 async def test_off_loop_runs_inline_where_threads_cannot_start(monkeypatch):
     """Pyodide has no threads: off_loop falls back to running the function in place."""
     main = threading.get_ident()
-    assert await runtime.off_loop(threading.get_ident) != main
+    assert await offload.off_loop(threading.get_ident) != main
     loop = asyncio.get_running_loop()
 
     def no_threads(*a, **k):
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(runtime, "_threads", True)
+    monkeypatch.setattr(offload, "_threads", True)
     monkeypatch.setattr(loop, "run_in_executor", no_threads)
-    assert await runtime.off_loop(threading.get_ident) == main
-    assert runtime._threads is False, "tried once, then inline without asking again"
+    assert await offload.off_loop(threading.get_ident) == main
+    assert offload._threads is False, "tried once, then inline without asking again"
     with pytest.raises(ValueError, match="from fn"):  # fn's own errors propagate either way
-        await runtime.off_loop(lambda: (_ for _ in ()).throw(ValueError("from fn")))
+        await offload.off_loop(lambda: (_ for _ in ()).throw(ValueError("from fn")))
