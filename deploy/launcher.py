@@ -141,8 +141,14 @@ def resolve_command(command: list[str]) -> list[str]:
 
 def process_env(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], port: int | None,
                 base_env: Mapping[str, str]) -> dict[str, str]:
+    from deploy import models
+
     env = dict(base_env)
     env.update(compose.rewrite_addresses(spec.environment, addresses))
+    if "KNOT_CACHE_DIR" in spec.environment:
+        # The init container's cache is its volume (model-cache:/cache), a path that does not exist
+        # here: a local process uses the local model cache, where `knot fetch-model` put the model.
+        env["KNOT_CACHE_DIR"] = str(models.cache_dir())
     if port is not None:
         env["PORT"], env["HOST"] = str(port), "127.0.0.1"
     env["KNOT_SERVICE_NAME"] = settings.read(env, "KNOT_SERVICE_NAME", "host") or spec.name

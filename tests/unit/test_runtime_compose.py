@@ -93,6 +93,16 @@ def test_addresses_are_rewritten_to_local_ports(doc):
         "A": "do+http://127.0.0.1:41003/CobordismWarden", "B": "http://x-cobordism-warden:8080"}
 
 
+def test_the_local_init_uses_the_local_model_cache(doc, tmp_path, monkeypatch):
+    """The init container's KNOT_CACHE_DIR is its volume (/cache); run locally, the process gets
+    the local cache (where `knot fetch-model` put the model), not a path that does not exist."""
+    specs = {s.name: s for s in compose.plan(doc)}
+    assert specs["init"].environment["KNOT_CACHE_DIR"] == "/cache"
+    monkeypatch.setenv("KNOT_CACHE_DIR", str(tmp_path))
+    assert process_env(specs["init"], {}, None, {})["KNOT_CACHE_DIR"] == str(tmp_path)
+    assert "KNOT_CACHE_DIR" not in process_env(specs["station-0"], {}, None, {})
+
+
 def test_committed_compose_file_is_generated_from_the_layout():
     """Fails when docker-compose.yml is stale: regenerate it with `knot compose > docker-compose.yml`."""
     want = compose_file.render_text(default_layout(), choose_model(None, {}).source)
