@@ -11,11 +11,18 @@ service), then:
              prints when the replies arrive (median over the reps, sorted)
     prefill  one ~700-token prompt: prompt tokens over the time to first token
     rss      each service's peak RSS (VmHWM) so far
+    long     one prompt of --long-tokens tokens (bench's repeated Python functions) as ids to
+             /v1/completions, --compare-tokens greedy tokens: prefill tok/s, each service's peak RSS
+             before and after, each station's accounted peak against its budget; then the single
+             process (`knot generate`'s LocalEngine) on the same ids, and whether the text is equal
+    huge     50 MB bodies to /v1/completions (3 in flight, one after another) while /v1/models,
+             /readyz and /metrics are polled: their slowest answer, the statuses, the coordinator's
+             RSS before and after
     station  no servers: station 0's handler in-process (embedded bindings, the same code), the
              mean time of a decode forward over its layers, so the hop's HTTP share shows
 
     python benchmarks/cluster_profile.py [--model NAME|PATH] [--budget-bytes N] [--tokens N]
-        [--reps N] [--only hops,cpu,fanout,prefill,rss,station]
+        [--reps N] [--long-tokens N] [--compare-tokens N] [--only hops,cpu,fanout,prefill,rss,long,huge,station]
 
 Extra variables in the environment reach every service (the launcher passes them on), so the
 same run can compare settings, e.g. KNOT_SPIN_US=0 or KNOT_ACCESS_LOG=all.
@@ -125,6 +132,80 @@ def prefill(gen: str) -> None:
     print(f"prefill: {n} tokens, {n / b['timings']['time_to_first_token_ms'] * 1e3:.1f} tok/s")
 
 
+def rss_mib(running: dict) -> dict[str, float]:
+    return {n: peak_rss_bytes(r.pid) / 2**20 for n, r in running.items()
+            if r.kind == "process" and servers.pid_alive(r.pid)}
+
+
+def long_prompt(running: dict, knot: Path, n: int, tokens: int) -> None:
+    from common.sampling import SamplingParams
+    from deploy.commands.bench import long_prompt_ids
+    from deploy.engine_local import LocalEngine
+
+    engine = LocalEngine.open(knot)
+    ids = long_prompt_ids(engine.tokenizer, n)
+    before = rss_mib(running)
+    t0 = time.perf_counter()
+    b = post(running["coordinator"].url + "/v1/completions", {"prompt": ids, "max_tokens": tokens, "temperature": 0})
+    wall = time.perf_counter() - t0
+    after = rss_mib(running)
+    text = b["choices"][0]["text"]
+    print(f"long: {b['usage']['prompt_tokens']} prompt tokens, {tokens} greedy tokens in {wall:.0f} s "
+          f"({n / wall:.1f} prompt tok/s over the whole request, its decode steps included): {text!r}")
+    print("long: peak RSS MiB before -> after: " + ", ".join(
+        f"{k} {before.get(k, 0):.0f} -> {v:.0f}" for k, v in sorted(after.items())))
+    for name, r in sorted(running.items()):
+        if name.startswith("station"):
+            s = get(r.url + "/stats")
+            print(f"  {name}: accounted peak {s['peak_accounted_bytes']:,} B of {s['budget_bytes']:,}, "
+                  f"max_session_tokens {s['max_session_tokens']}, split frames {s['split_frames']}")
+    t0 = time.perf_counter()
+    want = engine.generate(ids, SamplingParams(), max_tokens=tokens)
+    print(f"long: the single process in {time.perf_counter() - t0:.0f} s: {want.text!r}; "
+          f"equal: {want.text == text}")
+
+
+def huge_requests(running: dict) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = running["coordinator"].url
+    pid = running["coordinator"].pid
+
+    def rss() -> float:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096 / 2**20
+
+    def send(body: bytes) -> int:
+        req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (ConnectionError, urllib.error.URLError) as e:  # the server may close a refused upload
+            return getattr(e, "code", 0) or -1
+
+    huge = json.dumps({"prompt": "x" * (50 << 20), "max_tokens": 1}).encode()
+    before, slowest, polls = rss(), {}, 0
+    with ThreadPoolExecutor(3) as pool:
+        t0 = time.perf_counter()
+        sent = [pool.submit(send, huge) for _ in range(3)]
+        while not all(f.done() for f in sent):
+            for path in ("/v1/models", "/readyz", "/metrics"):
+                t = time.perf_counter()
+                http_json("GET", url + path, timeout_s=300) if path != "/metrics" else \
+                    urllib.request.urlopen(url + path, timeout=300).read()
+                slowest[path] = max(slowest.get(path, 0.0), time.perf_counter() - t)
+                polls += 1
+        wall = time.perf_counter() - t0
+    print(f"huge: 3 x {len(huge) / 1e6:.0f} MB bodies, statuses {[f.result() for f in sent]}, done in {wall:.2f} s; "
+          f"{polls} polls meanwhile, slowest ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in slowest.items())
+          + f"; coordinator RSS {before:.0f} -> {rss():.0f} MiB")
+
+
 def station_inprocess(knot: Path, budget_bytes: int, steps: int) -> None:
     import tempfile
 
@@ -175,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-bytes", type=int, default=128 << 20, help="stations' budget (default 128 MiB)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=40, help="fan-outs timed (default 40)")
-    p.add_argument("--only", default="hops,cpu,fanout,prefill,rss,station")
+    p.add_argument("--long-tokens", type=int, default=30000, help="the long part's prompt tokens (default 30000)")
+    p.add_argument("--compare-tokens", type=int, default=8, help="the long part's greedy tokens (default 8)")
+    p.add_argument("--only", default="hops,cpu,fanout,prefill,rss,station",
+                   help="parts, in order (long and huge run only when named)")
     p.add_argument("--run-dir", default=str(Path(tempfile.gettempdir()) / "knot-profile"))
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.only.split(",") if x.strip()]
@@ -205,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             elif part == "prefill":
                 prefill(gen)
             elif part == "rss":
-                print("rss: peak MiB " + ", ".join(
-                    f"{n} {peak_rss_bytes(r.pid) / 2**20:.0f}" for n, r in running.items()
-                    if r.kind == "process" and servers.pid_alive(r.pid)))
+                print("rss: peak MiB " + ", ".join(f"{n} {v:.0f}" for n, v in rss_mib(running).items()))
+            elif part == "long":
+                long_prompt(running, knot, args.long_tokens, args.compare_tokens)
+            elif part == "huge":
+                huge_requests(running)
             else:
                 print(f"unknown part {part!r}", file=sys.stderr)
     finally:
