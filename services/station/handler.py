@@ -144,23 +144,28 @@ class Station:
         if self.emits_final:
             names.append(self.model.OUTPUT_NORM)
         self.memory.hold(await self.loader.load(names))
+        phase_bytes, self.memory.tile_bytes = self._streamed_sizes()
+        self.phase_bytes = max(phase_bytes, default=0)
+
+    def _streamed_sizes(self) -> tuple[list[int], int]:
+        """From the knot's tensor table: the streamed bytes of each (layer, phase), and matmul's
+        largest dequantization tile over those tensors (float32 rows of tile_rows at a time)."""
+        s = self.settings
         streamed = [[n for n in self.loader.names(l, p) if not self.model.is_resident(n)]
-                    for l in self.layers for p in self.model.phases]
-        self.phase_bytes = max(sum(self.loader.nbytes(n) for n in names) for names in streamed)
-        self.memory.tile_bytes = max(4 * e.shape[0] * tile_rows(*e.shape)
-                                     for e in (self.header.tensors[n] for names in streamed for n in names)
-                                     if len(e.shape) == 2)
+                    for l in range(s.layer_start, s.layer_end) for p in self.model.phases]
+        tile = max((4 * e.shape[0] * tile_rows(*e.shape)
+                    for e in (self.header.tensors[n] for names in streamed for n in names) if len(e.shape) == 2),
+                   default=DEFAULT_TILE_BYTES)
+        return [sum(self.loader.nbytes(n) for n in names) for names in streamed], tile
 
     def _plan(self) -> MemoryPlan:
         """The budget under the profile, from the knot's tensor table (nothing is loaded for it)."""
-        s, phase_bytes = self.settings, []
-        for layer in range(s.layer_start, s.layer_end):
-            for p in self.model.phases:
-                phase_bytes.append(sum(self.loader.nbytes(n) for n in self.loader.names(layer, p)
-                                       if not self.model.is_resident(n)))
+        s = self.settings
+        phase_bytes, tile_bytes = self._streamed_sizes()
         resident = sum(self.loader.nbytes(n) for layer in range(s.layer_start, s.layer_end)
                        for p in self.model.phases for n in self.loader.names(layer, p) if self.model.is_resident(n))
-        fixed = resident + self.model.activation_bytes(1, 1) + DEFAULT_TILE_BYTES  # an idle decode step
+        # an idle decode step, counted as the station's memory counts it (the same tile)
+        fixed = resident + self.model.activation_bytes(1, 1) + tile_bytes
         return plan_memory(s.profile, s.budget_bytes, sum(phase_bytes), max(phase_bytes, default=0), fixed,
                            s.resident_max_bytes)
 

@@ -102,10 +102,11 @@ async def _cluster_report(tiny_knot, tmp_path, profile: str, budget: int):
 
 @pytest.mark.asyncio
 async def test_worker_streams_and_resident_keeps_the_layers_with_the_same_tokens(tiny_knot, tmp_path):
-    from common.matmul import DEFAULT_TILE_BYTES
 
-    # A budget just above what a decode step needs besides the layers: the tiny layers cannot stay.
-    tight = DEFAULT_TILE_BYTES + 400_000  # the tiny model: ~627 kB of layer tensors per station
+    # A budget too small for the tiny layers to stay, big enough for a short sequence: per station
+    # ~627 kB of layer tensors, ~807 kB fixed beside them (resident norms, a decode step's
+    # activations, the matmul tile of its largest tensor); the layers fit from 1,433,233 bytes.
+    tight = 1_400_000
     w_tokens, w_again, w_stats, w_card, w_metrics, w_loads = await _cluster_report(tiny_knot, tmp_path, "worker", tight)
     r_tokens, r_again, r_stats, r_card, r_metrics, r_loads = await _cluster_report(tiny_knot, tmp_path, "resident",
                                                                                     tight)
