@@ -52,8 +52,8 @@ from deploy.knotfile import open_model  # noqa: E402
 PROMPT = "def fibonacci(n):"
 
 
-def post(url: str, body: dict) -> dict:
-    return http_json("POST", url, body)
+def post(url: str, body: dict, timeout_s: float = 1800.0) -> dict:
+    return http_json("POST", url, body, timeout_s=timeout_s)
 
 
 def get(url: str) -> dict:
@@ -146,7 +146,9 @@ def long_prompt(running: dict, knot: Path, n: int, tokens: int) -> None:
     ids = long_prompt_ids(engine.tokenizer, n)
     before = rss_mib(running)
     t0 = time.perf_counter()
-    b = post(running["coordinator"].url + "/v1/completions", {"prompt": ids, "max_tokens": tokens, "temperature": 0})
+    # a 30k-token prefill takes over 30 min on a loaded 2-core machine
+    b = post(running["coordinator"].url + "/v1/completions", {"prompt": ids, "max_tokens": tokens, "temperature": 0},
+             timeout_s=4 * 3600)
     wall = time.perf_counter() - t0
     after = rss_mib(running)
     text = b["choices"][0]["text"]
