@@ -192,10 +192,10 @@ def long_prompt_ids(tokenizer, n: int) -> list[int]:
 
 def measure_llama_prefill(gguf: Path, threads: int, ids: list[int]) -> float:
     """llama.cpp's prefill tok/s of one prompt: a context of its length, one eval in n_batch steps."""
-    import llama_cpp
+    from deploy.llamacpp import open_llama
 
-    llm = llama_cpp.Llama(str(gguf), n_ctx=len(ids) + 16, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                          flash_attn=False, verbose=False)
+    llm = open_llama(gguf, n_ctx=len(ids) + 16, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                     flash_attn=False, verbose=False)
     try:
         llm.eval(ids[:16])  # warm-up
         llm.reset()
