@@ -134,10 +134,9 @@ class _Uncounted:
 class CoordinatorMetrics:
     def __init__(self, admission) -> None:
         self.enabled = CollectorRegistry is not None
+        self.services = ServiceStats()  # the stations' and shards' last /stats, whether or not they are exposed
         if not self.enabled:
-            self.requests = self.tokens = self.generations = self.ttft = self.itl = self.hops = _Uncounted()
-            self.queue_wait = self.degradations = self.replays = _Uncounted()
-            return
+            return  # every instrument is an _Uncounted (__getattr__)
         r = self.registry = CollectorRegistry()  # per coordinator, never the process-global one
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
@@ -172,8 +171,13 @@ class CoordinatorMetrics:
         Gauge(f"{PREFIX}_requests_active", "generations running", registry=r).set_function(lambda: admission.active)
         Gauge(f"{PREFIX}_requests_queued", "requests waiting for a slot", registry=r).set_function(
             lambda: admission.queued)
-        self.services = ServiceStats()
         r.register(self.services)
+
+    def __getattr__(self, name: str):
+        """Only for attributes that do not exist: without prometheus_client, each instrument counts nothing."""
+        if name.startswith("_") or self.__dict__.get("enabled", True):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return _Uncounted()
 
     def observe_speculation(self, gen) -> None:
         """A finished generation's decode trips, and its drafts by source (common.generation.Generation)."""

@@ -38,7 +38,17 @@ async def test_metrics_count_nothing_and_exposition_names_the_package(metrics_wi
     m.hops.labels("embed").observe(0.01)
     m.observe_hop("station_0", 0.02)
     m.ttft.observe(0.1)
+    m.knot_reloads.inc()
+
+    class Spec:
+        source = "prompt_lookup"
+
+    class Gen:  # a finished speculative generation (common.generation.Generation's fields)
+        trips, decode_steps, drafted, accepted, speculation = 3, 7, 6, 4, Spec()
+
+    m.observe_speculation(Gen())  # every instrument it touches counts nothing
     await m.gather([], [])
+    assert m.services.stations == []
     with pytest.raises(ServiceUnavailable, match="prometheus_client"):
         m.exposition()
 
