@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import urllib.request
@@ -102,6 +103,15 @@ def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8,
 def default_layout() -> ClusterLayout:
     """The committed docker-compose.yml's: the default model on 2 stations and 8 shards."""
     return layout_for(choose_model(None, {}))
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def available_memory_bytes() -> int | None:
@@ -220,6 +230,11 @@ class Cluster:
         for i, s in enumerate(serving):
             if s.published_port is not None and base_port is None:
                 local = s.published_port
+                # Why check: a service that cannot bind exits, but its readiness probe would be
+                # answered by whatever holds the port, and `up` would call that the cluster.
+                if not port_is_free(local):
+                    raise LauncherError(f"port {local} ({s.name}'s published port, KNOT_PORT) is in use by another "
+                                        f"process: stop it, or choose another with KNOT_PORT=PORT")
             else:
                 local = base_port + i if base_port is not None else free[i]
             out[s.name] = (s.container_port, local)

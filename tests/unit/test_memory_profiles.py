@@ -127,3 +127,4 @@ async def test_worker_streams_and_resident_keeps_the_layers_with_the_same_tokens
     assert 'knot_station_resident_fraction{profile="resident",station="0"} 1.0' in r_metrics
     assert 'knot_station_streamed_bytes_per_token{station="1"} 0.0' in r_metrics
     assert 'profile="worker",station="0"}' in w_metrics
+

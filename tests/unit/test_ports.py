@@ -1,7 +1,11 @@
-"""deploy.servers.free_ports: the launcher's port choice must not race outgoing connections."""
+"""The launcher's ports: deploy.servers.free_ports must not race outgoing connections, and a
+published port another process holds is refused before anything starts."""
 import socket
 
-from deploy import servers
+import pytest
+
+from common.topology import ClusterLayout
+from deploy import launcher, servers
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -35,3 +39,15 @@ def test_outgoing_connections_do_not_land_on_chosen_ports():
         finally:
             for c in clients:
                 c.close()
+
+
+def test_up_refuses_a_published_port_another_process_holds(tmp_path):
+    """Otherwise the coordinator exits on EADDRINUSE while the other process answers its probe."""
+    layout = ClusterLayout.build({"block_count": 2, "vocab_size": 64}, 1, 1)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        specs = launcher.plan(layout, {"KNOT_PORT": str(port), "KNOT_REDIS_PASSWORD": "generated"})
+        with pytest.raises(launcher.LauncherError, match=f"port {port} .*in use.*KNOT_PORT"):
+            launcher.Cluster(tmp_path).allocate(specs, None)
+    assert launcher.Cluster(tmp_path).allocate(specs, None)["coordinator"][1] == port  # free again
