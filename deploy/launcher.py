@@ -106,7 +106,10 @@ def default_layout() -> ClusterLayout:
 
 
 def port_is_free(port: int) -> bool:
+    """Whether a server could listen on the port now (with SO_REUSEADDR, as asyncio's servers do:
+    connections of an earlier run in TIME_WAIT do not hold it)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
