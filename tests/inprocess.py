@@ -25,6 +25,10 @@ DRAFT_KEY = "draft.knot"
 # both its layers (matmul's tile, one phase's tensors, a KV block, the activations): the stations
 # keep little between phases and stream the rest from their wardens (fluid).
 FLUID_BUDGET_BYTES = 1792 << 10
+# The same for a station of one tiny layer (two stations): about the least its forwards need
+# (1,330,176 bytes, bisected), so every decode step reads most of its phases again, where 1792 KiB
+# would keep the whole layer.
+FLUID_ONE_LAYER_BUDGET_BYTES = 1344 << 10
 
 
 @dataclass

@@ -77,26 +77,27 @@ def test_cluster_equals_knot_generate_and_respects_the_budget(real_cluster, reco
 
 
 def test_a_long_prompt_gives_the_tokens_of_knot_generate(real_cluster):
-    """Issue 12: a prompt of a few thousand tokens, in 256-token chunks through 128 MiB stations
-    with tiled attention, gives the single process's first tokens; the budget holds."""
+    """Issue 12: a prompt of thousands of tokens, in 256-token chunks through the stations with tiled
+    attention, gives the single process's first tokens; the budget holds. (1,000 tokens for the
+    1.5B, whose long prefill takes minutes on 2 cores: still four chunks and several key tiles.
+    Not a skip: under CI=true a skipped real-model test fails.)"""
     name, cluster, running = real_cluster
-    if "0.5b" not in name:
-        pytest.skip("the 0.5B is enough here (a long prefill of the 1.5B takes minutes)")
     from deploy import models
     from deploy.commands.bench import long_prompt_ids
 
+    n = 3000 if "0.5b" in name else 1000
     engine = LocalEngine.open(models.model_path(name))
-    ids = long_prompt_ids(engine.tokenizer, 3000)
+    ids = long_prompt_ids(engine.tokenizer, n)
     status, _, raw = http("POST", running["coordinator"].url + "/v1/completions",
                           {"prompt": ids, "max_tokens": 4, "temperature": 0}, timeout_s=1800)
     assert status == 200, raw
     body = json.loads(raw)
     want = engine.generate(ids, SamplingParams(), max_tokens=4)
-    assert body["usage"]["prompt_tokens"] == 3000
+    assert body["usage"]["prompt_tokens"] == n
     assert body["choices"][0]["text"] == want.text
     for st in ("station-0", "station-1"):
         s = json.loads(http("GET", running[st].url + "/stats")[2])
-        assert s["peak_accounted_bytes"] <= s["budget_bytes"] and s["max_session_tokens"] > 3004, s
+        assert s["peak_accounted_bytes"] <= s["budget_bytes"] and s["max_session_tokens"] > n + 4, s
 
 
 def test_concurrent_generations_are_batched_and_each_equals_knot_generate(real_cluster):

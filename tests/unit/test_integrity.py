@@ -23,7 +23,7 @@ from services.knot_source import KNOT_ETAG_HEADER
 from services.shard import handler as shard_handler
 from services.station import handler as station_handler
 from services.station.tensors import SealedTensor
-from tests.inprocess import KNOT_KEY, build_cluster
+from tests.inprocess import FLUID_BUDGET_BYTES, FLUID_ONE_LAYER_BUDGET_BYTES, KNOT_KEY, build_cluster
 from tests.synth import TinySpec, rewrite_metadata, strip_checksums, write_tiny_gguf
 
 PROMPT = "the def the"
@@ -132,9 +132,10 @@ class ReplaceAfter:
 
 async def test_a_generation_never_mixes_two_knot_versions(tiny_knot, other_knot, tmp_path, engine):
     """The knot is replaced between two decode steps while every phase is read from the bucket
-    (no wardens, 1-byte stations): the generation fails with 503 rather than go on with the new
+    (no wardens, stations at about the least their forwards need): the generation fails with 503 rather than go on with the new
     weights, and the next one runs wholly on the new version."""
-    c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=1, wardens=False)
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=FLUID_ONE_LAYER_BUDGET_BYTES,
+                            wardens=False)
     assert await tokens(c) == reference(engine)
     c.coordinator.env._items["STATION_1"] = ReplaceAfter(c.stations[1], c.bucket, other_knot.read_bytes(), 3)
     coordinator_handler._booted.clear()  # it boots again with the wrapped binding
@@ -243,7 +244,7 @@ async def test_a_poisoned_layer_warden_entry_is_a_counted_miss(tiny_knot, tmp_pa
     """A valid frame of the right length with other bytes: the station finds it against the knot's
     crc32; for a knot without checksums the warden finds it against its own seal."""
     knot_path = tiny_knot if checksums else rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)
-    c = await build_cluster(knot_path, tmp_path, 1, 2, station_budget_bytes=1)  # fluid: phases come from the warden
+    c = await build_cluster(knot_path, tmp_path, 1, 2, station_budget_bytes=FLUID_BUDGET_BYTES)  # fluid: phases come from the warden
     baseline = await tokens(c)
     assert baseline == reference(tiny_knot)
     w = warden(c.layer_wardens, "LayerWarden", f"{KNOT_KEY}|0-2")
