@@ -131,9 +131,9 @@ class ReplaceAfter:
 
 
 async def test_a_generation_never_mixes_two_knot_versions(tiny_knot, other_knot, tmp_path, engine):
-    """The knot is replaced between two decode steps while every phase is read from the bucket
-    (no wardens, stations at about the least their forwards need): the generation fails with 503 rather than go on with the new
-    weights, and the next one runs wholly on the new version."""
+    """The knot is replaced between two decode steps while the phases are read from the bucket
+    (no wardens, stations at about the least their forwards need): the generation fails with 503
+    rather than go on with the new weights, and the next one runs wholly on the new version."""
     c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=FLUID_ONE_LAYER_BUDGET_BYTES,
                             wardens=False)
     assert await tokens(c) == reference(engine)
