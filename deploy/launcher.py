@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import time
 import urllib.request
@@ -103,18 +102,6 @@ def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8,
 def default_layout() -> ClusterLayout:
     """The committed docker-compose.yml's: the default model on 2 stations and 8 shards."""
     return layout_for(choose_model(None, {}))
-
-
-def port_is_free(port: int) -> bool:
-    """Whether a server could listen on the port now (with SO_REUSEADDR, as asyncio's servers do:
-    connections of an earlier run in TIME_WAIT do not hold it)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def available_memory_bytes() -> int | None:
@@ -235,7 +222,7 @@ class Cluster:
                 local = s.published_port
                 # Why check: a service that cannot bind exits, but its readiness probe would be
                 # answered by whatever holds the port, and `up` would call that the cluster.
-                if not port_is_free(local):
+                if not servers.port_is_free(local):
                     raise LauncherError(f"port {local} ({s.name}'s published port, KNOT_PORT) is in use by another "
                                         f"process: stop it, or choose another with KNOT_PORT=PORT")
             else:

@@ -102,6 +102,18 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 49152, 65535
 
 
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on the port now (with SO_REUSEADDR, as asyncio's servers do:
+    connections of an earlier run in TIME_WAIT do not hold it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_ports(n: int, low: int = 20000) -> list[int]:
     """n distinct ports that are free now, chosen below the kernel's ephemeral range.
 

@@ -72,7 +72,7 @@ def plan_memory(profile: str, budget_bytes: int, layer_bytes: int, largest_phase
     if profile not in PROFILES:
         raise ValueError(f"memory profile {profile!r}: one of {', '.join(PROFILES)}")
     if profile == "resident":
-        budget_bytes = max(budget_bytes, layer_bytes + budget_bytes)
+        budget_bytes += layer_bytes
         if resident_max_bytes is not None:
             budget_bytes = min(budget_bytes, max(resident_max_bytes, 1))
     room = max(budget_bytes - fixed_bytes, 0)
