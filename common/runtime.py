@@ -215,6 +215,13 @@ class BadRequest(HttpError):
     status = 400
 
 
+class Unauthorized(HttpError):
+    """A call without valid credentials: an internal call unsigned or signed wrongly, a public call
+    without the API key."""
+
+    status = 401
+
+
 class Forbidden(HttpError):
     status = 403
 
@@ -297,8 +304,8 @@ def raise_for_status(resp: Response, what: str) -> Response:
     raise cls(f"{what}: HTTP {resp.status}: {detail}")
 
 
-_BY_STATUS = (BadRequest, Forbidden, NotFound, MethodNotAllowed, Conflict, PreconditionFailed, PayloadTooLarge,
-              RangeNotSatisfiable)
+_BY_STATUS = (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed, Conflict, PreconditionFailed,
+              PayloadTooLarge, RangeNotSatisfiable)
 
 
 # ---------------------------------------------------------------- bindings (protocols)

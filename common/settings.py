@@ -70,6 +70,8 @@ class Setting:
     minimum: float | None = None  # inclusive
     maximum: float | None = None  # inclusive
     positive: bool = False  # > 0 (for floats, where a minimum would be inclusive)
+    secret: bool = False  # never echoed: not in error messages, not in docs beyond its name
+    min_chars: int = 0  # a secret's least length
     reader_defaults: Mapping[str, Any] = field(default_factory=dict)  # where a reader's default differs
 
     def default_for(self, reader: str) -> Any:
@@ -78,6 +80,11 @@ class Setting:
     def parse(self, raw: str) -> Any:
         """Text -> typed value; ConfigError naming the variable."""
         n = self.name
+        if self.secret:  # its value never appears in a message
+            if len(raw) < self.min_chars:
+                raise ConfigError(f"Config {n!r} must be at least {self.min_chars} characters, got {len(raw)}",
+                                  name=n)
+            return raw
         if self.type == "names":
             return tuple(p.strip() for p in raw.split(",") if p.strip())
         if self.type == "choice":
@@ -136,15 +143,27 @@ SETTINGS: tuple[Setting, ...] = (
     _s("STATIONS", "names", REQUIRED, "coordinator", "station binding names in chain order, e.g. STATION_0,STATION_1"),
     _s("SHARDS", "str", REQUIRED, "coordinator",
        "BINDING:START-END,... one per shard; the ranges must tile [0, vocab)"),
-    _s("SHARD_TIMEOUT_S", "float", "30", "coordinator", "timeout of one shard call; a late shard is degraded",
+    _s("SHARD_TIMEOUT_S", "float", "30", "coordinator", "timeout of one shard call (a late shard has failed)",
        positive=True),
     _s("STATION_TIMEOUT_S", "float", "300", "coordinator", "timeout of one station forward", positive=True),
-    _s("STATION_RETRY_S", "float", "60", "coordinator", "how long an unreachable station is retried",
-       minimum=0),
+    _s("PEER_WAIT_S", "float", "15", "coordinator compose",
+       "how long requests wait for a station or shard that is unreachable or not ready to come back (a restart), "
+       "counted from when it went down; past it they get 503 with Retry-After at once (0: never wait)", minimum=0),
+    _s("REQUEST_TIMEOUT_S", "float", "600", "coordinator compose",
+       "every request's deadline, queueing included: past it a 504 (a stream ends with an error event)",
+       positive=True),
+    _s("SHARD_FAILURE", "choice", "fail", "coordinator compose",
+       "a shard still down after PEER_WAIT_S: fail (503 naming the missing vocabulary range) or degrade (the "
+       "seed's allSettled merge: its tokens embed as zeros, its logits are -inf; every reply says so); a request "
+       "may choose with its shard_failure field", choices=("fail", "degrade")),
+    _s("KNOT_API_KEY", "str", None, "coordinator compose",
+       "bearer token the public API requires (Authorization: Bearer KEY; without it 401); unset: no key",
+       secret=True, reader_defaults={"compose": ""}),
     _s("MAX_CONCURRENT_REQUESTS", "int", "8", "coordinator", "generations run at once", minimum=1),
     _s("MAX_QUEUED_REQUESTS", "int", "16", "coordinator",
        "requests waiting beyond those; more get 429", minimum=0),
-    _s("RETRY_AFTER_S", "int", "1", "coordinator", "the 429's Retry-After", minimum=1),
+    _s("RETRY_AFTER_S", "int", "1", "coordinator", "the Retry-After of a 429 (queue full) or a 503 (a peer down)",
+       minimum=1),
     _s("MODEL_NAME", "str", None, "coordinator", "the model id /v1/models reports (default: KNOT_KEY without .knot)"),
     _s("SPECULATION", "choice", "auto", "coordinator", "speculative decoding of requests that do not choose: "
        "auto (prompt lookup for greedy requests, off for sampled ones), off, prompt_lookup, draft_model",
@@ -355,6 +374,8 @@ def markdown() -> str:
         return d + (f" ({'; '.join(others)})" if others else "")
 
     def type_text(s: Setting) -> str:
+        if s.secret:
+            return f"secret (≥{s.min_chars} chars)" if s.min_chars else "secret"
         if s.type == "choice":
             return " \\| ".join(s.choices)
         lo = ">0" if s.positive else None if s.minimum is None else f"≥{s.minimum:g}"

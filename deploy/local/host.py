@@ -50,6 +50,7 @@ class ServiceModule:
     durable_objects: dict[str, type]
     ready: Callable[[Env], Awaitable[None]] | None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    public: bool = False  # the module says PUBLIC = True: it serves clients, not other services
 
 
 def load_service(module_path: str) -> ServiceModule:
@@ -58,7 +59,8 @@ def load_service(module_path: str) -> ServiceModule:
     if handler is None:
         raise ConfigError(f"service module {module_path} has no fetch(request, env, ctx)")
     return ServiceModule(handler, dict(getattr(module, "DURABLE_OBJECTS", {})), getattr(module, "ready", None),
-                         int(getattr(module, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)))
+                         int(getattr(module, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)),
+                         bool(getattr(module, "PUBLIC", False)))
 
 
 @dataclass
@@ -75,6 +77,10 @@ class ServiceRuntime:
     started_at: float = field(default_factory=time.monotonic)
     access_log: str = "all"  # "errors": successful requests are logged at DEBUG only
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # A public service's handler is cancelled when its client disconnects (aiohttp's
+    # handler_cancellation), so a whole (non-streaming) reply nobody waits for stops generating and
+    # gives its slot and KV sessions back; internal services finish what they started.
+    public: bool = False
 
 
 # ---------------------------------------------------------------- translation
@@ -275,7 +281,14 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
     # Exit callbacks run last-in first-out: wait_until work drains before any client closes.
     stack.push_async_callback(tasks.drain, settings.shutdown_timeout_s)
     return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks,
-                          access_log=settings.access_log, max_body_bytes=settings.max_body_bytes or svc.max_body_bytes)
+                          access_log=settings.access_log, max_body_bytes=settings.max_body_bytes or svc.max_body_bytes,
+                          public=svc.public)
+
+
+def app_runner(app: web.Application) -> web.AppRunner:
+    """The runner every app is served with (a public service's handlers are cancelled on disconnect)."""
+    return web.AppRunner(app, handle_signals=False, shutdown_timeout=30.0, access_log=None,
+                         handler_cancellation=app[RUNTIME].public)
 
 
 async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Callable[[], None] | None = None,
@@ -288,7 +301,7 @@ async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Cal
     runners = []
     try:
         for app, host, port in apps:
-            runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=30.0, access_log=None)
+            runner = app_runner(app)
             await runner.setup()
             runners.append(runner)
             await web.TCPSite(runner, host, port).start()

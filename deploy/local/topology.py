@@ -77,7 +77,8 @@ class Topology:
             do_host = (DurableObjectHost({c: svc.durable_objects[c] for c in st.durable_objects}, tasks)
                        if st.durable_objects else None)
             self.runtimes[s.name] = ServiceRuntime(s.name, svc.handler, Env(), tasks, do_host, svc.ready,
-                                                 max_body_bytes=st.max_body_bytes or svc.max_body_bytes)
+                                                 max_body_bytes=st.max_body_bytes or svc.max_body_bytes,
+                                                 public=svc.public)
             stack.push_async_callback(tasks.drain, st.shutdown_timeout_s)
         for s in self.specs:
             st, rt = self.settings[s.name], self.runtimes[s.name]

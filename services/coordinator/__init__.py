@@ -1,4 +1,4 @@
 """The coordinator service: see handler.py."""
-from services.coordinator.handler import MAX_BODY_BYTES, fetch, ready
+from services.coordinator.handler import MAX_BODY_BYTES, PUBLIC, fetch, ready
 
-__all__ = ["MAX_BODY_BYTES", "fetch", "ready"]
+__all__ = ["MAX_BODY_BYTES", "PUBLIC", "fetch", "ready"]

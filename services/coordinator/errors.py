@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.runtime import BadRequest, HttpError, Response, error_response
+from common.runtime import BadRequest, HttpError, Response, Unauthorized, error_response
 
 
 class InvalidParam(BadRequest):
@@ -18,6 +18,15 @@ class InvalidParam(BadRequest):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class InvalidAPIKey(Unauthorized):
+    """401: KNOT_API_KEY is set and the request's bearer token is missing or wrong."""
+
+    code = "invalid_api_key"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class TooManyRequests(HttpError):

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import jinja2
@@ -35,19 +36,39 @@ from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.params import GenerateRequest
-from services.coordinator.pipeline import Hops, Pipeline
+from services.coordinator.pipeline import Call, Hops, Pipeline, RequestTimeout
 from services.drafter.client import DrafterClient, RemoteDraftModel
 from services.station.client import SessionLost
 
 log = logging.getLogger(__name__)
 
 MAX_REPLAYS = 3
+# One trip through the stations, as it ran: (mode, start, end, rewind, its tokens (decode; a prefill
+# chunk's are the prompt's [start, end))). A decode trip carries its drafts, accepted or not.
+Frame = tuple[str, int, int, bool, tuple[int, ...]]
+
+
+@dataclass(eq=False)
+class ClusterGeneration(Generation):
+    """A generation on the cluster: the record, plus what the hops need (deadline, shard-failure
+    policy) and the frames the stations applied, in order, for an exact replay."""
+
+    deadline: float = math.inf  # time.monotonic() by which the request must end
+    timeout_s: float = math.inf  # the deadline's length, for messages
+    shard_failure: str = "fail"  # pipeline.SHARD_FAILURE_POLICIES
+    frames: list[Frame] = field(default_factory=list)  # every trip the stations applied, in order
 
 
 class ClusterEngine:
     """The Engine protocol (common.generation) over the pipeline: the shards embed, the stations run
     the layers, the shards' LM-head slices give the logits. Per generation it keeps nothing but what
-    the stations keep under gen.request_id; hops, degradations and replays go to the record."""
+    the stations keep under gen.request_id; hops, degradations and replays go to the record.
+
+    Exact replay: when a station lost the session (a restart), every frame the stations had applied
+    runs again with the same boundaries, the prompt's chunks as prefill and then each decode trip
+    with its tokens (drafts included) and rewinds, so the KV caches come back bit for bit and the
+    tokens equal the fault-free run's (a replay that prefilled prompt + generated text in new chunks
+    diverged at near-ties)."""
 
     def __init__(self, pipeline: Pipeline, observe_hop: Callable[[str, float], None] | None = None,
                  sample_top: int = 0):
@@ -55,67 +76,86 @@ class ClusterEngine:
         full slices of logits and the coordinator samples from those."""
         self.pipeline, self.observe_hop, self.sample_top = pipeline, observe_hop, sample_top
 
-    def _hops(self, gen: Generation) -> Hops:
-        return Hops(gen.hop_ms, self.observe_hop)
+    def _call(self, gen: ClusterGeneration) -> Call:
+        return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
+                    gen.degraded, gen.timeout_s)
 
-    async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
-        """The prompt in chunks of at most PREFILL_CHUNK_TOKENS, pipelined through the stations."""
-        rid, hops, degraded = gen.request_id, self._hops(gen), gen.degraded
-        try:
-            h = await self._prefill(gen, ids)
-        except SessionLost:
-            # A station restarted mid-prompt: our later chunks found no session. Once more from 0.
-            h = await self._prefill(gen, ids)
+    async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> np.ndarray:
+        """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined
+        through the stations."""
+        chunks = prefill_chunks(len(ids))
+        while True:
+            try:
+                h = await self.pipeline.prefill(self._call(gen), ids, chunks)
+                break
+            except SessionLost as e:  # a station restarted mid-prompt: our later chunks found no session
+                self._replaying(gen, e, len(ids))
+        gen.frames[:] = [("prefill", a, b, False, ()) for a, b in chunks]
+        gen.cached = len(ids)
         return (await self._rows(gen, h, len(ids) - 1, ids))[-1]
 
-    async def _prefill(self, gen: Generation, ids: list[int]) -> np.ndarray:
-        h = await self.pipeline.prefill(gen.request_id, ids, prefill_chunks(len(ids)), self._hops(gen), gen.degraded)
-        gen.cached = len(ids)
-        return h
-
-    async def next_logits(self, gen: Generation, token: int, history: list[int]) -> np.ndarray:
+    async def next_logits(self, gen: ClusterGeneration, token: int, history: list[int]) -> np.ndarray:
         return (await self.verify_logits(gen, [token], history))[0]
 
-    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray:
-        """One trip for tokens (the last one and the drafts); when a station lost our session, replay
-        everything before them as one prefill, then the trip again."""
+    async def verify_logits(self, gen: ClusterGeneration, tokens: list[int], context: list[int]) -> np.ndarray:
+        """One trip for tokens (the last one and the drafts) -> their rows; the stations drop what they
+        hold from their position on first (an earlier trip's rejected drafts). When a station lost our
+        session, every frame the stations had applied runs again exactly (_replay), then this one."""
         pos = len(context) - len(tokens)
+        frame = ("decode", pos, pos + len(tokens), gen.cached > pos, tuple(tokens))
         try:
-            return await self._step(gen, tokens, context)
+            h = await self._forward(gen, frame)
         except SessionLost as e:
-            gen.replays += 1
-            if gen.replays > MAX_REPLAYS:
-                raise ServiceUnavailable(f"request {gen.request_id}: stations lost the session {gen.replays} "
-                                         f"times: {e}")
-            log.warning("request %s: %s; replaying %d tokens", gen.request_id, e, pos)
-            await self._prefill(gen, context[:pos])
-            return await self._step(gen, tokens, context)
-
-    async def _step(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray | list[RowSummary]:
-        """tokens at positions [pos, pos + T), context ending with them -> their rows (T, vocab); the
-        stations drop what they hold from pos on first (an earlier trip's rejected drafts)."""
-        rid, hops, p = gen.request_id, self._hops(gen), self.pipeline
-        pos = len(context) - len(tokens)
-        x = await p.embed(rid, tokens, pos, hops, gen.degraded)
-        h = await p.stations_forward(rid, "decode", pos, x, hops, rewind=gen.cached > pos)
+            self._replaying(gen, e, pos)
+            h = await self._replay(gen, context, [*gen.frames, frame])
+        gen.frames.append(frame)
         gen.cached = pos + len(tokens)
         return await self._rows(gen, h, pos, context)
 
-    async def _rows(self, gen: Generation, h: np.ndarray, pos: int, seq: list[int]) -> np.ndarray | list[RowSummary]:
+    async def _forward(self, gen: ClusterGeneration, frame: Frame) -> np.ndarray:
+        """One decode trip through the embedding and the stations -> the exit's rows (T, dim)."""
+        mode, a, _, rewind, tokens = frame
+        call = self._call(gen)
+        x = await self.pipeline.embed(call, list(tokens), a)  # (T, dim)
+        return await self.pipeline.stations_forward(call, mode, a, x, rewind)
+
+    def _replaying(self, gen: ClusterGeneration, e: SessionLost, n_tokens: int) -> None:
+        gen.replays += 1
+        if gen.replays > MAX_REPLAYS:
+            raise ServiceUnavailable(f"request {gen.request_id}: stations lost the session {gen.replays} times: {e}")
+        log.warning("request %s: %s; replaying %d tokens", gen.request_id, e, n_tokens)
+
+    async def _replay(self, gen: ClusterGeneration, context: list[int], frames: list[Frame]) -> np.ndarray:
+        """Run `frames` again from position 0 -> the exit's rows after the last one: the prompt's
+        chunks through the pipelined prefill as they first ran, then every decode trip (its drafts
+        and rewinds included) alone, as it first ran."""
+        while True:
+            try:
+                prefill = [(a, b) for mode, a, b, _, _ in frames if mode == "prefill"]
+                h = await self.pipeline.prefill(self._call(gen), context, prefill)
+                for f in frames:
+                    if f[0] == "decode":
+                        h = await self._forward(gen, f)
+                return h
+            except SessionLost as e:  # lost again during the replay: once more from position 0
+                self._replaying(gen, e, len(context))
+
+    async def _rows(self, gen: ClusterGeneration, h: np.ndarray, pos: int,
+                    seq: list[int]) -> np.ndarray | list[RowSummary]:
         """h (T, dim), the first row's input token at pos, seq the sequence up to the last row's input
         token -> the rows the sampler takes: the shards' summaries when they decide every row's token
         (common/shard_sampling.py), else the logits (T, vocab) of the full slices."""
-        p, hops = self.pipeline, self._hops(gen)
+        p, call = self.pipeline, self._call(gen)
         spec = self._sample_spec(gen, seq, h.shape[0])
         if spec is not None:
-            rows = await p.sample(gen.request_id, h, pos, spec, hops, gen.degraded)
+            rows = await p.sample(call, h, pos, spec)
             for r in rows:
                 r.token = decide(r, gen.sampling, gen.sampler_key)
             if all(r.token is not None for r in rows):
                 gen.shard_sampled += 1
                 return rows
             gen.full_rows += 1  # top_p / min_p reached past what a slice sent: the full slices after all
-        return await p.logits(gen.request_id, h, pos, hops, gen.degraded)
+        return await p.logits(call, h, pos)
 
     def _sample_spec(self, gen: Generation, seq: list[int], n_rows: int) -> wire.SampleSpec | None:
         """What the shards send of each row, or None where the sampler needs the full slices: a sampled
@@ -138,7 +178,7 @@ class ClusterEngine:
                                p.penalty_last_n, tuple(history))
 
 
-def summary(gen: Generation) -> dict:
+def summary(gen: ClusterGeneration) -> dict:
     """POST /generate's reply."""
     decode_s = gen.decode_s
     return {
@@ -154,6 +194,7 @@ def summary(gen: Generation) -> dict:
                     "hops": Hops(gen.hop_ms).summary(),
                     "speculation": gen.speculation_summary(),
                     "shard_sampling": {"summaries": gen.shard_sampled, "full_slices": gen.full_rows}},
+        "shard_failure": gen.shard_failure,
         "degraded_shards": [d.as_json() for d in gen.degraded],
         "replays": gen.replays,
     }
@@ -166,6 +207,20 @@ class StationCapacity:
     index: int
     max_session_tokens: int
     budget_bytes: int
+
+
+SHARD_FAILURE_HEADER = "X-Knot-Shard-Failure"  # the policy a generation ran under
+DEGRADED_HEADER = "X-Knot-Degraded-Shards"  # "3:56976-75968,..." when shards were degraded around
+
+
+def policy_headers(gen: ClusterGeneration) -> dict[str, str]:
+    """What every generation reply says in its headers: the shard-failure policy and, once the
+    generation has ended, the shards it was degraded around (a stream's headers go out before)."""
+    out = {SHARD_FAILURE_HEADER: gen.shard_failure}
+    missing = dict.fromkeys(f"{d.shard}:{d.vocab_start}-{d.vocab_end}" for d in gen.degraded)
+    if missing:
+        out[DEGRADED_HEADER] = ",".join(missing)
+    return out
 
 
 class Coordinator:
@@ -193,18 +248,24 @@ class Coordinator:
 
     # -------------------------------------------------------- admission
 
-    async def admit(self) -> None:
-        """Take a generation slot (waiting in the queue); 429 when the queue is full. Pair with release()."""
+    async def admit(self, gen: ClusterGeneration) -> None:
+        """Take a generation slot (waiting in the queue, not past the deadline); 429 when the queue is
+        full, 504 when the deadline passes in it. Pair with release()."""
         t0 = time.perf_counter()
-        await self.admission.acquire()
+        try:
+            async with asyncio.timeout(max(0.0, gen.deadline - time.monotonic())):
+                await self.admission.acquire()
+        except TimeoutError:
+            raise RequestTimeout(f"request {gen.request_id}: its deadline of {gen.timeout_s:g} s (REQUEST_TIMEOUT_S) "
+                                 f"passed while it waited for a slot") from None
         self.metrics.queue_wait.observe(time.perf_counter() - t0)
 
     def release(self) -> None:
         self.admission.release()
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.admit()
+    async def slot(self, gen: ClusterGeneration) -> AsyncIterator[None]:
+        await self.admit(gen)
         try:
             yield
         finally:
@@ -212,9 +273,10 @@ class Coordinator:
 
     # -------------------------------------------------------- before any work: the 400s
 
-    def prepare(self, g: GenerateRequest) -> Generation:
-        """The request -> its Generation, or a 400 before any work: CPU-bound (tokenizing), so the
-        handlers run it off the event loop; it never tokenizes more than the context holds."""
+    def prepare(self, g: GenerateRequest) -> ClusterGeneration:
+        """The request -> its generation, or a 400 before any work; its deadline starts here. CPU-bound
+        (tokenizing), so the handlers run it off the event loop; it never tokenizes more than the
+        context holds."""
         tok, ctx_len = self.tokenizer, self.context_tokens
         if g.prompt_ids is not None:
             prompt_ids, param = list(g.prompt_ids), "prompt"
@@ -251,8 +313,10 @@ class Coordinator:
         if n + max_tokens > ctx_len:
             raise InvalidParam(f"prompt of {n} tokens + max_tokens {max_tokens} exceeds {self._context_note()}; "
                                f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
-        return Generation(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
-                          speculation=self.speculation(g))
+        timeout_s = self.settings.request_timeout_s
+        return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
+                                 speculation=self.speculation(g), deadline=time.monotonic() + timeout_s,
+                                 timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure)
 
     def speculation(self, g: GenerateRequest) -> SpeculationParams:
         """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is prompt
@@ -289,7 +353,7 @@ class Coordinator:
 
     # -------------------------------------------------------- the loop
 
-    async def events(self, gen: Generation, ctx) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def events(self, gen: ClusterGeneration, ctx) -> AsyncIterator[TokenEvent | FinishEvent]:
         """common.generation's loop over the cluster, with the metrics and the KV release around it."""
         outcome = None
         t_last = 0.0

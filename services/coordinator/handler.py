@@ -10,7 +10,11 @@ stations, gathers the LM-head slices and samples (seed sections 1-3).
     GET  /metrics                Prometheus text format (metrics.py)
     GET  /topology               the stations and shards it chains
 
-Every generation goes through generation.Coordinator.events() and the admission queue.
+Every generation goes through generation.Coordinator.events() and the admission queue, has a
+deadline (REQUEST_TIMEOUT_S) and runs under a shard-failure policy (SHARD_FAILURE, or the body's
+shard_failure): its reply says which in X-Knot-Shard-Failure, and names the shards it was degraded
+around, if any (pipeline.py). With KNOT_API_KEY set, every endpoint wants
+`Authorization: Bearer KEY` and answers 401 without it (OpenAI's error shape under /v1).
 
 Knot versions: a generation request first asks the bucket which version of the knot it holds (one
 head()); when that is not the version the coordinator loaded, it loads the new one (tokenizer,
@@ -24,14 +28,12 @@ alone rules it out is refused before tokenizing, tokenizing stops as soon as the
 than the context, and parsing and tokenizing run off the event loop (services/offload.py).
 
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
-SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); SHARD_TIMEOUT_S, STATION_TIMEOUT_S,
-STATION_RETRY_S (how long an unreachable station is retried); MAX_CONCURRENT_REQUESTS (generations
-at once, default 8), MAX_QUEUED_REQUESTS (waiting beyond those, default 16; more get 429),
-RETRY_AFTER_S (the 429's Retry-After, default 1); MODEL_NAME (the id /v1 reports, default KNOT_KEY
-without ".knot"); bindings KNOT_BUCKET and the named service bindings.
+SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); the rest in docs/configuration.md;
+bindings KNOT_BUCKET and the named service bindings.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -43,8 +45,8 @@ from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
 from services.boot import BootCache
 from services.coordinator import openai_api
-from services.coordinator.errors import openai_error_response
-from services.coordinator.generation import Coordinator, StationCapacity, summary
+from services.coordinator.errors import InvalidAPIKey, openai_error_response
+from services.coordinator.generation import Coordinator, StationCapacity, policy_headers, summary
 from services.coordinator.params import parse_generate
 from services.coordinator.pipeline import Pipeline
 from services.drafter.client import DrafterClient
@@ -58,6 +60,8 @@ log = logging.getLogger(__name__)
 # A 32k-token prompt is a few hundred KB of JSON, even as escaped CJK text or token ids.
 MAX_BODY_BYTES = 4 << 20
 
+# The public API (clients, not other services): the host cancels a request whose client hung up.
+PUBLIC = True
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
@@ -66,7 +70,9 @@ class CoordinatorSettings:
     shards: tuple[tuple[str, int, int], ...]  # (binding, vocab_start, vocab_end)
     shard_timeout_s: float
     station_timeout_s: float
-    station_retry_s: float
+    peer_wait_s: float  # how long requests wait for a peer that is down (a restart)
+    request_timeout_s: float  # every request's deadline
+    shard_failure: str  # "fail" | "degrade"
     max_concurrent: int  # generations at once
     max_queued: int  # requests waiting beyond those; more get 429
     retry_after_s: int
@@ -89,9 +95,9 @@ class CoordinatorSettings:
             a, b = parse_range(rng, f"SHARDS entry {item!r}")
             shards.append((name, a, b))
         return cls(get("KNOT_KEY"), stations, tuple(shards), get("SHARD_TIMEOUT_S"), get("STATION_TIMEOUT_S"),
-                   get("STATION_RETRY_S"), get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"),
-                   get("RETRY_AFTER_S"), get("MODEL_NAME"), get("SPECULATION"), get("SPEC_MAX_DRAFT"),
-                   get("SHARD_SAMPLE_TOP"))
+                   get("PEER_WAIT_S"), get("REQUEST_TIMEOUT_S"), get("SHARD_FAILURE"),
+                   get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"), get("RETRY_AFTER_S"), get("MODEL_NAME"),
+                   get("SPECULATION"), get("SPEC_MAX_DRAFT"), get("SHARD_SAMPLE_TOP"))
 
     @property
     def model_id(self) -> str:
@@ -125,7 +131,7 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         ordered = [(s, bindings[s.index]) for s in sorted(shards, key=lambda s: s.vocab_start)]
         stations = [getattr(env, name) for name in settings.stations]
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
-                            settings.station_timeout_s, settings.station_retry_s, source.etag)
+                            settings.station_timeout_s, settings.peer_wait_s, settings.retry_after_s, source.etag)
         station_stats = await _check_stations(pipeline.stations, cfg.n_layer)
         drafter = await _drafter(env, settings, cfg.vocab_size)
         capacity = [StationCapacity(i, int(s["max_session_tokens"]), int(s["budget_bytes"]))
@@ -201,10 +207,22 @@ async def _counted(co: Coordinator, endpoint: str, run: Callable[[], Awaitable[R
 async def _generate(request: Request, co: Coordinator, ctx) -> Response:
     g = parse_generate(await off_loop(request.json))
     gen = await off_loop(co.prepare, g)
-    async with co.slot():
+    async with co.slot(gen):
         async for _ in co.events(gen, ctx):
             pass
-    return Response.from_json(summary(gen))
+    return Response.from_json(summary(gen), headers=policy_headers(gen))
+
+
+def _authorized(request: Request, env: Env) -> None:
+    """With KNOT_API_KEY set, the request must carry `Authorization: Bearer <key>`; 401 otherwise."""
+    key = read(env, "KNOT_API_KEY", "coordinator")
+    if not key:
+        return
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise InvalidAPIKey("this server needs an API key: send Authorization: Bearer <key>")
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise InvalidAPIKey("incorrect API key provided")
 
 
 async def _openai(request: Request, env: Env, ctx) -> Response:
@@ -212,6 +230,7 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
     path, method = request.path.rstrip("/"), request.method
     routes = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET"}
     try:
+        _authorized(request, env)
         want = routes.get(path, "GET" if path.startswith("/v1/models/") else None)
         if want is None:
             raise NotFound(f"{method} {request.path}: no such endpoint; the coordinator serves POST /v1/completions, "
@@ -244,6 +263,7 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     path = request.path
     if path.startswith("/v1/"):
         return await _openai(request, env, ctx)
+    _authorized(request, env)
     if path == "/generate" and request.method == "POST":
         co = await coordinator_for(env, check_version=True)
         return await _counted(co, "generate", lambda: _generate(request, co, ctx))

@@ -18,8 +18,9 @@ from typing import Any, AsyncIterator
 from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
-from services.coordinator.generation import Coordinator
-from services.coordinator.params import GenerateRequest, number, sampling_params, speculation_request, stop_strings
+from services.coordinator.generation import Coordinator, policy_headers
+from services.coordinator.params import (GenerateRequest, number, sampling_params, shard_failure, speculation_request,
+                                         stop_strings)
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
 from services.offload import off_loop
 
@@ -102,7 +103,7 @@ def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
     logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
     max_tokens = number(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, integer=True)
     g = GenerateRequest(prompt, None, max_tokens, sampling_params(body), stop_strings(body), prompt_ids, logprobs,
-                        speculation_request(body))
+                        speculation_request(body), shard_failure(body))
     return g, opts
 
 
@@ -147,7 +148,7 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
     if top is not None and not want_logprobs:
         raise InvalidParam("top_logprobs needs logprobs=true", "top_logprobs")
     g = GenerateRequest(None, messages, max_tokens, sampling_params(body), stop_strings(body), None,
-                        (top or 0) if want_logprobs else None, speculation_request(body))
+                        (top or 0) if want_logprobs else None, speculation_request(body), shard_failure(body))
     return g, opts
 
 
@@ -166,6 +167,13 @@ class Shape:
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.co.model_id,
                 "system_fingerprint": None, "choices": choices}
+
+    def degradation(self) -> dict:
+        """Under shard_failure "degrade", the reply says so, and which shards were missing (none: [])."""
+        g = self.gen
+        if g.shard_failure != "degrade":
+            return {}
+        return {"shard_failure": g.shard_failure, "degraded_shards": [d.as_json() for d in g.degraded]}
 
     def _token_str(self, tid: int) -> str:
         return self.co.tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
@@ -202,19 +210,21 @@ class Shape:
         else:
             choice = {"index": 0, "text": g.text, "logprobs": self.logprobs(events), "finish_reason": g.finish_reason}
             body = self._envelope("text_completion", [choice])
-        return {**body, "usage": g.usage()}
+        return {**body, "usage": g.usage(), **self.degradation()}
 
     def chunk(self, text: str | None, finish: str | None = None, events: list[TokenEvent] = (),
               role: bool = False) -> dict:
+        """One stream chunk; the one that finishes carries the degradation fields too."""
         lp = self.logprobs(list(events)) if events else None
+        extra = self.degradation() if finish else {}
         if self.opts.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": lp,
-                                                   "finish_reason": finish}])
+            return {**self._envelope("chat.completion.chunk", [choice]), **extra}
+        return {**self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": lp,
+                                                      "finish_reason": finish}]), **extra}
 
     def usage_chunk(self) -> dict:
         obj = "chat.completion.chunk" if self.opts.chat else "text_completion"
@@ -228,14 +238,15 @@ async def complete(co: Coordinator, g: GenerateRequest, opts: Options, ctx) -> R
     gen = await off_loop(co.prepare, g)  # 400s (context length, bad template) before taking a slot
     if not opts.stream:
         events: list[TokenEvent] = []
-        async with co.slot():
+        async with co.slot(gen):
             async for ev in co.events(gen, ctx):
                 if isinstance(ev, TokenEvent):
                     events.append(ev)
-        return Response.from_json(Shape(co, gen, opts).whole(events))
-    await co.admit()  # 429 here, while a status can still be sent; the stream gives the slot back
+        return Response.from_json(Shape(co, gen, opts).whole(events), headers=policy_headers(gen))
+    await co.admit(gen)  # 429 here, while a status can still be sent; the stream gives the slot back
     chunks = ClosingStream(_sse(co, gen, opts, ctx), co.release)
-    return Response.from_stream(chunks, "text/event-stream; charset=utf-8", headers=SSE_HEADERS)
+    return Response.from_stream(chunks, "text/event-stream; charset=utf-8", headers={**SSE_HEADERS,
+                                                                                     **policy_headers(gen)})
 
 
 async def _sse(co: Coordinator, gen: Generation, opts: Options, ctx) -> AsyncIterator[bytes]:

@@ -34,6 +34,7 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...] | None = None  # a prompt given as token ids (OpenAI completions)
     logprobs: int | None = None  # alternatives reported per token; None: no logprobs at all
     speculation: SpeculationRequest = field(default_factory=SpeculationRequest)
+    shard_failure: str | None = None  # "fail" | "degrade"; None: the cluster's SHARD_FAILURE
 
 
 def number(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None,
@@ -109,6 +110,18 @@ def speculation_request(body: dict) -> SpeculationRequest:
     return SpeculationRequest(source, max_draft)
 
 
+SHARD_FAILURE_POLICIES = ("fail", "degrade")  # services/coordinator/pipeline.py says what each does
+
+
+def shard_failure(body: dict) -> str | None:
+    """The request's own shard-failure policy (absent or null: the cluster's)."""
+    v = body.get("shard_failure")
+    if v is not None and v not in SHARD_FAILURE_POLICIES:
+        raise InvalidParam(f"shard_failure must be one of {', '.join(SHARD_FAILURE_POLICIES)}, got {v!r}",
+                           "shard_failure")
+    return v
+
+
 def check_messages(messages: Any, param: str = "messages") -> list[dict]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -129,4 +142,4 @@ def parse_generate(body: Any) -> GenerateRequest:
         check_messages(messages)
     max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
     return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body),
-                           speculation=speculation_request(body))
+                           speculation=speculation_request(body), shard_failure=shard_failure(body))

@@ -1,33 +1,43 @@
 """The coordinator's hops: shards (embed, LM head) and the station chain, with their timings.
 
-Seed section 3 merge with allSettled semantics: a shard that fails or times out gives zeros
-for its tokens at the embedding and -inf logits for its slice at the head; the rest stay exact,
-and the failure is logged and reported.
+Failures are a policy, never a silent guess (issue 13):
+- A station or shard that cannot be reached, or answers that it is not ready (a 5xx other than
+  500), is down. Requests wait for it to come back (a supervised restart) for up to PEER_WAIT_S,
+  counted from when it went down and shared by every request, so once it has been down that long
+  each request gets 503 with Retry-After at once. A request never waits past its deadline.
+- A shard still down after that fails the request with 503 naming the vocabulary range that is
+  missing (shard_failure "fail", the default). The seed's allSettled merge (section 3) is an
+  explicit opt-in, per cluster (SHARD_FAILURE) or per request (shard_failure "degrade"): a shard
+  that fails is not waited for; its tokens embed as zeros and its logits are -inf, the rest stay
+  exact, and the reply says which shards were missing.
 
 Every hop names the knot version the request works on (X-Knot-Etag), and every reply must name
 the same one: a hop computed from another version, or one that refused over the knot's integrity,
-fails the whole request with IntegrityFailure (503, services/peer.py). That is never degraded
-around: a generation uses the bytes of one knot version or none.
+fails the whole request with IntegrityFailure (503, services/peer.py). That is never waited for nor
+degraded around: a generation uses the bytes of one knot version or none.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 import numpy as np
 
 from common import wire
-from common.runtime import BadGateway, HttpError, ServiceUnavailable
+from common.runtime import BadGateway, GatewayTimeout, HttpError, ServiceUnavailable
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
-from services.peer import IntegrityFailure
+from services.peer import IntegrityFailure, PeerError
 from services.shard.client import ShardClient
 from services.station.client import SessionLost, StationClient
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,80 +71,192 @@ class Degradation:
                 "stage": self.stage, "error": self.error}
 
 
-def _raise_integrity(results: list) -> None:
-    """A shard that answered from another knot version fails the request: it is not degraded around."""
-    for res in results:
-        if isinstance(res, IntegrityFailure):
-            raise res
+class RequestTimeout(GatewayTimeout):
+    """The request's deadline (REQUEST_TIMEOUT_S) passed."""
 
+
+class PrefillAborted(Exception):
+    """A prefill chunk stopped because an earlier one failed (that failure is the one raised)."""
+
+
+class PeerUnavailable(ServiceUnavailable):
+    """A station or shard the request needs stayed down: 503 with Retry-After."""
+
+
+@dataclass
+class Call:
+    """What one generation's hops share: the request id (its KV session on every station), the
+    timings, the deadline, the shard-failure policy and the shards it was degraded around."""
+
+    rid: str
+    hops: Hops = field(default_factory=Hops)
+    deadline: float = math.inf  # time.monotonic() by which the request must end
+    shard_failure: str = "fail"  # or "degrade" (params.SHARD_FAILURE_POLICIES)
+    degraded: list[Degradation] = field(default_factory=list)
+    timeout_s: float = math.inf  # the whole deadline, for messages
+
+    def timeout(self, hop_timeout_s: float, what: str) -> float:
+        """A hop's timeout: its own, or what is left of the request's deadline; RequestTimeout when none is."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestTimeout(f"request {self.rid}: its deadline of {self.timeout_s:g} s (REQUEST_TIMEOUT_S) "
+                                 f"passed before {what}")
+        return min(hop_timeout_s, left)
+
+
+def unavailable(e: BaseException) -> bool:
+    """A failure that a restart cures: unreachable, timed out, or a peer that answered it is not ready
+    (502/503/504). A peer's 500 or 4xx is a bug, not an outage: it fails the request as it is."""
+    if isinstance(e, PeerError):
+        return e.peer_status in (502, 503, 504)
+    return isinstance(e, (ServiceUnavailable, TimeoutError, GatewayTimeout)) and not isinstance(e, RequestTimeout)
+
+
+class PeerState:
+    """One peer's availability as the coordinator last saw it, shared by every request."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.down_since: float | None = None  # time.monotonic() of the first failure of this outage
+        self.outages = 0
+
+    def up(self) -> None:
+        if self.down_since is not None:
+            log.info("%s is back after %.1f s", self.name, time.monotonic() - self.down_since)
+        self.down_since = None
+
+    def down(self, now: float) -> float:
+        """Mark it down (if it was up); returns since when."""
+        if self.down_since is None:
+            self.down_since = now
+            self.outages += 1
+        return self.down_since
 
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
-                 shard_timeout_s: float, station_timeout_s: float, station_retry_s: float = 60.0,
-                 knot_etag: str | None = None):
+                 shard_timeout_s: float, station_timeout_s: float, peer_wait_s: float = 15.0,
+                 retry_after_s: int = 1, knot_etag: str | None = None):
         """stations: service bindings, entry first; shards: (spec, binding) sorted by vocab_start,
         tiling [0, vocab). Each binding is called through its typed client, which pins every hop to
         knot_etag (None: not checked)."""
         self.knot_etag = knot_etag
         self.stations = [StationClient(b, station_timeout_s, knot_etag) for b in stations]
         self.shards = [(spec, ShardClient(b, shard_timeout_s, knot_etag)) for spec, b in shards]
+        self.station_state = [PeerState(f"station {i}") for i in range(len(stations))]
+        self.shard_state = [PeerState(f"shard {spec.index} (vocabulary [{spec.vocab_start}, {spec.vocab_end}))")
+                            for spec, _ in shards]
         self.dim, self.vocab_size = dim, vocab_size
-        self.station_retry_s = station_retry_s
+        self.shard_timeout_s, self.station_timeout_s = shard_timeout_s, station_timeout_s
+        self.peer_wait_s, self.retry_after_s = peer_wait_s, retry_after_s
 
-    async def embed(self, rid: str, tokens: list[int], position: int, hops: Hops,
-                    degraded: list[Degradation]) -> np.ndarray:
+    # -------------------------------------------------------- waiting for a peer that is down
+
+    async def until_up(self, peer: PeerState, call: Call, hop_timeout_s: float, what: str,
+                       attempt: Callable[[float], Awaitable[T]], why: str = "") -> T:
+        """attempt(timeout_s) until it succeeds, while `peer` is down for less than peer_wait_s and the
+        request's deadline holds; then PeerUnavailable (503, Retry-After). Only outages are retried
+        (unavailable()); any other failure is raised at once."""
+        delay = 0.05
+        while True:
+            try:
+                out = await attempt(call.timeout(hop_timeout_s, what))
+            except Exception as e:  # noqa: BLE001 - sorted by unavailable(): outages wait, the rest raise
+                if not unavailable(e):
+                    raise
+                now = time.monotonic()
+                since = peer.down(now)
+                give_up = min(since + self.peer_wait_s, call.deadline)
+                if now >= give_up:
+                    raise PeerUnavailable(
+                        f"{peer.name} is down (for {now - since:.1f} s; PEER_WAIT_S={self.peer_wait_s:g}): "
+                        f"{type(e).__name__}: {e}{why}",
+                        headers={"Retry-After": str(self.retry_after_s)}) from None
+                log.warning("request %s: %s is down (%s: %s); retrying in %.2f s", call.rid, peer.name,
+                            type(e).__name__, e, delay)
+                await asyncio.sleep(min(delay, give_up - now))  # the last attempt falls on give_up
+                delay = min(2 * delay, 1.0)
+            else:
+                peer.up()
+                return out
+
+    async def _shards(self, owners: list[int], call: Call, stage: str,
+                      attempt: Callable[[ShardClient, float], Awaitable[wire.Envelope]]) -> list:
+        """One call per shard index in owners, at once -> a reply or, under "degrade", the exception."""
+        def one(k: int) -> Awaitable[wire.Envelope]:
+            spec, client = self.shards[k]
+            if call.shard_failure == "degrade":  # the seed's allSettled: no waiting, a failure is degraded around
+                return attempt(client, call.timeout(self.shard_timeout_s, f"shard {spec.index} {stage}"))
+            missing = (f"; the tokens [{spec.vocab_start}, {spec.vocab_end}) cannot be embedded or scored without it, "
+                       f"so the request fails rather than answer without them (shard_failure=degrade opts into that)")
+            return self.until_up(self.shard_state[k], call, self.shard_timeout_s, f"shard {spec.index} {stage}",
+                                 lambda t: attempt(client, t), missing)
+
+        results = await asyncio.gather(*(one(k) for k in owners), return_exceptions=True)
+        for r in results:  # another knot version, or a refusal over its integrity: never degraded around
+            if isinstance(r, IntegrityFailure):
+                raise r
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed and (call.shard_failure != "degrade" or any(isinstance(r, RequestTimeout) for r in failed)):
+            down = [r for r in failed if isinstance(r, PeerUnavailable)]
+            if len(down) > 1 and len(down) == len(failed):  # name every missing range
+                raise PeerUnavailable("; ".join(str(r) for r in down), headers=down[0].headers)
+            raise failed[0]
+        return results
+
+    # -------------------------------------------------------- the shards
+
+    async def embed(self, call: Call, tokens: list[int], position: int) -> np.ndarray:
         """tokens (T,) -> (T, dim): sum of the partial embeddings of the shards that own a token."""
         ids = np.asarray(tokens, dtype=np.int32)
-        frame = wire.Envelope(rid, "embed", position, position + len(tokens), ids)
-        owners = [(s, c) for s, c in self.shards if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
+        frame = wire.Envelope(call.rid, "embed", position, position + len(tokens), ids)
+        owners = [k for k, (s, _) in enumerate(self.shards) if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(shard.embed(frame) for _, shard in owners), return_exceptions=True)
-        hops.add("embed", t0)
-        _raise_integrity(results)
+        results = await self._shards(owners, call, "embed", lambda shard, t: shard.embed(frame, t))
+        call.hops.add("embed", t0)
         out = np.zeros((len(tokens), self.dim), np.float32)  # (T, dim)
-        for (spec, _), res in zip(owners, results):
+        for k, res in zip(owners, results):
+            spec = self.shards[k][0]
+            if not isinstance(res, BaseException) and res.array.shape != out.shape:
+                res = BadGateway(f"shard {spec.index} embed: shape {res.array.shape}, expected {out.shape}")
+                self._refuse(res, call)
             if isinstance(res, BaseException):
-                self._degrade(spec, "embed", res, degraded)
-                continue  # its tokens stay zero: wrong, but local (seed section 3)
-            if res.array.shape != out.shape:
-                self._degrade(spec, "embed", BadGateway(f"shape {res.array.shape}, expected {out.shape}"), degraded)
-                continue
+                self._degrade(spec, "embed", res, call.degraded)
+                continue  # its tokens stay zero: wrong, but local (seed section 3), and reported
             out += res.array  # μ: elementwise sum of disjoint partials
         return out
 
-    async def logits(self, rid: str, h: np.ndarray, position: int, hops: Hops,
-                     degraded: list[Degradation]) -> np.ndarray:
+    async def logits(self, call: Call, h: np.ndarray, position: int) -> np.ndarray:
         """h (T, dim) final normed hidden -> (T, vocab) logits, slices concatenated in vocab order."""
-        frame = wire.Envelope(rid, "logits", position, position + h.shape[0], h)
+        frame = wire.Envelope(call.rid, "logits", position, position + h.shape[0], h)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(shard.logits(frame) for _, shard in self.shards), return_exceptions=True)
-        hops.add("logits", t0)
-        _raise_integrity(results)
+        results = await self._shards(list(range(len(self.shards))), call, "logits",
+                                     lambda shard, t: shard.logits(frame, t))
+        call.hops.add("logits", t0)
         out = np.full((h.shape[0], self.vocab_size), -np.inf, np.float32)  # (T, vocab)
         ok = 0
         for (spec, _), res in zip(self.shards, results):
             want = (h.shape[0], spec.n_rows)
             if not isinstance(res, BaseException) and res.array.shape != want:
-                res = BadGateway(f"logits shape {res.array.shape}, expected {want}")
+                res = BadGateway(f"shard {spec.index} logits: shape {res.array.shape}, expected {want}")
+                self._refuse(res, call)
             if isinstance(res, BaseException):
-                self._degrade(spec, "logits", res, degraded)  # its slice stays -inf: never sampled
+                self._degrade(spec, "logits", res, call.degraded)  # its slice stays -inf: never sampled
                 continue
             out[:, spec.vocab_start:spec.vocab_end] = res.array
             ok += 1
         if ok == 0:
-            raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled")
+            raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled",
+                                     headers={"Retry-After": str(self.retry_after_s)})
         return out
 
-    async def sample(self, rid: str, h: np.ndarray, position: int, spec: wire.SampleSpec, hops: Hops,
-                     degraded: list[Degradation]) -> list[RowSummary]:
+    async def sample(self, call: Call, h: np.ndarray, position: int, spec: wire.SampleSpec) -> list[RowSummary]:
         """h (T, dim) final normed hidden, the first row's input at position -> per row the merged
         summaries of the slices (common/shard_sampling.py), not their logits."""
-        frame = wire.Envelope(rid, "logits", position, position + h.shape[0], h)
+        frame = wire.Envelope(call.rid, "logits", position, position + h.shape[0], h)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(shard.sample(spec, frame) for _, shard in self.shards),
-                                       return_exceptions=True)
-        hops.add("logits", t0)  # the LM-head hop, whatever the shards send back
-        _raise_integrity(results)
+        results = await self._shards(list(range(len(self.shards))), call, "logits",
+                                     lambda shard, t: shard.sample(spec, frame, t))
+        call.hops.add("logits", t0)  # the LM-head hop, whatever the shards send back
         slices = []
         for (spec_s, _), res in zip(self.shards, results):
             if not isinstance(res, BaseException):
@@ -143,31 +265,44 @@ class Pipeline:
                 if bad is None:
                     slices.append(sl)
                     continue
-                res = BadGateway(f"sample reply: {bad}")
-            self._degrade(spec_s, "logits", res, degraded)  # its slice is left out: never sampled
+                res = BadGateway(f"shard {spec_s.index} sample reply: {bad}")
+                self._refuse(res, call)
+            self._degrade(spec_s, "logits", res, call.degraded)  # its slice is left out: never sampled
         if not slices:
-            raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled")
+            raise ServiceUnavailable("every shard failed at the LM head; no token can be sampled",
+                                     headers={"Retry-After": str(self.retry_after_s)})
         return merge(slices, self.vocab_size, position + 1)
 
-    async def stations_forward(self, rid: str, mode: str, position: int, x: np.ndarray, hops: Hops,
+    @staticmethod
+    def _refuse(err: BadGateway, call: Call) -> None:
+        """A reply of the wrong shape is a broken peer: degraded around only when the request opted in."""
+        if call.shard_failure != "degrade":
+            raise err
+
+    # -------------------------------------------------------- the stations
+
+    async def stations_forward(self, call: Call, mode: str, position: int, x: np.ndarray,
                                rewind: bool = False) -> np.ndarray:
         """x (T, dim) through every station in order -> the exit's final normed hidden: (1, dim) for a
         prefill, (T, dim) for a decode. rewind: the stations first drop their positions >= position."""
         h = x
         for i, st in enumerate(self.stations):
-            h = await self._hop(i, st, rid, mode, position, h, hops, rewind)
+            h = await self._hop(i, st, call, mode, position, h, rewind)
         return h
 
-    async def _hop(self, i: int, st, rid: str, mode: str, position: int, h: np.ndarray, hops: Hops,
+    async def _hop(self, i: int, st: StationClient, call: Call, mode: str, position: int, h: np.ndarray,
                    rewind: bool = False) -> np.ndarray:
-        """h (T, dim) through station i -> its output rows, timed as hop station_i."""
+        """h (T, dim) through station i -> its output rows, timed as hop station_i. A station that is
+        down is waited for (until_up); once it is back it answers UnknownSession (SessionLost) and
+        the caller replays."""
+        frame = wire.Envelope(call.rid, mode, position, position + h.shape[0], h, rewind)
         t0 = time.perf_counter()
-        out = await self._forward_one(i, st, wire.Envelope(rid, mode, position, position + h.shape[0], h, rewind))
-        hops.add(f"station_{i}", t0)
+        out = await self.until_up(self.station_state[i], call, self.station_timeout_s,
+                                  f"station {i} {mode} at {position}", lambda t: st.forward(frame, t))
+        call.hops.add(f"station_{i}", t0)
         return out.array
 
-    async def prefill(self, rid: str, ids: list[int], chunks: list[tuple[int, int]], hops: Hops,
-                      degraded: list[Degradation]) -> np.ndarray:
+    async def prefill(self, call: Call, ids: list[int], chunks: list[tuple[int, int]]) -> np.ndarray:
         """A prompt's chunks [(a, b)] through the embedding and every station, pipelined (the
         seed's Wallington Rotation): chunk k+1 enters station 0 while chunk k runs on station 1.
         Each station still receives its chunks in order, as its KV cache needs. A chunk is
@@ -175,17 +310,23 @@ class Pipeline:
         activations are alive. -> the exit's (1, dim) for the last chunk."""
         entered = [asyncio.Event() for _ in chunks]                        # station 0 began chunk k
         done = [[asyncio.Event() for _ in chunks] for _ in self.stations]  # [station][chunk] finished
+        aborted = False
+
+        async def after(ev: asyncio.Event) -> None:
+            await ev.wait()
+            if aborted:
+                raise PrefillAborted("an earlier chunk failed")
 
         async def run(k: int, a: int, b: int) -> np.ndarray:
             if k:
-                await entered[k - 1].wait()
-            h = await self.embed(rid, ids[a:b], a, hops, degraded)        # (T_k, dim)
+                await after(entered[k - 1])
+            h = await self.embed(call, ids[a:b], a)                        # (T_k, dim)
             for i, st in enumerate(self.stations):
                 if k:
-                    await done[i][k - 1].wait()  # station i has taken chunk k-1 in full
+                    await after(done[i][k - 1])  # station i has taken chunk k-1 in full
                 if i == 0:
                     entered[k].set()
-                h = await self._hop(i, st, rid, "prefill", a, h, hops)
+                h = await self._hop(i, st, call, "prefill", a, h)
                 done[i][k].set()
             return h
 
@@ -193,26 +334,17 @@ class Pipeline:
         try:
             return (await asyncio.gather(*tasks))[-1]
         except BaseException:
-            # A failed chunk never sets its events: the later chunks would wait forever.
+            # A failed chunk never sets its events: the later chunks would wait forever. Cancelling
+            # them is not enough: Python 3.11's asyncio.wait_for (peer.call) drops a cancellation
+            # that arrives as its call completes, and such a chunk went on to wait. So every event
+            # is set too, and a chunk that wakes to `aborted` stops.
+            aborted = True
+            for ev in [*entered, *(e for row in done for e in row)]:
+                ev.set()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-
-    async def _forward_one(self, i: int, st: StationClient, frame: wire.Envelope) -> wire.Envelope:
-        """One station hop. A station that cannot be reached (restarting) is retried with backoff
-        for up to station_retry_s; once it is back it answers UnknownSession and we replay."""
-        deadline = time.monotonic() + self.station_retry_s
-        delay = 0.1
-        while True:
-            try:
-                return await st.forward(frame)
-            except ServiceUnavailable as e:
-                if time.monotonic() + delay > deadline:
-                    raise ServiceUnavailable(f"station {i} unreachable for {self.station_retry_s:.0f} s: {e}") from None
-                log.warning("station %d unreachable (%s); retrying in %.1f s", i, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
 
     async def release(self, rid: str) -> None:
         """Free the request's KV caches on every station (best effort, after the response)."""

@@ -13,18 +13,20 @@ class ShardClient:
         self.binding, self.timeout_s = binding, timeout_s
         self.knot_etag = knot_etag  # every hop works on this knot version (None: not checked)
 
-    async def embed(self, frame: wire.Envelope) -> wire.Envelope:
-        """int32 tokens (T,) -> float32 (T, dim): the shard's rows, zeros for the tokens it does not own."""
-        return await post_envelope(self.binding, "/embed", frame, self.timeout_s, self.knot_etag)
+    async def embed(self, frame: wire.Envelope, timeout_s: float | None = None) -> wire.Envelope:
+        """int32 tokens (T,) -> float32 (T, dim): the shard's rows, zeros for the tokens it does not own.
+        timeout_s: this call's (default: the client's), as for logits."""
+        return await post_envelope(self.binding, "/embed", frame, timeout_s or self.timeout_s, self.knot_etag)
 
-    async def logits(self, frame: wire.Envelope) -> wire.Envelope:
+    async def logits(self, frame: wire.Envelope, timeout_s: float | None = None) -> wire.Envelope:
         """float32 (T, dim) final normed hidden -> (T, n_rows) logits of the shard's slice."""
-        return await post_envelope(self.binding, "/logits", frame, self.timeout_s, self.knot_etag)
+        return await post_envelope(self.binding, "/logits", frame, timeout_s or self.timeout_s, self.knot_etag)
 
-    async def sample(self, spec: wire.SampleSpec, frame: wire.Envelope) -> list[wire.Envelope]:
+    async def sample(self, spec: wire.SampleSpec, frame: wire.Envelope,
+                     timeout_s: float | None = None) -> list[wire.Envelope]:
         """float32 (T, dim) final normed hidden -> the slice's summary: ids (T, t), logits (T, t), stats (T, 5)."""
         resp = await post_pinned(self.binding, "/sample", wire.encode_sample_request(spec, frame),
-                                 wire.SAMPLE_CONTENT_TYPE, self.timeout_s, self.knot_etag)
+                                 wire.SAMPLE_CONTENT_TYPE, timeout_s or self.timeout_s, self.knot_etag)
         try:
             envs = wire.decode_envelopes(resp.body)
         except wire.WireError as e:

@@ -17,11 +17,12 @@ class StationClient:
         self.binding, self.timeout_s = binding, timeout_s
         self.knot_etag = knot_etag  # every hop works on this knot version (None: not checked)
 
-    async def forward(self, frame: wire.Envelope) -> wire.Envelope:
+    async def forward(self, frame: wire.Envelope, timeout_s: float | None = None) -> wire.Envelope:
         """A prefill or decode frame through the station's layers; SessionLost when it answers
-        UnknownSession, PayloadTooLarge when its memory budget cannot hold the sequence."""
+        UnknownSession, PayloadTooLarge when its memory budget cannot hold the sequence.
+        timeout_s: this call's (default: the client's)."""
         try:
-            return await post_envelope(self.binding, "/forward", frame, self.timeout_s, self.knot_etag)
+            return await post_envelope(self.binding, "/forward", frame, timeout_s or self.timeout_s, self.knot_etag)
         except PeerError as e:
             if e.peer_status == 409 and e.peer_error == "UnknownSession":
                 raise SessionLost(e.peer_message or "unknown session") from None

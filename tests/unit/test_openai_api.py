@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import pytest
@@ -223,12 +224,15 @@ async def test_error_mid_stream_is_an_event(cluster):
 
     for i in range(len(cluster.shards)):
         cluster.coordinator.env._items[f"SHARD_{i}"] = Dead()
+    cluster.coordinator.env._items["PEER_WAIT_S"] = "0"  # no wait for a restart
     co_handler._booted.clear()
-    # Boot checks only the stations, so the request starts; every shard fails at the LM head.
+    # Boot checks only the stations, so the request starts (the status is out); the shards fail.
     events = await read_sse(await post(cluster, "/v1/chat/completions",
                                        {"messages": [{"role": "user", "content": "x"}], "stream": True}))
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["type"] == "server_error" and "every shard failed" in events[-2]["error"]["message"]
+    err = events[-2]["error"]
+    named = {(int(a), int(b)) for a, b in re.findall(r"vocabulary \[(\d+), (\d+)\)\) is down", err["message"])}
+    assert err["type"] == "server_error" and named and named <= set(cluster.shard_ranges), err
     await cluster.drain()
     assert await station_sessions(cluster) == [0, 0]
     co_handler._booted.clear()
@@ -325,7 +329,8 @@ async def test_degradations_are_counted(cluster, engine):
     victim = next(i for i, (a, b) in enumerate(cluster.shard_ranges) if any(a <= t < b for t in ids))
     cluster.coordinator.env._items[f"SHARD_{victim}"] = Dead()
     co_handler._booted.clear()
-    await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    r = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "shard_failure": "degrade"})
+    assert r.status == 200 and r.headers["X-Knot-Shard-Failure"] == "degrade", r.body
     text = (await cluster.coordinator.fetch(Request("GET", "/metrics"))).text()
     assert f'knot_shard_degradations_total{{shard="{victim}",stage="embed"}} 1.0' in text
     assert f'knot_peer_stats_up{{peer="shard_{victim}"}} 0.0' in text
@@ -411,3 +416,28 @@ async def test_admission_queue_is_bounded_and_survives_cancellation():
     assert (a.active, a.queued) == (1, 0)
     a.release()
     assert a.active == 0
+
+
+async def test_api_key_guards_every_endpoint_with_openai_401(cluster):
+    """KNOT_API_KEY set: without `Authorization: Bearer KEY` (or with another key) every endpoint is
+    401, in OpenAI's error shape under /v1; with it, the request goes through."""
+    key = "k" * 40
+    cluster.coordinator.env._items["KNOT_API_KEY"] = key
+    co_handler._booted.clear()
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    for auth in (None, "Bearer wrong", f"Basic {key}", "Bearer "):
+        headers = {"Authorization": auth} if auth else {}
+        for method, path in [("POST", "/v1/completions"), ("GET", "/v1/models")]:
+            r = await cluster.coordinator.fetch(Request(method, path, headers, json.dumps(body).encode()
+                                                        if method == "POST" else b""))
+            err = r.json()["error"]
+            assert r.status == 401 and err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error", r.body
+            assert r.headers["WWW-Authenticate"] == "Bearer" and key not in r.text()
+        r = await cluster.coordinator.fetch(Request("POST", "/generate", headers, json.dumps(body).encode()))
+        assert r.status == 401 and key not in r.text(), r.body
+    ok = {"Authorization": f"Bearer {key}"}
+    r = await cluster.coordinator.fetch(Request("POST", "/v1/completions", ok, json.dumps(body).encode()))
+    assert r.status == 200, r.body
+    r = await cluster.coordinator.fetch(Request("POST", "/generate", ok, json.dumps(body).encode()))
+    assert r.status == 200, r.body
+    co_handler._booted.clear()

@@ -2,6 +2,9 @@
 the single-process engine's tokens; failures degrade or recover as issue 5 says."""
 from __future__ import annotations
 
+import asyncio
+import json
+
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
 from services.station import handler as station_handler
 from tests.inprocess import build_cluster
+from tests.unit.test_openai_api import read_sse
 
 PROMPT = "the def the"
 
@@ -72,27 +76,133 @@ class Dead:
         raise ServiceUnavailable("connection refused (shard killed by the test)")
 
 
-async def test_killed_shard_degrades_only_its_tokens(tiny_knot, tmp_path, engine):
-    c = await build_cluster(tiny_knot, tmp_path, 2, 4)
+async def _kill_shard(c, engine, **vars):
+    """Shard `victim` (one that owns a prompt token) is down; the coordinator reboots with `vars`."""
+    from services.coordinator import handler as co
+
     ids = engine.tokenizer.encode(PROMPT)
     victim = next(i for i, (a, b) in enumerate(c.shard_ranges) if any(a <= t < b for t in ids))
-    a, b = c.shard_ranges[victim]
     c.coordinator.env._items[f"SHARD_{victim}"] = Dead()
-    from services.coordinator import handler as co
+    c.coordinator.env._items.update(vars)
     co._booted.clear()
-    body = (await c.generate(prompt=PROMPT, max_tokens=4)).json()
+    return victim, c.shard_ranges[victim]
+
+
+async def test_killed_shard_fails_the_request_naming_its_range(tiny_knot, tmp_path, engine):
+    """The default policy: a shard down longer than PEER_WAIT_S is a 503 with Retry-After that names
+    the vocabulary range it would have served, on every endpoint; never a 200 with wrong text."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 4)
+    victim, (a, b) = await _kill_shard(c, engine, PEER_WAIT_S="0.2")
+    r = await c.generate(prompt=PROMPT, max_tokens=4)
+    assert r.status == 503, r.body
+    assert f"shard {victim} (vocabulary [{a}, {b}))" in r.json()["message"] and r.headers["Retry-After"] == "1"
+    for path, body in [("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4})]:
+        r = await c.coordinator.fetch(Request("POST", path, {}, json.dumps(body).encode()))
+        assert r.status == 503 and f"[{a}, {b})" in r.json()["error"]["message"], r.body
+        assert r.json()["error"]["type"] == "server_error" and "Retry-After" in r.headers
+    await c.drain()
+
+
+async def test_killed_shard_degrades_only_its_tokens_when_asked(tiny_knot, tmp_path, engine):
+    """shard_failure "degrade" (the seed's allSettled merge), per request: the dead shard's tokens are
+    zero at the embedding and -inf at the head, the rest exact, and the reply says so."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 4)
+    victim, (a, b) = await _kill_shard(c, engine, PEER_WAIT_S="30")
+    ids = engine.tokenizer.encode(PROMPT)
+    r = await c.generate(prompt=PROMPT, max_tokens=4, shard_failure="degrade")
+    assert r.status == 200, r.body
+    body = r.json()
     stages = {d["stage"] for d in body["degraded_shards"]}
-    assert {"embed", "logits"} <= stages
+    assert {"embed", "logits"} <= stages and body["shard_failure"] == "degrade"
     assert all(d["shard"] == victim and (d["vocab_start"], d["vocab_end"]) == (a, b) for d in body["degraded_shards"])
     assert not any(a <= t < b for t in body["tokens"]), "a dead shard's slice is -inf: never sampled"
+    assert r.headers["X-Knot-Shard-Failure"] == "degrade" and r.headers["X-Knot-Degraded-Shards"] == f"{victim}:{a}-{b}"
     # The merge itself: tokens outside the dead range keep their exact embeddings.
-    from services.coordinator.pipeline import Hops
+    from services.coordinator import handler as co
+    from services.coordinator.pipeline import Call
     boot = await co.coordinator_for(c.coordinator.env)
-    degraded = []
-    x = await boot.pipeline.embed("probe", ids, 0, Hops(), degraded)
+    call = Call("probe", shard_failure="degrade")
+    x = await boot.pipeline.embed(call, ids, 0)
     full = engine.weight("token_embd.weight").dequantize()[ids]
     for i, t in enumerate(ids):
         np.testing.assert_array_equal(x[i], 0 if a <= t < b else full[i])
+    assert call.degraded and call.degraded[0].shard == victim
+    co._booted.clear()
+    await c.drain()
+
+
+async def test_degrade_per_cluster_is_said_by_every_openai_reply(tiny_knot, tmp_path, engine):
+    """SHARD_FAILURE=degrade for the cluster: /v1 replies (whole and streamed) carry the header and
+    the degraded_shards field; a request may still ask for "fail"."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 4)
+    victim, (a, b) = await _kill_shard(c, engine, SHARD_FAILURE="degrade", PEER_WAIT_S="0.2")
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
+    for path, body in [("/v1/completions", {"prompt": PROMPT, "max_tokens": 3}), ("/v1/chat/completions", chat)]:
+        r = await c.coordinator.fetch(Request("POST", path, {}, json.dumps(body).encode()))
+        assert r.status == 200 and r.headers["X-Knot-Shard-Failure"] == "degrade", r.body
+        got = r.json()
+        assert got["shard_failure"] == "degrade" and {d["shard"] for d in got["degraded_shards"]} == {victim}
+        r = await c.coordinator.fetch(Request("POST", path, {}, json.dumps({**body, "stream": True}).encode()))
+        assert r.headers["X-Knot-Shard-Failure"] == "degrade"
+        events = [e for e in await read_sse(r) if e != "[DONE]"]
+        last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+        assert {d["shard"] for d in last["degraded_shards"]} == {victim}, last
+    r = await c.generate(prompt=PROMPT, max_tokens=3, shard_failure="fail")
+    assert r.status == 503 and f"[{a}, {b})" in r.json()["message"]
+    await c.drain()
+
+
+class Flaky:
+    """A shard (or station) that is down for its first `n` data calls, then answers: a supervised restart."""
+
+    def __init__(self, inner, n: int):
+        self.inner, self.n, self.calls = inner, n, 0
+
+    async def fetch(self, request: Request) -> Response:
+        if request.path.startswith("/release/"):
+            return await self.inner.fetch(request)
+        self.calls += 1
+        if self.calls <= self.n:
+            raise ServiceUnavailable(f"connection refused (call {self.calls}: restarting)")
+        return await self.inner.fetch(request)
+
+
+async def test_a_shard_that_comes_back_within_the_wait_gives_exact_tokens(tiny_knot, tmp_path, engine):
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    from services.coordinator import handler as co
+    flaky = Flaky(c.shards[1], 3)
+    c.coordinator.env._items["SHARD_1"] = flaky
+    co._booted.clear()
+    r = await c.generate(prompt=PROMPT, max_tokens=6)
+    assert r.status == 200, r.body
+    assert r.json()["tokens"] == reference(engine, PROMPT, 6).token_ids and r.json()["degraded_shards"] == []
+    assert flaky.calls > 3 and r.headers["X-Knot-Shard-Failure"] == "fail"
+    co._booted.clear()
+    await c.drain()
+
+
+async def test_a_dead_station_is_a_503_and_then_known_at_once(tiny_knot, tmp_path):
+    """A station that stays down: the first request retries it for PEER_WAIT_S, then gets 503 with
+    Retry-After naming it; the next request tries it once and is refused at once (the coordinator
+    knows it has been down that long), instead of waiting again."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    from services.coordinator import handler as co
+    c.coordinator.env._items["PEER_WAIT_S"] = "0.5"
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)  # boots against the live stations (it asks their ranges)
+    dead = Flaky(c.stations[1], 10 ** 9)
+    booted.pipeline.stations[1].binding = dead  # then station 1 dies
+    r = await c.generate(prompt=PROMPT, max_tokens=4)
+    assert r.status == 503 and "station 1 is down" in r.json()["message"] and r.headers["Retry-After"] == "1", r.body
+    assert dead.calls > 2, "it waited for a restart"
+    before = dead.calls
+    r = await c.generate(prompt=PROMPT, max_tokens=4)
+    assert r.status == 503 and "station 1 is down" in r.json()["message"]
+    assert dead.calls == before + 1, "known down: one attempt, no wait"
+    dead.n = 0  # back: the next request goes through
+    r = await c.generate(prompt=PROMPT, max_tokens=4)
+    assert r.status == 200 and booted.pipeline.station_state[1].down_since is None, r.body
     co._booted.clear()
     await c.drain()
 
@@ -268,3 +378,65 @@ async def test_concurrent_decodes_are_batched_and_each_equals_the_single_process
         assert s["batches"] < s["batched_items"], "some forwards carried more than one request"
         assert s["sessions"] == 0, "every session released"
     await c.drain()
+
+
+class Slow:
+    """A station that takes delay_s per /forward and counts them."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s, self.forwards = inner, delay_s, 0
+
+    async def fetch(self, request: Request) -> Response:
+        if request.path == "/forward":
+            self.forwards += 1
+            await asyncio.sleep(self.delay_s)
+        return await self.inner.fetch(request)
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+async def test_a_whole_reply_whose_client_hangs_up_is_cancelled(tiny_knot, tmp_path, path):
+    """Served by the host as the coordinator is (a public service): the client of a non-streaming
+    request disconnects; the generation stops, its slot is free and the stations hold no session."""
+    import aiohttp
+    from aiohttp import web
+
+    from deploy.local.host import ServiceRuntime, app_runner, build_app
+    from deploy.local.tasks import BackgroundTasks
+    from services.coordinator import PUBLIC, handler as co
+
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    slow = Slow(c.stations[1], 0.05)
+    c.coordinator.env._items["STATION_1"] = slow
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)
+    rt = ServiceRuntime("coordinator", co.fetch, c.coordinator.env, BackgroundTasks("test"), public=PUBLIC)
+    runner = app_runner(build_app(rt))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}{path}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            req = asyncio.create_task(s.post(url, json={"prompt": PROMPT, "max_tokens": 200}))
+            for _ in range(200):  # until it is generating
+                await asyncio.sleep(0.05)
+                if slow.forwards > 3:
+                    break
+            assert booted.admission.active == 1
+            req.cancel()  # the client goes away
+            await asyncio.gather(req, return_exceptions=True)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if booted.admission.active == 0:
+                break
+        assert booted.admission.active == 0, "the slot is given back"
+        n = slow.forwards
+        await asyncio.sleep(0.5)
+        assert slow.forwards <= n + 1 and n < 100, f"generation stopped ({n} forwards, then {slow.forwards})"
+        await rt.tasks.drain()
+        await c.drain()
+        for env in c.station_envs:
+            st = await station_handler.station_for(env, None)
+            assert not st.sessions, "the KV sessions are released"
+    finally:
+        await runner.cleanup()
+        co._booted.clear()

@@ -10,7 +10,7 @@ import pytest
 from common import wire
 from common.runtime import Conflict, Request, Response
 from common.topology import ShardSpec
-from services.coordinator.pipeline import Hops, Pipeline
+from services.coordinator.pipeline import Call, Pipeline
 
 DIM = 4
 
@@ -48,7 +48,7 @@ async def test_chunks_overlap_across_stations_and_stay_in_order_per_station():
     p = pipeline([FakeStation(0, log), FakeStation(1, log)])
     ids = list(range(12))
     chunks = [(0, 4), (4, 8), (8, 12)]
-    h = await p.prefill("r", ids, chunks, Hops(), [])
+    h = await p.prefill(Call("r"), ids, chunks)
     np.testing.assert_array_equal(h, np.repeat(np.arange(8, 12, dtype=np.float32)[:, None], DIM, 1) + 2)
     for i in (0, 1):
         assert [pos for ev, st, pos in log if st == i and ev == "start"] == [0, 4, 8], "in order per station"
@@ -66,7 +66,7 @@ async def test_a_failed_chunk_cancels_the_rest_instead_of_hanging():
     p = pipeline([FakeStation(0, log), FakeStation(1, log, fail_at=4)])
     before = asyncio.all_tasks()
     with pytest.raises(Conflict, match="station failed on this chunk"):
-        await asyncio.wait_for(p.prefill("r", list(range(12)), [(0, 4), (4, 8), (8, 12)], Hops(), []), 2.0)
+        await asyncio.wait_for(p.prefill(Call("r"), list(range(12)), [(0, 4), (4, 8), (8, 12)]), 2.0)
     # The chunk after the failed one waits for an event the failed chunk never sets: unless prefill
     # cancels it (and awaits the cancellation) it stays pending forever, holding its activations.
     left = asyncio.all_tasks() - before  # all_tasks() holds the tasks not yet finished
