@@ -56,8 +56,12 @@ def post(url: str, body: dict, timeout_s: float = 1800.0) -> dict:
     return http_json("POST", url, body, timeout_s=timeout_s)
 
 
+_signed = lambda method, url, body=b"": {}  # noqa: E731 - the cluster's signer, once it is up (main)
+
+
 def get(url: str) -> dict:
-    return http_json("GET", url, timeout_s=60)
+    """An internal service's GET, signed with the cluster's secret as its peers' calls are."""
+    return http_json("GET", url, timeout_s=60, headers=_signed("GET", url))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -104,7 +108,8 @@ async def _fanout(shards: list[str], dim: int, reps: int) -> np.ndarray:
     headers = {"Content-Type": wire.ENVELOPE_CONTENT_TYPE}
     async with aiohttp.ClientSession() as s:
         async def one(url: str, t0: float) -> float:
-            async with s.post(url + "/logits", data=body, headers=headers) as r:
+            sig = _signed("POST", url + "/logits", body)  # a fresh nonce per call: a replay is refused
+            async with s.post(url + "/logits", data=body, headers={**headers, **sig}) as r:
                 await r.read()
                 return time.perf_counter() - t0
 
@@ -278,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("KNOT_KEY", None)
     cluster = launcher.Cluster(Path(args.run_dir))
     running = {r.name: r for r in cluster.up(model=args.model, env=env)}
+    global _signed
+    _signed = cluster.signed
     try:
         gen = running["coordinator"].url + "/generate"
         post(gen, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})  # boots and warms every service

@@ -5,9 +5,11 @@
 
 The file is dotenv text (NAME=value lines), so one format serves both deployments:
 - `knot cluster up` keeps it in its run directory (.knot-run/secrets.env) and reuses it on every
-  restart, so a restarted service still authenticates against the Redis the cluster runs;
+  restart, so a restarted service still authenticates against the Redis the cluster runs, and to
+  (and is trusted by) the cluster's other services;
 - `knot secrets` writes .env next to docker-compose.yml, which docker compose reads by itself (the
-  compose file refuses to start without the values: ${NAME:?...}).
+  compose file refuses to start without the Redis password: ${NAME:?...}; without the internal
+  secret the services start, take unsigned calls, and say so in their logs).
 A value goes only into 0600 files and into the environment of our own processes (/proc/PID/environ
 is readable by the same user only): never into a process's arguments (`ps` shows those to every
 user), a log line, cluster.json or an exception message.
@@ -21,6 +23,7 @@ from pathlib import Path
 
 SECRETS: dict[str, str] = {
     "KNOT_REDIS_PASSWORD": "the cluster's Redis (the Workers KV stand-in): its requirepass, every client's AUTH",
+    "KNOT_INTERNAL_SECRET": "every internal call's HMAC signature (common/signing.py): services refuse unsigned calls",
 }
 FILE_NAME = "secrets.env"  # in a run directory (`knot cluster up`, `python -m deploy.servers start`)
 NBYTES = 32  # token_urlsafe(32): 43 characters of [A-Za-z0-9_-], safe in a URL, a shell and a config file

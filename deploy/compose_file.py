@@ -130,6 +130,7 @@ def knot_env(layout: ClusterLayout) -> dict:
         "AWS_REGION": "us-east-1", "KNOT_LOG_FORMAT": "json", "KNOT_ACCESS_LOG": Knob("KNOT_ACCESS_LOG"),
         "PORT": str(CONTAINER_PORT), "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1",
         "KNOT_SPIN_US": Knob("KNOT_SPIN_US"),
+        "KNOT_INTERNAL_SECRET": Knob("KNOT_INTERNAL_SECRET"),  # signs internal calls: `knot secrets` writes .env
     }
 
 

@@ -26,8 +26,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
+from urllib.parse import urlsplit
 
 from common import settings
+from common.signing import SIGNATURE_HEADER
 from common.topology import ClusterLayout, TopologyError
 from deploy import cluster_secrets, compose_file, servers
 from deploy.local import compose
@@ -308,6 +310,19 @@ class Cluster:
                          f"{expected_tok_s(streamed):.1f} tok/s decode" +
                          (" (--profile resident keeps the layers)" if any(p.profile == "worker" for p in plans) else ""))
         return lines
+
+    def signed(self, method: str, url: str, body: bytes = b"") -> dict[str, str]:
+        """Headers that let a tool call one of this cluster's internal services directly (a station's
+        /stats, say): its signature with the cluster's secret; {} when the cluster has none."""
+        from deploy.local.bindings import Signer
+
+        path = self.run_dir / SECRETS_FILE
+        secret = cluster_secrets.read(path).get("KNOT_INTERNAL_SECRET") if path.exists() else None
+        if not secret:
+            return {}
+        u = urlsplit(url)
+        return {SIGNATURE_HEADER: Signer(secret).header(method, (u.path or "/") + (f"?{u.query}" if u.query else ""),
+                                                        body)}
 
     # -------------------------------------------------------- down / status
 

@@ -168,9 +168,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the cluster's stations need the budget for their KV caches)")
 
 
-def http_json(method: str, url: str, body: dict | None = None, timeout_s: float = 1800.0) -> dict:
+def http_json(method: str, url: str, body: dict | None = None, timeout_s: float = 1800.0,
+              headers: dict[str, str] | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read())
@@ -243,13 +245,18 @@ def measure_local(path: Path, tokens: int, short_ids: list[int]) -> dict:
     return {"decode_tok_s": g.decode_tok_s, "tokens": len(g.token_ids), "prefill_tok_s": g.prefill_tok_s}
 
 
-def _counters(running: dict, key: str) -> dict[str, int]:
+def _stats(cluster, r) -> dict:
+    """A service's /stats, signed with the cluster's secret as its peers' calls are."""
+    return http_json("GET", r.url + "/stats", timeout_s=30, headers=cluster.signed("GET", r.url + "/stats"))
+
+
+def _counters(cluster, running: dict, key: str) -> dict[str, int]:
     out = {}
     for name, r in running.items():
         if r.kind != "process" or not r.url or name == "coordinator":
             continue
         try:
-            s = http_json("GET", r.url + "/stats", timeout_s=30)
+            s = _stats(cluster, r)
         except Exception:
             continue
         if key in s:
@@ -282,10 +289,10 @@ def start_cluster(model: str | None, args, budget_bytes: int, profile: str, draf
     return cluster, {r.name: r for r in running}
 
 
-def _station_stats(running: dict) -> dict:
+def _station_stats(cluster, running: dict) -> dict:
     return {n: {k: s.get(k) for k in ("peak_accounted_bytes", "budget_bytes", "warden_bytes", "r2_bytes")}
             for n, r in running.items() if n.startswith("station")
-            for s in [http_json("GET", r.url + "/stats", timeout_s=30)]}
+            for s in [_stats(cluster, r)]}
 
 
 def measure_fluid(model: str | None, args) -> dict:
@@ -294,13 +301,13 @@ def measure_fluid(model: str | None, args) -> dict:
     try:
         url = running["coordinator"].url + "/generate"
         http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": 2, "temperature": 0})
-        w0 = _counters(running, "warden_bytes")
+        w0 = _counters(cluster, running, "warden_bytes")
         progress(f"fluid decode: {args.fluid_tokens} tokens")
         body = http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": args.fluid_tokens, "temperature": 0})
         n = body["usage"]["completion_tokens"]
         return {"decode_tok_s": body["timings"]["decode_tok_s"], "tokens": n,
-                "warden_bytes_per_token": per_token(w0, _counters(running, "warden_bytes"), n),
-                "station_stats": _station_stats(running)}
+                "warden_bytes_per_token": per_token(w0, _counters(cluster, running, "warden_bytes"), n),
+                "station_stats": _station_stats(cluster, running)}
     finally:
         progress("stopping the fluid cluster")
         cluster.down()
@@ -338,7 +345,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
         progress("cluster warm-up")
         gen(SHORT_PROMPT, 4)
 
-        r2_0, w_0 = _counters(running, "r2_bytes_read"), _counters(running, "warden_bytes")
+        r2_0, w_0 = _counters(cluster, running, "r2_bytes_read"), _counters(cluster, running, "warden_bytes")
         generated = 0
         progress(f"cluster decode: {tokens} tokens")
         body = gen(SHORT_PROMPT, tokens)
@@ -346,7 +353,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
         out["decode_tokens"] = body["usage"]["completion_tokens"]
         out["hops"] = body["timings"].get("hops")
         generated += body["usage"]["completion_tokens"]
-        r2_1, w_1 = _counters(running, "r2_bytes_read"), _counters(running, "warden_bytes")
+        r2_1, w_1 = _counters(cluster, running, "r2_bytes_read"), _counters(cluster, running, "warden_bytes")
         out["r2_bytes_per_token"] = per_token(r2_0, r2_1, generated)
         out["warden_bytes_per_token"] = per_token(w_0, w_1, generated)
         out["r2_by_service"] = {k: r2_1.get(k, 0) - r2_0.get(k, 0) for k in r2_1}
@@ -394,7 +401,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
             out["long_prompts"] = measure_long_prompts(gen, long_texts)
         out["peak_rss"] = {n: peak_rss_bytes(r.pid) for n, r in running.items()
                            if r.kind == "process" and servers.pid_alive(r.pid)}
-        out["station_stats"] = _station_stats(running)
+        out["station_stats"] = _station_stats(cluster, running)
     finally:
         progress("stopping the cluster")
         cluster.down()

@@ -8,8 +8,8 @@ from deploy import cluster_secrets
 from deploy.local.compose import REPO_ROOT
 
 NAME = "secrets"
-HELP = ("write the cluster's generated secrets (the Redis password) to .env next to docker-compose.yml, "
-        "mode 600, keeping any already there; docker compose reads it. The values are never printed")
+HELP = ("write the cluster's generated secrets (the Redis password, the internal calls' key) to .env next to "
+        "docker-compose.yml, mode 600, keeping any already there; docker compose reads it. The values are never printed")
 
 
 def add_arguments(p) -> None:

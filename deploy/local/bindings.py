@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -17,8 +19,10 @@ import boto3
 import botocore.exceptions
 import redis.asyncio as aioredis
 import redis.exceptions
+import yarl
 from botocore.config import Config
 
+from common import signing
 from common.runtime import (BadGateway, DurableObjectId, GatewayTimeout, Headers, ObjectBody, ObjectMeta,
                             PreconditionFailed, RangeNotSatisfiable, Request, Response, ServiceUnavailable)
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
@@ -186,16 +190,35 @@ class RedisKV:
 _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
+class Signer:
+    """Signs this host's internal calls with the cluster's secret (common/signing.py); never shows it."""
+
+    def __init__(self, secret: str):
+        self._secret = signing.check_secret(secret)
+
+    def __repr__(self) -> str:
+        return "Signer(<secret>)"
+
+    def header(self, method: str, target: str, body: bytes, do_name: str = "") -> str:
+        """target: the request line's path and query exactly as sent."""
+        return signing.sign(self._secret, method, target, body, time.time(), secrets.token_hex(16), do_name)
+
+
 async def http_fetch(session: aiohttp.ClientSession, url: str, request: Request, timeout_s: float,
-                     extra_headers: dict[str, str] | None = None) -> Response:
-    """One HTTP call; the reply is buffered, so a peer's streamed (chunked) body arrives whole as `body`."""
+                     extra_headers: dict[str, str] | None = None, signer: Signer | None = None) -> Response:
+    """One HTTP call; the reply is buffered, so a peer's streamed (chunked) body arrives whole as `body`.
+    With a signer, the call carries its signature over what is sent (the peer is one of ours)."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
     rid = request_id_var.get()
     if rid and REQUEST_ID_HEADER.lower() not in {k.lower() for k in headers}:
         headers[REQUEST_ID_HEADER] = rid  # propagate the caller's request id
     headers.update(extra_headers or {})
+    target = yarl.URL(url)  # what aiohttp sends: the signature covers this path and query, as encoded
+    if signer is not None:
+        headers[signing.SIGNATURE_HEADER] = signer.header(request.method, target.raw_path_qs, request.body or b"",
+                                                          headers.get(DO_NAME_HEADER, ""))
     try:
-        async with session.request(request.method, url, headers=headers, data=request.body or None,
+        async with session.request(request.method, target, headers=headers, data=request.body or None,
                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             body = await r.read()
             return Response(r.status, Headers((k, v) for k, v in r.headers.items()
@@ -216,13 +239,13 @@ def _path_and_query(url: str) -> str:
 class HttpService:
     """Service binding: the request goes to base_url with the caller's path and query."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, signer: Signer | None = None):
         self.base_url = base_url.rstrip("/")
-        self._session, self._timeout_s = session, timeout_s
+        self._session, self._timeout_s, self._signer = session, timeout_s, signer
 
     async def fetch(self, request: Request) -> Response:
         return await http_fetch(self._session, self.base_url + _path_and_query(request.url), request,
-                                self._timeout_s)
+                                self._timeout_s, signer=self._signer)
 
     async def ping(self) -> None:
         resp = await http_fetch(self._session, self.base_url + "/healthz", Request("GET", "/healthz"),
@@ -238,15 +261,16 @@ class HttpStub:
     async def fetch(self, request: Request) -> Response:
         ns = self._ns
         url = f"{ns.base_url}{DO_ROUTE_PREFIX}{ns.class_name}{_path_and_query(request.url)}"
-        return await http_fetch(ns.session, url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name})
+        return await http_fetch(ns.session, url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name}, ns.signer)
 
 
 class HttpNamespace:
     """DO namespace binding onto the process that hosts the class (its /__do/{class} route)."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, class_name: str, timeout_s: float):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, class_name: str, timeout_s: float,
+                 signer: Signer | None = None):
         self.session, self.base_url = session, base_url.rstrip("/")
-        self.class_name, self.timeout_s = class_name, timeout_s
+        self.class_name, self.timeout_s, self.signer = class_name, timeout_s, signer
 
     def id_from_name(self, name: str) -> DurableObjectId:
         return object_id(self.class_name, name)

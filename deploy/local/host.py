@@ -25,9 +25,10 @@ import aiohttp
 from aiohttp import web
 
 from common import settings as table
-from common.runtime import (BadRequest, Context, Env, Handler, Headers, Request, Response, aclose_stream, call_handler,
-                            error_response)
-from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket
+from common import signing
+from common.runtime import (BadRequest, Context, Env, Handler, Headers, HttpError, Request, Response, aclose_stream,
+                            call_handler, error_response)
+from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket, Signer
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
@@ -81,6 +82,9 @@ class ServiceRuntime:
     # handler_cancellation), so a whole (non-streaming) reply nobody waits for stops generating and
     # gives its slot and KV sessions back; internal services finish what they started.
     public: bool = False
+    # An internal service's calls must be signed with the cluster's secret (KNOT_INTERNAL_SECRET):
+    # None when it is unset (then nothing is checked, and the start says so).
+    verifier: signing.Verifier | None = None
 
 
 # ---------------------------------------------------------------- translation
@@ -156,6 +160,24 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
         service_var.reset(service_token)
 
 
+UNSIGNED_PATHS = ("/healthz", "/readyz")  # the host's own probes: they change nothing and tell nothing secret
+
+
+@web.middleware
+async def signed_calls(request: web.Request, handler) -> web.StreamResponse:
+    """An internal service answers only calls signed with the cluster's secret (common/signing.py):
+    401 for any other, before the handler runs."""
+    rt = request.app[RUNTIME]
+    if rt.verifier is not None and not rt.public and request.path not in UNSIGNED_PATHS:
+        try:
+            rt.verifier.verify(request.method, request.raw_path, await request.read(),
+                               request.headers.get(signing.SIGNATURE_HEADER), time.time(),
+                               request.headers.get(DO_NAME_HEADER, ""))
+        except HttpError as e:
+            return to_aiohttp_response(error_response(e, request_id_var.get()))
+    return await handler(request)
+
+
 async def _healthz(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     return web.json_response({"ok": True, "service": rt.name, "pid": os.getpid(),
@@ -207,7 +229,7 @@ async def _worker(request: web.Request) -> web.StreamResponse:
 
 
 def build_app(rt: ServiceRuntime) -> web.Application:
-    app = web.Application(middlewares=[request_context], client_max_size=rt.max_body_bytes)
+    app = web.Application(middlewares=[request_context, signed_calls], client_max_size=rt.max_body_bytes)
     app[RUNTIME] = rt
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -229,15 +251,17 @@ def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.C
                               f"(KNOT_DURABLE_OBJECTS={','.join(settings.durable_objects)})", name=name)
         return LocalNamespace(do_host, b.target)
 
+    signer = Signer(settings.internal_secret) if settings.internal_secret else None
+
     def service(b: BindingURL) -> HttpService:
-        return HttpService(session, b.url, timeout_s)
+        return HttpService(session, b.url, timeout_s, signer)
 
     return open_binding(name, url, {
         "s3": lambda b: S3Bucket(settings.s3, b.target),
         "dir": lambda b: DirectoryBucket(b.target),
         "redis": lambda b: RedisKV(b.target, b.prefix, timeout_s, password=settings.redis_password),
         "memory": lambda b: MemoryKV(),
-        "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s),
+        "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s, signer),
         "do+local": local_namespace,
         "http": service, "https": service,
     })
@@ -280,9 +304,13 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
         do_host.env = env
     # Exit callbacks run last-in first-out: wait_until work drains before any client closes.
     stack.push_async_callback(tasks.drain, settings.shutdown_timeout_s)
+    verifier = signing.Verifier(settings.internal_secret) if settings.internal_secret else None
+    if verifier is None and not svc.public:
+        log.warning("%s: KNOT_INTERNAL_SECRET is unset: this internal service answers unsigned calls from "
+                    "anyone who can reach its port (knot cluster up and knot secrets generate one)", settings.name)
     return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks,
                           access_log=settings.access_log, max_body_bytes=settings.max_body_bytes or svc.max_body_bytes,
-                          public=svc.public)
+                          public=svc.public, verifier=verifier)
 
 
 def app_runner(app: web.Application) -> web.AppRunner:

@@ -95,6 +95,7 @@ class HostSettings:
     access_log: str
     max_body_bytes: int | None  # None: the service module's MAX_BODY_BYTES (deploy/local/host.py)
     redis_password: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
+    internal_secret: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "HostSettings":
@@ -132,6 +133,7 @@ class HostSettings:
             access_log=get("KNOT_ACCESS_LOG"),
             max_body_bytes=get("KNOT_MAX_BODY_BYTES"),
             redis_password=redis_password(bindings, get("KNOT_REDIS_PASSWORD")),
+            internal_secret=get("KNOT_INTERNAL_SECRET"),
         )
 
 

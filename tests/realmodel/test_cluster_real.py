@@ -44,6 +44,13 @@ def real_cluster(request, tmp_path_factory):
         cluster.down()
 
 
+def stats(cluster, r) -> dict:
+    """A station's /stats, called as the cluster's services call it (signed with its secret)."""
+    status, _, raw = http("GET", r.url + "/stats", headers=cluster.signed("GET", r.url + "/stats"))
+    assert status == 200, raw
+    return json.loads(raw)
+
+
 def test_cluster_equals_knot_generate_and_respects_the_budget(real_cluster, record_property):
     name, cluster, running = real_cluster
     from deploy import models
@@ -62,8 +69,7 @@ def test_cluster_equals_knot_generate_and_respects_the_budget(real_cluster, reco
             assert body["degraded_shards"] == []
     report = {}
     for st in ("station-0", "station-1"):
-        status, _, raw = http("GET", running[st].url + "/stats")
-        s = json.loads(raw)
+        s = stats(cluster, running[st])
         report[st] = {"peak_accounted_bytes": s["peak_accounted_bytes"], "budget_bytes": s["budget_bytes"],
                       "kept_tensors": s["kept_tensors"], "warden_bytes": s["warden_bytes"]}
         # the fluid-memory invariant, as accounted: tensors + activations + KV caches
@@ -108,11 +114,11 @@ def test_concurrent_generations_are_batched_and_each_equals_knot_generate(real_c
 
     from deploy import models
 
-    name, _, running = real_cluster
+    name, cluster, running = real_cluster
     engine = LocalEngine.open(models.model_path(name))
     url = running["coordinator"].url
     prompts = ["def quicksort(arr):", "import numpy as np\n", "class Stack:", "# read a CSV file\n"]
-    before = {st: json.loads(http("GET", running[st].url + "/stats")[2]) for st in ("station-0", "station-1")}
+    before = {st: stats(cluster, running[st]) for st in ("station-0", "station-1")}
 
     def one(prompt):
         status, _, raw = http("POST", url + "/generate", {"prompt": prompt, "max_tokens": MAX_TOKENS}, timeout_s=900)
@@ -125,7 +131,7 @@ def test_concurrent_generations_are_batched_and_each_equals_knot_generate(real_c
         want = engine.generate(engine.tokenizer.encode(prompt), SamplingParams(), max_tokens=MAX_TOKENS)
         assert body["tokens"] == want.token_ids, (prompt, body["text"], want.text)
     for st, b in before.items():
-        s = json.loads(http("GET", running[st].url + "/stats")[2])
+        s = stats(cluster, running[st])
         batched = s["batched_items"] - b["batched_items"]
         assert s["batches"] - b["batches"] < batched, f"{st}: no forward carried two requests ({s})"
 
@@ -144,10 +150,10 @@ def test_the_profile_is_reported_and_tells_the_truth(real_cluster):
         assert [s["fits"] for s in memory["stations"]] == [profile == "resident"] * 2, memory
     body = {"prompt": "def add(a, b):", "max_tokens": 4}
     assert http("POST", url + "/generate", body, timeout_s=900)[0] == 200
-    before = {st: json.loads(http("GET", running[st].url + "/stats")[2]) for st in ("station-0", "station-1")}
+    before = {st: stats(cluster, running[st]) for st in ("station-0", "station-1")}
     assert http("POST", url + "/generate", body, timeout_s=900)[0] == 200
     for i, st in enumerate(("station-0", "station-1")):
-        s = json.loads(http("GET", running[st].url + "/stats")[2])
+        s = stats(cluster, running[st])
         loaded = s["warden_tensors"] + s["r2_tensors"] - before[st]["warden_tensors"] - before[st]["r2_tensors"]
         assert (loaded == 0) == memory["stations"][i]["fits"], (st, loaded, memory["stations"][i])
     lines = cluster.memory_lines(list(running.values()))
