@@ -8,7 +8,8 @@ encode, upload), and every other service runs its command with its environment, 
 addresses rewritten to 127.0.0.1.
 
 Run directory (default .knot-run/, or KNOT_RUN_DIR):
-    cluster.json         what is running: name, kind, pid, port, url, log
+    cluster.json         what is running: name, kind, pid, port, url, log, restarts; the supervisor's pid
+    supervise.json       how the supervisor starts each service again (deploy/supervisor.py), mode 600
     secrets.env          the cluster's generated secrets (deploy/cluster_secrets.py), mode 600, reused
                          on every `up`; the Redis password reaches redis-server through a 0600 file
                          and the services through their environment, never argv or a log
@@ -31,7 +32,7 @@ from urllib.parse import urlsplit
 from common import settings
 from common.signing import SIGNATURE_HEADER
 from common.topology import ClusterLayout, TopologyError
-from deploy import cluster_secrets, compose_file, servers
+from deploy import cluster_secrets, compose_file, servers, supervisor
 from deploy.local import compose
 from deploy.local.probe import probe
 
@@ -58,6 +59,8 @@ class Running:
     log: str
     published: bool = False
     stop_timeout_s: float = PROCESS_STOP_TIMEOUT_S
+    restarts: int = 0  # by the supervisor (deploy/supervisor.py), since `up`
+    restarted_at: float | None = None  # time.time() of the last restart
 
 
 def default_run_dir() -> Path:
@@ -159,13 +162,22 @@ def process_env(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, in
     return env
 
 
+def process_recipe(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], run_dir: Path,
+                   base_env: Mapping[str, str] | None = None) -> dict:
+    """How one compose service runs as a local process: argv, environment, cwd, log (deploy/supervisor.py)."""
+    port = addresses[spec.name][1] if spec.name in addresses else None
+    return {"kind": "process", "argv": resolve_command(spec.command), "cwd": str(compose.REPO_ROOT),
+            "env": process_env(spec, addresses, port, base_env if base_env is not None else os.environ),
+            "log": str(run_dir / "logs" / f"{spec.name}.log")}
+
+
 def start_process(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], run_dir: Path,
                   base_env: Mapping[str, str] | None = None) -> Running:
     """Spawn one compose service as a local process (used by `up` and by the integration tests)."""
     port = addresses[spec.name][1] if spec.name in addresses else None
-    log_path = run_dir / "logs" / f"{spec.name}.log"
-    env = process_env(spec, addresses, port, base_env if base_env is not None else os.environ)
-    pid = servers.spawn(resolve_command(spec.command), log_path, env=env, cwd=str(compose.REPO_ROOT))
+    recipe = process_recipe(spec, addresses, run_dir, base_env)
+    log_path = Path(recipe["log"])
+    pid = supervisor.start(recipe)
     url = f"http://127.0.0.1:{port}" if port else None
     return Running(spec.name, "oneshot" if spec.oneshot else "process", pid, port, url, str(log_path),
                    published=spec.published_port is not None)
@@ -205,12 +217,18 @@ class Cluster:
             return []
         return [Running(**r) for r in json.loads(self.state_path.read_text())["services"]]
 
-    def _save(self, running: list[Running], layout: ClusterLayout) -> None:
+    def _save(self, running: list[Running], layout: ClusterLayout, supervisor_pid: int | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"layout": {"stations": len(layout.stations), "shards": len(layout.shards)},
+                                   "supervisor": supervisor_pid,
                                    "services": [asdict(r) for r in running]}, indent=2))
         os.replace(tmp, self.state_path)
+
+    def supervisor_pid(self) -> int | None:
+        if not self.state_path.exists():
+            return None
+        return json.loads(self.state_path.read_text()).get("supervisor")
 
     # -------------------------------------------------------- up
 
@@ -255,6 +273,7 @@ class Cluster:
         specs = plan(layout, base_env)
         addresses = self.allocate(specs, base_port)
         running: list[Running] = []
+        recipes: dict[str, dict] = {}
         try:
             for spec in specs:
                 r = self._start(spec, addresses, base_env)
@@ -269,11 +288,27 @@ class Cluster:
                 elif spec.kind == "process" and spec.healthcheck_url:
                     cport, lport = addresses[spec.name]
                     wait_ready(r, spec.healthcheck_url.replace(f"127.0.0.1:{cport}", f"127.0.0.1:{lport}"))
+                if not spec.oneshot:
+                    recipes[spec.name] = self._recipe(spec, addresses, base_env)
+            supervisor.write_recipes(self.run_dir, recipes)
+            pid = servers.spawn([sys.executable, "-m", "deploy.supervisor", str(self.run_dir)],
+                                self.run_dir / "logs" / "supervisor.log", env=dict(base_env),
+                                cwd=str(compose.REPO_ROOT))
+            self._save(running, layout, supervisor_pid=pid)
         except BaseException:
             self._stop_all(running)
             self.state_path.unlink(missing_ok=True)
             raise
         return running
+
+    def _recipe(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
+                base_env: Mapping[str, str]) -> dict:
+        """How the supervisor starts it again: the same command, environment, port and log."""
+        log_path = str(self.run_dir / "logs" / f"{spec.name}.log")
+        if spec.kind in ("seaweedfs", "redis"):
+            return {"kind": spec.kind, "dir": str(self.run_dir / spec.kind), "port": addresses[spec.name][1],
+                    "log": log_path}
+        return process_recipe(spec, addresses, self.run_dir, base_env)
 
     def _start(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
                base_env: Mapping[str, str]) -> Running:
@@ -336,6 +371,9 @@ class Cluster:
         return stopped
 
     def down(self) -> list[str]:
+        sup = self.supervisor_pid()
+        if sup and servers.pid_alive(sup):  # first, or it would start again what is stopped next
+            servers.stop_pid(sup, 10.0)
         stopped = self._stop_all(self._load())
         self.state_path.unlink(missing_ok=True)
         return stopped

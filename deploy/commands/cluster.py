@@ -36,10 +36,10 @@ def add_layout_arguments(p) -> None:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"{'service':<20} {'kind':<10} {'pid':>7} {'state':<9} {'url':<28} log"]
+    lines = [f"{'service':<20} {'kind':<10} {'pid':>7} {'state':<9} {'restarts':>8} {'url':<28} log"]
     for r in rows:
         lines.append(f"{r['name']:<20} {r['kind']:<10} {r['pid']:>7} {r.get('state', ''):<9} "
-                     f"{r['url'] or '-':<28} {r['log']}")
+                     f"{r.get('restarts', 0):>8} {r['url'] or '-':<28} {r['log']}")
     return "\n".join(lines)
 
 
