@@ -226,6 +226,40 @@ async def test_station_restart_mid_generation_replays(tiny_knot, tmp_path, engin
     await c.drain()
 
 
+async def test_a_replay_reruns_the_original_frames_exactly(tiny_knot, tmp_path, engine):
+    """Exact replay (issue 13 item 3b): after a station lost the session, the frames it receives
+    from position 0 are the fault-free run's, boundary for boundary (the prompt's prefill chunks,
+    then one frame per decode step), so its KV cache and the tokens are the fault-free ones.
+    Replaying prompt + generated text as one new prefill (the old way) computed with another
+    chunking, and diverged at near-ties on the real model."""
+    prompt = "the def the class the def return the"
+
+    async def frames_seen(restart_at: int | None) -> tuple[list, dict]:
+        c = await build_cluster(tiny_knot, tmp_path / f"r{restart_at}", 2, 2)
+        real, seen = c.stations[1].handler, []
+
+        async def recording(request, env, ctx):
+            if request.path == "/forward":
+                f = wire.decode_envelope(request.body)
+                seen.append((f.mode, f.position, f.seq_len))
+                if len(seen) == restart_at:  # the isolate dies before this frame: its RAM is gone
+                    station_handler._booted.clear()
+            return await real(request, env, ctx)
+
+        c.stations[1].handler = recording
+        body = (await c.generate(prompt=prompt, max_tokens=8)).json()
+        await c.drain()
+        return seen, body
+
+    clean, want = await frames_seen(None)
+    n_prefill = sum(1 for mode, _, _ in clean if mode == "prefill")
+    assert n_prefill >= 2, f"the prompt is prefilled in chunks: {clean}"
+    k = n_prefill + 2  # the third decode frame is the first the restarted station sees
+    faulty, body = await frames_seen(k + 1)
+    assert faulty == clean[:k + 1] + clean, faulty  # refused at k, then everything again from 0, then on
+    assert body["replays"] == 1 and body["tokens"] == want["tokens"] == reference(engine, prompt, 8).token_ids
+
+
 async def test_configuration_change_reboots_the_station(tiny_knot, tmp_path):
     c = await build_cluster(tiny_knot, tmp_path, 2, 2)
     st = c.stations[0]
