@@ -182,6 +182,34 @@ async def test_a_shard_that_comes_back_within_the_wait_gives_exact_tokens(tiny_k
     await c.drain()
 
 
+async def test_storage_loss_is_an_error_never_zeros(tiny_knot, tmp_path, engine):
+    """The bucket (S3/R2) fails once the cluster has booted: rows no cache holds cannot be read, and
+    the request fails with a 503 naming the shard, on /generate and /v1 alike; it is never a 200 with
+    zero embeddings. When the bucket is back, the same request gives the fault-free tokens."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    c.coordinator.env._items["PEER_WAIT_S"] = "0.3"
+    from services.coordinator import handler as co
+    co._booted.clear()
+    assert (await c.generate(prompt="the", max_tokens=1)).status == 200  # booted, a few rows cached
+    real_get = c.bucket.get
+
+    async def down(key, range=None):
+        raise ServiceUnavailable("S3 endpoint unreachable (stopped by the test)")
+
+    c.bucket.get = down
+    prompt = "def return class import while"  # rows nobody has read yet
+    r = await c.generate(prompt=prompt, max_tokens=4)
+    assert r.status == 503 and "is down" in r.json()["message"] and "unreachable" in r.json()["message"], r.body
+    r = await c.coordinator.fetch(Request("POST", "/v1/completions", {},
+                                          json.dumps({"prompt": prompt, "max_tokens": 4}).encode()))
+    assert r.status == 503 and r.json()["error"]["type"] == "server_error", r.body
+    c.bucket.get = real_get
+    r = await c.generate(prompt=prompt, max_tokens=4)
+    assert r.status == 200 and r.json()["tokens"] == reference(engine, prompt, 4).token_ids, r.body
+    co._booted.clear()
+    await c.drain()
+
+
 async def test_a_dead_station_is_a_503_and_then_known_at_once(tiny_knot, tmp_path):
     """A station that stays down: the first request retries it for PEER_WAIT_S, then gets 503 with
     Retry-After naming it; the next request tries it once and is refused at once (the coordinator
