@@ -267,9 +267,14 @@ class Cluster:
                                 f"run `knot cluster down` first")
         if model:  # --model wins over KNOT_MODEL; an explicit KNOT_KEY still wins over the model's key
             base_env["KNOT_MODEL"] = choice.source
-        for name, secret in cluster_secrets.ensure(self.run_dir / SECRETS_FILE).items():
+        kept = cluster_secrets.ensure(self.run_dir / SECRETS_FILE)
+        for name, secret in kept.items():
             if not base_env.get(name):  # one set in the environment wins, as over compose's .env
                 base_env[name] = secret
+        chosen = {name: base_env[name] for name in kept}
+        if chosen != kept:  # the supervisor restarts services with the file's: it holds what they run with
+            cluster_secrets.write(self.run_dir / SECRETS_FILE, {**cluster_secrets.read(self.run_dir / SECRETS_FILE),
+                                                                **chosen})
         specs = plan(layout, base_env)
         addresses = self.allocate(specs, base_port)
         running: list[Running] = []
@@ -303,12 +308,16 @@ class Cluster:
 
     def _recipe(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
                 base_env: Mapping[str, str]) -> dict:
-        """How the supervisor starts it again: the same command, environment, port and log."""
+        """How the supervisor starts it again: the same command, environment, port and log. The
+        secrets are not in it (the supervisor reads them from secrets.env): only their names."""
         log_path = str(self.run_dir / "logs" / f"{spec.name}.log")
         if spec.kind in ("seaweedfs", "redis"):
             return {"kind": spec.kind, "dir": str(self.run_dir / spec.kind), "port": addresses[spec.name][1],
                     "log": log_path}
-        return process_recipe(spec, addresses, self.run_dir, base_env)
+        recipe = process_recipe(spec, addresses, self.run_dir, base_env)
+        recipe["secrets"] = [n for n in cluster_secrets.SECRETS if n in recipe["env"]]
+        recipe["env"] = {k: v for k, v in recipe["env"].items() if k not in cluster_secrets.SECRETS}
+        return recipe
 
     def _start(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
                base_env: Mapping[str, str]) -> Running:

@@ -5,8 +5,8 @@
 (`python -m deploy.supervisor RUN_DIR`, in its own session, so it outlives `up`); `down` stops it
 first, so nothing it stops comes back. Every POLL_S it reads cluster.json. A service whose process
 has exited is started again with the same command, environment and port (from supervise.json,
-mode 600: the environment holds the cluster's secret), after a delay that doubles from BACKOFF_S to
-MAX_BACKOFF_S and is reset once the service has stayed up HEALTHY_S. cluster.json then records the
+mode 600, which names the secrets it needs; their values are read from secrets.env), after a
+delay that doubles from BACKOFF_S to MAX_BACKOFF_S and is reset once the service has stayed up HEALTHY_S. cluster.json then records the
 new pid, the restarts and when the last one was; `knot cluster status` shows them. Readiness comes
 back by itself: the coordinator's calls find the restarted peer on the same address.
 """
@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy import servers
+from deploy import cluster_secrets, servers
 
 log = logging.getLogger("deploy.supervisor")
 
-RECIPES_FILE = "supervise.json"  # how to start each service again; mode 600 (environments hold secrets)
+RECIPES_FILE = "supervise.json"  # how to start each service again; mode 600 (environments, without the secrets)
 POLL_S = 0.5
 BACKOFF_S = 0.5  # the first restart waits this long; each next one twice as long ...
 MAX_BACKOFF_S = 30.0  # ... up to this
@@ -34,7 +34,8 @@ HEALTHY_S = 60.0  # up this long: the next crash is restarted after BACKOFF_S ag
 
 
 def write_recipes(run_dir: Path, recipes: dict[str, dict]) -> None:
-    """name -> {"kind": "process", "argv", "env", "cwd", "log"} | {"kind": "seaweedfs"|"redis", "dir", "port", "log"}."""
+    """name -> {"kind": "process", "argv", "env", "cwd", "log", "secrets": [names]} |
+    {"kind": "seaweedfs"|"redis", "dir", "port", "log"}; no secret's value (they stay in secrets.env)."""
     path = run_dir / RECIPES_FILE
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -46,16 +47,24 @@ def write_recipes(run_dir: Path, recipes: dict[str, dict]) -> None:
     os.replace(tmp, path)
 
 
-def start(recipe: dict) -> int:
-    """Start one service again -> its pid (a store's start waits until it answers)."""
-    kind = recipe["kind"]
+def start(recipe: dict, secrets: dict[str, str] | None = None) -> int:
+    """Start one service again -> its pid (a store's start waits until it answers). secrets: the
+    cluster's (secrets.env), for the names the recipe lists and Redis's password."""
+    kind, secrets = recipe["kind"], secrets or {}
     if kind == "process":
-        return servers.spawn(recipe["argv"], Path(recipe["log"]), env=recipe["env"], cwd=recipe["cwd"])
+        env = {**recipe["env"], **{n: secrets[n] for n in recipe.get("secrets", ())}}
+        return servers.spawn(recipe["argv"], Path(recipe["log"]), env=env, cwd=recipe["cwd"])
     if kind == "seaweedfs":
         return servers.start_seaweedfs(recipe["dir"], recipe["port"], recipe["log"]).pid
     if kind == "redis":
-        return servers.start_redis(recipe["dir"], recipe["port"], recipe["log"]).pid
+        return servers.start_redis(recipe["dir"], recipe["port"], recipe["log"],
+                                   password=secrets["KNOT_REDIS_PASSWORD"]).pid
     raise ValueError(f"unknown service kind {kind!r}")
+
+
+def _secrets(run_dir: Path) -> dict[str, str]:
+    path = run_dir / cluster_secrets.FILE_NAME
+    return cluster_secrets.read(path) if path.exists() else {}
 
 
 @dataclass
@@ -102,7 +111,7 @@ def supervise(run_dir: Path, stop: list[bool]) -> None:
             if now < b.due or stop[0]:
                 continue
             try:
-                pid = start(recipes[name])
+                pid = start(recipes[name], _secrets(run_dir))
             except Exception as e:  # noqa: BLE001 - a start that fails is retried after a longer delay
                 log.error("%s: restart failed: %s", name, e)
                 b.due, b.delay_s = now + b.delay_s, min(2 * b.delay_s, MAX_BACKOFF_S)

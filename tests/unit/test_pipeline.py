@@ -193,7 +193,7 @@ async def test_storage_loss_is_an_error_never_zeros(tiny_knot, tmp_path, engine)
     assert (await c.generate(prompt="the", max_tokens=1)).status == 200  # booted, a few rows cached
     real_get = c.bucket.get
 
-    async def down(key, range=None):
+    async def down(key, range=None, **pinned):
         raise ServiceUnavailable("S3 endpoint unreachable (stopped by the test)")
 
     c.bucket.get = down

@@ -128,7 +128,7 @@ def test_the_launcher_generates_one_secret_per_cluster_and_compose_passes_it(tmp
     assert cluster_secrets.ensure(tmp_path / "secrets.env") == got, "kept across `up`s (a restart still authenticates)"
     assert cluster_secrets.ensure(tmp_path / "other" / "secrets.env") != got, "another cluster, another secret"
     # every service of our image gets it through compose's environment (never argv)
-    specs = launcher.plan(launcher.default_layout(), {"KNOT_INTERNAL_SECRET": secret})
+    specs = launcher.plan(launcher.default_layout(), {"KNOT_INTERNAL_SECRET": secret, "KNOT_REDIS_PASSWORD": "any"})
     ours = [s for s in specs if s.kind == "process"]
     assert ours and all(s.environment["KNOT_INTERNAL_SECRET"] == secret for s in ours)
     assert all(secret not in " ".join(s.command) for s in specs)
