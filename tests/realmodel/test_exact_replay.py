@@ -31,7 +31,8 @@ async def _run(knot, tmp, restart: bool) -> tuple[dict, list]:
         return await real(request, env, ctx)
 
     c.stations[1].handler = recording
-    r = await c.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    # one decode frame per token (no speculative trips), so RESTART_AT_DECODE counts tokens
+    r = await c.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, speculation="off")
     await c.drain()
     assert r.status == 200, r.body
     return r.json(), seen
