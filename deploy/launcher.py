@@ -340,7 +340,8 @@ class Cluster:
             if not r.name.startswith("station-") or not r.url:
                 continue
             try:
-                with urllib.request.urlopen(r.url + "/stats", timeout=10.0) as resp:
+                req = urllib.request.Request(r.url + "/stats", headers=self.signed("GET", r.url + "/stats"))
+                with urllib.request.urlopen(req, timeout=10.0) as resp:  # an internal call: signed
                     s = json.loads(resp.read())
             except (OSError, ValueError) as e:
                 lines.append(f"{r.name}: GET /stats failed ({e}); its log has the memory line: {r.log}")

@@ -102,7 +102,7 @@ def test_a_long_prompt_gives_the_tokens_of_knot_generate(real_cluster):
     assert body["usage"]["prompt_tokens"] == n
     assert body["choices"][0]["text"] == want.text
     for st in ("station-0", "station-1"):
-        s = json.loads(http("GET", running[st].url + "/stats")[2])
+        s = stats(cluster, running[st])
         assert s["peak_accounted_bytes"] <= s["budget_bytes"] and s["max_session_tokens"] > n + 4, s
 
 

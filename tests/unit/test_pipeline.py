@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from common import wire
+from common.kvcache import prefill_chunks
 from common.runtime import Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
+from services.coordinator import generation
 from services.station import handler as station_handler
 from tests.inprocess import build_cluster
 from tests.unit.test_openai_api import read_sse
@@ -254,13 +256,16 @@ async def test_station_restart_mid_generation_replays(tiny_knot, tmp_path, engin
     await c.drain()
 
 
-async def test_a_replay_reruns_the_original_frames_exactly(tiny_knot, tmp_path, engine):
+async def test_a_replay_reruns_the_original_frames_exactly(tiny_knot, tmp_path, engine, monkeypatch):
     """Exact replay (issue 13 item 3b): after a station lost the session, the frames it receives
     from position 0 are the fault-free run's, boundary for boundary (the prompt's prefill chunks,
     then one frame per decode step), so its KV cache and the tokens are the fault-free ones.
     Replaying prompt + generated text as one new prefill (the old way) computed with another
     chunking, and diverged at near-ties on the real model."""
     prompt = "the def the class the def return the"
+    # PREFILL_CHUNK_TOKENS (256) would take this 22-token prompt in one chunk: 8-token chunks give
+    # the prompt several prefill frames, whose boundaries the replay must keep.
+    monkeypatch.setattr(generation, "prefill_chunks", lambda n: prefill_chunks(n, 8))
 
     async def frames_seen(restart_at: int | None) -> tuple[list, dict]:
         c = await build_cluster(tiny_knot, tmp_path / f"r{restart_at}", 2, 2)
