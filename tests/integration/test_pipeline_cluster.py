@@ -70,7 +70,10 @@ def test_killed_shard_degrades_only_its_range(cluster, engine):
     victim = next(s for s in shards if any(s.owns(t) for t in ids))
     cluster.stop(f"shard-{victim.index}")
     try:
-        body = generate(cluster, prompt=PROMPT, max_tokens=6)
+        # the seed's allSettled merge is an opt-in since issue 13 (by default the request fails naming
+        # the range after PEER_WAIT_S: tests/unit/test_pipeline.py)
+        body = generate(cluster, prompt=PROMPT, max_tokens=6, shard_failure="degrade")
+        assert body["shard_failure"] == "degrade"
         assert {d["shard"] for d in body["degraded_shards"]} == {victim.index}
         assert {d["stage"] for d in body["degraded_shards"]} == {"embed", "logits"}
         assert not any(victim.owns(t) for t in body["tokens"])

@@ -109,12 +109,15 @@ class Dead:
 
 
 async def test_trap_promise_all_on_cobordism_merge(tiny_knot, tmp_path):
-    """allSettled: a failed shard zeroes its own tokens only, and the request still completes."""
+    """allSettled: a failed shard zeroes its own tokens only, and the request still completes. Since
+    issue 13 that merge is an opt-in (shard_failure=degrade; the default fails naming the range,
+    tests/unit/test_pipeline.py), and the reply says it ran under it."""
     c = await build_cluster(tiny_knot, tmp_path, 2, 3)
     c.coordinator.env._items["SHARD_2"] = Dead()
-    r = await c.generate(prompt=PROMPT, max_tokens=3)
-    assert r.status == 200
+    r = await c.generate(prompt=PROMPT, max_tokens=3, shard_failure="degrade")
+    assert r.status == 200, r.body
     body = r.json()
+    assert body["shard_failure"] == "degrade" and r.headers["X-Knot-Shard-Failure"] == "degrade"
     assert {d["shard"] for d in body["degraded_shards"]} == {2}
     assert "TimeoutError" in body["degraded_shards"][0]["error"]
     await c.drain()
