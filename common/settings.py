@@ -226,12 +226,13 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("all", "errors"), reader_defaults={"compose": "errors"}),
     _s("KNOT_MAX_BODY_BYTES", "int", None, "host", "largest request body accepted, 413 before it is read "
        "(default: the service module's MAX_BODY_BYTES, 4 MiB for the coordinator; else 64 MiB)", minimum=1),
-    _s("KNOT_INTERNAL_SECRET", "str", None, "host compose launcher",
+    _s("KNOT_INTERNAL_SECRET", "str", REQUIRED, "host compose launcher",
        "HMAC key of every internal call (at least 32 characters; common/signing.py): the host signs what its "
        "bindings send and its internal services refuse unsigned calls (401); `knot cluster up` generates one "
-       "per cluster (deploy/cluster_secrets.py), `knot secrets` writes one to .env for docker compose; unset: "
-       "internal calls are not authenticated (a warning at start); never logged", secret=True, min_chars=32,
-       reader_defaults={"compose": ""}),
+       "per cluster (deploy/cluster_secrets.py), `knot secrets` writes one to .env for docker compose, which "
+       "refuses to start without it; a host started by hand without it does not authenticate internal calls "
+       "(a warning at start); never logged", secret=True, min_chars=32,
+       reader_defaults={"host": None, "launcher": None}),
     # ------------------------------------------------------------ kernels and the container runtime
     _s("KNOT_THREADS", "int", None, "kernels", "threads per matmul, the caller's included "
        "(default: the CPUs this process may run on)", minimum=1, maximum=256),

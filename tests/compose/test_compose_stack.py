@@ -65,6 +65,22 @@ def test_the_image_has_no_compiler_and_chooses_its_kernels_at_run_time(stack):
     assert baseline_avx2 == 0 and isas[0] == "scalar" and isa == isas[-1]  # built for x86-64, the ISA chosen here
 
 
+def test_internal_services_refuse_unsigned_calls_inside_the_network(stack):
+    """Issue 13 item 4 in containers: docker-compose.yml gives every service the cluster's signing key
+    (it will not start without one), so a process inside the network without the key gets 401 from a
+    station, a shard and each warden, before their handlers run."""
+    code = ("import urllib.request, urllib.error\n"
+            "for host in ('station-0', 'shard-0', 'layer-warden', 'cobordism-warden'):\n"
+            "    try:\n"
+            "        urllib.request.urlopen(f'http://{host}:8080/stats', timeout=10); print(host, 200)\n"
+            "    except urllib.error.HTTPError as e:\n"
+            "        print(host, e.code, e.read()[:200])\n")
+    out = stack.compose("exec", "-T", "shard-1", "python", "-c", code)
+    lines = [ln for ln in out.strip().splitlines() if ln.split(" ", 1)[0] in
+             ("station-0", "shard-0", "layer-warden", "cobordism-warden")]
+    assert len(lines) == 4 and all(ln.split(" ")[1] == "401" and "X-Knot-Signature" in ln for ln in lines), out
+
+
 def test_greedy_tokens_equal_knot_generate(stack, knot_generate, capsys):
     for prompt, n in ((PROMPT, 32), ("import numpy as np\n", 16)):
         body = stack.generate(prompt=prompt, max_tokens=n)

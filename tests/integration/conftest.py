@@ -10,6 +10,7 @@ import time
 from contextlib import contextmanager
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +19,12 @@ import redis
 from gguf import GGMLQuantizationType as Q
 
 from common.knot import read_header_sync
+from common.signing import SIGNATURE_HEADER
 from deploy import cluster_secrets, launcher, servers
 from deploy.encoder import encode
 from deploy.local import compose
-from deploy.local.bindings import S3Settings, s3_client
+from deploy.local.bindings import S3Settings, Signer, s3_client
+from deploy.local.durable import DO_NAME_HEADER
 from tests.synth import TinySpec, write_tiny_gguf
 
 BUCKET = "knots"
@@ -77,9 +80,14 @@ def redis_server(run_dir):
 
 
 @pytest.fixture(scope="session")
-def cluster_env(redis_server) -> dict[str, str]:
-    """What the test clusters are planned with: the S3 credentials and the Redis password."""
-    return {**CREDENTIALS, "KNOT_REDIS_PASSWORD": redis_server.password}
+def cluster_env(redis_server, run_dir) -> dict[str, str]:
+    """What the test clusters are planned with: the S3 credentials and the cluster's secrets (the
+    Redis password; the internal calls' signing key, which docker-compose.yml requires). `http`
+    signs the tests' own calls with that key, as the services sign theirs."""
+    global _SIGNER
+    secret = cluster_secrets.ensure(run_dir / launcher.SECRETS_FILE)["KNOT_INTERNAL_SECRET"]
+    _SIGNER = Signer(secret)
+    return {**CREDENTIALS, "KNOT_REDIS_PASSWORD": redis_server.password, "KNOT_INTERNAL_SECRET": secret}
 
 
 @pytest.fixture(scope="session")
@@ -175,10 +183,20 @@ def procs(run_dir, s3_server, redis_server, cluster_env, upload):
         p.stop_all()
 
 
+_SIGNER: Signer | None = None  # the test cluster's (cluster_env), once it is planned
+
+
 def http(method: str, url: str, body: dict | bytes | None = None, headers: dict | None = None,
-         timeout_s: float = 30.0) -> tuple[int, dict, bytes]:
+         timeout_s: float = 30.0, signed: bool = True) -> tuple[int, dict, bytes]:
+    """One call. Signed with the test cluster's key unless signed=False or the headers carry their own
+    signature: its internal services refuse unsigned calls (the public coordinator ignores it)."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    headers = dict(headers or {})
+    if signed and _SIGNER is not None and SIGNATURE_HEADER not in headers:
+        u = urlsplit(url)
+        headers[SIGNATURE_HEADER] = _SIGNER.header(method, (u.path or "/") + (f"?{u.query}" if u.query else ""),
+                                                   data or b"", headers.get(DO_NAME_HEADER, ""))
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status, dict(r.headers), r.read()

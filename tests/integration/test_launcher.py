@@ -27,7 +27,7 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
     try:
         assert up.returncode == 0, up.stderr
         state = json.loads((run_dir / "cluster.json").read_text())["services"]
-        planned = launcher.plan(launcher.default_layout(), {"KNOT_REDIS_PASSWORD": "any"})
+        planned = launcher.plan(launcher.default_layout(), {"KNOT_REDIS_PASSWORD": "any", "KNOT_INTERNAL_SECRET": "k" * 43})
         assert [s["name"] for s in state] == [s.name for s in planned]  # the process set is the file's
         by_name = {s["name"]: s for s in state}
         assert (by_name["minio"]["kind"], by_name["redis"]["kind"], by_name["init"]["kind"]) == \

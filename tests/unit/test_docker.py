@@ -12,7 +12,7 @@ from deploy.local import compose
 
 ROOT = compose.REPO_ROOT
 SIZE = re.compile(r"(\d+)([kmg])")
-SECRETS = {"KNOT_REDIS_PASSWORD": "generated"}  # what `knot secrets` writes to .env; compose refuses to start without it
+SECRETS = {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43}  # what `knot secrets` writes to .env; compose refuses to start without them
 
 
 def size_bytes(text: str) -> int:

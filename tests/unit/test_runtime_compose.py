@@ -17,7 +17,8 @@ from deploy.local.host import load_service
 from deploy.local.settings import HostSettings
 from deploy.local.topology import Topology
 
-SECRETS = {"KNOT_REDIS_PASSWORD": "redis-password-of-the-test"}  # what deploy/cluster_secrets.py generates
+SECRETS = {"KNOT_REDIS_PASSWORD": "redis-password-of-the-test",  # what deploy/cluster_secrets.py generates
+           "KNOT_INTERNAL_SECRET": "internal-calls-key-of-the-test-43-characters"}
 ENV = {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **SECRETS}
 
 
@@ -258,6 +259,13 @@ def test_redis_requires_the_cluster_password_in_compose(doc):
         assert has == (name in ("redis", "cobordism-warden")), name
     with pytest.raises(compose.ComposeError, match="KNOT_REDIS_PASSWORD is not set: .*knot secrets"):
         plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot"})
+    # nor without the internal calls' signing key: a compose cluster never runs unauthenticated
+    with pytest.raises(compose.ComposeError, match="KNOT_INTERNAL_SECRET is not set: .*knot secrets"):
+        plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot",
+                                "KNOT_REDIS_PASSWORD": SECRETS["KNOT_REDIS_PASSWORD"]})
+    for name, svc in raw.items():  # every one of our services requires it
+        if "KNOT_SERVICE" in (svc.get("environment") or {}):
+            assert svc["environment"]["KNOT_INTERNAL_SECRET"].startswith("${KNOT_INTERNAL_SECRET:?"), name
     assert compose.interpolate("${A:?why}/${B?because}", {"A": "a", "B": ""}) == "a/"
     with pytest.raises(compose.ComposeError, match="B is not set: because"):
         compose.interpolate("${B?because}", {})

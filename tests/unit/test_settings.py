@@ -101,7 +101,7 @@ def test_every_variable_a_deployment_sets_is_declared_for_its_readers(counts):
     layout = default_layout() if counts == (2, 8) else ClusterLayout.build({"block_count": 4, "vocab_size": 99},
                                                                           *counts)
     process_readers = {"host", "kernels", "runtime"}
-    for spec in plan(layout, {"KNOT_REDIS_PASSWORD": "generated"}):
+    for spec in plan(layout, {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43}):
         service = layout.service(spec.name)
         if not service.is_worker and service.role != "init":
             continue  # MinIO's and Redis's own variables
