@@ -16,7 +16,7 @@ Tensor frame (the wardens' self-checking frame), version 1:
     ..   ..    ggml_type    type_len bytes
     ..   8*nd  shape        u64 each, GGUF order [ne0, ne1, ...] of the rows held (not the whole tensor)
     ..   ..    payload      payload_len bytes: raw tensor bytes as stored in the knot
-    ..   4     crc32        zlib.crc32 of every byte above, from the magic on
+    ..   4     crc32        CRC-32 (zlib's) of every byte above, from the magic on
 
 Batch, version 1:
 
@@ -34,13 +34,12 @@ bodies (names, row ids) are at the end. docs/wire.md describes every frame.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
 
-from common.integrity import crc32_combine
+from common.integrity import crc32, crc32_combine
 
 TENSOR_MAGIC = b"KTNS"
 BATCH_MAGIC = b"KTBT"
@@ -87,7 +86,7 @@ class TensorFrame:
     shape: tuple[int, ...]  # GGUF order, of the rows this frame holds
     payload: bytes | memoryview  # decoded frames: a read-only view into the received buffer
     row_start: int = 0
-    # zlib.crc32 of payload alone. Decoded frames carry it (checked through the frame's crc32), so a
+    # crc32 of payload alone. Decoded frames carry it (checked through the frame's crc32), so a
     # reader can compare it with the knot header's; an encoder given it skips its own pass.
     payload_crc32: int | None = field(default=None, compare=False)
 
@@ -136,10 +135,10 @@ def encode_tensor(frame: TensorFrame) -> bytes:
     head = _TENSOR_HEAD.pack(TENSOR_MAGIC, VERSION, 0, len(name), len(gtype), len(frame.shape), 0,
                              frame.row_start, len(frame.payload))
     meta = head + name + gtype + b"".join(_U64.pack(d) for d in frame.shape)
-    payload_crc = zlib.crc32(frame.payload) if frame.payload_crc32 is None else frame.payload_crc32
+    payload_crc = crc32(frame.payload) if frame.payload_crc32 is None else frame.payload_crc32
     # A payload_crc32 that is not the payload's (a cache entry changed since it was sealed) gives a
     # frame whose crc32 the decoder rejects.
-    crc = crc32_combine(zlib.crc32(meta), payload_crc, len(frame.payload))
+    crc = crc32_combine(crc32(meta), payload_crc, len(frame.payload))
     return b"".join((meta, frame.payload, _CRC.pack(crc)))
 
 
@@ -158,10 +157,10 @@ def _read_tensor(r: _Reader) -> TensorFrame:
     except UnicodeDecodeError as e:
         raise MalformedFrame(f"tensor frame: name or type is not text ({e.reason} at byte {e.start})") from None
     shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
-    meta_crc = zlib.crc32(r.buf[start:r.pos])
+    meta_crc = crc32(r.buf[start:r.pos])
     payload = r.take(payload_len, f"payload of {name}")
     (crc,) = r.unpack(_CRC, f"crc32 of {name}")
-    payload_crc = zlib.crc32(payload)
+    payload_crc = crc32(payload)
     got = crc32_combine(meta_crc, payload_crc, payload_len)  # = crc32 of every byte before the crc
     if got != crc:
         raise ChecksumMismatch(f"tensor frame {name}: crc32 0x{got:08x} over {payload_len} payload bytes, "
@@ -226,7 +225,7 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
 #     20   ..    request_id   id_len bytes
 #     ..   8*nd  shape        u64 each, C order (rows first): (T, dim) activations, (T,) tokens
 #     ..   ..    payload      prod(shape) * itemsize bytes, little-endian
-#     ..   4     crc32        zlib.crc32 of every byte above
+#     ..   4     crc32        CRC-32 (zlib's) of every byte above
 
 ENVELOPE_MAGIC = b"KENV"
 ENVELOPE_CONTENT_TYPE = "application/x-knot-envelope"
@@ -259,7 +258,7 @@ def encode_envelope(env: Envelope) -> bytes:
                           env.position, env.seq_len, len(rid), FLAG_REWIND if env.rewind else 0)
     meta = head + rid + b"".join(_U64.pack(d) for d in arr.shape)
     payload = arr.astype(dtype, copy=False).tobytes()
-    return b"".join((meta, payload, _CRC.pack(zlib.crc32(payload, zlib.crc32(meta)))))
+    return b"".join((meta, payload, _CRC.pack(crc32(payload, crc32(meta)))))
 
 
 def encode_envelopes(envs: Iterable[Envelope]) -> bytes:
@@ -310,7 +309,7 @@ def _read_envelope(r: _Reader) -> Envelope:
                                  f"only {r.remaining()} left")
     payload = r.take(n * itemsize, f"payload {shape}")
     (crc,) = r.unpack(_CRC, "crc32")
-    got = zlib.crc32(r.buf[start:r.pos - _CRC.size])
+    got = crc32(r.buf[start:r.pos - _CRC.size])
     if got != crc:
         raise ChecksumMismatch(f"envelope {rid}: crc32 0x{got:08x}, frame says 0x{crc:08x}")
     if seq_len < position:
@@ -339,7 +338,7 @@ def _read_envelope(r: _Reader) -> Envelope:
 #     56   4     n_history      u32, tokens that follow
 #     60   4*n   history        i32 each: the sequence's last tokens up to the last row's input token
 #                               (row j of T sees history[:n - (T - 1 - j)]: the penalties' window)
-#     ..   4     crc32          zlib.crc32 of every byte above
+#     ..   4     crc32          CRC-32 (zlib's) of every byte above
 
 SAMPLE_MAGIC = b"KSMP"
 SAMPLE_CONTENT_TYPE = "application/x-knot-sample"
@@ -369,7 +368,7 @@ def encode_sample_request(spec: SampleSpec, env: Envelope) -> bytes:
     head = _SAMPLE_HEAD.pack(SAMPLE_MAGIC, VERSION, FLAG_DRAW if spec.draw else 0, 0, spec.top, spec.penalty_last_n,
                              spec.temperature, spec.key & 0xFFFFFFFFFFFFFFFF, spec.repetition, spec.frequency,
                              spec.presence, len(spec.history))
-    return head + hist + _CRC.pack(zlib.crc32(hist, zlib.crc32(head))) + encode_envelope(env)
+    return head + hist + _CRC.pack(crc32(hist, crc32(head))) + encode_envelope(env)
 
 
 def decode_sample_request(buf: bytes | memoryview) -> tuple[SampleSpec, Envelope]:
@@ -389,7 +388,7 @@ def decode_sample_request(buf: bytes | memoryview) -> tuple[SampleSpec, Envelope
         raise MalformedFrame("sample spec: DRAW with temperature 0 (greedy draws nothing)")
     hist = np.frombuffer(r.take(4 * n_hist, f"history ({n_hist} tokens)"), dtype="<i4")
     (crc,) = r.unpack(_CRC, "crc32")
-    got = zlib.crc32(r.buf[:r.pos - _CRC.size])
+    got = crc32(r.buf[:r.pos - _CRC.size])
     if got != crc:
         raise ChecksumMismatch(f"sample spec: crc32 0x{got:08x}, frame says 0x{crc:08x}")
     env = _read_envelope(r)

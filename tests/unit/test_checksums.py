@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import zlib
 
+import isal.isal_zlib
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import knot, wire
+from common import integrity, knot, wire
 from common.integrity import crc32_combine, seal
 from deploy.cli import main
 from deploy.knotfile import open_model
@@ -28,6 +29,27 @@ def test_crc32_combine_on_long_inputs():
     rng = np.random.default_rng(0)
     a, b = rng.bytes(5000), rng.bytes((1 << 20) + 7)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_the_one_crc32_is_isals_and_agrees_with_zlibs_on_awkward_buffers():
+    # isal is a base dependency: a failed import would silently fall back to zlib's (10x slower)
+    assert integrity.crc32 is isal.isal_zlib.crc32
+    rng = np.random.default_rng(1)
+    big = rng.bytes((3 << 20) + 5)  # several MiB, odd length
+    for n in (0, 1, 7, 15, 16, 17, 63, 4097, 65537, len(big)):
+        assert integrity.crc32(big[:n]) == zlib.crc32(big[:n]), n
+        assert integrity.crc32(big[:n], 0xDEADBEEF) == zlib.crc32(big[:n], 0xDEADBEEF), n  # a running value
+    view = memoryview(big)
+    for a, b in ((1, 4098), (3, 3 + 7), (5, len(big) - 11), (4096, 4096)):
+        assert integrity.crc32(view[a:b]) == zlib.crc32(view[a:b]), (a, b)  # unaligned slices of one buffer
+    words = np.frombuffer(big[:4 * 1001], dtype=np.float32).reshape(7, 143)
+    for arr in (words, words[2:5], words[3], words.T.copy()):  # numpy buffers, C-contiguous
+        assert integrity.crc32(arr) == zlib.crc32(arr.tobytes())
+    for strided in (view[::2], words[:, 1:3], words.T):  # not contiguous: both refuse, neither guesses
+        with pytest.raises((BufferError, TypeError, ValueError)):
+            integrity.crc32(strided)
+        with pytest.raises((BufferError, TypeError, ValueError)):
+            zlib.crc32(strided)
 
 
 def test_seal_holds_only_for_the_same_version_and_bytes():

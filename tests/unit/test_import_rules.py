@@ -2,8 +2,9 @@
 
 A module may import only what its layer allows, so a new dependency (a heavy library in a handler,
 a socket in common/) fails here until it is added on purpose:
-- common/: pure stdlib and numpy (tokenizers and jinja2 in common/tokenizer.py only); nothing from
-  services/ or deploy/; no sockets, processes, threads, environment or clocks;
+- common/: pure stdlib and numpy (tokenizers and jinja2 in common/tokenizer.py only, isal in
+  common/integrity.py only); nothing from services/ or deploy/; no sockets, processes, threads,
+  environment or clocks;
 - services/: what common/ may, plus the handler runtime (asyncio, contextvars, logging, time, uuid), jinja2 and
   prometheus_client; nothing from deploy/ (handlers must run under Pyodide);
 - deploy/: the host's libraries (aiohttp, boto3, redis, ...) and any stdlib module;
@@ -35,6 +36,7 @@ ALLOWED = {
 }
 WORKERS_RUNTIME = {"js", "pyodide", "workers"}  # only under Pyodide (tests/cloudflare doubles them)
 PER_MODULE = {"common/tokenizer.py": {"tokenizers", "jinja2"},  # byte-level BPE and the chat template
+              "common/integrity.py": {"isal"},  # the accelerated CRC-32, zlib's where it does not import
               **{f"deploy/cloudflare/{m}.py": WORKERS_RUNTIME for m in ("bindings", "convert", "entry")}}
 DISTRIBUTIONS = {"prometheus_client": "prometheus-client"}  # import name -> pyproject name, where they differ
 
