@@ -38,15 +38,21 @@ def steps(model: Model, layer_start: int, layer_end: int) -> list[tuple[int, str
 
 
 async def run_layers(model: Model, x: np.ndarray, layer_start: int, layer_end: int, seqs: Sequences,
-                     weights: Weights) -> np.ndarray:
-    """x (N, dim) -> (N, dim) f32 after layers [layer_start, layer_end); appends to every KV cache in seqs."""
+                     weights: Weights, compute: Callable[..., Awaitable] | None = None) -> np.ndarray:
+    """x (N, dim) -> (N, dim) f32 after layers [layer_start, layer_end); appends to every KV cache in seqs.
+
+    compute(fn, *args) runs each phase's fn(*args) when given (a station runs it off the event loop
+    while its next phase loads); None: in place."""
     state = np.ascontiguousarray(x, dtype=np.float32)
     for layer, phase in steps(model, layer_start, layer_end):
         w = weights.load(layer, phase)
         if inspect.isawaitable(w):
             w = await w
         try:
-            state = model.run_phase(layer, phase, state, w, seqs)
+            if compute is None:
+                state = model.run_phase(layer, phase, state, w, seqs)
+            else:
+                state = await compute(model.run_phase, layer, phase, state, w, seqs)
         finally:
             weights.done(layer, phase, w)
         del w  # the next phase loads with this one's weights already let go

@@ -194,6 +194,9 @@ SETTINGS: tuple[Setting, ...] = (
        positive=True),
     _s("MAX_BATCH", "int", "16", "station", "decode frames of concurrent requests stacked into one forward",
        minimum=1),
+    _s("PREFETCH", "choice", "on", "station", "a fluid station loads the next phase's tensors while one computes, "
+       "when its budget has room for two phases (/stats memory.prefetch says whether it does)",
+       choices=("on", "off")),
     # ------------------------------------------------------------ shard
     _s("VOCAB_START", "int", REQUIRED, "shard", "first token id of the shard's vocabulary slice", minimum=0),
     _s("VOCAB_END", "int", REQUIRED, "shard", "end of the slice (exclusive)", minimum=1),
@@ -269,6 +272,8 @@ SETTINGS: tuple[Setting, ...] = (
        "(launcher: default 3/4 of the host's available memory over the stations; compose: 384 MiB, under "
        "KNOT_STATION_MEM_LIMIT's 512m: raise both together, e.g. 1g and 805306368 for the 1.5B)", minimum=1,
        reader_defaults={"compose": str(384 * MiB)}),
+    _s("KNOT_PREFETCH", "choice", "on", "compose", "every station's PREFETCH (on: a fluid station loads the "
+       "next phase while one computes)", choices=("on", "off")),
     _s("KNOT_SHARD_THREADS", "int", "1", "compose",
        "every shard's KNOT_THREADS (the shards compute at once: one thread each fills the cores)", minimum=1),
     _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),

@@ -218,7 +218,8 @@ class ClusterLayout:
                 "MEMORY_BUDGET_BYTES": Knob("STATION_MEMORY_BUDGET_BYTES"), "MEMORY_PROFILE": Knob("KNOT_PROFILE"),
                 "RESIDENT_MAX_BYTES": Knob("KNOT_RESIDENT_MAX_BYTES"),
                 "SESSION_TTL_S": dflt("SESSION_TTL_S", "station"),
-                "MAX_BATCH": dflt("MAX_BATCH", "station")}, (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
+                "MAX_BATCH": dflt("MAX_BATCH", "station"), "PREFETCH": Knob("KNOT_PREFETCH")},
+                (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
         for s in shards:
             services.append(Service(f"shard-{s.index}", "shard", "services.shard", {
                 "KNOT_KEY": key, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),

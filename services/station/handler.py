@@ -9,7 +9,7 @@
 
 Env: KNOT_KEY, SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER, SPECIALIZATION_ROLE,
 MEMORY_BUDGET_BYTES (default 128 MiB), MEMORY_PROFILE (worker | resident), RESIDENT_MAX_BYTES,
-SESSION_TTL_S (default 600), MAX_BATCH (default 16);
+SESSION_TTL_S (default 600), MAX_BATCH (default 16), PREFETCH (on | off, default on);
 bindings KNOT_BUCKET (R2) and LAYER_WARDEN (DO namespace, optional).
 
 Speculative decoding: a decode frame may hold several rows (the last token and the drafts the
@@ -27,6 +27,8 @@ phase of each layer in turn. A phase's tensors stay only when the budget has roo
 the activations and the KV caches (services/station/memory.py); with the default 128 MiB that
 keeps a 0.5B's layers, while a 7B runs fluid. MEMORY_PROFILE=resident sizes the budget from the
 knot instead, so the station's layers stay (plan_memory); /stats "memory" says what was decided.
+A fluid station whose budget has room for two phases prefetches: phase i+1's tensors load from the
+warden while phase i computes in a worker thread (services/station/memory.py, ForwardWeights).
 
 The budget holds (docs/runtime.md, "Long prompts"): before a forward the station reserves what
 its KV caches will hold afterwards and checks that the largest phase fits beside them. If it does
@@ -48,7 +50,7 @@ import numpy as np
 from common import wire
 from common.knot import KnotHeader
 from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache
-from common.layers import run_layers
+from common.layers import run_layers, steps
 from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
 from common.settings import ConfigError, default, read
@@ -84,6 +86,7 @@ class StationSettings:
     max_batch: int = 16
     profile: str = "worker"
     resident_max_bytes: int | None = None
+    prefetch: bool = True
 
     @property
     def boot_key(self) -> str:
@@ -97,7 +100,7 @@ class StationSettings:
 
         s = cls(get("KNOT_KEY"), get("SPECIALIZATION_START_LAYER"), get("SPECIALIZATION_END_LAYER"),
                 get("SPECIALIZATION_ROLE"), get("MEMORY_BUDGET_BYTES"), get("SESSION_TTL_S"), get("MAX_BATCH"),
-                get("MEMORY_PROFILE"), get("RESIDENT_MAX_BYTES"))
+                get("MEMORY_PROFILE"), get("RESIDENT_MAX_BYTES"), get("PREFETCH") == "on")
         if not 0 <= s.layer_start < s.layer_end:
             raise ConfigError(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative",
                               name="SPECIALIZATION_END_LAYER")
@@ -132,6 +135,7 @@ class Station:
         self.layers = range(settings.layer_start, settings.layer_end)
         self.phase_bytes = 0  # the largest phase's streamed tensors (set at boot)
         self.split_frames = 0  # frames run in several passes to fit the budget
+        self.prefetched_phases = 0  # phases whose load overlapped the previous phase's compute
         self.refused_frames = 0
         # One forward at a time (memory is accounted for one); decode frames that arrive while it
         # runs are batched into the next.
@@ -146,6 +150,7 @@ class Station:
         self.memory.hold(await self.loader.load(names))
         phase_bytes, self.memory.tile_bytes = self._streamed_sizes()
         self.phase_bytes = max(phase_bytes, default=0)
+        self.memory.pair_bytes = self.plan.held_phase_bytes if self.plan.prefetch else 0
 
     def _streamed_sizes(self) -> tuple[list[int], int]:
         """From the knot's tensor table: the streamed bytes of each (layer, phase), and matmul's
@@ -166,8 +171,10 @@ class Station:
                        for p in self.model.phases for n in self.loader.names(layer, p) if self.model.is_resident(n))
         # an idle decode step, counted as the station's memory counts it (the same tile)
         fixed = resident + self.model.activation_bytes(1, 1) + tile_bytes
+        # prefetch holds a phase and the next one (in the forward's step order) at once
+        pair = max((a + b for a, b in zip(phase_bytes, phase_bytes[1:])), default=None) if s.prefetch else None
         return plan_memory(s.profile, s.budget_bytes, sum(phase_bytes), max(phase_bytes, default=0), fixed,
-                           s.resident_max_bytes)
+                           s.resident_max_bytes, pair)
 
     @property
     def kv_bytes(self) -> int:
@@ -324,20 +331,18 @@ class Station:
                 f"(STATION_MEMORY_BUDGET_BYTES in compose) or run more stations")
         xs = [env.array for env, _ in runs]
         h = np.concatenate(xs) if len(xs) > 1 else np.array(xs[0], dtype=np.float32)  # (N, dim), writable
-        a, b = self.settings.layer_start, self.settings.layer_end
         try:
             with self.memory.reserve(self.kv_after(runs), self.frame_bytes(N)):
                 if t == N:
                     seqs = [(sess.kv, np.arange(env.position, env.seq_len, dtype=np.int64)) for env, sess in runs]
-                    h = await run_layers(self.model, h, a, b, seqs, ForwardWeights(self.memory, self.loader, N, S))
+                    h = await self._run_layers(h, seqs, N, S)
                 else:  # one frame, in passes of t rows, each through every layer
                     (env, sess), = runs
                     self.split_frames += 1
                     for r in range(0, N, t):
                         p0, p1 = env.position + r, env.position + min(r + t, N)
-                        h[r:r + t] = await run_layers(self.model, h[r:r + t], a, b,
-                                                      [(sess.kv, np.arange(p0, p1, dtype=np.int64))],
-                                                      ForwardWeights(self.memory, self.loader, p1 - p0, p1))
+                        h[r:r + t] = await self._run_layers(h[r:r + t], [(sess.kv, np.arange(p0, p1, dtype=np.int64))],
+                                                            p1 - p0, p1)
         except BaseException:
             # A half-applied forward leaves the KV caches inconsistent: forget those sessions.
             for env, _ in runs:
@@ -360,6 +365,15 @@ class Station:
             a = b
         return out
 
+    async def _run_layers(self, h: np.ndarray, seqs, T: int, S: int) -> np.ndarray:
+        """h (T, dim) through our layers for these sequences (within reserve()), prefetching when the plan does."""
+        a, b = self.settings.layer_start, self.settings.layer_end
+        async with ForwardWeights(self.memory, self.loader, T, S, steps(self.model, a, b), self.plan.prefetch) as weights:
+            out = await run_layers(self.model, h, a, b, seqs, weights,
+                                   compute=weights.compute if weights.prefetching else None)
+            self.prefetched_phases += weights.prefetched
+        return out
+
     def stats(self) -> dict:
         s = self.settings
         return {
@@ -371,6 +385,7 @@ class Station:
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
             "max_session_tokens": self.max_session_tokens(), "phase_bytes": self.phase_bytes,
             "split_frames": self.split_frames, "refused_frames": self.refused_frames,
+            "prefetched_phases": self.prefetched_phases,
             "forwards": self.forwards, "batched_rows": self.batched_rows, **self.batcher.stats(),
             **self.loader.stats, **self.loader.warden_stats(), **self.loader.source.stats(),
         }

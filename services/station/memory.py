@@ -9,23 +9,33 @@ accounting that keeps the total within MEMORY_BUDGET_BYTES.
     activations  the phase's temporaries (model.activation_bytes(T, S), tiled attention included)
     the tile     matmul's dequantization tile
 
+    loaded       the tensors loaded for the running phase, and for the next one while it is
+                 prefetched: counted from before their load starts until evict_or_keep() lets them go
+
 Per phase: acquire() takes the phase's tensors from resident, then kept, and makes room before
 loading the rest; evict_or_keep() afterwards keeps what still fits beside everything else. Kept
 tensors are the only thing a phase may evict; the station checks before a forward that the rest
 fits (rows_per_pass), so make_room never runs out, and refuses with StationMemoryFull otherwise.
+
+Prefetch (fluid): when the plan has room for the two largest consecutive phases beside everything
+else, ForwardWeights starts loading phase i+1 as soon as phase i has its tensors, and phase i's
+compute runs off the event loop meanwhile (compute()), so the transfer overlaps it. A forward whose
+activations or KV caches leave no room for two phases loads one at a time, as without prefetch.
 What a kept entry is comes from `keep` and `take` (the station seals its copies with the knot
 version and crc32, services/station/tensors.py); an entry `take` refuses is a miss, loaded again.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol, Sequence
 
 from common.lru import ByteLRU
 from common.matmul import DEFAULT_TILE_BYTES
 from common.quant import QTensor
 from common.runtime import PayloadTooLarge
+from services.offload import off_loop
 
 
 class StationMemoryFull(PayloadTooLarge):
@@ -48,6 +58,8 @@ class MemoryPlan:
     fixed_bytes: int  # resident norms + a decode step's activations + the matmul tile
     kept_bytes: int  # about how much of layer_bytes stays between forwards
     streamed_bytes_per_token: int  # about what every decode step loads again
+    prefetch: bool = False  # the next phase loads while one computes (room for two phases is set aside)
+    held_phase_bytes: int = 0  # what the plan sets aside for loading: the largest phase, or pair of phases
 
     @property
     def fits(self) -> bool:
@@ -62,13 +74,15 @@ class MemoryPlan:
 
 
 def plan_memory(profile: str, budget_bytes: int, layer_bytes: int, largest_phase_bytes: int, fixed_bytes: int,
-                resident_max_bytes: int | None = None) -> MemoryPlan:
+                resident_max_bytes: int | None = None, largest_pair_bytes: int | None = None) -> MemoryPlan:
     """The station's budget under a profile and what it keeps of its layers at that budget.
 
     worker: budget_bytes as configured (a Worker's 128 MiB by default). resident: the layers plus
     budget_bytes for everything else (KV caches, activations), capped at resident_max_bytes (what
     the host can give). When the layers do not fit, the phase being streamed needs room beside the
-    kept ones (make_room), so the largest phase comes off what can stay."""
+    kept ones (make_room), so the largest phase comes off what can stay; with largest_pair_bytes
+    (two consecutive phases at most; None: no prefetch) and room for it, the pair does instead,
+    and the station prefetches."""
     if profile not in PROFILES:
         raise ValueError(f"memory profile {profile!r}: one of {', '.join(PROFILES)}")
     if profile == "resident":
@@ -76,8 +90,12 @@ def plan_memory(profile: str, budget_bytes: int, layer_bytes: int, largest_phase
         if resident_max_bytes is not None:
             budget_bytes = min(budget_bytes, max(resident_max_bytes, 1))
     room = max(budget_bytes - fixed_bytes, 0)
-    kept = layer_bytes if layer_bytes <= room else max(min(room - largest_phase_bytes, layer_bytes), 0)
-    return MemoryPlan(profile, budget_bytes, layer_bytes, fixed_bytes, kept, layer_bytes - kept)
+    if layer_bytes <= room:
+        return MemoryPlan(profile, budget_bytes, layer_bytes, fixed_bytes, layer_bytes, 0)
+    prefetch = largest_pair_bytes is not None and largest_pair_bytes <= room
+    held = largest_pair_bytes if prefetch else largest_phase_bytes
+    kept = max(min(room - held, layer_bytes), 0)
+    return MemoryPlan(profile, budget_bytes, layer_bytes, fixed_bytes, kept, layer_bytes - kept, prefetch, held)
 
 
 def expected_tok_s(streamed_bytes_per_token: int) -> float:
@@ -93,8 +111,8 @@ def describe_plan(name: str, layers: tuple[int, int], plan: MemoryPlan) -> str:
     if plan.fits:
         return f"{head}: resident (nothing streamed per token)"
     line = (f"{head}: do not fit, {plan.resident_fraction:.0%} stay; streams ~{plan.streamed_bytes_per_token / mb:.0f} MB "
-            f"per token from the LayerWarden, which alone holds decode under "
-            f"{expected_tok_s(plan.streamed_bytes_per_token):.1f} tok/s")
+            f"per token from the LayerWarden{', the next phase while one computes' if plan.prefetch else ''}, "
+            f"which alone holds decode under {expected_tok_s(plan.streamed_bytes_per_token):.1f} tok/s")
     if plan.profile == "worker":
         line += " (a Worker's budget; `knot cluster up --profile resident` or KNOT_PROFILE=resident keeps them)"
     else:
@@ -130,6 +148,9 @@ class StationMemory:
         self.resident: dict[str, QTensor] = {}
         self.resident_bytes = 0  # fixed after boot; summed once, not per phase
         self.kept: ByteLRU[str, Any] = ByteLRU(budget_bytes)
+        self.loaded: dict[str, int] = {}  # name -> bytes: loaded for a running or prefetched phase, not yet let go
+        self.loaded_bytes = 0
+        self.pair_bytes = 0  # two consecutive phases' streamed tensors at most; 0: never prefetch (set at boot)
         self.peak_accounted_bytes = 0
         self.kv_after_bytes = 0  # set by reserve() for the running forward
         self.frame_bytes = 0
@@ -157,27 +178,33 @@ class StationMemory:
         """What a phase of T rows over S positions holds besides tensors, with these KV caches and frames."""
         return self.resident_bytes + kv_bytes + frame_bytes + self.activation_bytes(T, S) + self.tile_bytes
 
+    def prefetch_fits(self, T: int, S: int) -> bool:
+        """Whether a forward of T rows over S positions has room for two phases' tensors at once
+        (within reserve()), nothing kept."""
+        return 0 < self.pair_bytes and self.fixed_bytes(T, S) + self.pair_bytes <= self.budget_bytes
+
     def rows_per_pass(self, N: int, S: int, phase_bytes: int) -> int:
         """The most rows (<= N) one pass through the layers may take so that every phase fits with
         phase_bytes of its own tensors loaded and nothing kept (within reserve()); 0: not even one."""
         return largest(lambda t: self.fixed_bytes(t, S) + phase_bytes <= self.budget_bytes, N)
 
-    def account(self, phase_bytes: int, T: int, S: int) -> int:
-        """The bytes held while a phase runs with phase_bytes of freshly loaded tensors; tracks the peak."""
-        total = self.kept.bytes_used + phase_bytes + self.fixed_bytes(T, S)
+    def account(self, T: int, S: int) -> int:
+        """The bytes held now, by a phase of T rows over S positions: kept, loaded and fixed; tracks the peak."""
+        total = self.kept.bytes_used + self.loaded_bytes + self.fixed_bytes(T, S)
         self.peak_accounted_bytes = max(self.peak_accounted_bytes, total)
         return total
 
     def make_room(self, need_bytes: int, T: int, S: int, protect: set[str]) -> None:
         """Before a phase runs: evict kept tensors, most recently used first (never the phase's own,
-        `protect`), until the phase's new tensors (need_bytes) and its activations fit the budget.
+        nor the running phase's while the next is prefetched: `protect`), until the phase's new
+        tensors (need_bytes) fit the budget beside its activations and the tensors already loaded.
         Runs even when nothing is loaded: a long prefill needs room that a decode step did not.
 
         Why most recently used: a station reads its layers in the same cyclic order every forward,
         and under a cyclic scan LRU evicts exactly the tensor needed next, so a budget one tensor
         short of the whole range would hit nothing. Evicting the newest keeps the first layers that
         fit and streams the rest: the fewest bytes from the warden per forward (Belady's choice)."""
-        limit = self.budget_bytes - self.fixed_bytes(T, S) - need_bytes
+        limit = self.budget_bytes - self.fixed_bytes(T, S) - self.loaded_bytes - need_bytes
         if self.kept.bytes_used <= limit:
             return
         for name in reversed(list(self.kept.keys())):  # most recently used first
@@ -189,11 +216,21 @@ class StationMemory:
             raise StationMemoryFull(
                 f"a phase of {T} rows over {S} positions needs {need_bytes} bytes of tensors and "
                 f"{self.fixed_bytes(T, S)} of KV caches, frames, activations and resident tensors, "
-                f"{self.kept.bytes_used} kept ones left: over the {self.budget_bytes}-byte budget")
+                f"{self.loaded_bytes} loaded and {self.kept.bytes_used} kept ones left: over the "
+                f"{self.budget_bytes}-byte budget")
 
-    async def acquire(self, names: list[str], T: int, S: int, source: TensorSource) -> dict[str, QTensor]:
+    async def acquire(self, names: list[str], T: int, S: int, source: TensorSource,
+                      protect: Sequence[str] = ()) -> dict[str, QTensor]:
         """The phase's tensors: resident, then kept (a hit refreshes it), then loaded from source
-        once make_room has made room for them."""
+        once make_room has made room for them (never evicting `protect`: the running phase's while
+        this one is prefetched). What it loads counts as loaded until evict_or_keep() or release()."""
+        w, need = self.claim(names, T, S, source, protect)
+        return await self.fill(w, need, T, S, source)
+
+    def claim(self, names: list[str], T: int, S: int, source: TensorSource,
+              protect: Sequence[str] = ()) -> tuple[dict[str, QTensor], dict[str, int]]:
+        """acquire()'s first half, at once: the tensors at hand, and room made and counted for the
+        rest (name -> bytes), so a phase that ends before they arrive (prefetch) sees them."""
         w = {n: self.resident[n] for n in names if n in self.resident}
         for n in names:
             if n not in w:
@@ -203,16 +240,35 @@ class StationMemory:
                     w[n] = t
                 elif kept is not None:
                     self.kept.pop(n)
-        need = [n for n in names if n not in w]
-        self.make_room(sum(source.nbytes(n) for n in need), T, S, protect=set(names))
-        if need:
-            w.update(await source.load(need))
-        self.account(sum(w[n].nbytes for n in need), T, S)
+        need = {n: source.nbytes(n) for n in names if n not in w}
+        self.make_room(sum(need.values()), T, S, protect=set(names) | set(protect))
+        self.loaded.update(need)
+        self.loaded_bytes += sum(need.values())
+        return w, need
+
+    async def fill(self, w: dict[str, QTensor], need: dict[str, int], T: int, S: int,
+                   source: TensorSource) -> dict[str, QTensor]:
+        """acquire()'s second half: load what claim() counted; on failure it is no longer counted."""
+        try:
+            if need:
+                w.update(await source.load(list(need)))
+        except BaseException:
+            self.release(need)
+            raise
+        self.account(T, S)
         return w
 
-    def evict_or_keep(self, w: Mapping[str, QTensor], T: int, S: int) -> None:
-        """After a phase: keep its loaded tensors only if they fit beside everything else."""
-        room = self.budget_bytes - self.fixed_bytes(T, S)
+    def release(self, names) -> None:
+        """Let go of loaded tensors (a phase's, once it ran or was abandoned): no longer counted."""
+        for n in names:
+            self.loaded_bytes -= self.loaded.pop(n, 0)
+
+    def evict_or_keep(self, w: Mapping[str, QTensor], T: int, S: int, ahead_bytes: int = 0) -> None:
+        """After a phase: let go of its loaded tensors, keeping those that fit beside everything
+        else: the tensors loaded meanwhile (a prefetched phase) and ahead_bytes, what the next load
+        will need (were it kept, that load's make_room would evict it first)."""
+        self.release(w)
+        room = self.budget_bytes - self.fixed_bytes(T, S) - self.loaded_bytes - ahead_bytes
         for name, t in w.items():
             if name in self.resident or name in self.kept:
                 continue
@@ -221,16 +277,99 @@ class StationMemory:
 
 
 class ForwardWeights:
-    """The layer loop's weights (common.layers.Weights) for one forward of T rows attending to S positions."""
+    """The layer loop's weights (common.layers.Weights) for one forward of T rows attending to S
+    positions; use it as `async with`, which drops a prefetched phase the forward did not reach.
 
-    def __init__(self, memory: StationMemory, source: TensorSource, T: int, S: int):
+    `steps`, the forward's (layer, phase) order, tells what loads next. A finished phase is kept
+    only if it fits beside the next load too (ahead_bytes): a copy that phase's make_room would
+    evict at once (the newest goes first) is a copy of tens of MB for nothing, once per phase.
+    With `prefetch` and room for two phases (prefetch_fits), a phase's load starts the next
+    phase's when that one needs loading, and compute() runs the phase off the event loop while it
+    does, so the transfer overlaps the compute."""
+
+    def __init__(self, memory: StationMemory, source: TensorSource, T: int, S: int,
+                 steps: Sequence[tuple[int, str]] = (), prefetch: bool = False):
         self.memory, self.source, self.T, self.S = memory, source, T, S
+        steps = list(steps)
+        # the next forward starts where this one did, so the step after the last is the first
+        self.after = dict(zip(steps, steps[1:] + steps[:1]))
+        self.following = dict(zip(steps, steps[1:])) if prefetch and memory.prefetch_fits(T, S) else {}
+        self.next: tuple[tuple[int, str], list[str], asyncio.Task] | None = None  # the step being prefetched
+        self.prefetched = 0  # phases whose load overlapped the previous phase
+
+    @property
+    def prefetching(self) -> bool:
+        return bool(self.following)
+
+    async def __aenter__(self) -> "ForwardWeights":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._drop_next()
 
     async def load(self, layer: int, phase: str) -> dict[str, QTensor]:
-        return await self.memory.acquire(self.source.names(layer, phase), self.T, self.S, self.source)
+        names = self.source.names(layer, phase)
+        if self.next is not None and self.next[0] == (layer, phase):
+            w = await self.next[2]
+            self.next = None
+            self.prefetched += 1
+        else:
+            await self._drop_next()
+            w = await self.memory.acquire(names, self.T, self.S, self.source)
+        step = self.following.get((layer, phase))
+        if step is not None:
+            upcoming = self.source.names(*step)
+            if self._to_load(upcoming):
+                got, need = self.memory.claim(upcoming, self.T, self.S, self.source, protect=names)
+                self.next = (step, upcoming, asyncio.ensure_future(
+                    self.memory.fill(got, need, self.T, self.S, self.source)))
+        return w
 
     def done(self, layer: int, phase: str, w: Mapping[str, QTensor]) -> None:
-        self.memory.evict_or_keep(w, self.T, self.S)
+        self.memory.evict_or_keep(w, self.T, self.S, self._ahead((layer, phase)))
+
+    def _ahead(self, step: tuple[int, str]) -> int:
+        """The bytes claimed before another phase is let go, once `step` is done: the next load's
+        (its phase unless already loading, and the prefetch it starts). After the last step, the
+        next forward's first: the layers are read in the same order every time."""
+        j = self.after.get(step)
+        if j is None:
+            return 0
+        if self.next is not None and self.next[0] == j:  # loading already, and counted
+            if j in self.following:
+                claims = [self.following[j]]
+            else:  # j ends the forward; the next one starts over
+                j = self.after[j]
+                claims = [j, *([self.following[j]] if j in self.following else [])]
+        else:
+            claims = [j, *([self.following[j]] if j in self.following else [])]
+        return sum(self._to_load(self.source.names(*c)) for c in claims)
+
+    def _to_load(self, names: list[str]) -> int:
+        """The bytes of names that neither stay (resident) nor are kept now: what loading them takes."""
+        m = self.memory
+        return sum(self.source.nbytes(n) for n in names if n not in m.resident and n not in m.kept)
+
+    async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args): in a worker thread while the next phase loads, so the event loop moves its
+        bytes meanwhile (the kernels release the GIL); in place otherwise (no thread hop)."""
+        if self.next is not None and not self.next[2].done():
+            return await off_loop(fn, *args)
+        return fn(*args)
+
+    async def _drop_next(self) -> None:
+        """Cancel a prefetch the forward will not use, and let go of whatever it loaded."""
+        if self.next is None:
+            return
+        _, names, task = self.next
+        self.next = None
+        task.cancel()
+        try:
+            await asyncio.wait([task])  # raises only if this forward itself is cancelled meanwhile
+        finally:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: an abandoned load's error concerns no one
+            self.memory.release(names)
 
 
 def largest(fits: Callable[[int], bool], hi: int) -> int:

@@ -30,6 +30,18 @@ def test_worker_budget_short_of_the_layers_streams_the_rest_and_leaves_room_for_
     assert not p.fits and p.resident_fraction == pytest.approx(88 / 400)
 
 
+def test_prefetch_sets_aside_two_phases_when_they_fit_and_one_otherwise():
+    p = plan_memory("worker", 128 * MiB, 400 * MiB, 30 * MiB, 10 * MiB, largest_pair_bytes=50 * MiB)
+    assert p.prefetch and p.held_phase_bytes == 50 * MiB
+    assert p.kept_bytes == 128 * MiB - 10 * MiB - 50 * MiB  # the running phase and the next one load beside
+    no_room = plan_memory("worker", 128 * MiB, 400 * MiB, 30 * MiB, 10 * MiB, largest_pair_bytes=119 * MiB)
+    assert not no_room.prefetch and no_room.kept_bytes == 128 * MiB - 10 * MiB - 30 * MiB
+    fits = plan_memory("worker", 128 * MiB, 100 * MiB, 30 * MiB, 10 * MiB, largest_pair_bytes=50 * MiB)
+    assert fits.fits and not fits.prefetch, "nothing streams: nothing to prefetch"
+    assert "the next phase while one computes" in describe_plan("station", (0, 14), p)
+    assert "while one computes" not in describe_plan("station", (0, 14), no_room)
+
+
 def test_resident_budget_is_the_layers_plus_the_worker_budget_capped_by_the_host():
     p = plan_memory("resident", 128 * MiB, layer_bytes=400 * MiB, largest_phase_bytes=30 * MiB, fixed_bytes=10 * MiB)
     assert (p.budget_bytes, p.streamed_bytes_per_token, p.fits) == (528 * MiB, 0, True)

@@ -1,6 +1,10 @@
 """The station's memory policy (services/station/memory.py) against a fake tensor source: the
-accounting, most-recently-used eviction, keep-if-it-fits, and the cyclic scan it is built for."""
+accounting, most-recently-used eviction, keep-if-it-fits, the cyclic scan it is built for, and the
+prefetch of the next phase (room for two, never over the budget, dropped when a forward fails)."""
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -120,3 +124,135 @@ async def test_a_cyclic_scan_streams_only_what_it_cannot_keep():
         else:
             assert len(m.kept) == 5, "the budget's worth stays kept"
             assert 0 < len(src.loaded) <= len(sizes) - len(m.kept) + 1, (forward, src.loaded)
+
+
+async def test_a_finished_phase_is_copied_only_when_the_next_load_would_not_evict_it_at_once():
+    """The same cyclic scan, told the forward's order: a phase that ends is kept (a copy) only if
+    it fits beside what loads next; it used to be copied and evicted by the very next make_room,
+    a copy per streamed phase (tens of MB each at 7B). The loads stay the same."""
+    sizes = {f"t{i}": 100 for i in range(8)}
+    order = [(0, n) for n in sizes]
+    for told in (False, True):
+        src = Source(sizes)
+        m = memory(DEFAULT_TILE_BYTES + ACT_PER_ROW + 10 + 500)
+        copies = []
+        m.keep = lambda t: (copies.append(t.name), t)[1]
+        loads = []
+        for forward in range(5):
+            src.loaded, copies[:] = [], []
+            weights = ForwardWeights(m, src, 1, 1, order if told else ())
+            for name in sizes:
+                w = await weights.load(0, name)
+                weights.done(0, name, w)
+            assert m.peak_accounted_bytes <= m.budget_bytes
+            loads.append(len(src.loaded))
+        assert loads == [8, 3, 3, 3, 3], loads
+        assert len(copies) == (1 if told else 3), (told, copies)  # each forward's last one, before: every one
+
+
+class SlowSource(Source):
+    """Source whose loads finish only when the test lets them (gate), so a prefetch stays in flight."""
+
+    def __init__(self, sizes: dict[str, int]):
+        super().__init__(sizes)
+        self.gate = asyncio.Event()
+        self.started: list[str] = []
+
+    async def load(self, names: list[str]) -> dict[str, QTensor]:
+        self.started += names
+        await self.gate.wait()
+        return await super().load(names)
+
+
+def prefetching_memory(budget_room: int, pair_bytes: int) -> StationMemory:
+    m = memory(DEFAULT_TILE_BYTES + ACT_PER_ROW + 10 + budget_room)
+    m.pair_bytes = pair_bytes
+    return m
+
+
+async def test_prefetch_loads_the_next_phase_while_one_runs_and_counts_both():
+    src = SlowSource({f"t{i}": 100 for i in range(4)})
+    m = prefetching_memory(200, 200)  # room for two phases, nothing more
+    order = [(0, f"t{i}") for i in range(4)]
+    async with ForwardWeights(m, src, 1, 1, order, prefetch=True) as weights:
+        assert weights.prefetching
+        src.gate.set()
+        w0 = await weights.load(0, "t0")
+        await asyncio.sleep(0)  # the prefetch task starts
+        assert src.started == ["t0", "t1"] and m.loaded_bytes == 200, "t1 loads while t0 is held"
+        assert m.peak_accounted_bytes <= m.budget_bytes
+        weights.done(0, "t0", w0)
+        for i in range(1, 4):
+            w = await weights.load(0, f"t{i}")
+            weights.done(0, f"t{i}", w)
+        assert weights.prefetched == 3 and src.loaded == ["t0", "t1", "t2", "t3"]
+    assert m.loaded_bytes == 0 and m.loaded == {}
+    assert list(m.kept.keys()) == [], "nothing the next forward's first two loads would evict at once"
+    assert m.peak_accounted_bytes == m.budget_bytes, "two phases at once, exactly the budget"
+
+
+async def test_no_prefetch_without_room_for_two_phases():
+    src = SlowSource({f"t{i}": 100 for i in range(3)})
+    src.gate.set()
+    m = prefetching_memory(199, 200)  # one byte short of two phases
+    order = [(0, f"t{i}") for i in range(3)]
+    async with ForwardWeights(m, src, 1, 1, order, prefetch=True) as weights:
+        assert not weights.prefetching
+        w = await weights.load(0, "t0")
+        await asyncio.sleep(0)
+        assert src.started == ["t0"] and m.loaded_bytes == 100
+        weights.done(0, "t0", w)
+    assert weights.prefetched == 0 and m.peak_accounted_bytes <= m.budget_bytes
+
+
+async def test_a_forward_that_ends_early_drops_its_prefetch_and_its_bytes():
+    src = SlowSource({f"t{i}": 100 for i in range(3)})
+    m = prefetching_memory(200, 200)
+    order = [(0, f"t{i}") for i in range(3)]
+    with pytest.raises(RuntimeError, match="phase failed"):
+        async with ForwardWeights(m, src, 1, 1, order, prefetch=True) as weights:
+            load = asyncio.ensure_future(weights.load(0, "t0"))
+            await asyncio.sleep(0)
+            src.gate.set()
+            w = await load
+            await asyncio.sleep(0)
+            assert weights.next is not None and weights.next[0] == (0, "t1")
+            weights.done(0, "t0", w)
+            raise RuntimeError("phase failed")  # the layer loop's error, with t1 in flight
+    assert weights.next is None and m.loaded_bytes == 0 and m.loaded == {}
+
+
+async def test_prefetch_never_evicts_the_running_phases_kept_tensors():
+    src = SlowSource({"a": 100, "b": 100, "c": 100})
+    src.gate.set()
+    m = prefetching_memory(250, 200)
+    m.kept.put("a", tensor("a", 100), 100)
+    m.kept.put("c", tensor("c", 100), 100)
+    order = [(0, "a"), (0, "b"), (0, "c")]
+    async with ForwardWeights(m, src, 1, 1, order, prefetch=True) as weights:
+        w = await weights.load(0, "a")  # a kept hit; b needs loading: its prefetch makes room
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert "a" in m.kept and "c" not in m.kept, "the newest kept tensor not in use went, never a"
+        weights.done(0, "a", w)
+        w = await weights.load(0, "b")
+        weights.done(0, "b", w)
+        w = await weights.load(0, "c")
+        weights.done(0, "c", w)
+    assert m.peak_accounted_bytes <= m.budget_bytes and m.loaded_bytes == 0
+
+
+async def test_compute_runs_off_the_event_loop_only_while_a_prefetch_is_in_flight():
+    src = SlowSource({"t0": 100, "t1": 100})
+    m = prefetching_memory(200, 200)
+    src.gate.set()
+    async with ForwardWeights(m, src, 1, 1, [(0, "t0"), (0, "t1")], prefetch=True) as weights:
+        w = await weights.load(0, "t0")
+        src.gate.clear()  # t1's load waits until the compute below lets it go
+        in_thread = await weights.compute(lambda: threading.current_thread() is not threading.main_thread())
+        assert in_thread, "the compute ran in a worker thread while t1 loaded"
+        src.gate.set()
+        weights.done(0, "t0", w)
+        w = await weights.load(0, "t1")
+        assert not await weights.compute(lambda: threading.current_thread() is not threading.main_thread())
+        weights.done(0, "t1", w)
