@@ -4,7 +4,9 @@ Starts the compose topology with the local launcher (real SeaweedFS, Valkey and 
 service), then:
 
     hops     /generate of --tokens greedy tokens, twice; prints the second run's decode tok/s and
-             the coordinator's per-hop mean times (timings.hops), and the stations' warden bytes
+             the coordinator's per-hop mean times (timings.hops), and the stations' warden bytes; a
+             fluid station's bytes over its layer loop's time (GB/s) against np.copyto of a phase,
+             and the share of that loop spent waiting for tensors
     cpu      one run of --tokens tokens; prints each process's CPU ms per token (user + system,
              every thread, from /proc/<pid>/task/*/stat) and their sum
     fanout   posts one (1, dim) hidden state to every shard's /logits at once, --reps times, and
@@ -46,7 +48,8 @@ from common import wire  # noqa: E402
 from common.models import model_for  # noqa: E402
 import deploy.kernels  # noqa: E402
 from deploy import launcher, models, servers  # noqa: E402
-from deploy.commands.bench import http_json, peak_rss_bytes  # noqa: E402
+from deploy.commands.bench import (copy_gb_s, describe_fluid, fluid_rates, http_json, peak_rss_bytes,  # noqa: E402
+                                   stations_stats)
 from deploy.knotfile import open_model  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
@@ -57,6 +60,7 @@ def post(url: str, body: dict, timeout_s: float = 1800.0) -> dict:
 
 
 _signed = lambda method, url, body=b"": {}  # noqa: E731 - the cluster's signer, once it is up (main)
+_cluster = None  # the cluster, once it is up (main)
 
 
 def get(url: str) -> dict:
@@ -74,17 +78,22 @@ def cpu_seconds(pid: int) -> float:
 
 
 def hops(running: dict, gen: str, tokens: int) -> None:
-    stations = {n: r for n, r in running.items() if n.startswith("station")}
-    w0 = {n: get(r.url + "/stats")["warden_bytes"] for n, r in stations.items()}
+    before = stations_stats(_cluster, running)
     for i in range(2):
         b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0})
-    n = 2 * (b["usage"]["completion_tokens"] + 1)
+    after = stations_stats(_cluster, running)
     print(f"hops: decode {b['timings']['decode_tok_s']:.3g} tok/s; mean ms per hop: "
           + ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in b["timings"]["hops"].items()))
-    for name, r in stations.items():
-        s = get(r.url + "/stats")
-        print(f"  {name}: warden bytes per forward {(s['warden_bytes'] - w0[name]) / n:,.0f}, "
-              f"kept {s['kept_bytes']:,} B, accounted peak {s['peak_accounted_bytes']:,} B")
+    for name, s in after.items():
+        forwards = s["forwards"] - before[name]["forwards"]
+        print(f"  {name}: warden bytes per forward {(s['warden_bytes'] - before[name]['warden_bytes']) / forwards:,.0f}, "
+              f"kept {s['kept_bytes']:,} B, accounted peak {s['peak_accounted_bytes']:,} B, "
+              f"prefetch {s['memory']['prefetch']}")
+    rates = fluid_rates(before, after)
+    if any(r["bytes_per_forward"] for r in rates.values()):  # fluid: against the machine's copy speed
+        copy = copy_gb_s(max(r["phase_bytes"] for r in rates.values()))
+        for line in describe_fluid(rates, copy):
+            print(f"  fluid {line}")
 
 
 def cpu(running: dict, gen: str, tokens: int) -> None:
@@ -283,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("KNOT_KEY", None)
     cluster = launcher.Cluster(Path(args.run_dir))
     running = {r.name: r for r in cluster.up(model=args.model, env=env)}
-    global _signed
-    _signed = cluster.signed
+    global _signed, _cluster
+    _signed, _cluster = cluster.signed, cluster
     try:
         gen = running["coordinator"].url + "/generate"
         post(gen, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})  # boots and warms every service

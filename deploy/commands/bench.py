@@ -11,8 +11,10 @@ Measures (issue 7's benchmark):
     profiles                          the figures above come from the resident profile: stations
                                       with --budget-bytes (default 1 GiB) keep their layers; then a
                                       second cluster runs the fluid profile (--fluid-budget-bytes,
-                                      default 128 MiB, a Worker's memory): its decode tok/s and the
-                                      bytes per token the stations pulled from their LayerWardens
+                                      default 128 MiB, a Worker's memory): its decode tok/s, the
+                                      bytes per token the stations pulled from their LayerWardens, and
+                                      per station those bytes over its layer loop's time (GB/s) set
+                                      against np.copyto of a phase's bytes (the machine's copy speed)
     peak RSS <service>                VmHWM of each service process at the end
     speculation                       greedy decode of a code prompt (HumanEval-style), a chat
                                       prompt and a code edit (chat), with speculation off and with each source (prompt
@@ -92,6 +94,8 @@ def format_value(v: float | None, unit: str) -> str:
         return f"{v:.2f}x"
     if unit == "%":
         return f"{v * 100:.0f}%"
+    if unit == "GB/s":
+        return f"{v:.2f} GB/s"
     return f"{v:g}"
 
 
@@ -295,18 +299,70 @@ def _station_stats(cluster, running: dict) -> dict:
             for s in [_stats(cluster, r)]}
 
 
+def stations_stats(cluster, running: dict) -> dict[str, dict]:
+    """Every station's /stats (signed with the cluster's secret), by name."""
+    return {n: _stats(cluster, r) for n, r in sorted(running.items()) if n.startswith("station")}
+
+
+def copy_gb_s(nbytes: int, reps: int = 9) -> float:
+    """The machine's copy speed for a buffer of nbytes (a fluid phase): np.copyto, median of reps, GB/s."""
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # the pages of dst exist before the timing
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return src.nbytes / sorted(times)[reps // 2] / 1e9
+
+
+def fluid_rates(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per station, between two /stats readings: bytes from its LayerWarden over the time in its
+    layer loop (GB/s), that loop's share spent waiting for tensors, and bytes per forward."""
+    out = {}
+    for name, b in after.items():
+        a = before[name]
+        forward_s, forwards = b["forward_s"] - a["forward_s"], b["forwards"] - a["forwards"]
+        moved = b["warden_bytes"] - a["warden_bytes"] + b["r2_bytes"] - a["r2_bytes"]
+        out[name] = {"gb_s": moved / forward_s / 1e9 if forward_s > 0 else None,
+                     "load_wait_share": (b["load_wait_s"] - a["load_wait_s"]) / forward_s if forward_s > 0 else None,
+                     "bytes_per_forward": moved / forwards if forwards else None,
+                     "ms_per_forward": forward_s / forwards * 1e3 if forwards else None,
+                     "prefetched_phases": b["prefetched_phases"] - a["prefetched_phases"],
+                     "phase_bytes": b["phase_bytes"]}
+    return out
+
+
+def describe_fluid(rates: dict[str, dict], copy: float) -> list[str]:
+    """One line per station: GB/s moved, against the copy speed, and where its forward's time went."""
+    lines = []
+    for name, r in rates.items():
+        if r["gb_s"] is None:
+            continue
+        lines.append(f"{name}: {r['bytes_per_forward'] / 1e9:.3f} GB per forward in {r['ms_per_forward']:.0f} ms: "
+                     f"{r['gb_s']:.2f} GB/s ({r['gb_s'] / copy:.2f}x the {copy:.2f} GB/s np.copyto of a "
+                     f"{r['phase_bytes'] / 1e6:.0f} MB phase); {r['load_wait_share']:.0%} of it waiting for tensors, "
+                     f"{r['prefetched_phases']} phases prefetched")
+    return lines
+
+
 def measure_fluid(model: str | None, args) -> dict:
     """Decode only, with Worker-sized stations: tok/s and the bytes pulled from the LayerWardens."""
     cluster, running = start_cluster(model, args, args.fluid_budget_bytes, "worker")
     try:
         url = running["coordinator"].url + "/generate"
         http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": 2, "temperature": 0})
-        w0 = _counters(cluster, running, "warden_bytes")
+        w0, s0 = _counters(cluster, running, "warden_bytes"), stations_stats(cluster, running)
         progress(f"fluid decode: {args.fluid_tokens} tokens")
         body = http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": args.fluid_tokens, "temperature": 0})
         n = body["usage"]["completion_tokens"]
+        rates = fluid_rates(s0, stations_stats(cluster, running))
         return {"decode_tok_s": body["timings"]["decode_tok_s"], "tokens": n,
                 "warden_bytes_per_token": per_token(w0, _counters(cluster, running, "warden_bytes"), n),
+                "rates": rates, "copy_gb_s": copy_gb_s(max(r["phase_bytes"] for r in rates.values())),
                 "station_stats": _station_stats(cluster, running)}
     finally:
         progress("stopping the fluid cluster")
@@ -473,6 +529,12 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
                        "tok/s"))
     figs.append(Figure(f"fluid ({mib:g} MiB stations) warden bytes per token", fluid.get("warden_bytes_per_token"),
                        None, "B"))
+    copy = fluid.get("copy_gb_s")
+    for name, r in (fluid.get("rates") or {}).items():
+        figs.append(Figure(f"fluid: {name} GB/s from its warden", r["gb_s"], None, "GB/s"))
+        figs.append(Figure(f"fluid: {name} / np.copyto of a phase", ratio(r["gb_s"], copy), None, "x"))
+    if fluid:
+        figs.append(Figure("fluid: np.copyto of a phase (the machine's copy speed)", copy, None, "GB/s"))
     for n, b in sorted(cl.get("peak_rss", {}).items()):
         figs.append(Figure(f"peak RSS {n}", b, None, "MiB"))
     return figs
@@ -539,6 +601,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{n}-token prompt: {r}")
     if fluid:
         print(f"fluid run: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
+        for line in describe_fluid(fluid["rates"], fluid["copy_gb_s"]):
+            print(f"fluid {line}")
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": cl, "fluid": fluid, "local": local, "llama": ll},
                                               indent=1, default=str))

@@ -136,6 +136,8 @@ class Station:
         self.phase_bytes = 0  # the largest phase's streamed tensors (set at boot)
         self.split_frames = 0  # frames run in several passes to fit the budget
         self.prefetched_phases = 0  # phases whose load overlapped the previous phase's compute
+        self.forward_s = 0.0  # time in the layer loop, and the part of it spent waiting for tensors
+        self.load_wait_s = 0.0
         self.refused_frames = 0
         # One forward at a time (memory is accounted for one); decode frames that arrive while it
         # runs are batched into the next.
@@ -368,11 +370,15 @@ class Station:
     async def _run_layers(self, h: np.ndarray, seqs, T: int, S: int) -> np.ndarray:
         """h (T, dim) through our layers for these sequences (within reserve()), prefetching when the plan does."""
         a, b = self.settings.layer_start, self.settings.layer_end
+        t0 = time.perf_counter()
         async with ForwardWeights(self.memory, self.loader, T, S, steps(self.model, a, b), self.plan.prefetch) as weights:
-            out = await run_layers(self.model, h, a, b, seqs, weights,
-                                   compute=weights.compute if weights.prefetching else None)
-            self.prefetched_phases += weights.prefetched
-        return out
+            try:
+                return await run_layers(self.model, h, a, b, seqs, weights,
+                                        compute=weights.compute if weights.prefetching else None)
+            finally:
+                self.prefetched_phases += weights.prefetched
+                self.forward_s += time.perf_counter() - t0
+                self.load_wait_s += weights.wait_s
 
     def stats(self) -> dict:
         s = self.settings
@@ -385,7 +391,8 @@ class Station:
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
             "max_session_tokens": self.max_session_tokens(), "phase_bytes": self.phase_bytes,
             "split_frames": self.split_frames, "refused_frames": self.refused_frames,
-            "prefetched_phases": self.prefetched_phases,
+            "prefetched_phases": self.prefetched_phases, "forward_s": round(self.forward_s, 6),
+            "load_wait_s": round(self.load_wait_s, 6),
             "forwards": self.forwards, "batched_rows": self.batched_rows, **self.batcher.stats(),
             **self.loader.stats, **self.loader.warden_stats(), **self.loader.source.stats(),
         }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -296,6 +297,7 @@ class ForwardWeights:
         self.following = dict(zip(steps, steps[1:])) if prefetch and memory.prefetch_fits(T, S) else {}
         self.next: tuple[tuple[int, str], list[str], asyncio.Task] | None = None  # the step being prefetched
         self.prefetched = 0  # phases whose load overlapped the previous phase
+        self.wait_s = 0.0  # time the layer loop waited for tensors (what prefetch did not hide)
 
     @property
     def prefetching(self) -> bool:
@@ -308,6 +310,13 @@ class ForwardWeights:
         await self._drop_next()
 
     async def load(self, layer: int, phase: str) -> dict[str, QTensor]:
+        t0 = time.perf_counter()
+        try:
+            return await self._load(layer, phase)
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    async def _load(self, layer: int, phase: str) -> dict[str, QTensor]:
         names = self.source.names(layer, phase)
         if self.next is not None and self.next[0] == (layer, phase):
             w = await self.next[2]

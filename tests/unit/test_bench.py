@@ -1,8 +1,8 @@
 """`knot bench`'s table: ratios and formatting, no servers."""
 from __future__ import annotations
 
-from deploy.commands.bench import (Figure, build_figures, format_value, per_token, ratio, render_table,
-                                   speculation_figures)
+from deploy.commands.bench import (Figure, build_figures, copy_gb_s, describe_fluid, fluid_rates, format_value,
+                                   per_token, ratio, render_table, speculation_figures)
 
 
 def test_ratio_is_ours_over_llama_and_missing_sides_give_none():
@@ -58,6 +58,23 @@ def test_build_figures_names_the_required_rows():
     assert by["aggregate tok/s @4"].llama is None
     # nothing measured: every cell renders, no crash
     assert "decode" in render_table(build_figures(None, None, None, [1], None, 134217728))
+
+
+def test_fluid_rates_are_bytes_over_the_layer_loops_time_against_the_copy_speed():
+    before = {"station-0": {"forward_s": 1.0, "forwards": 3, "warden_bytes": 100, "r2_bytes": 0, "load_wait_s": 0.5,
+                            "prefetched_phases": 4, "phase_bytes": 50_000_000}}
+    after = {"station-0": {"forward_s": 3.0, "forwards": 5, "warden_bytes": 4_000_000_100, "r2_bytes": 0,
+                           "load_wait_s": 1.0, "prefetched_phases": 10, "phase_bytes": 50_000_000}}
+    r = fluid_rates(before, after)["station-0"]
+    assert r["gb_s"] == 2.0 and r["load_wait_share"] == 0.25 and r["bytes_per_forward"] == 2e9
+    assert r["ms_per_forward"] == 1000.0 and r["prefetched_phases"] == 6
+    line, = describe_fluid({"station-0": r}, 8.0)
+    assert "2.00 GB/s (0.25x the 8.00 GB/s np.copyto of a 50 MB phase)" in line and "25% of it waiting" in line
+    figs = {f.name: f for f in build_figures(None, None, None, [], {"rates": {"station-0": r}, "copy_gb_s": 8.0}, 1)}
+    assert figs["fluid: station-0 GB/s from its warden"].ours == 2.0
+    assert figs["fluid: station-0 / np.copyto of a phase"].ours == 0.25
+    assert format_value(figs["fluid: np.copyto of a phase (the machine's copy speed)"].ours, "GB/s") == "8.00 GB/s"
+    assert copy_gb_s(1 << 20, reps=3) > 0
 
 
 def test_speculation_rows_carry_the_llama_decode_and_the_acceptance():
