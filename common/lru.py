@@ -3,6 +3,11 @@
 Invariant: bytes_used <= budget_bytes after every call. Resident entries (is_resident(key,
 nbytes) true) count toward the budget but are never evicted; a put that cannot fit even after
 evicting every non-resident entry is refused (an older value under that key is dropped).
+
+evict_newest=True evicts the most recently used first instead: the right order for a cache read
+in the same cyclic order every time (a LayerWarden serving its station's layers, forward after
+forward), where evicting the oldest evicts exactly the entry needed next and a budget one entry
+short of the cycle hits nothing (Belady: evict what is needed furthest ahead, the one just used).
 """
 from __future__ import annotations
 
@@ -27,11 +32,13 @@ class LRUStats:
 
 
 class ByteLRU(Generic[K, V]):
-    def __init__(self, budget_bytes: int, is_resident: Callable[[K, int], bool] = never_resident):
+    def __init__(self, budget_bytes: int, is_resident: Callable[[K, int], bool] = never_resident,
+                 evict_newest: bool = False):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.is_resident = is_resident
+        self.evict_newest = evict_newest
         self._entries: OrderedDict[K, tuple[V, int, bool]] = OrderedDict()  # oldest first
         self.bytes_used = 0
         self.resident_bytes = 0
@@ -79,7 +86,8 @@ class ByteLRU(Generic[K, V]):
             self._remove(key)
         evicted: list[K] = []
         if self.bytes_used + nbytes > self.budget_bytes:
-            for k in list(self._entries):  # oldest first
+            order = list(self._entries)  # oldest first
+            for k in reversed(order) if self.evict_newest else order:
                 if self._entries[k][2]:
                     continue
                 self._remove(k)

@@ -272,6 +272,9 @@ SETTINGS: tuple[Setting, ...] = (
        "(launcher: default 3/4 of the host's available memory over the stations; compose: 384 MiB, under "
        "KNOT_STATION_MEM_LIMIT's 512m: raise both together, e.g. 1g and 805306368 for the 1.5B)", minimum=1,
        reader_defaults={"compose": str(384 * MiB)}),
+    _s("KNOT_LAYER_WARDEN_BUDGET_BYTES", "int", str(1024 * MiB), "compose", "each LayerWarden Durable Object's "
+       "MEMORY_BUDGET_BYTES (one per station): a station's layers beyond it are read from the bucket every forward; "
+       "raise KNOT_LAYER_WARDEN_MEM_LIMIT with it", minimum=1),
     _s("KNOT_PREFETCH", "choice", "on", "compose", "every station's PREFETCH (on: a fluid station loads the "
        "next phase while one computes)", choices=("on", "off")),
     _s("KNOT_SHARD_THREADS", "int", "1", "compose",

@@ -204,7 +204,7 @@ class ClusterLayout:
             Service("init", "init", None, {"KNOT_MODEL": Knob("KNOT_MODEL", model_source), "KNOT_KEY": key},
                     (bucket,), depends_on={"minio": "healthy"}),
             Service("layer-warden", "layer_warden", "services.layer_warden",
-                    {"MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "layer_warden")}, (bucket, layer_ns), ("LayerWarden",),
+                    {"MEMORY_BUDGET_BYTES": Knob("KNOT_LAYER_WARDEN_BUDGET_BYTES")}, (bucket, layer_ns), ("LayerWarden",),
                     {"init": "completed"}),
             Service("cobordism-warden", "cobordism_warden", "services.cobordism_warden",
                     {"MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "cobordism_warden")},

@@ -1,7 +1,8 @@
 """LayerWarden Durable Object: a layer station's tensor cache (seed sections 4, 7, 8).
 
-    L1  this DO's RAM: LRU with a byte budget (default 1 GiB) and the residency rule below;
-        entries are kept as encoded tensor frames, so a hit costs no crc32 and one copy
+    L1  this DO's RAM: a byte budget (default 1 GiB) and the residency rule below, evicting the most
+        recently used first (a station's cyclic scan; common/lru.py); entries are kept as encoded
+        tensor frames, so a hit costs no crc32 and one copy
     L3  R2 (env.KNOT_BUCKET) ranged reads          (L2, KV, is not used for layer tensors)
 
 Integrity: R2 reads are pinned to the served knot version and checked against the knot's crc32.
@@ -73,7 +74,8 @@ class LayerWarden(WardenBase):
     def _caches(self, header: KnotHeader, model: Model, source: KnotSource,
                 body: dict) -> ByteLRU[str, tuple[Seal, bytes]]:
         """name -> (seal, encoded frame)."""
-        return ByteLRU(budget_from(body, self.env, "layer_warden"), resident_rule(model))
+        # its station reads the layers in the same order every forward: most recently used goes first
+        return ByteLRU(budget_from(body, self.env, "layer_warden"), resident_rule(model), evict_newest=True)
 
     # -------------------------------------------------------- tensors
 
