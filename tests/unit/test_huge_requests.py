@@ -188,3 +188,29 @@ async def test_off_loop_runs_inline_where_threads_cannot_start(monkeypatch):
     assert offload._threads is False, "tried once, then inline without asking again"
     with pytest.raises(ValueError, match="from fn"):  # fn's own errors propagate either way
         await offload.off_loop(lambda: (_ for _ in ()).throw(ValueError("from fn")))
+
+
+# ------------------------------------------------------------------ large reply bodies
+
+
+async def test_a_large_reply_body_arrives_whole_with_its_headers_and_length():
+    """A body of SLICED_BODY_BYTES or more is written in slices (no copies); the client still gets
+    every byte, its Content-Length (not chunked), its content type and the request id."""
+    import numpy as np
+
+    from deploy.local.host import SLICED_BODY_BYTES
+
+    bodies = {"/small": b"s" * 1000, "/edge": bytes(SLICED_BODY_BYTES),
+              "/big": np.random.default_rng(0).bytes(3 * SLICED_BODY_BYTES + 7)}
+
+    async def handler(request: Request, env, ctx) -> Response:
+        return Response.from_bytes(bodies[request.path], "application/x-knot-tensor-batch", headers={"X-Knot-Etag": "e1"})
+
+    rt = ServiceRuntime("layer-warden", handler, Env(), BackgroundTasks("test"))
+    async with TestClient(TestServer(build_app(rt))) as client:
+        for path, body in bodies.items():
+            r = await client.get(path, headers={"X-Request-Id": f"rid{path}"})
+            assert r.status == 200 and await r.read() == body, path
+            assert r.headers["Content-Length"] == str(len(body)) and "Transfer-Encoding" not in r.headers
+            assert r.headers["Content-Type"] == "application/x-knot-tensor-batch" and r.headers["X-Knot-Etag"] == "e1"
+            assert r.headers["X-Request-Id"] == f"rid{path}"
