@@ -16,13 +16,13 @@ Per phase: acquire() takes the phase's tensors from resident, then kept, and mak
 loading the rest; evict_or_keep() afterwards keeps what still fits beside everything else. Kept
 tensors are the only thing a phase may evict; the station checks before a forward that the rest
 fits (rows_per_pass), so make_room never runs out, and refuses with StationMemoryFull otherwise.
+What a kept entry is comes from `keep` and `take` (the station seals its copies with the knot
+version and crc32, services/station/tensors.py); an entry `take` refuses is a miss, loaded again.
 
 Prefetch (fluid): when the plan has room for the two largest consecutive phases beside everything
 else, ForwardWeights starts loading phase i+1 as soon as phase i has its tensors, and phase i's
 compute runs off the event loop meanwhile (compute()), so the transfer overlaps it. A forward whose
 activations or KV caches leave no room for two phases loads one at a time, as without prefetch.
-What a kept entry is comes from `keep` and `take` (the station seals its copies with the knot
-version and crc32, services/station/tensors.py); an entry `take` refuses is a miss, loaded again.
 """
 from __future__ import annotations
 
