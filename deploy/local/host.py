@@ -108,16 +108,19 @@ def to_aiohttp_response(resp: Response) -> web.Response:
     return web.Response(status=resp.status, body=resp.body, headers=_reply_headers(resp))
 
 
-# A body from here on is written in slices of a memoryview of it. Written whole, Python 3.11's
-# aiohttp and asyncio copy it three times before the socket sees it: joined with the headers
-# (aiohttp skips writelines below 3.12), the unsent tail sliced off, then appended to the
-# transport's buffer. A LayerWarden's batch is ~40-60 MB per phase of a 7B, ~2 GB per forward.
+# A body from SLICED_BODY_BYTES on is written in WRITE_SLICE_BYTES slices of a memoryview of it.
+# Written whole, Python 3.11's aiohttp and asyncio copy it three times before the socket sees it:
+# joined with the headers (aiohttp skips writelines below 3.12), the unsent tail sliced off, then
+# appended to the transport's buffer. A LayerWarden's batch is ~40-60 MB per phase of a 7B, ~2 GB
+# per forward. 56 MB to an aiohttp client (a micro-benchmark, docs/performance.md): 0.37 GB/s
+# whole, 0.6-0.9 in 1-4 MiB slices; 4 MiB is about what the socket takes at once.
 SLICED_BODY_BYTES = 1 << 20
+WRITE_SLICE_BYTES = 4 << 20
 
 
 async def send_response(request: web.Request, resp: Response) -> web.StreamResponse:
     """A Response to aiohttp; a streaming one is written chunk by chunk (chunked transfer encoding),
-    a body of SLICED_BODY_BYTES or more in slices of that size (its Content-Length known).
+    a body of SLICED_BODY_BYTES or more in slices (its Content-Length known).
 
     aiohttp does not cancel a handler whose client disconnects; the next write fails instead. Then,
     or on any other early exit (cancellation at shutdown, a failing producer), the stream is closed
@@ -150,8 +153,8 @@ async def _send_sliced(request: web.Request, resp: Response) -> web.StreamRespon
     body = memoryview(resp.body)
     try:
         await out.prepare(request)
-        for a in range(0, len(body), SLICED_BODY_BYTES):
-            await out.write(body[a:a + SLICED_BODY_BYTES])
+        for a in range(0, len(body), WRITE_SLICE_BYTES):
+            await out.write(body[a:a + WRITE_SLICE_BYTES])
         await out.write_eof()
     except ConnectionError as e:  # the client went away
         log.info("client disconnected mid-body: %s", e or type(e).__name__)

@@ -198,10 +198,10 @@ async def test_a_large_reply_body_arrives_whole_with_its_headers_and_length():
     every byte, its Content-Length (not chunked), its content type and the request id."""
     import numpy as np
 
-    from deploy.local.host import SLICED_BODY_BYTES
+    from deploy.local.host import SLICED_BODY_BYTES, WRITE_SLICE_BYTES
 
     bodies = {"/small": b"s" * 1000, "/edge": bytes(SLICED_BODY_BYTES),
-              "/big": np.random.default_rng(0).bytes(3 * SLICED_BODY_BYTES + 7)}
+              "/big": np.random.default_rng(0).bytes(2 * WRITE_SLICE_BYTES + 7)}
 
     async def handler(request: Request, env, ctx) -> Response:
         return Response.from_bytes(bodies[request.path], "application/x-knot-tensor-batch", headers={"X-Knot-Etag": "e1"})
