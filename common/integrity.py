@@ -1,4 +1,4 @@
-"""Checksums of weight bytes, and the seal every cached copy of them carries. Pure (stdlib only).
+"""Checksums of weight bytes, and the seal every cached copy of them carries. Pure (stdlib; isal where it imports).
 
 One checksum everywhere: CRC-32 (zlib's, the IEEE polynomial). The knot's per-tensor checksums,
 the tensor frames and envelopes of common/wire.py and the seals of the caches all use it, through

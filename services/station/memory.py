@@ -363,6 +363,9 @@ class ForwardWeights:
         """fn(*args): in a worker thread while the next phase loads, so the event loop moves its
         bytes meanwhile (the kernels release the GIL); in place otherwise (no thread hop)."""
         if self.next is not None and not self.next[2].done():
+            # One turn of the loop first, so the load has sent its request before the compute
+            # starts: where off_loop runs inline (Pyodide has no threads) it is then in flight.
+            await asyncio.sleep(0)
             return await off_loop(fn, *args)
         return fn(*args)
 
