@@ -100,3 +100,16 @@ async def test_concurrent_decodes_at_a_fluid_station_share_one_load_of_each_phas
 
 def header_tensors(knot_path) -> list[str]:
     return [n for n in open_model(knot_path).header.tensors if n.startswith("blk.")]
+
+
+async def test_prefetch_where_threads_cannot_start_computes_inline_with_the_same_tokens(tiny_knot, tmp_path,
+                                                                                       monkeypatch):
+    """Pyodide has no threads (services/offload.py runs inline): prefetch still gives the same
+    tokens, and its loads are still issued ahead, within the budget."""
+    from services import offload
+
+    off, _, _ = await _run(tiny_knot, tmp_path / "threads", "off", monkeypatch)
+    monkeypatch.setattr(offload, "_threads", False)
+    inline, stats, in_thread = await _run(tiny_knot, tmp_path / "inline", "on", monkeypatch)
+    assert inline == off and not any(in_thread)
+    assert stats["prefetched_phases"] > 0 and stats["peak_accounted_bytes"] <= stats["budget_bytes"]
