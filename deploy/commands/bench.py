@@ -327,7 +327,7 @@ def fluid_rates(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
         a = before[name]
         forward_s, forwards = b["forward_s"] - a["forward_s"], b["forwards"] - a["forwards"]
         moved = b["warden_bytes"] - a["warden_bytes"] + b["r2_bytes"] - a["r2_bytes"]
-        out[name] = {"gb_s": moved / forward_s / 1e9 if forward_s > 0 else None,
+        out[name] = {"gb_s": moved / forward_s / 1e9 if forward_s > 0 and moved else None,  # None: nothing streamed
                      "load_wait_share": (b["load_wait_s"] - a["load_wait_s"]) / forward_s if forward_s > 0 else None,
                      "bytes_per_forward": moved / forwards if forwards else None,
                      "ms_per_forward": forward_s / forwards * 1e3 if forwards else None,

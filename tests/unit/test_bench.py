@@ -75,6 +75,8 @@ def test_fluid_rates_are_bytes_over_the_layer_loops_time_against_the_copy_speed(
     assert figs["fluid: station-0 / np.copyto of a phase"].ours == 0.25
     assert format_value(figs["fluid: np.copyto of a phase (the machine's copy speed)"].ours, "GB/s") == "8.00 GB/s"
     assert copy_gb_s(1 << 20, reps=3) > 0
+    resident = fluid_rates(before, {"station-0": {**before["station-0"], "forward_s": 2.0, "forwards": 4}})
+    assert resident["station-0"]["gb_s"] is None and describe_fluid(resident, 8.0) == []  # nothing streamed
 
 
 def test_speculation_rows_carry_the_llama_decode_and_the_acceptance():
