@@ -131,8 +131,8 @@ def min_p(logits: np.ndarray, p: float) -> np.ndarray:
 def scale(x: np.ndarray, temperature: float) -> np.ndarray:
     """The kept logits divided by the temperature: float32, or float64 gaps to the best logit
     when x / T overflows float32 (inf - inf is NaN in a softmax)."""
-    t32 = np.float32(temperature)
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        t32 = np.float32(temperature)  # inf past float32's range: z is then 0, as x / T is (uniform)
         z = x / t32
         if t32 == 0 or np.isposinf(z).any():
             z = (x.astype(np.float64) - x.max()) / temperature
