@@ -59,8 +59,11 @@ def post(url: str, body: dict, timeout_s: float = 1800.0) -> dict:
     return http_json("POST", url, body, timeout_s=timeout_s)
 
 
-_signed = lambda method, url, body=b"": {}  # noqa: E731 - the cluster's signer, once it is up (main)
-_cluster = None  # the cluster, once it is up (main)
+_cluster = None  # the cluster, once it is up (main): it signs our calls to its internal services
+
+
+def _signed(method: str, url: str, body: bytes = b"") -> dict[str, str]:
+    return _cluster.signed(method, url, body) if _cluster is not None else {}
 
 
 def get(url: str) -> dict:
@@ -292,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("KNOT_KEY", None)
     cluster = launcher.Cluster(Path(args.run_dir))
     running = {r.name: r for r in cluster.up(model=args.model, env=env)}
-    global _signed, _cluster
-    _signed, _cluster = cluster.signed, cluster
+    global _cluster
+    _cluster = cluster
     try:
         gen = running["coordinator"].url + "/generate"
         post(gen, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})  # boots and warms every service

@@ -293,15 +293,15 @@ def start_cluster(model: str | None, args, budget_bytes: int, profile: str, draf
     return cluster, {r.name: r for r in running}
 
 
-def _station_stats(cluster, running: dict) -> dict:
-    return {n: {k: s.get(k) for k in ("peak_accounted_bytes", "budget_bytes", "warden_bytes", "r2_bytes")}
-            for n, r in running.items() if n.startswith("station")
-            for s in [_stats(cluster, r)]}
-
-
 def stations_stats(cluster, running: dict) -> dict[str, dict]:
     """Every station's /stats (signed with the cluster's secret), by name."""
     return {n: _stats(cluster, r) for n, r in sorted(running.items()) if n.startswith("station")}
+
+
+def _station_stats(cluster, running: dict) -> dict:
+    """The stations' memory and byte counters, for the bench's record."""
+    return {n: {k: s.get(k) for k in ("peak_accounted_bytes", "budget_bytes", "warden_bytes", "r2_bytes")}
+            for n, s in stations_stats(cluster, running).items()}
 
 
 def copy_gb_s(nbytes: int, reps: int = 9) -> float:

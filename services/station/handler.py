@@ -125,15 +125,18 @@ class Station:
                                 f"model's {self.cfg.n_layer} layers")
         self.emits_final = settings.role in ("exit", "solo")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
-        self.plan = self._plan()
+        phase_bytes, tile_bytes = self._streamed_sizes()
+        self.phase_bytes = max(phase_bytes, default=0)  # the largest phase's streamed tensors
+        self.plan = self._plan(phase_bytes, tile_bytes)
         self.memory = StationMemory(self.plan.budget_bytes, self.model.activation_bytes, lambda: self.kv_bytes,
-                                    keep=loader.sealed_copy, take=loader.unseal)  # kept copies sealed with the version
+                                    keep=loader.sealed_copy, take=loader.unseal,  # kept copies sealed with the version
+                                    tile_bytes=tile_bytes)
+        self.memory.pair_bytes = self.plan.held_phase_bytes if self.plan.prefetch else 0
         self.boots_at = self.clock()
         self.forwards = 0
         self.sessions_evicted = 0
         self.batched_rows = 0
         self.layers = range(settings.layer_start, settings.layer_end)
-        self.phase_bytes = 0  # the largest phase's streamed tensors (set at boot)
         self.split_frames = 0  # frames run in several passes to fit the budget
         self.prefetched_phases = 0  # phases whose load overlapped the previous phase's compute
         self.forward_s = 0.0  # time in the layer loop, and the part of it spent waiting for tensors
@@ -150,9 +153,6 @@ class Station:
         if self.emits_final:
             names.append(self.model.OUTPUT_NORM)
         self.memory.hold(await self.loader.load(names))
-        phase_bytes, self.memory.tile_bytes = self._streamed_sizes()
-        self.phase_bytes = max(phase_bytes, default=0)
-        self.memory.pair_bytes = self.plan.held_phase_bytes if self.plan.prefetch else 0
 
     def _streamed_sizes(self) -> tuple[list[int], int]:
         """From the knot's tensor table: the streamed bytes of each (layer, phase), and matmul's
@@ -165,10 +165,10 @@ class Station:
                    default=DEFAULT_TILE_BYTES)
         return [sum(self.loader.nbytes(n) for n in names) for names in streamed], tile
 
-    def _plan(self) -> MemoryPlan:
-        """The budget under the profile, from the knot's tensor table (nothing is loaded for it)."""
+    def _plan(self, phase_bytes: list[int], tile_bytes: int) -> MemoryPlan:
+        """The budget under the profile, from the knot's tensor table (nothing is loaded for it):
+        phase_bytes and tile_bytes as _streamed_sizes gives them."""
         s = self.settings
-        phase_bytes, tile_bytes = self._streamed_sizes()
         resident = sum(self.loader.nbytes(n) for layer in range(s.layer_start, s.layer_end)
                        for p in self.model.phases for n in self.loader.names(layer, p) if self.model.is_resident(n))
         # an idle decode step, counted as the station's memory counts it (the same tile)
@@ -301,11 +301,11 @@ class Station:
             except UnknownSession as e:
                 results[i] = e
         # A batch whose frames do not fit the budget together runs them one after another.
-        together = len(runs) < 2 or self._rows_per_pass([(env, sess) for _, env, sess in runs]) == sum(
-            env.array.shape[0] for _, env, _ in runs)
-        for group in [runs] if together else [[r] for r in runs]:
+        t = self._rows_per_pass([(env, sess) for _, env, sess in runs]) if len(runs) > 1 else None
+        together = t is None or t == sum(env.array.shape[0] for _, env, _ in runs)
+        for group in ([runs] if together else [[r] for r in runs]) if runs else []:
             try:
-                outs = await self._forward([(env, sess) for _, env, sess in group])
+                outs = await self._forward([(env, sess) for _, env, sess in group], t if together else None)
             except Exception as e:  # noqa: BLE001 - every frame of the group failed with it
                 for i, _, _ in group:
                     results[i] = e
@@ -314,10 +314,11 @@ class Station:
                     results[i] = out
         return results
 
-    async def _forward(self, runs: list[tuple[wire.Envelope, Session]]) -> list[wire.Envelope]:
+    async def _forward(self, runs: list[tuple[wire.Envelope, Session]], t: int | None = None) -> list[wire.Envelope]:
         """Frames of distinct sessions -> their output frames: one pass over the layers, or for a
-        single frame that does not fit at once, passes of as many rows as fit."""
-        t = self._rows_per_pass(runs)
+        single frame that does not fit at once, passes of as many rows as fit (t: _rows_per_pass(runs),
+        when the caller has it already)."""
+        t = self._rows_per_pass(runs) if t is None else t
         N = sum(env.array.shape[0] for env, _ in runs)
         S = max(env.seq_len for env, _ in runs)  # the longest attention span in the batch
         if t == 0 or (t < N and len(runs) > 1):
