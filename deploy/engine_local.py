@@ -74,7 +74,11 @@ class LocalEngine:
 
     @classmethod
     def open(cls, path, **kw) -> "LocalEngine":
+        """The engine of a .knot or .gguf file, on the C kernels where they are built (as the
+        services and the CLI run), so its numbers are theirs bit for bit."""
+        from deploy import kernels
         from deploy.knotfile import open_model
+        kernels.ensure_installed()
         return cls(open_model(path), **kw)
 
     @property

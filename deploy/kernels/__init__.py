@@ -39,6 +39,7 @@ OFF_VALUES = ("off", "0", "no", "numpy")
 THREADS_ENV = "KNOT_THREADS"
 SPIN_ENV = "KNOT_SPIN_US"
 _installed: list[str] = []
+_install_attempted = False  # install() ran once in this process (ensure_installed's flag)
 
 
 def available() -> bool:
@@ -133,6 +134,8 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
     threads: per matmul, the caller included (default: KNOT_THREADS, else the CPU count).
     KNOT_KERNELS picks the ISA (see the module doc); off keeps the numpy reference path (what
     Cloudflare's Python Workers run)."""
+    global _install_attempted
+    _install_attempted = True
     isa = isa_from_env(env)
     if isa is None:
         log.info("matmul stays on numpy: %s", f"{KERNELS_ENV} is off" if _qmatmul else UNAVAILABLE_REASON)
@@ -147,6 +150,16 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
             _installed.append(name)
     log.info("matmul kernels (%s): %s", describe(), ", ".join(_installed))
     return list(_installed)
+
+
+def ensure_installed(env: Mapping[str, str] = os.environ) -> None:
+    """install() unless this process already ran it (the CLI does at start; a library user of
+    LocalEngine has not). Why: without it matmul silently runs the numpy reference, whose float32
+    products differ from the kernels' Q8-quantized activations by up to ~0.1 in a logit, so the
+    same prompt through `knot generate`, the cluster and a script would pick different tokens at
+    near-ties (issue 15). An explicit uninstall() after the first install is left alone."""
+    if not _install_attempted:
+        install(env=env)
 
 
 def uninstall() -> None:

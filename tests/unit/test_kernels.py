@@ -470,3 +470,20 @@ def test_real_model_blocks_equal_numpy_emulation(real_gguf_05b, isa):
         bound = (activation_error_bound(x, ggml_type in K_TYPES).astype(np.float64) @ np.abs(W.T)
                  + 1e-5 * (np.abs(x) @ np.abs(W.T)))
         assert np.all(np.abs(y - x.astype(np.float64) @ W.T) <= bound), ggml_type
+
+
+def test_a_library_user_of_local_engine_gets_the_kernels(tiny_knot):
+    """LocalEngine.open in a fresh interpreter (no CLI, no conftest) runs the C kernels, as the
+    services and `knot generate` do: before, a script's engine stayed on the numpy reference, whose
+    logits differ from the kernels' by up to ~0.1, and a near-tie then read as a cluster bug
+    (issue 15). KNOT_KERNELS=off still keeps it on numpy."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from common.matmul import get_kernel; from deploy.engine_local import LocalEngine; "
+            "LocalEngine.open(sys.argv[1]); print(get_kernel('Q4_K') is not None)")
+    for setting, want in (("auto", "True"), ("off", "False")):
+        env = {**os.environ, "KNOT_KERNELS": setting}
+        out = subprocess.run([sys.executable, "-c", code, str(tiny_knot)], env=env, capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        assert out.stdout.strip() == want, (setting, out.stdout, out.stderr)
