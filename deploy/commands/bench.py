@@ -525,10 +525,11 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
                            ll.get("long_prefill_tok_s", {}).get(n), "tok/s"))
     figs.append(Figure("R2 bytes per token", cl.get("r2_bytes_per_token"), None, "B"))
     mib = fluid_budget_bytes / 2**20
-    figs.append(Figure(f"fluid ({mib:g} MiB stations) decode", fluid.get("decode_tok_s"), ll.get("decode_tok_s"),
-                       "tok/s"))
-    figs.append(Figure(f"fluid ({mib:g} MiB stations) warden bytes per token", fluid.get("warden_bytes_per_token"),
-                       None, "B"))
+    if fluid:  # with --no-fluid no row: llama.cpp's decode must not stand in a fluid row alone
+        figs.append(Figure(f"fluid ({mib:g} MiB stations) decode", fluid.get("decode_tok_s"),
+                           ll.get("decode_tok_s"), "tok/s"))
+        figs.append(Figure(f"fluid ({mib:g} MiB stations) warden bytes per token",
+                           fluid.get("warden_bytes_per_token"), None, "B"))
     copy = fluid.get("copy_gb_s")
     for name, r in (fluid.get("rates") or {}).items():
         figs.append(Figure(f"fluid: {name} GB/s from its warden", r["gb_s"], None, "GB/s"))

@@ -58,6 +58,9 @@ def test_build_figures_names_the_required_rows():
     assert by["aggregate tok/s @4"].llama is None
     # nothing measured: every cell renders, no crash
     assert "decode" in render_table(build_figures(None, None, None, [1], None, 134217728))
+    # --no-fluid: no fluid row, so llama.cpp's decode is not shown against an empty fluid cell
+    no_fluid = build_figures(cl, None, {"decode_tok_s": 45.0}, [1], None, 134217728)
+    assert not any(f.name.startswith("fluid") for f in no_fluid)
 
 
 def test_fluid_rates_are_bytes_over_the_layer_loops_time_against_the_copy_speed():
