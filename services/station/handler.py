@@ -49,7 +49,7 @@ import numpy as np
 
 from common import wire
 from common.knot import KnotHeader
-from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache
+from common.kvcache import KV_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS, KVCache
 from common.layers import run_layers, steps
 from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
@@ -171,8 +171,12 @@ class Station:
         s = self.settings
         resident = sum(self.loader.nbytes(n) for layer in range(s.layer_start, s.layer_end)
                        for p in self.model.phases for n in self.loader.names(layer, p) if self.model.is_resident(n))
-        # an idle decode step, counted as the station's memory counts it (the same tile)
-        fixed = resident + self.model.activation_bytes(1, 1) + tile_bytes
+        # a decode step, counted as the station's memory counts it (the same tile), with the least
+        # KV cache a session holds: one block of positions in each of its layers. Why: without it
+        # the plan could promise prefetch (memory.prefetch) that no forward with a session has
+        # room for (prefetch_fits counts the KV caches).
+        kv_block = KV_BLOCK_TOKENS * self.model.new_kv().token_bytes() * (s.layer_end - s.layer_start)
+        fixed = resident + self.model.activation_bytes(1, 1) + tile_bytes + kv_block
         # prefetch holds a phase and the next one (in the forward's step order) at once
         pair = max((a + b for a, b in zip(phase_bytes, phase_bytes[1:])), default=None) if s.prefetch else None
         return plan_memory(s.profile, s.budget_bytes, sum(phase_bytes), max(phase_bytes, default=0), fixed,
