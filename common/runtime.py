@@ -145,13 +145,16 @@ class Response:
 
     status: int = 200
     headers: Headers = field(default_factory=Headers)
-    body: bytes = b""
+    # bytes; or a read-only memoryview of the buffer a large reply was received into, kept as it is
+    # (a host's binding that reads a peer's body straight into one buffer: no copy of tens of MB)
+    body: bytes | memoryview = b""
     stream: AsyncIterator[bytes] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, Headers):
             self.headers = Headers(self.headers)
-        self.body = bytes(self.body)
+        if not (isinstance(self.body, memoryview) and self.body.readonly):
+            self.body = bytes(self.body)
 
     @classmethod
     def from_json(cls, obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> "Response":
@@ -185,10 +188,10 @@ class Response:
         return 200 <= self.status < 300
 
     def text(self) -> str:
-        return self.body.decode("utf-8")
+        return str(self.body, "utf-8")
 
     def json(self) -> Any:
-        return _json.loads(self.body)
+        return _json.loads(bytes(self.body) if isinstance(self.body, memoryview) else self.body)
 
 
 async def aclose_stream(stream: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -204,19 +205,27 @@ class Signer:
         return signing.sign(self._secret, method, target, body, time.time(), secrets.token_hex(16), do_name)
 
 
-async def http_fetch(session: aiohttp.ClientSession, url: str, request: Request, timeout_s: float,
-                     extra_headers: dict[str, str] | None = None, signer: Signer | None = None) -> Response:
-    """One HTTP call; the reply is buffered, so a peer's streamed (chunked) body arrives whole as `body`.
-    With a signer, the call carries its signature over what is sent (the peer is one of ours)."""
+def _outgoing(url: str, request: Request, extra_headers: dict[str, str] | None,
+              signer: Signer | None) -> tuple[yarl.URL, dict[str, str]]:
+    """The target as it is sent and the headers of one call: the caller's end-to-end headers, its
+    request id, extra_headers, and with a signer the signature over what is sent."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
     rid = request_id_var.get()
     if rid and REQUEST_ID_HEADER.lower() not in {k.lower() for k in headers}:
         headers[REQUEST_ID_HEADER] = rid  # propagate the caller's request id
     headers.update(extra_headers or {})
-    target = yarl.URL(url)  # what aiohttp sends: the signature covers this path and query, as encoded
+    target = yarl.URL(url)  # what is sent: the signature covers this path and query, as encoded
     if signer is not None:
         headers[signing.SIGNATURE_HEADER] = signer.header(request.method, target.raw_path_qs, request.body or b"",
                                                           headers.get(DO_NAME_HEADER, ""))
+    return target, headers
+
+
+async def http_fetch(session: aiohttp.ClientSession, url: str, request: Request, timeout_s: float,
+                     extra_headers: dict[str, str] | None = None, signer: Signer | None = None) -> Response:
+    """One HTTP call; the reply is buffered, so a peer's streamed (chunked) body arrives whole as `body`.
+    With a signer, the call carries its signature over what is sent (the peer is one of ours)."""
+    target, headers = _outgoing(url, request, extra_headers, signer)
     try:
         async with session.request(request.method, target, headers=headers, data=request.body or None,
                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -229,6 +238,105 @@ async def http_fetch(session: aiohttp.ClientSession, url: str, request: Request,
         raise ServiceUnavailable(f"{request.method} {url}: {e}") from None
     except aiohttp.ClientError as e:
         raise BadGateway(f"{request.method} {url}: {e}") from None
+
+
+# A reply body from this size on is handed over as the buffer it was received into (a read-only
+# memoryview), not copied into bytes: a LayerWarden's phase batch is tens of MB.
+BUFFER_BODY_BYTES = 1 << 20
+_RECV_BYTES = 1 << 18
+_MAX_HEAD_BYTES = 64 << 10
+
+
+class _Malformed(Exception):
+    pass
+
+
+async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
+                         extra_headers: dict[str, str] | None = None, signer: Signer | None = None) -> Response:
+    """One HTTP/1.1 call on its own connection, the reply's body received straight into one buffer.
+
+    Why not aiohttp here: its parser copies every fragment of a body and read() joins them, three
+    passes over each byte a fluid station streams from its LayerWarden (1.9 GB per token for the
+    seed's 7B shape), where recv_into() into one preallocated buffer is the kernel's copy alone
+    (benchmarks/warden_transfer.py: "client a bare socket, one buffer"). The same errors as
+    http_fetch: ServiceUnavailable when the peer cannot be reached, GatewayTimeout past timeout_s,
+    BadGateway for a reply that is not HTTP/1.1 with a Content-Length, a chunked body, or one that
+    ends at the close."""
+    target, headers = _outgoing(url, request, extra_headers, signer)
+    if target.scheme != "http" or target.host is None:
+        raise ValueError(f"buffered_fetch: {url}: plain http:// only")
+    body = request.body or b""
+    head = [f"{request.method} {target.raw_path_qs} HTTP/1.1", f"Host: {target.raw_authority}",
+            "Connection: close", f"Content-Length: {len(body)}",
+            *(f"{k}: {v}" for k, v in headers.items())]
+    loop = asyncio.get_running_loop()
+    sock = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            try:
+                infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+                sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, infos[0][4])
+            except OSError as e:
+                raise ServiceUnavailable(f"{request.method} {url}: cannot connect: {e}") from None
+            try:
+                await loop.sock_sendall(sock, "\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
+                status, reply_headers, body_out = await _read_reply(loop, sock)
+            except OSError as e:
+                raise ServiceUnavailable(f"{request.method} {url}: connection lost: {e}") from None
+            except _Malformed as e:
+                raise BadGateway(f"{request.method} {url}: {e}") from None
+    except TimeoutError:
+        raise GatewayTimeout(f"{request.method} {url}: no answer within {timeout_s} s") from None
+    finally:
+        if sock is not None:
+            sock.close()
+    return Response(status, reply_headers, body_out)
+
+
+async def _read_reply(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[int, Headers, bytes | memoryview]:
+    """The status, headers and body of an HTTP/1.1 reply with a Content-Length."""
+    raw = bytearray()
+    while (end := raw.find(b"\r\n\r\n")) < 0:
+        if len(raw) > _MAX_HEAD_BYTES:
+            raise _Malformed(f"reply head longer than {_MAX_HEAD_BYTES} bytes")
+        got = await loop.sock_recv(sock, _RECV_BYTES)
+        if not got:
+            raise _Malformed("the peer closed the connection before the reply's head ended")
+        raw += got
+    lines = raw[:end].decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if not version.startswith("HTTP/1.") or not code.isdigit():
+        raise _Malformed(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    headers = Headers()
+    length = None
+    for line in lines[1:]:
+        k, sep, v = line.partition(":")
+        if not sep:
+            raise _Malformed(f"malformed header line {line[:80]!r}")
+        k, v = k.strip(), v.strip()
+        if k.lower() == "transfer-encoding" and v.lower() != "identity":
+            raise _Malformed(f"Transfer-Encoding {v} (a buffered call reads Content-Length replies only)")
+        if k.lower() == "content-length":
+            if not v.isdigit():
+                raise _Malformed(f"Content-Length {v[:40]!r}")
+            length = int(v)
+        elif k.lower() not in _HOP_BY_HOP:
+            headers[k] = v
+    if length is None:
+        raise _Malformed("reply without a Content-Length")
+    buf = bytearray(length)
+    view = memoryview(buf)
+    have = min(len(raw) - end - 4, length)
+    buf[:have] = raw[end + 4:end + 4 + have]
+    while have < length:
+        got = await loop.sock_recv_into(sock, view[have:])
+        if not got:
+            raise _Malformed(f"the peer closed the connection after {have} of {length} body bytes")
+        have += got
+    return int(code), headers, (view.toreadonly() if length >= BUFFER_BODY_BYTES else bytes(buf))
 
 
 def _path_and_query(url: str) -> str:
@@ -261,6 +369,10 @@ class HttpStub:
     async def fetch(self, request: Request) -> Response:
         ns = self._ns
         url = f"{ns.base_url}{DO_ROUTE_PREFIX}{ns.class_name}{_path_and_query(request.url)}"
+        if ns.base_url.startswith("http://"):
+            # A warden's replies are the cluster's bulk bytes (a LayerWarden's phases): received
+            # into one buffer, not through aiohttp's copies.
+            return await buffered_fetch(url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name}, ns.signer)
         return await http_fetch(ns.session, url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name}, ns.signer)
 
 

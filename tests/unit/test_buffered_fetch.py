@@ -1,0 +1,92 @@
+"""deploy/local/bindings.buffered_fetch, the Durable Object calls' client (issue 15, the fluid
+path): a reply's body received straight into one buffer. Against the real host (build_app) and
+against raw servers that answer wrongly: the same typed errors as the aiohttp client."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from common import signing
+from common.runtime import BadGateway, Env, GatewayTimeout, Request, Response, ServiceUnavailable
+from deploy import servers
+from deploy.local.bindings import BUFFER_BODY_BYTES, HttpNamespace, Signer, buffered_fetch
+from deploy.local.host import ServiceRuntime, app_runner, build_app
+from deploy.local.tasks import BackgroundTasks
+
+SECRET = "s" * 43
+BIG = os.urandom(3 * BUFFER_BODY_BYTES + 12345)  # larger than a socket buffer: many recv_into calls
+
+
+async def handler(request: Request, env, ctx) -> Response:
+    if request.path == "/big":
+        return Response.from_bytes(BIG, "application/x-knot-tensor-batch")
+    if request.path == "/slow":
+        await asyncio.sleep(1)
+    return Response.from_json({"path": request.path, "query": request.url.partition("?")[2],
+                               "body": request.body.decode()})
+
+
+@pytest.fixture
+async def host():
+    from aiohttp import web
+
+    rt = ServiceRuntime("station", handler, Env(), BackgroundTasks("test"), verifier=signing.Verifier(SECRET))
+    runner = app_runner(build_app(rt))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+async def test_a_large_reply_arrives_whole_in_one_read_only_buffer_and_a_small_one_as_bytes(host):
+    r = await buffered_fetch(host + "/big", Request("GET", "/big"), 30, signer=Signer(SECRET))
+    assert r.status == 200 and isinstance(r.body, memoryview) and r.body.readonly and r.body == BIG
+    assert r.headers["Content-Type"] == "application/x-knot-tensor-batch" and "Content-Length" not in r.headers
+    # a signed POST with a body and a query: the signature covers what is sent
+    r = await buffered_fetch(host + "/echo?a=1&b=%20", Request("POST", "/echo", {}, b"frame"), 30,
+                             signer=Signer(SECRET))
+    assert r.status == 200 and isinstance(r.body, bytes) and r.json() == {"path": "/echo", "query": "a=1&b=%20",
+                                                                         "body": "frame"}
+    # the host's own refusal (no signature) comes back as the 401 it is, with its JSON
+    r = await buffered_fetch(host + "/echo", Request("POST", "/echo", {}, b"x"), 30)
+    assert r.status == 401 and "X-Knot-Signature" in r.json()["message"]
+
+
+async def test_the_durable_object_binding_uses_it(host):
+    ns = HttpNamespace(None, host, "Echo", 30, Signer(SECRET))  # no aiohttp session is touched
+    r = await ns.get(ns.id_from_name("w")).fetch(Request("GET", "/stats"))
+    assert r.status == 400 and "hosts no Durable Objects" in r.json()["message"]
+
+
+async def test_unreachable_slow_and_wrong_peers_get_the_typed_errors(host):
+    dead = f"http://127.0.0.1:{servers.free_ports(1)[0]}/x"
+    with pytest.raises(ServiceUnavailable, match="cannot connect"):
+        await buffered_fetch(dead, Request("GET", "/x"), 5)
+    with pytest.raises(GatewayTimeout, match="no answer within 0.3 s"):
+        await buffered_fetch(host + "/slow", Request("GET", "/slow"), 0.3, signer=Signer(SECRET))
+
+    async def raw_server(reply: bytes):
+        async def serve(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(reply)
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+
+    for reply, match in [(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "after 5 of 10 body bytes"),
+                         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+                          "Transfer-Encoding chunked"),
+                         (b"HTTP/1.1 200 OK\r\n\r\nbody to the close", "without a Content-Length"),
+                         (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
+                         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "Content-Length '-1'"),
+                         (b"HTTP/1.1 200 OK\r\nContent-Le", "before the reply's head ended")]:
+        server, url = await raw_server(reply)
+        try:
+            with pytest.raises(BadGateway, match=match):
+                await buffered_fetch(url, Request("GET", "/x"), 5)
+        finally:
+            server.close()
+            await server.wait_closed()
