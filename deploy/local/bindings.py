@@ -24,7 +24,7 @@ import yarl
 from botocore.config import Config
 
 from common import signing
-from common.runtime import (BadGateway, DurableObjectId, GatewayTimeout, Headers, ObjectBody, ObjectMeta,
+from common.runtime import (BadGateway, BadRequest, DurableObjectId, GatewayTimeout, Headers, ObjectBody, ObjectMeta,
                             PreconditionFailed, RangeNotSatisfiable, Request, Response, ServiceUnavailable)
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
 from deploy.local.embedded import check_etag, check_range
@@ -266,6 +266,9 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     if target.scheme != "http" or target.host is None:
         raise ValueError(f"buffered_fetch: {url}: plain http:// only")
     body = request.body or b""
+    for k, v in headers.items():  # aiohttp refuses these too: a line break would forge a header
+        if any(c in f"{k}{v}" for c in "\r\n\0"):
+            raise BadRequest(f"header {k!r} holds a line break or NUL and cannot be sent to {target.host}")
     head = [f"{request.method} {target.raw_path_qs} HTTP/1.1", f"Host: {target.raw_authority}",
             "Connection: close", f"Content-Length: {len(body)}",
             *(f"{k}: {v}" for k, v in headers.items())]

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from common import signing
-from common.runtime import BadGateway, Env, GatewayTimeout, Request, Response, ServiceUnavailable
+from common.runtime import BadGateway, BadRequest, Env, GatewayTimeout, Request, Response, ServiceUnavailable
 from deploy import servers
 from deploy.local.bindings import BUFFER_BODY_BYTES, HttpNamespace, Signer, buffered_fetch
 from deploy.local.host import ServiceRuntime, app_runner, build_app
@@ -64,6 +64,8 @@ async def test_unreachable_slow_and_wrong_peers_get_the_typed_errors(host):
     dead = f"http://127.0.0.1:{servers.free_ports(1)[0]}/x"
     with pytest.raises(ServiceUnavailable, match="cannot connect"):
         await buffered_fetch(dead, Request("GET", "/x"), 5)
+    with pytest.raises(BadRequest, match="'X-Request-Id' holds a line break"):
+        await buffered_fetch(host + "/x", Request("GET", "/x", {"X-Request-Id": "a\r\nX-Forged: 1"}), 5)
     with pytest.raises(GatewayTimeout, match="no answer within 0.3 s"):
         await buffered_fetch(host + "/slow", Request("GET", "/slow"), 0.3, signer=Signer(SECRET))
 
