@@ -189,7 +189,7 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
     """One engine call after the prompt's: the last token, and the drafts if there are any -> the
     tokens it decides, each with its row."""
     # A trip decides up to k + 1 tokens: draft no more than max_tokens leaves room for.
-    k = 0 if draft_len is None else min(draft_len.k, gen.max_tokens - len(gen.token_ids) - 1)
+    k = 0 if draft_len is None else min(draft_len.next(), gen.max_tokens - len(gen.token_ids) - 1)
     draft = Draft([])
     if k > 0:
         draft = drafter.propose(gen, history, k)

@@ -221,8 +221,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
 def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
     """Scaled, masked scores of one tile: qg (n_kv, g, T, hd), k (t, n_kv, hd) -> (n_kv, g, T, t) f32."""
     kt = k.astype(np.float32, copy=False).transpose(1, 2, 0)[:, None]  # (t, n_kv, hd) -> (n_kv, 1, hd, t)
-    # This view is not one BLAS takes: numpy's own loop sums each score over hd in order, so a
-    # score is the same bits in any tile, chunk or batch.
+    # Not the same bits in every batch: with numpy 2.4 a row's scores differ by ~1e-6 between a
+    # product of T rows and of that row alone, as p @ V's do (BLAS picks its kernel by the row
+    # count). Through the Q8 rounding of later activations that grows to 0.3-0.5 in a logit after
+    # 24 layers, so a speculative verify trip's rows are not the bits of decoding one at a time, and
+    # greedy speculation can flip a near-tie (< 0.1, the llama.cpp oracle's rule). Exact rows would
+    # take a product per row: +120 us per layer at 100 keys, +0.9 ms at 2,000 (T = 9, measured).
     s = np.matmul(qg, kt)                                       # (n_kv, g, T, hd) @ (n_kv, 1, hd, t) -> (n_kv, g, T, t)
     # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
     s *= np.float32(1.0 / np.sqrt(np.float32(qg.shape[-1])))
