@@ -51,6 +51,7 @@ class Generation:
     trips: int = field(default=0, compare=False)  # engine calls after the prompt's (next_logits, verify_logits)
     drafted: int = field(default=0, compare=False)  # draft tokens verified
     accepted: int = field(default=0, compare=False)  # ... and accepted
+    backed_off: int = field(default=0, compare=False)  # trips that drafted nothing after drafts that all failed
     cached: int = field(default=0, compare=False)  # positions the engine's KV caches hold (rejected drafts too)
     t0: float = field(default=0.0, compare=False)  # clock (s) at the start,
     t_first: float = field(default=0.0, compare=False)  # once the prompt's logits were in,
@@ -80,7 +81,7 @@ class Generation:
     def speculation_summary(self) -> dict:
         """drafted / accepted tokens and tokens per engine trip after the prompt."""
         return {"source": self.speculation.source if self.speculation.on else "off", "trips": self.trips,
-                "drafted": self.drafted, "accepted": self.accepted,
+                "drafted": self.drafted, "accepted": self.accepted, "backed_off": self.backed_off,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
                 "tokens_per_trip": round(self.decode_steps / self.trips, 4) if self.trips else None}
 
@@ -190,6 +191,8 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
     tokens it decides, each with its row."""
     # A trip decides up to k + 1 tokens: draft no more than max_tokens leaves room for.
     k = 0 if draft_len is None else min(draft_len.next(), gen.max_tokens - len(gen.token_ids) - 1)
+    if draft_len is not None:
+        gen.backed_off = draft_len.skipped
     draft = Draft([])
     if k > 0:
         draft = drafter.propose(gen, history, k)

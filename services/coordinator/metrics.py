@@ -162,6 +162,9 @@ class CoordinatorMetrics:
                                registry=r)
         self.accepted = Counter(f"{PREFIX}_spec_accepted_tokens", "draft tokens accepted, by source", ["source"],
                                 registry=r)
+        self.backed_off = Counter(f"{PREFIX}_spec_backed_off_trips", "trips that drafted nothing because the "
+                                  "drafts before them all failed (common/speculative.DraftLength), by source",
+                                  ["source"], registry=r)
         self.tokens_per_trip = Histogram(f"{PREFIX}_tokens_per_trip", "a generation's tokens per decode trip",
                                          buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16, 33), registry=r)
         self.replays = Counter(f"{PREFIX}_session_replays", "prompts replayed after a station lost a KV session",
@@ -189,6 +192,8 @@ class CoordinatorMetrics:
         if gen.drafted:
             self.drafted.labels(gen.speculation.source).inc(gen.drafted)
             self.accepted.labels(gen.speculation.source).inc(gen.accepted)
+        if gen.backed_off:
+            self.backed_off.labels(gen.speculation.source).inc(gen.backed_off)
 
     def observe_hop(self, name: str, seconds: float) -> None:
         self.hops.labels(name).observe(seconds)

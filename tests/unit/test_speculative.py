@@ -144,9 +144,11 @@ async def test_cluster_speculation_equals_the_single_process(engine, tiny_knot, 
         else:  # the random tiny model's samples rarely copy the prompt: drafts were verified, and
             # after those that failed the back-off drafted nothing for a while (DraftLength)
             assert s["source"] == "prompt_lookup" and 0 <= s["accepted"] < s["drafted"]
+            assert s["backed_off"] > 0, s
         assert r["replays"] == 0
     metrics = (await c.coordinator.fetch(Request("GET", "/metrics"))).text()
     assert 'knot_spec_drafted_tokens_total{source="prompt_lookup"}' in metrics
+    assert 'knot_spec_backed_off_trips_total{source="prompt_lookup"}' in metrics
     assert "knot_decode_trips_total" in metrics and "knot_tokens_per_trip_bucket" in metrics
     await c.drain()
 
