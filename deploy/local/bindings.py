@@ -251,9 +251,61 @@ class _Malformed(Exception):
     pass
 
 
+class Connections:
+    """buffered_fetch's idle HTTP/1.1 connections, by (host, port), kept alive between calls: a fluid
+    7B station makes ~330 calls per forward to its LayerWarden, and a fresh connection per call
+    would cost a connect each and leave a closed socket in TIME_WAIT each."""
+
+    def __init__(self, max_idle_per_peer: int = 4):
+        self.max_idle_per_peer = max_idle_per_peer
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self.opened = 0  # connections made
+
+    def take(self, peer: tuple[str, int]) -> socket.socket | None:
+        """An idle connection to peer that is still open and quiet, or None."""
+        idle = self._idle.get(peer, [])
+        while idle:
+            sock = idle.pop()
+            if _quiet(sock):
+                return sock
+            sock.close()
+        return None
+
+    def give(self, peer: tuple[str, int], sock: socket.socket) -> None:
+        idle = self._idle.setdefault(peer, [])
+        if len(idle) < self.max_idle_per_peer:
+            idle.append(sock)
+        else:
+            sock.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for sock in idle:
+                sock.close()
+        self._idle.clear()
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """An idle connection is reusable only if nothing arrived on it: not the peer's close (EOF), nor
+    stray bytes, which would be read as the next reply."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class _Stale(Exception):
+    """A kept-alive connection the peer had closed before our request: nothing of it was answered."""
+
+
 async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
-                         extra_headers: dict[str, str] | None = None, signer: Signer | None = None) -> Response:
-    """One HTTP/1.1 call on its own connection, the reply's body received straight into one buffer.
+                         extra_headers: dict[str, str] | None = None, signer: Signer | None = None,
+                         connections: Connections | None = None) -> Response:
+    """One HTTP/1.1 call, the reply's body received straight into one buffer; on a connection kept
+    alive in `connections` (else its own, closed after the reply).
 
     Why not aiohttp here: its parser copies every fragment of a body and read() joins them, three
     passes over each byte a fluid station streams from its LayerWarden (1.9 GB per token for the
@@ -261,7 +313,8 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     (benchmarks/warden_transfer.py: "client a bare socket, one buffer"). The same errors as
     http_fetch: ServiceUnavailable when the peer cannot be reached, GatewayTimeout past timeout_s,
     BadGateway for a reply that is not HTTP/1.1 with a Content-Length, a chunked body, or one that
-    ends at the close."""
+    ends at the close. A kept-alive connection the peer closed meanwhile is replaced once: the
+    calls that go through here (a Durable Object's reads and invalidations) may be sent again."""
     target, headers = _outgoing(url, request, extra_headers, signer)
     if target.scheme != "http" or target.host is None:
         raise ValueError(f"buffered_fetch: {url}: plain http:// only")
@@ -270,42 +323,73 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
         if any(c in f"{k}{v}" for c in "\r\n\0"):
             raise BadRequest(f"header {k!r} holds a line break or NUL and cannot be sent to {target.host}")
     head = [f"{request.method} {target.raw_path_qs} HTTP/1.1", f"Host: {target.raw_authority}",
-            "Connection: close", f"Content-Length: {len(body)}",
+            *([] if connections is not None else ["Connection: close"]), f"Content-Length: {len(body)}",
             *(f"{k}: {v}" for k, v in headers.items())]
+    message = "\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body
+    peer = (target.host, target.port)
     loop = asyncio.get_running_loop()
     sock = None
     try:
         async with asyncio.timeout(timeout_s):
-            try:
-                infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-                sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
-                sock.setblocking(False)
-                await loop.sock_connect(sock, infos[0][4])
-            except OSError as e:
-                raise ServiceUnavailable(f"{request.method} {url}: cannot connect: {e}") from None
-            try:
-                await loop.sock_sendall(sock, "\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
-                status, reply_headers, body_out = await _read_reply(loop, sock)
-            except OSError as e:
-                raise ServiceUnavailable(f"{request.method} {url}: connection lost: {e}") from None
-            except _Malformed as e:
-                raise BadGateway(f"{request.method} {url}: {e}") from None
+            for attempt in range(2):
+                sock = connections.take(peer) if connections is not None and attempt == 0 else None
+                reused = sock is not None
+                if sock is None:
+                    sock = await _connect(loop, peer, f"{request.method} {url}")
+                    if connections is not None:
+                        connections.opened += 1
+                try:
+                    await loop.sock_sendall(sock, message)
+                    status, reply_headers, body_out, keep = await _read_reply(loop, sock)
+                except (_Stale, ConnectionResetError, BrokenPipeError) as e:
+                    sock.close()
+                    sock = None
+                    if reused:
+                        continue  # the peer closed it while it was idle: once more, on a new one
+                    raise ServiceUnavailable(f"{request.method} {url}: connection lost: "
+                                             f"{e or type(e).__name__}") from None
+                except OSError as e:
+                    raise ServiceUnavailable(f"{request.method} {url}: connection lost: {e}") from None
+                except _Malformed as e:
+                    raise BadGateway(f"{request.method} {url}: {e}") from None
+                if keep and connections is not None:
+                    connections.give(peer, sock)
+                    sock = None
+                return Response(status, reply_headers, body_out)
+            raise AssertionError("unreachable: the second attempt is on a new connection")
     except TimeoutError:
         raise GatewayTimeout(f"{request.method} {url}: no answer within {timeout_s} s") from None
     finally:
+        if sock is not None:  # not handed back: closed (an error, a timeout, or the peer's close)
+            sock.close()
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, peer: tuple[str, int], what: str) -> socket.socket:
+    sock = None
+    try:
+        infos = await loop.getaddrinfo(*peer, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, infos[0][4])
+        return sock
+    except OSError as e:
         if sock is not None:
             sock.close()
-    return Response(status, reply_headers, body_out)
+        raise ServiceUnavailable(f"{what}: cannot connect: {e}") from None
 
 
-async def _read_reply(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[int, Headers, bytes | memoryview]:
-    """The status, headers and body of an HTTP/1.1 reply with a Content-Length."""
+async def _read_reply(loop: asyncio.AbstractEventLoop,
+                      sock: socket.socket) -> tuple[int, Headers, bytes | memoryview, bool]:
+    """The status, headers and body of an HTTP/1.1 reply with a Content-Length, and whether the
+    connection may carry another request (not HTTP/1.0, no "Connection: close")."""
     raw = bytearray()
     while (end := raw.find(b"\r\n\r\n")) < 0:
         if len(raw) > _MAX_HEAD_BYTES:
             raise _Malformed(f"reply head longer than {_MAX_HEAD_BYTES} bytes")
         got = await loop.sock_recv(sock, _RECV_BYTES)
         if not got:
+            if not raw:
+                raise _Stale("the peer closed the connection before replying")
             raise _Malformed("the peer closed the connection before the reply's head ended")
         raw += got
     lines = raw[:end].decode("latin-1").split("\r\n")
@@ -315,6 +399,7 @@ async def _read_reply(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> t
         raise _Malformed(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     headers = Headers()
     length = None
+    keep = version == "HTTP/1.1"
     for line in lines[1:]:
         k, sep, v = line.partition(":")
         if not sep:
@@ -326,20 +411,24 @@ async def _read_reply(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> t
             if not v.isdigit():
                 raise _Malformed(f"Content-Length {v[:40]!r}")
             length = int(v)
+        elif k.lower() == "connection":
+            keep = keep and "close" not in v.lower()
         elif k.lower() not in _HOP_BY_HOP:
             headers[k] = v
     if length is None:
         raise _Malformed("reply without a Content-Length")
     buf = bytearray(length)
     view = memoryview(buf)
-    have = min(len(raw) - end - 4, length)
-    buf[:have] = raw[end + 4:end + 4 + have]
+    have = len(raw) - end - 4
+    if have > length:
+        raise _Malformed(f"{have - length} bytes after the reply's {length}-byte body")
+    buf[:have] = raw[end + 4:]
     while have < length:
         got = await loop.sock_recv_into(sock, view[have:])
         if not got:
             raise _Malformed(f"the peer closed the connection after {have} of {length} body bytes")
         have += got
-    return int(code), headers, (view.toreadonly() if length >= BUFFER_BODY_BYTES else bytes(buf))
+    return int(code), headers, (view.toreadonly() if length >= BUFFER_BODY_BYTES else bytes(buf)), keep
 
 
 def _path_and_query(url: str) -> str:
@@ -375,7 +464,8 @@ class HttpStub:
         if ns.base_url.startswith("http://"):
             # A warden's replies are the cluster's bulk bytes (a LayerWarden's phases): received
             # into one buffer, not through aiohttp's copies.
-            return await buffered_fetch(url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name}, ns.signer)
+            return await buffered_fetch(url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name}, ns.signer,
+                                        ns.connections)
         return await http_fetch(ns.session, url, request, ns.timeout_s, {DO_NAME_HEADER: self.id.name}, ns.signer)
 
 
@@ -386,6 +476,10 @@ class HttpNamespace:
                  signer: Signer | None = None):
         self.session, self.base_url = session, base_url.rstrip("/")
         self.class_name, self.timeout_s, self.signer = class_name, timeout_s, signer
+        self.connections = Connections()  # the stubs' kept-alive connections (buffered_fetch)
+
+    async def close(self) -> None:
+        self.connections.close()
 
     def id_from_name(self, name: str) -> DurableObjectId:
         return object_id(self.class_name, name)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import pytest
 
 from common import signing
 from common.runtime import BadGateway, BadRequest, Env, GatewayTimeout, Request, Response, ServiceUnavailable
 from deploy import servers
+from deploy.local import bindings
 from deploy.local.bindings import BUFFER_BODY_BYTES, HttpNamespace, Signer, buffered_fetch
 from deploy.local.host import ServiceRuntime, app_runner, build_app
 from deploy.local.tasks import BackgroundTasks
@@ -92,3 +94,50 @@ async def test_unreachable_slow_and_wrong_peers_get_the_typed_errors(host):
         finally:
             server.close()
             await server.wait_closed()
+
+
+async def test_connections_are_kept_alive_and_a_closed_one_is_replaced(host, monkeypatch):
+    from deploy.local.bindings import Connections
+
+    conns = Connections()
+    try:
+        for path in ("/big", "/echo", "/big"):
+            r = await buffered_fetch(host + path, Request("GET", path), 30, signer=Signer(SECRET), connections=conns)
+            assert r.status == 200 and (r.body == BIG if path == "/big" else r.json()["path"] == "/echo")
+        assert conns.opened == 1, "three calls, one connection"
+    finally:
+        conns.close()
+
+    # a peer that answers once per connection, then closes it (as a server does past its keep-alive
+    # timeout, or a restarted one): the next call finds the connection dead and makes a new one
+    served = []
+
+    async def once(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        served.append(1)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(once, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+    conns = Connections()
+    try:
+        for _ in range(3):
+            r = await buffered_fetch(url, Request("GET", "/x"), 5, connections=conns)
+            assert r.status == 200 and r.body == b"ok"
+        assert len(served) == 3 and conns.opened == 3
+        # a connection that went dead unnoticed while idle (its close not yet seen): sent again once
+        peer = server.sockets[0].getsockname()[:2]
+        sock = socket.create_connection(peer)
+        sock.setblocking(False)
+        sock.shutdown(socket.SHUT_WR)  # the peer reads EOF at once, answers nothing and closes
+        await asyncio.sleep(0.1)
+        conns.give(peer, sock)
+        monkeypatch.setattr(bindings, "_quiet", lambda s: True)  # as if its close had not arrived yet
+        r = await buffered_fetch(url, Request("GET", "/x"), 5, connections=conns)
+        assert r.status == 200 and r.body == b"ok" and conns.opened == 4
+    finally:
+        conns.close()
+        server.close()
+        await server.wait_closed()
