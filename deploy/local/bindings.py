@@ -325,7 +325,7 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     head = [f"{request.method} {target.raw_path_qs} HTTP/1.1", f"Host: {target.raw_authority}",
             *([] if connections is not None else ["Connection: close"]), f"Content-Length: {len(body)}",
             *(f"{k}: {v}" for k, v in headers.items())]
-    message = "\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body
+    message = "\r\n".join(head).encode("utf-8") + b"\r\n\r\n" + body  # header octets as aiohttp sends them
     peer = (target.host, target.port)
     loop = asyncio.get_running_loop()
     sock = None

@@ -51,6 +51,10 @@ async def test_a_large_reply_arrives_whole_in_one_read_only_buffer_and_a_small_o
                              signer=Signer(SECRET))
     assert r.status == 200 and isinstance(r.body, bytes) and r.json() == {"path": "/echo", "query": "a=1&b=%20",
                                                                          "body": "frame"}
+    # a caller's request id outside latin-1 crosses as aiohttp's client sent it (UTF-8 octets)
+    r = await buffered_fetch(host + "/echo", Request("POST", "/echo", {"X-Request-Id": "réq-✓"}, b""), 30,
+                             signer=Signer(SECRET))
+    assert r.status == 200, r.body
     # the host's own refusal (no signature) comes back as the 401 it is, with its JSON
     r = await buffered_fetch(host + "/echo", Request("POST", "/echo", {}, b"x"), 30)
     assert r.status == 401 and "X-Knot-Signature" in r.json()["message"]
