@@ -113,3 +113,25 @@ async def test_prefetch_where_threads_cannot_start_computes_inline_with_the_same
     inline, stats, in_thread = await _run(tiny_knot, tmp_path / "inline", "on", monkeypatch)
     assert inline == off and not any(in_thread)
     assert stats["prefetched_phases"] > 0 and stats["peak_accounted_bytes"] <= stats["budget_bytes"]
+
+
+async def test_a_plan_that_says_prefetch_is_one_a_decode_with_a_session_can_keep(tiny_knot, tmp_path):
+    """memory.prefetch is a promise: at every budget where the plan says the station prefetches,
+    a generation's decode steps (a session's KV cache beside the two phases) do prefetch. The plan
+    counts one KV block for that; without it the low end of this sweep promised what no forward
+    had room for."""
+    promised = 0
+    for budget in range(1_300_000, 2_300_000, 50_000):
+        c = await build_cluster(tiny_knot, tmp_path / str(budget), n_stations=1, n_shards=2,
+                                station_budget_bytes=budget)
+        r = await c.generate(prompt="the def", max_tokens=6, ignore_eos=True)
+        if r.status == 400 and b"no room for a completion" in r.body:
+            await c.drain()
+            continue  # below the least budget that holds a session at all
+        assert r.status == 200, (budget, r.body)
+        stats = (await c.stations[0].fetch(Request("GET", "https://station/stats"))).json()
+        await c.drain()
+        if stats["memory"]["prefetch"] and not stats["memory"]["fits"]:
+            promised += 1
+            assert stats["prefetched_phases"] > 0, (budget, stats["memory"], stats["prefetched_phases"])
+    assert promised >= 3, "the sweep must cross budgets where the plan prefetches"
