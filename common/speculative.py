@@ -16,9 +16,9 @@ The rule (verify()), so that speculation never changes what is generated:
   that is the argmax. Sampled, the sampler's noise is keyed by position (common/sampling.py),
   so the output is token for token the one without speculation, for the same seed; and this is
   the standard rule for q = a point mass: accepted with probability p(d), else a draw from p
-  without d. (Up to arithmetic: a trip's k + 1 rows are not the bits of decoding them one at a
-  time, common/models/qwen2.py _scores, so a near-tie, a top-2 gap under ~0.1, can fall the other
-  way; the llama.cpp oracle excuses the same.)
+  without d. This needs a trip's k + 1 rows to be the bits of decoding them one at a time: the
+  kernels are row-exact, and attention runs such short batches row by row
+  (common/models/qwen2.py attend_sequence, EXACT_ROWS).
 - a draft model's sampled token d ~ q is accepted with probability min(1, p(d) / q(d)), else
   replaced by a draw from max(0, p - q), normalized (Leviathan et al. 2023, "Fast Inference from
   Transformers via Speculative Decoding", algorithm 1; Chen et al. 2023): the output has the

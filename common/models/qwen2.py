@@ -218,15 +218,34 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)    # (n_kv, g, T, hd) -> (T, n_kv, g, hd) -> (T, n_head * hd)
 
 
+# Up to this many rows of one sequence (a decode step; a speculative verify trip, MAX_DRAFT + 1 in
+# common/speculative.py), attention runs one row at a time, each over the keys its decode step
+# saw. Why: the scores' and p @ V's products sum in an order that depends on the number of rows
+# (_scores), so a batch's rows are not the bits each row gives alone, and the next layers' Q8
+# rounding of the activations grew that to 0.3-0.56 in a logit of the 1.5B: a verified draft
+# must be the token decoding gives, or greedy speculation changes the output at near-ties. The
+# matmul kernels, norms and RoPE are row-exact already. Longer prefill chunks keep one product.
+EXACT_ROWS = 33
+
+
+def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """One sequence's T new rows over its cache, whose last T entries are their own keys:
+    q (T, n_head, hd), k/v (S, n_kv, hd), q_pos (T,), k_pos (S,) -> (T, n_head * hd). Up to
+    EXACT_ROWS rows, row t is computed alone over the cache as its decode step saw it (the first
+    S - T + 1 + t entries): the same bits as decoding the rows one by one."""
+    T, S = q.shape[0], k.shape[0]
+    if not 1 < T <= EXACT_ROWS:
+        return attention(q, k, v, q_pos, k_pos)
+    return np.concatenate([attention(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
+                                     k_pos[:S - T + 1 + t]) for t in range(T)])
+
+
 def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
     """Scaled, masked scores of one tile: qg (n_kv, g, T, hd), k (t, n_kv, hd) -> (n_kv, g, T, t) f32."""
     kt = k.astype(np.float32, copy=False).transpose(1, 2, 0)[:, None]  # (t, n_kv, hd) -> (n_kv, 1, hd, t)
     # Not the same bits in every batch: with numpy 2.4 a row's scores differ by ~1e-6 between a
     # product of T rows and of that row alone, as p @ V's do (BLAS picks its kernel by the row
-    # count). Through the Q8 rounding of later activations that grows to 0.3-0.5 in a logit after
-    # 24 layers, so a speculative verify trip's rows are not the bits of decoding one at a time, and
-    # greedy speculation can flip a near-tie (< 0.1, the llama.cpp oracle's rule). Exact rows would
-    # take a product per row: +120 us per layer at 100 keys, +0.9 ms at 2,000 (T = 9, measured).
+    # count). attn_phase_batch runs short batches row by row for that (EXACT_ROWS).
     s = np.matmul(qg, kt)                                       # (n_kv, g, T, hd) @ (n_kv, 1, hd, t) -> (n_kv, g, T, t)
     # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
     s *= np.float32(1.0 / np.sqrt(np.float32(qg.shape[-1])))
@@ -318,7 +337,7 @@ def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str
     for (kv, _), p in zip(seqs, pos):
         a1 = a0 + p.shape[0]
         k_all, v_all, k_pos = kv.append(layer, k[a0:a1], v[a0:a1], p)  # (S_i, n_kv, hd) x2, (S_i,)
-        outs.append(attention(q[a0:a1], k_all, v_all, p, k_pos))        # (T_i, n_head * hd)
+        outs.append(attend_sequence(q[a0:a1], k_all, v_all, p, k_pos))  # (T_i, n_head * hd)
         a0 = a1
     assert a0 == N, f"sequences hold {a0} rows, x has {N}"
     a = outs[0] if len(outs) == 1 else np.concatenate(outs)     # (N, n_head * hd)

@@ -11,6 +11,7 @@ import pytest
 from common.kvcache import KVCache
 from common.models import qwen2
 from common.sampling import SamplingParams
+from common.speculative import MAX_DRAFT
 
 
 def qkv(T: int, S: int, n_head: int = 4, n_kv: int = 2, hd: int = 16, seed: int = 0):
@@ -180,3 +181,23 @@ def test_activation_bytes_bound_every_phase_as_measured(shape, T, S, numpy_matmu
     # see) and a fixed allowance for numpy's casting buffers.
     slack = 3 * T * max(dim, ffn) + 2 * qwen2._NUMPY_BUFFER_BYTES
     assert accounted <= 1.5 * max(measured.values()) + slack, (measured, accounted)
+
+
+@pytest.mark.parametrize("T", [2, 6, 9, 33])
+def test_a_short_batch_of_rows_is_each_row_decoded_alone(T):
+    """A speculative verify trip's rows (attend_sequence, T <= EXACT_ROWS) are bit for bit what
+    decoding them one at a time gives: row t over the first S - T + 1 + t keys, alone. (A product
+    of T rows sums in another order, ~1e-6 apart, which the next layers' Q8 rounding grew to 0.3-0.56
+    in a logit of the 1.5B.) Realistic shapes: the 0.5B's 14 query heads over 2 kv heads of 64."""
+    rng = np.random.default_rng(T)
+    n_kv, g, hd, S = 2, 7, 64, 120
+    q = rng.standard_normal((T, n_kv * g, hd)).astype(np.float32)
+    k = (rng.standard_normal((S, n_kv, hd)) * 3).astype(np.float32)
+    v = rng.standard_normal((S, n_kv, hd)).astype(np.float32)
+    k_pos = np.arange(S)
+    q_pos = k_pos[S - T:]
+    rows = qwen2.attend_sequence(q, k, v, q_pos, k_pos)
+    for t in range(T):
+        n = S - T + 1 + t
+        np.testing.assert_array_equal(rows[t], qwen2.attention(q[t:t + 1], k[:n], v[:n], q_pos[t:t + 1], k_pos[:n])[0])
+    assert qwen2.EXACT_ROWS == MAX_DRAFT + 1, "a verify trip of the longest draft is exact"
