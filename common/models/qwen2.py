@@ -231,10 +231,12 @@ EXACT_ROWS = 33
 def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
     """One sequence's T new rows over its cache, whose last T entries are their own keys:
     q (T, n_head, hd), k/v (S, n_kv, hd), q_pos (T,), k_pos (S,) -> (T, n_head * hd). Up to
-    EXACT_ROWS rows, row t is computed alone over the cache as its decode step saw it (the first
-    S - T + 1 + t entries): the same bits as decoding the rows one by one."""
+    EXACT_ROWS rows appended to a cache that held some already (a verify trip: S > T), row t is
+    computed alone over the cache as its decode step saw it (the first S - T + 1 + t entries): the
+    same bits as decoding the rows one by one. A prompt's first chunk keeps one product, as the
+    llama.cpp oracle tests measured it (docs/fidelity.md)."""
     T, S = q.shape[0], k.shape[0]
-    if not 1 < T <= EXACT_ROWS:
+    if not 1 < T <= EXACT_ROWS or S == T:  # a prompt's first chunk was never decoded: one product
         return attention(q, k, v, q_pos, k_pos)
     return np.concatenate([attention(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
                                      k_pos[:S - T + 1 + t]) for t in range(T)])
