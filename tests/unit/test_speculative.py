@@ -14,7 +14,8 @@ from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef"
-LOOKUP = SpeculationParams("prompt_lookup", max_draft=6)
+# ngram_min=1: the tiny random model's text rarely repeats two tokens, and these tests need drafts
+LOOKUP = SpeculationParams("prompt_lookup", max_draft=6, ngram_min=1)
 SAMPLED = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
            SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.3)]
 
@@ -35,8 +36,9 @@ def test_lookup_copies_what_followed_the_latest_longest_match():
     assert lookup(context, 10) == [1, 2, 5, 6]
     assert lookup(context + [7], 2) == [8, 9], "the 3-gram (5, 6, 7) beats shorter matches"
     assert lookup([1, 2, 3, 4], 4) == [], "nothing repeats"
-    assert lookup([3, 3], 4) == [3], "a match may run into the suffix itself"
-    assert lookup([7, 1, 7], 2, ngram_min=2) == [], "no 2-gram matches"
+    assert lookup([3, 3, 3], 4) == [3], "a match may run into the suffix itself"
+    assert lookup([7, 1, 7], 2) == [], "a lone repeated token drafts nothing (NGRAM_MIN = 2)"
+    assert lookup([7, 1, 7], 2, ngram_min=1) == [1, 7]
     assert lookup(context, 0) == [] and lookup([], 3) == []
 
 
