@@ -192,6 +192,16 @@ static const uint8_t Q4_K_SHUFFLE[8][32] = {
     {14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
 };
 
+/* sumi + madd(scale, pairs): int16 pairs times int16 scales, summed into int32 lanes. With
+ * AVX-512 VNNI one vpdpwssd; the lanes are exact integers either way, so the bits are the same. */
+static inline __m256i scaled_add(__m256i sumi, __m256i scale, __m256i pairs) {
+#if HAVE_VNNI
+    return _mm256_dpwssd_epi32(sumi, scale, pairs);
+#else
+    return _mm256_add_epi32(sumi, _mm256_madd_epi16(scale, pairs));
+#endif
+}
+
 /* ref: ggml_vec_dot_q4_K_q8_K, AVX2 branch: 8 float lanes for the scales, 4 for the mins */
 static float dot_q4_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     const int16_t *bs = aux;
@@ -218,9 +228,8 @@ static float dot_q4_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
             const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
             const __m256i yl = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
             const __m256i yh = _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32));
-            const __m256i pl = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(ql, yl));
-            const __m256i ph = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(qh, yh));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            sumi = scaled_add(sumi, scale_l, _mm256_maddubs_epi16(ql, yl));
+            sumi = scaled_add(sumi, scale_h, _mm256_maddubs_epi16(qh, yh));
         }
         acc = lanes_acc(acc, sumi, ad[b] * f16_to_f32(rd16(w)));
     }
@@ -270,11 +279,12 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
             __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *)(y + 32)));
             __m256i p2 = _mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *)(y + 64)));
             __m256i p3 = _mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *)(y + 96)));
-            p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 0]))), p0);
-            p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 1]))), p1);
-            p2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 2]))), p2);
-            p3 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + 3]))), p3);
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+#define Q6_SCALE(k) _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + (k)])))
+            sumi = scaled_add(sumi, Q6_SCALE(0), p0);
+            sumi = scaled_add(sumi, Q6_SCALE(1), p1);
+            sumi = scaled_add(sumi, Q6_SCALE(2), p2);
+            sumi = scaled_add(sumi, Q6_SCALE(3), p3);
+#undef Q6_SCALE
         }
         acc = lanes_acc(acc, sumi, ad[b] * f16_to_f32(rd16(w + 208)));
     }
@@ -302,9 +312,8 @@ static void dot4_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
             const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
             for (int i = 0; i < 4; i++) {
                 const int8_t *q = tk.q + i * tk.q_stride + (size_t)b * QK_K + 64 * j;
-                const __m256i pl = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)q)));
-                const __m256i ph = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(q + 32))));
-                sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(pl, ph));
+                sumi[i] = scaled_add(sumi[i], scale_l, _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)q)));
+                sumi[i] = scaled_add(sumi[i], scale_h, _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(q + 32))));
             }
         }
         for (int i = 0; i < 4; i++) {
@@ -346,11 +355,8 @@ static void dot4_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
                 sv[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + k])));
             for (int i = 0; i < 4; i++) {
                 const int8_t *y = tk.q + i * tk.q_stride + (size_t)b * QK_K + 128 * h;
-                const __m256i p0 = _mm256_madd_epi16(sv[0], _mm256_maddubs_epi16(qv[0], _mm256_loadu_si256((const __m256i *)(y + 0))));
-                const __m256i p1 = _mm256_madd_epi16(sv[1], _mm256_maddubs_epi16(qv[1], _mm256_loadu_si256((const __m256i *)(y + 32))));
-                const __m256i p2 = _mm256_madd_epi16(sv[2], _mm256_maddubs_epi16(qv[2], _mm256_loadu_si256((const __m256i *)(y + 64))));
-                const __m256i p3 = _mm256_madd_epi16(sv[3], _mm256_maddubs_epi16(qv[3], _mm256_loadu_si256((const __m256i *)(y + 96))));
-                sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+                for (int k = 0; k < 4; k++)
+                    sumi[i] = scaled_add(sumi[i], sv[k], _mm256_maddubs_epi16(qv[k], _mm256_loadu_si256((const __m256i *)(y + 32 * k))));
             }
         }
         for (int i = 0; i < 4; i++) acc[i] = lanes_acc(acc[i], sumi[i], tk.d[b + i * tk.d_stride] * wd);
