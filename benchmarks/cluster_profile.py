@@ -3,8 +3,9 @@
 Starts the compose topology with the local launcher (real SeaweedFS, Valkey and one process per
 service), then:
 
-    hops     /generate of --tokens greedy tokens, twice; prints the second run's decode tok/s and
-             the coordinator's per-hop mean times (timings.hops), and the stations' warden bytes; a
+    hops     /generate of --tokens greedy tokens (speculation off: one row per hop), twice; prints
+             the second run's decode tok/s and the coordinator's per-hop mean times (timings.hops),
+             each station's own layer loop per forward and its warden bytes; a
              fluid station's bytes over its layer loop's time (GB/s) against np.copyto of a phase,
              and the share of that loop spent waiting for tensors
     cpu      one run of --tokens tokens; prints each process's CPU ms per token (user + system,
@@ -20,11 +21,13 @@ service), then:
     huge     50 MB bodies to /v1/completions (3 in flight, one after another) while /v1/models,
              /readyz and /metrics are polled: their slowest answer, the statuses, the coordinator's
              RSS before and after
+    direct   decode frames posted straight to station 0, --reps of them, alone and alternating with
+             station 1: the call's time against the station's own layer loop
     station  no servers: station 0's handler in-process (embedded bindings, the same code), the
              mean time of a decode forward over its layers, so the hop's HTTP share shows
 
     python benchmarks/cluster_profile.py [--model NAME|PATH] [--budget-bytes N] [--tokens N]
-        [--reps N] [--long-tokens N] [--compare-tokens N] [--only hops,cpu,fanout,prefill,rss,long,huge,station]
+        [--reps N] [--long-tokens N] [--compare-tokens N] [--only hops,cpu,fanout,direct,prefill,rss,long,huge,station]
 
 Extra variables in the environment reach every service (the launcher passes them on), so the
 same run can compare settings, e.g. KNOT_SPIN_US=0 or KNOT_ACCESS_LOG=all.
@@ -83,7 +86,7 @@ def cpu_seconds(pid: int) -> float:
 def hops(running: dict, gen: str, tokens: int) -> None:
     before = stations_stats(_cluster, running)
     for i in range(2):
-        b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0})
+        b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "speculation": "off"})
     after = stations_stats(_cluster, running)
     print(f"hops: decode {b['timings']['decode_tok_s']:.3g} tok/s; mean ms per hop: "
           + ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in b["timings"]["hops"].items()))
@@ -91,7 +94,8 @@ def hops(running: dict, gen: str, tokens: int) -> None:
         forwards = s["forwards"] - before[name]["forwards"]
         print(f"  {name}: warden bytes per forward {(s['warden_bytes'] - before[name]['warden_bytes']) / forwards:,.0f}, "
               f"kept {s['kept_bytes']:,} B, accounted peak {s['peak_accounted_bytes']:,} B, "
-              f"prefetch {s['memory']['prefetch']}")
+              f"prefetch {s['memory']['prefetch']}; {(s['forward_s'] - before[name]['forward_s']) / forwards * 1e3:.2f} ms "
+              f"per forward in its layer loop (the rest of the hop is HTTP, queueing and the envelope)")
     rates = fluid_rates(before, after)
     if any(r["bytes_per_forward"] for r in rates.values()):  # fluid: against the machine's copy speed
         copy = copy_gb_s(max(r["phase_bytes"] for r in rates.values()))
@@ -103,13 +107,53 @@ def cpu(running: dict, gen: str, tokens: int) -> None:
     procs = {n: r.pid for n, r in running.items() if r.kind == "process" and servers.pid_alive(r.pid)}
     before = {n: cpu_seconds(p) for n, p in procs.items()}
     t0 = time.perf_counter()
-    b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+    b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "speculation": "off"})
     wall = time.perf_counter() - t0
     n = b["usage"]["completion_tokens"]
     per = {k: (cpu_seconds(p) - before[k]) / n * 1e3 for k, p in procs.items()}
     print(f"cpu: {n} tokens, wall {wall / n * 1e3:.1f} ms per token, CPU {sum(per.values()):.1f} ms per token")
     for k in sorted(per):
         print(f"  {k:18s} {per[k]:6.2f} ms per token")
+
+
+async def _direct(url: str, dim: int, reps: int, other: str | None = None) -> float:
+    import aiohttp
+
+    x = (np.random.default_rng(0).standard_normal((5, dim)) * 0.1).astype(np.float32)
+    async with aiohttp.ClientSession() as s:
+        async def forward(mode: str, pos: int, arr: np.ndarray, at: str = url) -> None:
+            body = wire.encode_envelope(wire.Envelope("profile-direct", mode, pos, pos + len(arr), arr))
+            headers = {"Content-Type": wire.ENVELOPE_CONTENT_TYPE, **_signed("POST", at + "/forward", body)}
+            async with s.post(at + "/forward", data=body, headers=headers) as r:
+                assert r.status == 200, (r.status, (await r.read())[:200])
+                await r.read()
+
+        for u in (url, other) if other else (url,):
+            await forward("prefill", 0, x, u)
+            for i in range(3):
+                await forward("decode", 5 + i, x[:1], u)
+        total = 0.0
+        for i in range(reps):
+            t0 = time.perf_counter()
+            await forward("decode", 8 + i, x[:1])
+            total += time.perf_counter() - t0
+            if other:
+                await forward("decode", 8 + i, x[:1], other)
+        return total / reps
+
+
+def direct(running: dict, dim: int, reps: int) -> None:
+    """station-0 alone: decode frames posted straight to it, one after another (no coordinator,
+    no other hop running), against its layer loop's own time per forward."""
+    url = running["station-0"].url
+    for other in (None, running["station-1"].url):
+        before = stations_stats(_cluster, running)["station-0"]
+        call_s = asyncio.run(_direct(url, dim, reps, other))
+        after = stations_stats(_cluster, running)["station-0"]
+        loop_s = (after["forward_s"] - before["forward_s"]) / (after["forwards"] - before["forwards"])
+        print(f"direct{', alternating with station-1' if other else ''}: station-0's decode call over HTTP "
+              f"{call_s * 1e3:.2f} ms (mean of {reps}), its layer loop {loop_s * 1e3:.2f} ms per forward "
+              f"(the prefill included in that mean)")
 
 
 async def _fanout(shards: list[str], dim: int, reps: int) -> np.ndarray:
@@ -307,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                 cpu(running, gen, args.tokens)
             elif part == "fanout":
                 fanout(running, dim, args.reps)
+            elif part == "direct":
+                direct(running, dim, args.reps)
             elif part == "prefill":
                 prefill(gen)
             elif part == "rss":

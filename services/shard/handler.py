@@ -37,7 +37,7 @@ from common.knot import KnotHeader
 from common.lru import ByteLRU
 from common.matmul import get_kernel
 from common.models import Model
-from common.quant import QTensor, dequantize_rows
+from common.quant import QTensor, dequantize_rows, resident_copy
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
 from common.settings import ConfigError, default, read
@@ -110,7 +110,7 @@ class Shard:
         if (a, b) == (0, e.n_rows):  # the whole tensor: the knot's crc32 covers it
             self.source.verify(self.head_name, data)
         self.head = QTensor(f"{self.head_name}[{a}:{b}]", e.ggml_type, (e.shape[0], b - a),
-                            np.frombuffer(data, dtype=np.uint8))
+                            resident_copy(data))  # on huge pages: every token's product streams it
         f32_bytes = (b - a) * e.shape[0] * 4
         if get_kernel(e.ggml_type) is None and self.head.nbytes + f32_bytes <= self.settings.budget_bytes // 2:
             # Without a quantized kernel, dequantize once when it fits: one float32 matmul per token.

@@ -300,9 +300,13 @@ def test_sampled_draft_model_keeps_the_distribution(tiny_knot):
     assert noncentral > 4 * CHI2_26_P001, noncentral
 
 
-async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, other_tiny, tmp_path):
+async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, other_tiny, tmp_path, monkeypatch):
     """The drafter service drafts as the in-process draft model does: the same records, greedy and
-    sampled; its sessions are released after each request; a bad draft request is a 400."""
+    sampled; its sessions are released after each request; a bad draft request is a 400. Its boot
+    reads the payload in many ranged reads (an odd size, so the last one is short)."""
+    from services.drafter import handler as drafter_handler
+
+    monkeypatch.setattr(drafter_handler, "BOOT_READ_BYTES", 10_007)
     c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=other_tiny.model.path)
     local = LocalEngine.open(tiny_knot, draft=other_tiny)
     ids = local.tokenizer.encode(CODE)
@@ -318,6 +322,8 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
     drafter = c.coordinator.env.DRAFTER
     stats = (await drafter.fetch(Request("GET", "/stats"))).json()
     assert stats["sessions"] == 0 and stats["drafted_tokens"] > 0
+    payload = other_tiny.model.header.payload_nbytes
+    assert stats["r2_reads"] >= -(-payload // 10_007) > 1, (stats, payload)
     for body, needle in [({"request_id": "r", "context": [], "k": 2, "key": 1}, "context"),
                          ({"request_id": "r", "context": [1], "k": 99, "key": 1}, "k must be"),
                          ({"request_id": "r", "context": [1], "k": 2, "key": 1, "sampling": {"temperature": -1}},
