@@ -70,8 +70,11 @@ def resident_copy(data) -> np.ndarray:
     product streams its weights from DRAM once per token, and over 4 KiB pages the TLB misses
     show: one thread over the 1.5B's 24 MB Q6_K head slice (a shard's) took 2.0 ms from such a
     copy against 2.7 ms from the bytes, and the 1.5B's layer products 35-36 ms against 44-46
-    (docs/performance.md). Without huge pages (Pyodide, THP off) it is a plain copy."""
-    return np.frombuffer(data, dtype=np.uint8).copy()
+    (docs/performance.md). Without huge pages (Pyodide, THP off) it is a plain copy. Read-only,
+    as the bytes were: nothing may change weights in place."""
+    out = np.frombuffer(data, dtype=np.uint8).copy()
+    out.flags.writeable = False
+    return out
 
 
 def type_name(ggml_id: int, name: str = "<tensor>") -> str:

@@ -74,6 +74,7 @@ class Drafter:
         for start in range(0, header.payload_nbytes, BOOT_READ_BYTES):
             end = min(start + BOOT_READ_BYTES, header.payload_nbytes)
             payload[start:end] = np.frombuffer(await self.source.read(a + start, a + end), dtype=np.uint8)
+        payload.flags.writeable = False  # as the read's bytes were: nothing may change weights in place
         for name, e in header.tensors.items():
             start, end = header.tensor_range(name)
             self.tensors[name] = QTensor(name, e.ggml_type, tuple(e.shape), payload[start - a:end - a])
