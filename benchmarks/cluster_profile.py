@@ -143,8 +143,8 @@ async def _direct(url: str, dim: int, reps: int, other: str | None = None) -> fl
 
 
 def direct(running: dict, dim: int, reps: int) -> None:
-    """station-0 alone: decode frames posted straight to it, one after another (no coordinator,
-    no other hop running), against its layer loop's own time per forward."""
+    """Decode frames posted straight to station-0 (no coordinator, no shard), first alone, then
+    each followed by one to station-1: the call's time against station-0's own layer loop."""
     url = running["station-0"].url
     for other in (None, running["station-1"].url):
         before = stations_stats(_cluster, running)["station-0"]

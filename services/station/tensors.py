@@ -26,7 +26,7 @@ from common import wire
 from common.integrity import Seal, crc32
 from common.knot import CorruptKnot, KnotHeader
 from common.models import MissingTensorError, Model
-from common.quant import QTensor
+from common.quant import QTensor, resident_copy
 from common.runtime import HttpError
 from services.knot_source import KnotSource
 from services.layer_warden.client import LayerWardenClient
@@ -150,9 +150,8 @@ class PhaseLoader:
         or the R2 read), so the seal takes that one: a fluid station keeps and evicts hundreds of MB
         per forward, and hashing each copy again cost more than the copy. A knot without checksums
         has nothing to take: the copy is hashed."""
-        data = t.data.copy()
+        data = resident_copy(t.data)  # read-only, on huge pages from 4 MiB on
         crc = self.header.tensors[t.name].crc32
-        data.flags.writeable = False
         return SealedTensor(Seal(self.source.etag, crc32(data) if crc is None else crc, data.nbytes),
                             QTensor(t.name, t.ggml_type, t.shape, data))
 
