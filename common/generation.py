@@ -14,6 +14,7 @@ reason and the record. The clock is passed in (common/ reads none).
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Se
 import numpy as np
 
 from common.sampling import Sampler, SamplingParams
-from common.speculative import Draft, Drafter, DraftLength, SpeculationParams, verify
+from common.speculative import Draft, Drafter, DraftLength, Primes, SpeculationParams, verify
 
 if TYPE_CHECKING:
     from common.tokenizer import Tokenizer
@@ -157,27 +158,42 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
     history = list(gen.prompt_ids)
     draft_len = DraftLength(gen.speculation.max_draft) if drafter is not None and gen.speculation.on else None
     gen.t0 = clock()
-    logits = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None
-    gen.t_first = clock()
-    # The tokens the last engine call decided, each with the logits row it was sampled from.
-    decided = [(sampler(logits, history), logits)] if gen.max_tokens > 0 else []
-    while decided:
-        for tid, row in decided:
-            gen.decode_steps += 1 if gen.trips else 0
-            if tid in tokenizer.eog_ids:
-                gen.finish_reason = "stop"
-                break
-            lp = token_logprobs(row, tid, gen.logprobs) if gen.logprobs is not None else None
-            gen.token_ids.append(tid)
-            history.append(tid)
-            delta, stopped = stop.push(detok.push(tid))
-            yield TokenEvent(tid, delta, lp)
-            if stopped or len(gen.token_ids) == gen.max_tokens:
-                break
-        else:
-            decided = await _trip(engine, gen, sampler, history, drafter, draft_len)
-            continue
-        break
+    # A draft model reads the prompt while the target does (a service of its own: the drafter),
+    # not in the first trip after it; the first proposal awaits it.
+    primed = drafter.prime(gen, history) if draft_len is not None and gen.max_tokens > 1 and \
+        isinstance(drafter, Primes) else None
+    if inspect.isawaitable(primed):
+        primed = asyncio.ensure_future(primed)
+    try:
+        logits = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None
+        gen.t_first = clock()
+        # The tokens the last engine call decided, each with the logits row it was sampled from.
+        decided = [(sampler(logits, history), logits)] if gen.max_tokens > 0 else []
+        while decided:
+            for tid, row in decided:
+                gen.decode_steps += 1 if gen.trips else 0
+                if tid in tokenizer.eog_ids:
+                    gen.finish_reason = "stop"
+                    break
+                lp = token_logprobs(row, tid, gen.logprobs) if gen.logprobs is not None else None
+                gen.token_ids.append(tid)
+                history.append(tid)
+                delta, stopped = stop.push(detok.push(tid))
+                yield TokenEvent(tid, delta, lp)
+                if stopped or len(gen.token_ids) == gen.max_tokens:
+                    break
+            else:
+                if primed is not None:
+                    await primed  # a failed prime fails the request, as a failed proposal would
+                    primed = None
+                decided = await _trip(engine, gen, sampler, history, drafter, draft_len)
+                continue
+            break
+    finally:
+        if isinstance(primed, asyncio.Future):  # the generation ended before its first trip
+            primed.cancel()
+            if primed.done() and not primed.cancelled():
+                primed.exception()  # retrieved: it no longer matters
     tail = "" if stop.stopped else stop.finish(detok.flush())
     if stop.stopped:  # a stop string, possibly completed by the detokenizer's flushed tail
         gen.finish_reason = "stop"

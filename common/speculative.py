@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from common.kvcache import KVCache
+from common.kvcache import KVCache, prefill_chunks
 from common.sampling import DRAFT, Sampler, SamplingParams, softmax
 
 if TYPE_CHECKING:
@@ -79,6 +79,15 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class Primes(Protocol):
+    """A drafter with state per generation (a draft model's KV cache) may also read the prompt
+    ahead: the generation loop calls prime() when the prompt goes to the model, and awaits it
+    only before the first proposal (common/generation.py)."""
+
+    def prime(self, gen: "Generation", prompt: list[int]) -> None | Awaitable[None]: ...
+
+
 class PromptLookup:
     """Drafts by copying: the longest recent n-gram of the text (ngram_max down to ngram_min tokens)
     that occurred before, and the tokens that followed its latest earlier occurrence. No model;
@@ -112,11 +121,14 @@ def lookup(context: Sequence[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min
 class DraftModel:
     """Drafts with a small model of the same vocabulary (the 0.5B for the 1.5B), k forwards of one
     token each. It keeps a KV cache per generation: each proposal keeps what its cache shares with
-    the context (rewinding the drafts the target rejected), feeds the rest, then drafts.
+    the context (rewinding the drafts the target rejected), feeds the rest, then drafts. prefill()
+    feeds a prompt ahead of the first proposal, which then feeds only the first sampled token.
 
-    forward(tokens, kv, start_pos) -> logits (T, vocab) of every row. Greedy requests draft the
-    argmax (point masses); sampled ones draw from the sampler's distribution with the DRAFT noise
-    stream and report it (Draft.q), which the accept/reject rule needs."""
+    forward(tokens, kv, start_pos) -> logits (1 or T, vocab) whose last row follows the last token:
+    only that row is used, so a forward need not compute the LM head for the others (for a 150-token
+    prompt the 0.5B's head over every row took 0.8 s of 2.2). Greedy requests draft the argmax
+    (point masses); sampled ones draw from the sampler's distribution with the DRAFT noise stream
+    and report it (Draft.q), which the accept/reject rule needs."""
 
     def __init__(self, forward: Callable[[list[int], KVCache, int], np.ndarray], new_kv: Callable[[], KVCache],
                  max_sessions: int = 64):
@@ -124,22 +136,47 @@ class DraftModel:
         self.sessions: dict[str, tuple[KVCache, list[int]]] = {}  # request id -> (cache, tokens it holds)
         self.forwards = 0
 
+    def _session(self, request_id: str) -> tuple[KVCache, list[int]]:
+        kv, held = self.sessions.pop(request_id, None) or (self.new_kv(), [])
+        self.sessions[request_id] = (kv, held)  # most recent last
+        while len(self.sessions) > self.max_sessions:
+            del self.sessions[next(iter(self.sessions))]
+        return kv, held
+
+    def _feed(self, kv: KVCache, held: list[int], context: Sequence[int], keep_one: bool
+              ) -> tuple[np.ndarray | None, int]:
+        """Rewind kv to what it shares with context, then feed the rest in prefill chunks -> the last
+        row's logits (vocab,) (None if nothing was fed) and the tokens fed. keep_one: feed at least
+        the last token, whose logits the caller needs."""
+        n = 0  # the common prefix
+        while n < min(len(held), len(context) - keep_one) and held[n] == context[n]:
+            n += 1
+        kv.truncate(n)
+        logits = None
+        for a, b in prefill_chunks(len(context) - n):
+            logits = self.forward(list(context[n + a:n + b]), kv, n + a)[-1]
+            self.forwards += 1
+        return logits, len(context) - n
+
+    def prefill(self, request_id: str, context: Sequence[int]) -> int:
+        """Feed context into the request's cache ahead of its first draft -> the tokens fed."""
+        kv, held = self._session(request_id)
+        _, fed = self._feed(kv, held, context, keep_one=False)
+        self.sessions[request_id] = (kv, list(context))
+        return fed
+
+    def prime(self, gen: "Generation", prompt: list[int]) -> None:
+        """The Primes protocol, in process."""
+        self.prefill(gen.request_id, prompt)
+
     def draft(self, request_id: str, context: Sequence[int], k: int, sampling: SamplingParams,
               key: int) -> tuple[list[int], list[np.ndarray] | None]:
         """Up to k tokens after context, and for a sampled request the scores (vocab,) each was drawn
         from (softmax(scores) is its distribution)."""
         if k <= 0 or not context:
             return [], None
-        kv, held = self.sessions.pop(request_id, None) or (self.new_kv(), [])
-        self.sessions[request_id] = (kv, held)  # most recent last
-        while len(self.sessions) > self.max_sessions:
-            del self.sessions[next(iter(self.sessions))]
-        n = 0  # the common prefix, leaving at least one token to feed
-        while n < min(len(held), len(context) - 1) and held[n] == context[n]:
-            n += 1
-        kv.truncate(n)
-        logits = self.forward(list(context[n:]), kv, n)[-1]
-        self.forwards += 1
+        kv, held = self._session(request_id)
+        logits, _ = self._feed(kv, held, context, keep_one=True)
         sampler = Sampler(sampling)
         sampler.key = key
         hist, tokens, scores = list(context), [], []

@@ -56,8 +56,7 @@ class LocalEngine:
         if draft is not None:
             if draft.cfg.vocab_size != model_for(model.header).cfg.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) is not this model's")
-            self.draft = DraftModel(lambda tokens, kv, pos: draft.forward(tokens, kv, pos, all_logits=True),
-                                    draft.new_kv)
+            self.draft = DraftModel(draft.forward, draft.new_kv)  # the last row's logits: all it uses
         self.arch = model_for(model.header)
         self.cfg = self.arch.cfg
         self.head_name = self.arch.head_tensor(model.has_tensor)

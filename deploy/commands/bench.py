@@ -481,6 +481,7 @@ def measure_speculation(url: str, tokens: int, sources: list[str], repeats: int)
                 plain = best["tokens"]
             s = best["timings"]["speculation"]
             out[f"{kind}/{src}"] = {"decode_tok_s": best["timings"]["decode_tok_s"], "tokens": len(best["tokens"]),
+                                    "ttft_ms": best["timings"]["time_to_first_token_ms"],
                                     "acceptance": s["acceptance"], "tokens_per_trip": s["tokens_per_trip"],
                                     "drafted": s["drafted"], "accepted": s["accepted"],
                                     "same_tokens_as_off": None if plain is None else best["tokens"] == plain,
@@ -497,6 +498,9 @@ def speculation_figures(spec: dict, llama_decode: float | None) -> list[Figure]:
         kind, src = key.split("/")
         label = f"{kind} prompt, {SOURCE_NAMES.get(src, src)}"
         figs.append(Figure(f"decode, {label}", m["decode_tok_s"], llama_decode, "tok/s"))
+        if src in ("off", "draft_model") and m.get("ttft_ms") is not None:
+            # the draft model reads the prompt too (while the target does): its cost shows here
+            figs.append(Figure(f"ttft, {label}", m["ttft_ms"], None, "ms"))
         if src != "off":
             figs.append(Figure(f"acceptance, {label}", m["acceptance"], None, "%"))
             tpt = m["tokens_per_trip"]

@@ -38,6 +38,19 @@ class DrafterClient:
                              f"of a {'greedy' if sampling.greedy else 'sampled'} request")
         return tokens.tolist(), scores
 
+    async def prime(self, request_id: str, context: list[int]) -> int:
+        """Feed context into the request's KV cache on the drafter -> the tokens it fed."""
+        body = json.dumps({"request_id": request_id, "context": context}).encode()
+        resp = await call(self.binding, Request("POST", f"{PEER_URL}/prime", {"Content-Type": "application/json"},
+                                                body), self.timeout_s)
+        try:
+            fed = resp.json()["fed"]
+        except (ValueError, TypeError, KeyError):
+            raise BadGateway(f"/prime: malformed reply {bytes(resp.body[:200])!r}") from None
+        if not isinstance(fed, int) or isinstance(fed, bool) or not 0 <= fed <= len(context):
+            raise BadGateway(f"/prime: fed {fed!r} of {len(context)} tokens")
+        return fed
+
     async def release(self, request_id: str) -> bool:
         resp = await call(self.binding, Request("POST", f"{PEER_URL}/release/{request_id}"), self.timeout_s)
         return bool(resp.json().get("released"))
@@ -47,10 +60,13 @@ class DrafterClient:
 
 
 class RemoteDraftModel:
-    """The Drafter protocol (common.speculative) over the drafter service."""
+    """The Drafter and Primes protocols (common.speculative) over the drafter service."""
 
     def __init__(self, client: DrafterClient):
         self.client = client
+
+    async def prime(self, gen, prompt: list[int]) -> None:
+        await self.client.prime(gen.request_id, prompt)
 
     async def propose(self, gen, context: list[int], k: int) -> Draft:
         tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))

@@ -4,6 +4,8 @@ speculative decoding (common/speculative.py, DraftModel).
     POST /draft              JSON {"request_id", "context": [ids], "k", "sampling": {...}, "key"}
                              -> envelopes (mode draft): int32 drafted ids (k,), then, for a sampled
                              request, float32 (k, vocab): the scores each id was drawn from
+    POST /prime              JSON {"request_id", "context": [ids]}: feed a prompt into the request's
+                             KV cache ahead of its first /draft -> {"request_id", "fed": tokens fed}
     POST /release/<rid>      drop a request's KV cache
     GET  /stats
 
@@ -59,6 +61,8 @@ class Drafter:
         self.tensors: dict[str, QTensor] = {}
         self.drafts = 0
         self.drafted = 0
+        self.primes = 0
+        self.primed_tokens = 0  # prompt tokens fed by /prime, ahead of the first draft
 
     async def boot(self) -> None:
         """Every tensor of the draft model, resident: one ranged read of the payload."""
@@ -83,8 +87,8 @@ class Drafter:
         def load_phase(layer: int, phase: str) -> dict[str, QTensor]:
             return {n: self.tensors[n] for n in self.model.phase_tensors(layer, phase) if n in self.tensors}
 
-        def forward(tokens: list[int], kv, pos: int) -> np.ndarray:
-            return forward_tokens(self.model, tokens, kv, pos, load_phase, self.tensors.__getitem__, head, True)
+        def forward(tokens: list[int], kv, pos: int) -> np.ndarray:  # -> (1, vocab): the last row only
+            return forward_tokens(self.model, tokens, kv, pos, load_phase, self.tensors.__getitem__, head)
 
         self.draft_model = DraftModel(forward, self.model.new_kv)
 
@@ -99,21 +103,35 @@ class Drafter:
             out.append(wire.Envelope(rid, "draft", n, n + len(tokens), np.stack(scores).astype(np.float32)))
         return out
 
+    def prime(self, body: dict) -> dict:
+        rid, context = _request_context(body, self.model.cfg.vocab_size)
+        fed = self.draft_model.prefill(rid, context)
+        self.primes += 1
+        self.primed_tokens += fed
+        return {"request_id": rid, "fed": fed}
+
     def stats(self) -> dict:
         return {"knot_key": self.settings.knot_key, "sessions": len(self.draft_model.sessions),
                 "drafts": self.drafts, "drafted_tokens": self.drafted, "forwards": self.draft_model.forwards,
+                "primes": self.primes, "primed_tokens": self.primed_tokens,
                 "vocab_size": self.model.cfg.vocab_size, **self.source.stats()}
 
 
-def _draft_request(body, vocab_size: int) -> tuple[str, list[int], int, SamplingParams, int]:
+def _request_context(body, vocab_size: int) -> tuple[str, list[int]]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    rid, context, k, key = body.get("request_id"), body.get("context"), body.get("k"), body.get("key")
+    rid, context = body.get("request_id"), body.get("context")
     if not isinstance(rid, str) or not rid:
         raise BadRequest("request_id must be a non-empty string")
     if not isinstance(context, list) or not context or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in context):
         raise BadRequest(f"context must be a non-empty list of token ids in [0, {vocab_size})")
+    return rid, context
+
+
+def _draft_request(body, vocab_size: int) -> tuple[str, list[int], int, SamplingParams, int]:
+    rid, context = _request_context(body, vocab_size)
+    k, key = body.get("k"), body.get("key")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT:
         raise BadRequest(f"k must be an integer in [1, {MAX_DRAFT}], got {k!r}")
     if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 1 << 64:
@@ -152,6 +170,8 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     path = request.path
     if path == "/draft" and request.method == "POST":
         return Response.from_bytes(wire.encode_envelopes(d.draft(request.json())), wire.ENVELOPE_CONTENT_TYPE)
+    if path == "/prime" and request.method == "POST":
+        return Response.from_json(d.prime(request.json()))
     if path.startswith("/release/") and request.method == "POST":
         rid = path[len("/release/"):]
         released = rid in d.draft_model.sessions
@@ -159,4 +179,5 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         return Response.from_json({"request_id": rid, "released": released})
     if path == "/stats" and request.method == "GET":
         return Response.from_json({**d.stats(), "boots": _booted.boots})
-    raise NotFound(f"{request.method} {path}: the drafter serves POST /draft, POST /release/<id>, GET /stats")
+    raise NotFound(f"{request.method} {path}: the drafter serves POST /draft, POST /prime, POST /release/<id>, "
+                   "GET /stats")

@@ -84,13 +84,17 @@ def test_fluid_rates_are_bytes_over_the_layer_loops_time_against_the_copy_speed(
 
 def test_speculation_rows_carry_the_llama_decode_and_the_acceptance():
     spec = {"code/off": {"decode_tok_s": 20.0, "acceptance": None, "tokens_per_trip": 1.0},
-            "code/prompt_lookup": {"decode_tok_s": 40.0, "acceptance": 0.75, "tokens_per_trip": 2.345}}
+            "code/prompt_lookup": {"decode_tok_s": 40.0, "acceptance": 0.75, "tokens_per_trip": 2.345},
+            "code/draft_model": {"decode_tok_s": 60.0, "acceptance": 0.9, "tokens_per_trip": 7.0, "ttft_ms": 900.0}}
     by = {f.name: f for f in speculation_figures(spec, 50.0)}
     assert ratio(by["decode, code prompt, speculation off"].ours, by["decode, code prompt, speculation off"].llama) == 0.4
     assert by["decode, code prompt, prompt lookup"].llama == 50.0
     assert format_value(by["acceptance, code prompt, prompt lookup"].ours, "%") == "75%"
     assert by["tokens per trip, code prompt, prompt lookup"].ours == 2.35
     assert "acceptance, code prompt, speculation off" not in by
+    # the draft model's prompt read shows in its time to first token; the off row has none recorded here
+    assert by["ttft, code prompt, draft model"].ours == 900.0 and "ttft, code prompt, speculation off" not in by
+    assert "ttft, code prompt, prompt lookup" not in by
     figs = build_figures({"speculation": spec}, None, {"decode_tok_s": 50.0}, [], None, 1)
     assert "decode, code prompt, prompt lookup" in [f.name for f in figs]
 

@@ -2,6 +2,7 @@
 cluster implement it and give identical Generation records; the finish reasons are OpenAI's."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 
 from common.generation import Engine, FinishEvent, Generation, TokenEvent, generate_events
-from common.runtime import Context
+from common.runtime import Context, ServiceUnavailable
 from common.sampling import SamplingParams
+from common.speculative import Draft, SpeculationParams
 from common.sync import iterate_sync
 from deploy.engine_local import LocalEngine
 from deploy.local.tasks import BackgroundTasks
@@ -123,6 +125,62 @@ def test_finish_reasons_are_stop_and_length(engine):
     assert "".join(e.text for e in events) == "th", "the stop string is never shown"
     gen, events, calls = run([], 0)
     assert (gen.token_ids, gen.finish_reason, calls) == ([], "length", []), "nothing to sample: no prefill"
+
+
+class PrimingDrafter:
+    """A drafter with a prime() of its own pace (a drafter service reading the prompt), logging the order."""
+
+    def __init__(self, log: list, fail: bool = False):
+        self.log, self.fail = log, fail
+        self.release = asyncio.Event()
+
+    async def prime(self, gen, prompt):
+        self.log.append(("prime starts", len(prompt)))
+        await self.release.wait()
+        if self.fail:
+            raise ServiceUnavailable("drafter is down")
+        self.log.append("primed")
+
+    def propose(self, gen, context, k):
+        self.log.append(("propose", len(context)))
+        return Draft([])
+
+
+async def test_a_draft_model_reads_the_prompt_beside_the_target_and_the_first_trip_waits_for_it(engine):
+    tok = engine.tokenizer
+    a, b = tok.encode("the def")[:2]
+    eog = min(tok.eog_ids)
+    spec = SpeculationParams("draft_model", 4)
+
+    async def run(drafter, script, max_tokens=None):
+        gen = Generation([1, 2, 3], max_tokens or len(script), speculation=spec)
+        e = Scripted(engine.cfg.vocab_size, script)
+        prompt_logits = e.prompt_logits
+
+        async def slow_prompt(g, ids):  # the stations take a while; the prime runs meanwhile
+            for _ in range(3):
+                await asyncio.sleep(0)
+            drafter.log.append("prompt done")
+            drafter.release.set()
+            return await prompt_logits(g, ids)
+
+        e.prompt_logits = slow_prompt
+        return gen, [ev async for ev in generate_events(e, gen, tok, time.perf_counter, drafter)]
+
+    d = PrimingDrafter([])
+    gen, _ = await run(d, [a, b, a])
+    assert d.log[:4] == [("prime starts", 3), "prompt done", "primed", ("propose", 4)], d.log
+    assert gen.token_ids == [a, b, a]
+    d = PrimingDrafter([], fail=True)
+    with pytest.raises(ServiceUnavailable, match="drafter is down"):
+        await run(d, [a, b])
+    assert ("propose", 4) not in d.log, "a failed prime fails the request before any proposal"
+    d = PrimingDrafter([])
+    d.release.set = lambda: None  # the prime never finishes: the generation ends first and cancels it
+    gen, _ = await run(d, [eog], max_tokens=4)
+    assert gen.finish_reason == "stop" and d.log == [("prime starts", 3), "prompt done"]
+    gen, _ = await run(PrimingDrafter([]), [a], max_tokens=1)
+    assert gen.token_ids == [a], "one token needs no trip, so no prime"
 
 
 def test_cli_json_reports_openai_finish_reasons(tiny_gguf, capsys):

@@ -258,6 +258,32 @@ CHI2_26_P001 = 54.05
 N_SAMPLES = 1000
 
 
+def test_draft_model_reads_a_prompt_ahead_in_chunks_and_then_drafts_the_same(tiny_knot, monkeypatch):
+    """prefill() feeds a prompt in the prefill's chunks, computing only the last row's logits; the
+    first draft after it feeds one token and drafts what a draft from scratch does."""
+    import common.speculative as spec
+
+    e = LocalEngine.open(tiny_knot)
+    rows = []
+
+    def forward(tokens, kv, pos):
+        out = e.forward(tokens, kv, pos)
+        rows.append((len(tokens), out.shape[0]))
+        return out
+
+    monkeypatch.setattr(spec, "prefill_chunks", lambda n: [(a, min(a + 7, n)) for a in range(0, n, 7)])
+    prompt = e.tokenizer.encode(CODE)
+    assert len(prompt) > 14
+    cold = spec.DraftModel(forward, e.new_kv).draft("a", prompt + [5], 4, SamplingParams(), 0)
+    rows.clear()
+    dm = spec.DraftModel(forward, e.new_kv)
+    assert dm.prefill("b", prompt) == len(prompt) and dm.prefill("b", prompt) == 0
+    assert rows == [(min(7, len(prompt) - a), 1) for a in range(0, len(prompt), 7)], rows
+    rows.clear()
+    assert dm.draft("b", prompt + [5], 4, SamplingParams(), 0) == cold
+    assert rows == [(1, 1)] * 4, "the first draft fed the one new token, then drafted"
+
+
 def test_sampled_draft_model_keeps_the_distribution(tiny_knot):
     from common.speculative import DraftModel
 
@@ -322,6 +348,7 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
     drafter = c.coordinator.env.DRAFTER
     stats = (await drafter.fetch(Request("GET", "/stats"))).json()
     assert stats["sessions"] == 0 and stats["drafted_tokens"] > 0
+    assert (stats["primes"], stats["primed_tokens"]) == (2, 2 * len(ids)), "each prompt was read ahead of its drafts"
     payload = other_tiny.model.header.payload_nbytes
     assert stats["r2_reads"] >= -(-payload // 10_007) > 1, (stats, payload)
     for body, needle in [({"request_id": "r", "context": [], "k": 2, "key": 1}, "context"),
@@ -329,6 +356,10 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
                          ({"request_id": "r", "context": [1], "k": 2, "key": 1, "sampling": {"temperature": -1}},
                           "sampling")]:
         r = await drafter.fetch(Request("POST", "/draft", {}, __import__("json").dumps(body).encode()))
+        assert r.status == 400 and needle in r.json()["message"], (body, r.body)
+    for body, needle in [({"request_id": "r", "context": [1, -2]}, "context"), ({"context": [1]}, "request_id"),
+                         ([1, 2], "JSON object")]:
+        r = await drafter.fetch(Request("POST", "/prime", {}, __import__("json").dumps(body).encode()))
         assert r.status == 400 and needle in r.json()["message"], (body, r.body)
     r = await c.generate(prompt=CODE, max_tokens=4, speculation={"source": "draft_model", "max_draft": 40})
     assert r.status == 400 and "max_draft" in r.json()["message"]
