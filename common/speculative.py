@@ -118,6 +118,20 @@ def lookup(context: Sequence[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min
     return []
 
 
+# A draft model stops a trip's drafts at the first token (after the first) to which it gives less
+# than this probability (Hugging Face's assisted generation: assistant_confidence_threshold, 0.4):
+# the target rejects such guesses about as often as the draft model doubts them, and each costs a
+# verify row and, after it, forwards of drafts that are then wasted. The rule reads only the draft
+# model's own distribution, so the accept/reject rule (verify) still keeps the target's.
+DRAFT_CONFIDENCE = 0.4
+
+
+def top_probability(z: np.ndarray) -> float:
+    """The probability of the likeliest token of softmax(z), z (vocab,) scores (-inf: excluded)."""
+    m = float(np.max(z))
+    return 1.0 / float(np.exp(z - m, dtype=np.float64).sum())
+
+
 class DraftModel:
     """Drafts with a small model of the same vocabulary (the 0.5B for the 1.5B), k forwards of one
     token each. It keeps a KV cache per generation: each proposal keeps what its cache shares with
@@ -131,8 +145,9 @@ class DraftModel:
     and report it (Draft.q), which the accept/reject rule needs."""
 
     def __init__(self, forward: Callable[[list[int], KVCache, int], np.ndarray], new_kv: Callable[[], KVCache],
-                 max_sessions: int = 64):
+                 max_sessions: int = 64, confidence: float = DRAFT_CONFIDENCE):
         self.forward, self.new_kv, self.max_sessions = forward, new_kv, max_sessions
+        self.confidence = confidence  # stop drafting at a token the draft model gives less than this
         self.sessions: dict[str, tuple[KVCache, list[int]]] = {}  # request id -> (cache, tokens it holds)
         self.forwards = 0
 
@@ -177,11 +192,14 @@ class DraftModel:
             return [], None
         kv, held = self._session(request_id)
         logits, _ = self._feed(kv, held, context, keep_one=True)
+        fed = len(context)
         sampler = Sampler(sampling)
         sampler.key = key
         hist, tokens, scores = list(context), [], []
         for i in range(k):
             z = sampler.scores(logits, hist)
+            if i and top_probability(z) < self.confidence:
+                break  # a guess the draft model itself doubts: not worth its verify row, nor more drafts
             if sampling.greedy:
                 t = int(np.argmax(z))
             else:
@@ -192,7 +210,8 @@ class DraftModel:
             if i + 1 < k:
                 logits = self.forward([t], kv, len(hist) - 1)[-1]
                 self.forwards += 1
-        self.sessions[request_id] = (kv, hist[:-1])  # the last draft was never fed
+                fed = len(hist)
+        self.sessions[request_id] = (kv, hist[:fed])  # a draft after the last one fed was not
         return tokens, (scores if scores else None)
 
     def propose(self, gen: "Generation", context: list[int], k: int) -> Draft:

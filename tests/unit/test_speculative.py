@@ -239,6 +239,7 @@ def other_tiny(tmp_path_factory):
 def test_greedy_draft_model_changes_nothing(tiny_knot, other_tiny):
     e = LocalEngine.open(tiny_knot, draft=other_tiny)
     good = LocalEngine.open(tiny_knot, draft=LocalEngine.open(tiny_knot))  # a perfect draft
+    good.draft.confidence = 0.0  # the tiny model doubts all its guesses: draft them anyway
     ids = e.tokenizer.encode(CODE)
     plain = e.generate(ids, max_tokens=30)
     for engine in (e, good):
@@ -274,14 +275,42 @@ def test_draft_model_reads_a_prompt_ahead_in_chunks_and_then_drafts_the_same(tin
     monkeypatch.setattr(spec, "prefill_chunks", lambda n: [(a, min(a + 7, n)) for a in range(0, n, 7)])
     prompt = e.tokenizer.encode(CODE)
     assert len(prompt) > 14
-    cold = spec.DraftModel(forward, e.new_kv).draft("a", prompt + [5], 4, SamplingParams(), 0)
+    cold = spec.DraftModel(forward, e.new_kv, confidence=0.0).draft("a", prompt + [5], 4, SamplingParams(), 0)
     rows.clear()
-    dm = spec.DraftModel(forward, e.new_kv)
+    dm = spec.DraftModel(forward, e.new_kv, confidence=0.0)
     assert dm.prefill("b", prompt) == len(prompt) and dm.prefill("b", prompt) == 0
     assert rows == [(min(7, len(prompt) - a), 1) for a in range(0, len(prompt), 7)], rows
     rows.clear()
     assert dm.draft("b", prompt + [5], 4, SamplingParams(), 0) == cold
     assert rows == [(1, 1)] * 4, "the first draft fed the one new token, then drafted"
+
+
+def test_draft_model_stops_at_the_first_token_it_doubts(tiny_knot):
+    """DRAFT_CONFIDENCE: drafts end before the first token (after the first) whose probability under
+    the draft model is below the threshold; the cache keeps exactly the drafts it was fed."""
+    import common.speculative as spec
+
+    e = LocalEngine.open(tiny_knot)
+    ctx = e.tokenizer.encode(CODE)
+    seen = []
+
+    def forward(tokens, kv, pos):
+        out = e.forward(tokens, kv, pos)
+        seen.append(spec.top_probability(out[-1]))
+        return out
+
+    free = spec.DraftModel(forward, e.new_kv, confidence=0.0).draft("a", ctx, 6, SamplingParams(), 0)[0]
+    p = seen[:]  # the draft model's confidence in each of the six drafts
+    assert len(free) == 6 and len(p) == 6
+    cut = sorted(p[1:])[2]  # a threshold some later draft falls below
+    first_doubt = next(i for i in range(1, 6) if p[i] < cut)
+    dm = spec.DraftModel(forward, e.new_kv, confidence=cut)
+    got, _ = dm.draft("b", ctx, 6, SamplingParams(), 0)
+    assert got == free[:first_doubt], (p, cut)
+    kv, held = dm.sessions["b"]
+    assert held == ctx + got and kv.n_positions() == len(held), "the drafts it fed, and only those"
+    assert spec.DraftModel(forward, e.new_kv, confidence=1.1).draft("c", ctx, 6, SamplingParams(), 0)[0] == \
+        free[:1], "the first draft is always made"
 
 
 def test_sampled_draft_model_keeps_the_distribution(tiny_knot):
