@@ -319,12 +319,15 @@ class Coordinator:
                                  timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure)
 
     def speculation(self, g: GenerateRequest) -> SpeculationParams:
-        """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is prompt
-        lookup for greedy requests (the output is the same, and code repeats itself) and off for
-        sampled ones."""
+        """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is, for
+        greedy requests (whose output speculation does not change), the draft model where the
+        cluster has a drafter, else prompt lookup; off for sampled ones. Why the draft model first:
+        knot bench, 1.5B drafted by the 0.5B, 2026-12-02, decode against prompt lookup: code 14.7
+        against 10.3 tok/s, code edit 15.2 against 14.0, chat 10.7 against 10.1."""
         source = g.speculation.source if g.speculation.source != "auto" else self.settings.speculation
         if source == "auto":
-            source = "prompt_lookup" if g.sampling.greedy else "off"
+            source = ("off" if not g.sampling.greedy else
+                      "draft_model" if self.drafter_client is not None else "prompt_lookup")
         if source == "draft_model" and self.drafter_client is None:
             raise InvalidParam("speculation source 'draft_model': this coordinator has no draft model (DRAFTER)",
                                "speculation")

@@ -392,6 +392,9 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
         assert r.status == 400 and needle in r.json()["message"], (body, r.body)
     r = await c.generate(prompt=CODE, max_tokens=4, speculation={"source": "draft_model", "max_draft": 40})
     assert r.status == 400 and "max_draft" in r.json()["message"]
+    for sampling, source in (({}, "draft_model"), (dict(temperature=0.9, seed=7), "off")):  # auto, with a drafter
+        r = (await c.generate(prompt=CODE, max_tokens=4, **sampling)).json()
+        assert r["timings"]["speculation"]["source"] == source, sampling
     await c.drain()
 
 
