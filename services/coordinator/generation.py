@@ -322,8 +322,9 @@ class Coordinator:
         """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is, for
         greedy requests (whose output speculation does not change), the draft model where the
         cluster has a drafter, else prompt lookup; off for sampled ones. Why the draft model first:
-        knot bench, 1.5B drafted by the 0.5B, 2026-12-02, decode against prompt lookup: code 14.7
-        against 10.3 tok/s, code edit 15.2 against 14.0, chat 10.7 against 10.1."""
+        knot bench, 1.5B drafted by the 0.5B, 2026-12-02 00:33, decode against prompt lookup: code
+        16.0 against 10.2 tok/s, code edit 16.3 against 15.5, chat 11.1 against 11.8
+        (docs/performance.md)."""
         source = g.speculation.source if g.speculation.source != "auto" else self.settings.speculation
         if source == "auto":
             source = ("off" if not g.sampling.greedy else
