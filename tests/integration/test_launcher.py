@@ -90,3 +90,33 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
     leaks = [str(p) for p in files if password.encode() in p.read_bytes()]
     leaks += [f"output {i}" for i, text in enumerate(outputs) if password in text]
     assert not leaks, leaks
+
+
+def test_cluster_with_a_drafter_reads_the_prompt_ahead_and_changes_no_token(tmp_path, knot):
+    """`knot cluster up --draft-model`: the drafter is a process of its own; a greedy request without
+    a speculation of its own drafts with it (auto), the drafter read the prompt through /prime before
+    the first draft, and the tokens are speculation off's. The tiny model drafts for itself."""
+    run_dir = tmp_path / "cluster"
+    up = knot_cli(run_dir, "up", "--model", str(knot.path), "--draft-model", str(knot.path))
+    try:
+        assert up.returncode == 0, up.stderr
+        url = up.stdout.strip().splitlines()[-1]
+        body = {"prompt": "the def the def", "max_tokens": 12, "temperature": 0}
+        runs = {}
+        for spec in ("off", None):
+            code, _, raw = http("POST", url + "/generate", {**body, **({"speculation": spec} if spec else {})},
+                                timeout_s=120)
+            assert code == 200, raw
+            runs[spec] = json.loads(raw)
+        s = runs[None]["timings"]["speculation"]
+        assert s["source"] == "draft_model" and s["drafted"] > 0, s
+        assert runs[None]["tokens"] == runs["off"]["tokens"]
+        by_name = {s["name"]: s for s in json.loads((run_dir / "cluster.json").read_text())["services"]}
+        stats_url = by_name["drafter"]["url"] + "/stats"
+        code, _, raw = http("GET", stats_url, headers=launcher.Cluster(run_dir).signed("GET", stats_url))
+        assert code == 200, raw
+        stats = json.loads(raw)
+        assert stats["primes"] == 1 and stats["primed_tokens"] == len(runs[None]["prompt_tokens"]), stats
+        assert stats["sessions"] == 0, "released after the request"
+    finally:
+        assert knot_cli(run_dir, "down").returncode == 0
