@@ -14,7 +14,6 @@ reason and the record. The clock is passed in (common/ reads none).
 """
 from __future__ import annotations
 
-import asyncio
 import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
@@ -162,8 +161,6 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
     # not in the first trip after it; the first proposal awaits it.
     primed = drafter.prime(gen, history) if draft_len is not None and gen.max_tokens > 1 and \
         isinstance(drafter, Primes) else None
-    if inspect.isawaitable(primed):
-        primed = asyncio.ensure_future(primed)
     try:
         logits = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None
         gen.t_first = clock()
@@ -190,7 +187,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                 continue
             break
     finally:
-        if isinstance(primed, asyncio.Future):  # the generation ended before its first trip
+        if primed is not None:  # the generation ended before its first trip
             primed.cancel()
             if primed.done() and not primed.cancelled():
                 primed.exception()  # retrieved: it no longer matters

@@ -82,10 +82,26 @@ class Drafter(Protocol):
 @runtime_checkable
 class Primes(Protocol):
     """A drafter with state per generation (a draft model's KV cache) may also read the prompt
-    ahead: the generation loop calls prime() when the prompt goes to the model, and awaits it
-    only before the first proposal (common/generation.py)."""
+    ahead: the generation loop calls prime() when the prompt goes to the model, and awaits what it
+    returns only before the first proposal (common/generation.py). prime() returns None when it
+    read the prompt in place, else the read, already running: a future (an asyncio Task), which the
+    loop cancels if the generation ends before its first trip."""
 
-    def prime(self, gen: "Generation", prompt: list[int]) -> None | Awaitable[None]: ...
+    def prime(self, gen: "Generation", prompt: list[int]) -> "PrimeFuture | None": ...
+
+
+class PrimeFuture(Protocol):
+    """What Primes.prime returns when it reads the prompt elsewhere (asyncio.Future's methods)."""
+
+    def __await__(self): ...
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+    def cancelled(self) -> bool: ...
+
+    def exception(self) -> BaseException | None: ...
 
 
 class PromptLookup:

@@ -1,6 +1,7 @@
 """Typed calls to the drafter (services/drafter/handler.py), and the Drafter protocol over them."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -65,8 +66,9 @@ class RemoteDraftModel:
     def __init__(self, client: DrafterClient):
         self.client = client
 
-    async def prime(self, gen, prompt: list[int]) -> None:
-        await self.client.prime(gen.request_id, prompt)
+    def prime(self, gen, prompt: list[int]) -> asyncio.Task:
+        """The Primes protocol: the drafter reads the prompt while the stations do (a task, started now)."""
+        return asyncio.ensure_future(self.client.prime(gen.request_id, prompt))
 
     async def propose(self, gen, context: list[int], k: int) -> Draft:
         tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))

@@ -134,7 +134,10 @@ class PrimingDrafter:
         self.log, self.fail = log, fail
         self.release = asyncio.Event()
 
-    async def prime(self, gen, prompt):
+    def prime(self, gen, prompt):
+        return asyncio.ensure_future(self._prime(prompt))
+
+    async def _prime(self, prompt):
         self.log.append(("prime starts", len(prompt)))
         await self.release.wait()
         if self.fail:
