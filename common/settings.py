@@ -171,7 +171,10 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("auto", "off", "prompt_lookup", "draft_model")),
     _s("SPEC_MAX_DRAFT", "int", "8", "coordinator", "tokens drafted per trip at most (a request's max_draft "
        f"may ask for fewer or more, up to {MAX_DRAFT})", minimum=1, maximum=MAX_DRAFT),
-    _s("SHARD_SAMPLE_TOP", "int", "64", "coordinator", "sampling on the shards: candidates per row each shard "
+    _s("EMBED_ROW_CACHE_BYTES", "int", str(4 * MiB), "coordinator compose",
+       "embedding rows the coordinator keeps from the shards' replies, so a decode step whose tokens are all "
+       "there skips the embed hop (0: off)", minimum=0),
+    _s("SHARD_SAMPLE_TOP", "int", "64", "coordinator compose", "sampling on the shards: candidates per row each shard "
        "sends with its max and log-sum-exp, from which the tokens are decided exactly; 0: full slices of logits",
        minimum=0, maximum=MAX_SAMPLE_TOP),
     # ------------------------------------------------------------ station

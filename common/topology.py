@@ -245,7 +245,8 @@ class ClusterLayout:
                                                    "SPEC_MAX_DRAFT")},
             # what a deployer chooses per cluster: how long to wait for a restart, the deadline, the
             # shard-failure policy, the public API's key
-            **{n: Knob(n) for n in ("PEER_WAIT_S", "REQUEST_TIMEOUT_S", "SHARD_FAILURE", "KNOT_API_KEY")},
+            **{n: Knob(n) for n in ("PEER_WAIT_S", "REQUEST_TIMEOUT_S", "SHARD_FAILURE", "KNOT_API_KEY",
+                                    "SHARD_SAMPLE_TOP", "EMBED_ROW_CACHE_BYTES")},
             "MODEL_NAME": Knob("KNOT_MODEL_NAME")},
             (bucket, *(Binding(b, "service", peer) for b, peer in peers)),
             depends_on={peer: "healthy" for _, peer in peers}, public=True))

@@ -54,7 +54,8 @@ class Cluster:
 
 async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shards: int = 8,
                         station_budget_bytes: int = 128 << 20, wardens: bool = True,
-                        station_vars: dict | None = None, draft_knot: Path | None = None) -> Cluster:
+                        station_vars: dict | None = None, draft_knot: Path | None = None,
+                        coordinator_vars: dict | None = None) -> Cluster:
     """draft_knot: also a drafter serving that model, bound to the coordinator as DRAFTER."""
     from deploy.knotfile import open_model
 
@@ -92,6 +93,7 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
         "KNOT_KEY": KNOT_KEY,
         "STATIONS": ",".join(f"STATION_{i}" for i in range(len(stations))),
         "SHARDS": ",".join(f"SHARD_{i}:{a}-{b}" for i, (a, b) in enumerate(ranges)),
+        **(coordinator_vars or {}),
     })
     return Cluster(LocalService(coordinator.fetch, co_env, tasks), stations, shards, station_envs, bucket, kv,
                    tasks, lw, cw, ranges)

@@ -80,6 +80,7 @@ class CoordinatorSettings:
     speculation: str = default("SPECULATION", "coordinator")  # for requests that do not choose
     max_draft: int = default("SPEC_MAX_DRAFT", "coordinator")
     sample_top: int = default("SHARD_SAMPLE_TOP", "coordinator")  # 0: the shards send full slices
+    row_cache_bytes: int = default("EMBED_ROW_CACHE_BYTES", "coordinator")  # 0: every embed is a hop
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
@@ -97,7 +98,7 @@ class CoordinatorSettings:
         return cls(get("KNOT_KEY"), stations, tuple(shards), get("SHARD_TIMEOUT_S"), get("STATION_TIMEOUT_S"),
                    get("PEER_WAIT_S"), get("REQUEST_TIMEOUT_S"), get("SHARD_FAILURE"),
                    get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"), get("RETRY_AFTER_S"), get("MODEL_NAME"),
-                   get("SPECULATION"), get("SPEC_MAX_DRAFT"), get("SHARD_SAMPLE_TOP"))
+                   get("SPECULATION"), get("SPEC_MAX_DRAFT"), get("SHARD_SAMPLE_TOP"), get("EMBED_ROW_CACHE_BYTES"))
 
     @property
     def model_id(self) -> str:
@@ -131,7 +132,8 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         ordered = [(s, bindings[s.index]) for s in sorted(shards, key=lambda s: s.vocab_start)]
         stations = [getattr(env, name) for name in settings.stations]
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
-                            settings.station_timeout_s, settings.peer_wait_s, settings.retry_after_s, source.etag)
+                            settings.station_timeout_s, settings.peer_wait_s, settings.retry_after_s, source.etag,
+                            settings.row_cache_bytes)
         station_stats = await _check_stations(pipeline.stations, cfg.n_layer)
         drafter = await _drafter(env, settings, cfg.vocab_size)
         capacity = [StationCapacity(i, int(s["max_session_tokens"]), int(s["budget_bytes"]))
@@ -271,6 +273,7 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         co = await coordinator_for(env)
         await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
         co.note_station_stats(co.metrics.services.stations)
+        co.metrics.note_row_cache(co.pipeline)
         return co.metrics.exposition()
     if path == "/topology" and request.method == "GET":
         co = await coordinator_for(env)

@@ -171,6 +171,9 @@ class CoordinatorMetrics:
                                registry=r)
         self.knot_reloads = Counter(f"{PREFIX}_version_reloads", "coordinator reloads on a new knot version",
                                     registry=r)
+        self.row_cache = Gauge(f"{PREFIX}_embed_row_cache", "the coordinator's embedding rows (EMBED_ROW_CACHE_BYTES) "
+                               "for the knot version it serves: hits, misses, rejected, rows, bytes", ["what"],
+                               registry=r)
         Gauge(f"{PREFIX}_requests_active", "generations running", registry=r).set_function(lambda: admission.active)
         Gauge(f"{PREFIX}_requests_queued", "requests waiting for a slot", registry=r).set_function(
             lambda: admission.queued)
@@ -194,6 +197,13 @@ class CoordinatorMetrics:
             self.accepted.labels(gen.speculation.source).inc(gen.accepted)
         if gen.backed_off:
             self.backed_off.labels(gen.speculation.source).inc(gen.backed_off)
+
+    def note_row_cache(self, pipeline) -> None:
+        """The serving pipeline's row cache (services/coordinator/pipeline.py Pipeline.rows)."""
+        lru = pipeline.rows
+        for what, v in (("hits", lru.stats.hits), ("misses", lru.stats.misses), ("rejected", pipeline.row_rejects),
+                        ("rows", len(lru)), ("bytes", lru.bytes_used)):
+            self.row_cache.labels(what).set(v)
 
     def observe_hop(self, name: str, seconds: float) -> None:
         self.hops.labels(name).observe(seconds)

@@ -28,6 +28,8 @@ from typing import Awaitable, Callable, TypeVar
 import numpy as np
 
 from common import wire
+from common.integrity import Seal, seal
+from common.lru import ByteLRU
 from common.runtime import BadGateway, GatewayTimeout, HttpError, ServiceUnavailable
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
@@ -135,11 +137,14 @@ class PeerState:
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
                  shard_timeout_s: float, station_timeout_s: float, peer_wait_s: float = 15.0,
-                 retry_after_s: int = 1, knot_etag: str | None = None):
+                 retry_after_s: int = 1, knot_etag: str | None = None, row_cache_bytes: int = 0):
         """stations: service bindings, entry first; shards: (spec, binding) sorted by vocab_start,
         tiling [0, vocab). Each binding is called through its typed client, which pins every hop to
-        knot_etag (None: not checked)."""
+        knot_etag (None: not checked). row_cache_bytes: embedding rows kept from the shards' replies
+        (embed()); a pipeline serves one knot version, so its rows are that version's."""
         self.knot_etag = knot_etag
+        self.rows: ByteLRU[int, tuple[Seal, np.ndarray]] = ByteLRU(row_cache_bytes)
+        self.row_rejects = 0  # cached rows whose seal no longer held (refetched)
         self.stations = [StationClient(b, station_timeout_s, knot_etag) for b in stations]
         self.shards = [(spec, ShardClient(b, shard_timeout_s, knot_etag)) for spec, b in shards]
         self.station_state = [PeerState(f"station {i}") for i in range(len(stations))]
@@ -206,24 +211,59 @@ class Pipeline:
     # -------------------------------------------------------- the shards
 
     async def embed(self, call: Call, tokens: list[int], position: int) -> np.ndarray:
-        """tokens (T,) -> (T, dim): sum of the partial embeddings of the shards that own a token."""
-        ids = np.asarray(tokens, dtype=np.int32)
-        frame = wire.Envelope(call.rid, "embed", position, position + len(tokens), ids)
+        """tokens (T,) -> (T, dim): sum of the partial embeddings of the shards that own a token.
+
+        Rows already kept (self.rows) are not asked for; a decode step whose tokens are all kept
+        makes no embed hop. A kept row is what the sum gave for its token: the owner's row plus the
+        other shards' zeros, so the bits do not depend on where it came from."""
+        out = np.zeros((len(tokens), self.dim), np.float32)  # (T, dim)
+        fetch = [i for i, t in enumerate(tokens) if not self._kept_row(t, out[i])]
+        if not fetch:
+            return out
+        ids = np.asarray([tokens[i] for i in fetch], dtype=np.int32)  # (F,) the rows still needed
+        # position: the first row's, as the frame always carried (the shards only check T = seq_len - position)
+        frame = wire.Envelope(call.rid, "embed", position + fetch[0], position + fetch[0] + len(ids), ids)
         owners = [k for k, (s, _) in enumerate(self.shards) if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
         t0 = time.perf_counter()
         results = await self._shards(owners, call, "embed", lambda shard, t: shard.embed(frame, t))
         call.hops.add("embed", t0)
-        out = np.zeros((len(tokens), self.dim), np.float32)  # (T, dim)
+        got = np.zeros((len(ids), self.dim), np.float32)  # (F, dim)
+        ok = np.zeros(len(ids), bool)  # the owner answered: the row is the token's
         for k, res in zip(owners, results):
             spec = self.shards[k][0]
-            if not isinstance(res, BaseException) and res.array.shape != out.shape:
-                res = BadGateway(f"shard {spec.index} embed: shape {res.array.shape}, expected {out.shape}")
+            if not isinstance(res, BaseException) and res.array.shape != got.shape:
+                res = BadGateway(f"shard {spec.index} embed: shape {res.array.shape}, expected {got.shape}")
                 self._refuse(res, call)
             if isinstance(res, BaseException):
                 self._degrade(spec, "embed", res, call.degraded)
                 continue  # its tokens stay zero: wrong, but local (seed section 3), and reported
-            out += res.array  # μ: elementwise sum of disjoint partials
+            got += res.array  # μ: elementwise sum of disjoint partials
+            ok |= (ids >= spec.vocab_start) & (ids < spec.vocab_end)
+        out[fetch] = got
+        for j in np.flatnonzero(ok):  # never a degraded (zero) row
+            self._keep_row(int(ids[j]), got[j])
         return out
+
+    def _kept_row(self, token: int, into: np.ndarray) -> bool:
+        """Copy token's kept row into `into` if there is one whose seal holds (else a miss)."""
+        hit = self.rows.get(token) if self.rows.budget_bytes else None
+        if hit is None:
+            return False
+        s, row = hit
+        problem = s.problem(self.knot_etag or "", row)
+        if problem is not None:
+            self.row_rejects += 1
+            log.warning("coordinator row cache entry %d rejected (%s): asking the shard again", token, problem)
+            self.rows.pop(token)
+            return False
+        into[:] = row
+        return True
+
+    def _keep_row(self, token: int, row: np.ndarray) -> None:
+        if self.rows.budget_bytes:
+            row = row.copy()
+            row.flags.writeable = False
+            self.rows.put(token, (seal(self.knot_etag or "", row), row), row.nbytes)
 
     async def logits(self, call: Call, h: np.ndarray, position: int) -> np.ndarray:
         """h (T, dim) final normed hidden -> (T, vocab) logits, slices concatenated in vocab order."""

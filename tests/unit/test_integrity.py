@@ -60,6 +60,11 @@ def with_row_replaced(src, dst, tensor: str, row: int, from_row: int):
     return dst
 
 
+# The coordinator keeps no rows, so every generation asks the shards for its prompt's rows (the
+# tiers below it are under test); its own rows: test_the_coordinator_keeps_rows_...
+NO_ROW_CACHE = {"EMBED_ROW_CACHE_BYTES": "0"}
+
+
 async def tokens(c) -> list[int]:
     r = await c.generate(prompt=PROMPT, max_tokens=N)
     assert r.status == 200, r.body
@@ -201,6 +206,7 @@ async def test_a_kv_value_of_the_right_length_and_wrong_content_is_a_counted_mis
         value[-253::4] = bytes(b ^ 0x40 for b in value[-253::4])
         await c.kv.put(key, bytes(value))
     shard_handler._booted.clear()  # new shard isolates and evicted DOs: only KV still holds the rows
+    coordinator_handler._booted.clear()  # (and a new coordinator isolate: its rows are gone too)
     c.cobordism_wardens._instances.clear()
     assert await tokens(c) == baseline
     text = await metrics(c)
@@ -220,7 +226,7 @@ async def test_a_kv_value_of_the_right_length_and_wrong_content_is_a_counted_mis
 
 
 async def test_a_poisoned_cobordism_warden_entry_is_a_counted_miss(tiny_knot, tmp_path, engine):
-    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2, coordinator_vars=NO_ROW_CACHE)
     baseline = await tokens(c)
     t = engine.tokenizer.encode(PROMPT)[0]
     i = owner(c, t)
@@ -272,7 +278,7 @@ async def test_a_poisoned_layer_warden_entry_is_a_counted_miss(tiny_knot, tmp_pa
 
 
 async def test_a_poisoned_shard_row_cache_entry_is_a_counted_miss(tiny_knot, tmp_path, engine):
-    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2, coordinator_vars=NO_ROW_CACHE)
     baseline = await tokens(c)
     t = engine.tokenizer.encode(PROMPT)[0]
     i = owner(c, t)
@@ -297,4 +303,49 @@ async def test_a_kept_tensor_of_another_version_is_a_counted_miss(tiny_knot, tmp
     assert await tokens(c) == baseline
     assert st.loader.stats["kept_rejected"] == 1 and st.memory.kept.peek(name).seal.etag == st.loader.source.etag
     assert counter(await metrics(c), "knot_cache_rejects_total", service="station_0", tier="station_kept") == 1
+    await c.drain()
+
+
+async def test_the_coordinator_keeps_rows_sealed_and_never_a_degraded_one(tiny_knot, tmp_path, engine):
+    """EMBED_ROW_CACHE_BYTES: a decode step whose token's row the coordinator kept makes no embed hop
+    and gives the same tokens; a kept row whose seal fails is asked of its shard again (counted in
+    /metrics); a row a degraded shard could not give (zeros) is never kept."""
+    off = await build_cluster(tiny_knot, tmp_path / "off", 2, 2, coordinator_vars=NO_ROW_CACHE)
+    want = await tokens(off)
+    r = (await off.generate(prompt=PROMPT, max_tokens=N)).json()
+    assert r["timings"]["hops"]["embed"]["calls"] == N, "without kept rows, every step embeds"
+    await off.drain()
+    assert want == reference(engine)
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    first = (await c.generate(prompt=PROMPT, max_tokens=N)).json()
+    again = (await c.generate(prompt=PROMPT, max_tokens=N)).json()
+    assert first["tokens"] == again["tokens"] == want
+    assert "embed" not in again["timings"]["hops"], "every row of the second run was kept"
+    co = await coordinator_handler.coordinator_for(c.coordinator.env)
+    ids = engine.tokenizer.encode(PROMPT)
+    seal_, row = co.pipeline.rows.peek(ids[-1])
+    bad = row.copy()
+    bad[0] += 1.0
+    co.pipeline.rows.put(ids[-1], (seal_, bad), bad.nbytes)  # as if the kept copy had been overwritten
+    assert await tokens(c) == want
+    assert co.pipeline.row_rejects == 1
+    text = await metrics(c)
+    assert counter(text, "knot_embed_row_cache", what="rejected") == 1 and counter(text, "knot_embed_row_cache",
+                                                                                    what="hits") > 0
+    # a shard that fails, degraded around: its tokens' rows are zeros, and none of them is kept
+    co.pipeline.rows = type(co.pipeline.rows)(co.pipeline.rows.budget_bytes)
+    t = ids[0]
+    i = owner(c, t)
+    shard_handler._booted.clear()
+
+    async def down(request, env, ctx):
+        return Response.from_json({"error": "unavailable", "message": "down for the test"}, 503)
+
+    real, c.shards[i].handler = c.shards[i].handler, down
+    r = await c.generate(prompt=PROMPT, max_tokens=2, shard_failure="degrade")
+    assert r.status == 200 and r.json()["degraded_shards"], r.body
+    kept = set(co.pipeline.rows.keys())
+    a, b = c.shard_ranges[i]
+    assert kept and not any(a <= k < b for k in kept), (kept, (a, b))
+    c.shards[i].handler = real
     await c.drain()

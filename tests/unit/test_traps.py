@@ -237,8 +237,10 @@ async def test_trap_layer_warden_bucket_binding_mismatch(tiny_knot, tmp_path):
 
 
 async def test_trap_do_scaffolding_vs_hot_path(tiny_knot, tmp_path):
-    """The shards' rows and the stations' tensors really flow through the wardens."""
-    c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=FLUID_BUDGET_BYTES)
+    """The shards' rows and the stations' tensors really flow through the wardens (the coordinator
+    keeps no rows here, so every embedding is asked of a shard)."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2, station_budget_bytes=FLUID_BUDGET_BYTES,
+                            coordinator_vars={"EMBED_ROW_CACHE_BYTES": "0"})
     await c.generate(prompt=PROMPT, max_tokens=4)
     await c.generate(prompt=PROMPT, max_tokens=4)
     first = [(await sh.fetch(Request("GET", "/stats"))).json() for sh in c.shards]
