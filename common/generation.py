@@ -159,7 +159,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
     gen.t0 = clock()
     # A draft model reads the prompt while the target does (a service of its own: the drafter),
     # not in the first trip after it; the first proposal awaits it.
-    primed = drafter.prime(gen, history) if draft_len is not None and gen.max_tokens > 1 and \
+    primed = drafter.prime(gen, list(history)) if draft_len is not None and gen.max_tokens > 1 and \
         isinstance(drafter, Primes) else None
     try:
         logits = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None

@@ -15,6 +15,9 @@ from services.drafter.handler import SAMPLING_FIELDS
 from services.peer import PEER_URL, call, get_json
 
 
+PRIME_CHUNK_TOKENS = 2048  # prompt tokens the drafter reads per /prime call
+
+
 class DrafterClient:
     def __init__(self, binding: Any, timeout_s: float):
         self.binding, self.timeout_s = binding, timeout_s
@@ -68,7 +71,14 @@ class RemoteDraftModel:
 
     def prime(self, gen, prompt: list[int]) -> asyncio.Task:
         """The Primes protocol: the drafter reads the prompt while the stations do (a task, started now)."""
-        return asyncio.ensure_future(self.client.prime(gen.request_id, prompt))
+        return asyncio.ensure_future(self._prime(gen.request_id, list(prompt)))  # a copy: the caller's grows
+
+    async def _prime(self, request_id: str, prompt: list[int]) -> None:
+        # In calls of PRIME_CHUNK_TOKENS more each (the drafter keeps what it read): each call is
+        # bounded in time, as a station's prefill chunk is, and other generations' drafts are
+        # served between them. A call sends the whole prefix, whose head the drafter matches.
+        for end in range(min(PRIME_CHUNK_TOKENS, len(prompt)), len(prompt) + PRIME_CHUNK_TOKENS, PRIME_CHUNK_TOKENS):
+            await self.client.prime(request_id, prompt[:min(end, len(prompt))])
 
     async def propose(self, gen, context: list[int], k: int) -> Draft:
         tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
