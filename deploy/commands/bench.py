@@ -20,7 +20,9 @@ Measures (issue 7's benchmark):
                                       prompt and a code edit (chat), with speculation off and with each source (prompt
                                       lookup; the draft model with --draft-model): tok/s, acceptance
                                       (accepted / drafted), tokens per trip, and whether the tokens
-                                      equal speculation off's; best of --spec-repeats runs each
+                                      equal speculation off's; best of --spec-repeats runs each; the
+                                      time to first token with speculation off and with the draft
+                                      model (which reads the prompt too, beside the stations)
     long prompts (--long-prompts)     optional: prefill tok/s of prompts of N tokens (e.g. 2048,8192,30000)
                                       through the cluster (POST /generate, 1 token: N over the time to
                                       first token) and through llama.cpp (one eval of the N tokens, in its
