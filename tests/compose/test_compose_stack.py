@@ -122,7 +122,12 @@ def test_killed_shard_fails_naming_its_range_or_degrades_when_asked_then_recover
         body = stack.generate(prompt=PROMPT, max_tokens=6, shard_failure="degrade")
         assert body["shard_failure"] == "degrade"
         assert {d["shard"] for d in body["degraded_shards"]} == {victim.index}, body["degraded_shards"]
-        assert "embed" in {d["stage"] for d in body["degraded_shards"]}  # the prompt has a token of its range
+        # Its logits always; its embeddings only where the coordinator had not kept the rows
+        # (EMBED_ROW_CACHE_BYTES): the earlier tests embedded this prompt, so its rows usually come
+        # from the coordinator here. tests/integration/test_pipeline_cluster.py restarts the
+        # coordinator to see the embed stage degrade on real processes.
+        stages = {d["stage"] for d in body["degraded_shards"]}
+        assert "logits" in stages and stages <= {"embed", "logits"}, stages
         assert not any(victim.owns(t) for t in body["tokens"])  # its logits were -inf, never sampled
         restart()
         body = stack.generate(prompt=PROMPT, max_tokens=6)  # the default policy again
