@@ -41,6 +41,13 @@ class PeerError(BadGateway):
 async def call(binding: Any, request: Request, timeout_s: float | None) -> Response:
     """The peer's 2xx reply; PeerError for any other status. timeout_s None: no timeout."""
     resp = await asyncio.wait_for(binding.fetch(request), timeout_s)
+    # Before Python 3.12, wait_for returns the reply when the caller's cancellation lands just as the
+    # call completes, and the cancellation is lost: a request whose client hung up then generated to
+    # the end with its slot taken (tests/unit/test_pipeline.py, a client that hangs up). A task with
+    # a cancellation pending stops here instead.
+    task = asyncio.current_task()
+    if task is not None and getattr(task, "cancelling", lambda: 0)():
+        raise asyncio.CancelledError(f"{request.path}: cancelled as the call completed")
     if not resp.ok:
         raise PeerError.of(request.path, resp)
     return resp
