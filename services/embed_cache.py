@@ -35,7 +35,8 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from common.integrity import crc32
+from common.integrity import Seal, crc32, seal
+from common.lru import ByteLRU
 from common.runtime import HttpError, KVNamespace
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,37 @@ KEY_PREFIX = "embed"
 VALUE_MAGIC = b"KROW"
 VALUE_VERSION = 1
 _VALUE_HEAD = struct.Struct("<4sBBHII")  # magic version etag_len reserved row crc32
+
+
+class SealedRows(ByteLRU[int, tuple[Seal, np.ndarray]]):
+    """Float32 embedding rows kept in this isolate (a shard's LRU in front of its warden, the
+    coordinator's in front of the shards): row -> (seal, (dim,) read-only row), each sealed with the
+    knot version and its crc32 and checked on every hit. A row whose seal fails is a miss: counted
+    in `rejects`, logged, dropped."""
+
+    def __init__(self, budget_bytes: int, owner: str = "row cache"):
+        super().__init__(budget_bytes)
+        self.owner = owner  # who keeps them, for the log
+        self.rejects = 0
+
+    def checked(self, row: int, etag: str) -> np.ndarray | None:
+        """The kept row if its seal holds at version etag; else None (a miss)."""
+        hit = self.get(row)
+        if hit is None:
+            return None
+        s, vec = hit
+        problem = s.problem(etag, vec)
+        if problem is None:
+            return vec
+        self.rejects += 1
+        log.warning("%s row cache entry %d rejected (%s): refetching", self.owner, row, problem)
+        self.pop(row)
+        return None
+
+    def keep(self, row: int, vec: np.ndarray, etag: str) -> None:
+        """Keep vec as it is, made read-only (later lookups share it): pass a copy if it views a larger buffer."""
+        vec.flags.writeable = False
+        self.put(row, (seal(etag, vec), vec), vec.nbytes)
 
 
 def row_key(namespace: str, row: int) -> str:

@@ -46,7 +46,7 @@ async def call(binding: Any, request: Request, timeout_s: float | None) -> Respo
     # the end with its slot taken (tests/unit/test_pipeline.py, a client that hangs up). A task with
     # a cancellation pending stops here instead.
     task = asyncio.current_task()
-    if task is not None and getattr(task, "cancelling", lambda: 0)():
+    if task is not None and task.cancelling():
         raise asyncio.CancelledError(f"{request.path}: cancelled as the call completed")
     if not resp.ok:
         raise PeerError.of(request.path, resp)

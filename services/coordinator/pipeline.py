@@ -28,11 +28,10 @@ from typing import Awaitable, Callable, TypeVar
 import numpy as np
 
 from common import wire
-from common.integrity import Seal, seal
-from common.lru import ByteLRU
 from common.runtime import BadGateway, GatewayTimeout, HttpError, ServiceUnavailable
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
+from services.embed_cache import SealedRows
 from services.peer import IntegrityFailure, PeerError
 from services.shard.client import ShardClient
 from services.station.client import SessionLost, StationClient
@@ -143,8 +142,7 @@ class Pipeline:
         knot_etag (None: not checked). row_cache_bytes: embedding rows kept from the shards' replies
         (embed()); a pipeline serves one knot version, so its rows are that version's."""
         self.knot_etag = knot_etag
-        self.rows: ByteLRU[int, tuple[Seal, np.ndarray]] = ByteLRU(row_cache_bytes)
-        self.row_rejects = 0  # cached rows whose seal no longer held (refetched)
+        self.rows = SealedRows(row_cache_bytes, "coordinator")
         self.stations = [StationClient(b, station_timeout_s, knot_etag) for b in stations]
         self.shards = [(spec, ShardClient(b, shard_timeout_s, knot_etag)) for spec, b in shards]
         self.station_state = [PeerState(f"station {i}") for i in range(len(stations))]
@@ -217,7 +215,13 @@ class Pipeline:
         makes no embed hop. A kept row is what the sum gave for its token: the owner's row plus the
         other shards' zeros, so the bits do not depend on where it came from."""
         out = np.zeros((len(tokens), self.dim), np.float32)  # (T, dim)
-        fetch = [i for i, t in enumerate(tokens) if not self._kept_row(t, out[i])]
+        fetch = []  # the rows still needed
+        for i, t in enumerate(tokens):
+            row = self.rows.checked(t, self.knot_etag or "") if self.rows.budget_bytes else None
+            if row is None:
+                fetch.append(i)
+            else:
+                out[i] = row
         if not fetch:
             return out
         ids = np.asarray([tokens[i] for i in fetch], dtype=np.int32)  # (F,) the rows still needed
@@ -240,30 +244,15 @@ class Pipeline:
             got += res.array  # μ: elementwise sum of disjoint partials
             ok |= (ids >= spec.vocab_start) & (ids < spec.vocab_end)
         out[fetch] = got
-        for j in np.flatnonzero(ok):  # never a degraded (zero) row
-            self._keep_row(int(ids[j]), got[j])
+        if self.rows.budget_bytes:
+            for j in np.flatnonzero(ok):  # never a degraded (zero) row; a copy, not a view of got
+                self.rows.keep(int(ids[j]), got[j].copy(), self.knot_etag or "")
         return out
 
-    def _kept_row(self, token: int, into: np.ndarray) -> bool:
-        """Copy token's kept row into `into` if there is one whose seal holds (else a miss)."""
-        hit = self.rows.get(token) if self.rows.budget_bytes else None
-        if hit is None:
-            return False
-        s, row = hit
-        problem = s.problem(self.knot_etag or "", row)
-        if problem is not None:
-            self.row_rejects += 1
-            log.warning("coordinator row cache entry %d rejected (%s): asking the shard again", token, problem)
-            self.rows.pop(token)
-            return False
-        into[:] = row
-        return True
-
-    def _keep_row(self, token: int, row: np.ndarray) -> None:
-        if self.rows.budget_bytes:
-            row = row.copy()
-            row.flags.writeable = False
-            self.rows.put(token, (seal(self.knot_etag or "", row), row), row.nbytes)
+    @property
+    def row_rejects(self) -> int:
+        """Kept rows whose seal no longer held (asked of their shard again)."""
+        return self.rows.rejects
 
     async def logits(self, call: Call, h: np.ndarray, position: int) -> np.ndarray:
         """h (T, dim) final normed hidden -> (T, vocab) logits, slices concatenated in vocab order."""
@@ -375,9 +364,10 @@ class Pipeline:
             return (await asyncio.gather(*tasks))[-1]
         except BaseException:
             # A failed chunk never sets its events: the later chunks would wait forever. Cancelling
-            # them is not enough: Python 3.11's asyncio.wait_for (peer.call) drops a cancellation
-            # that arrives as its call completes, and such a chunk went on to wait. So every event
-            # is set too, and a chunk that wakes to `aborted` stops.
+            # them was not enough while Python 3.11's asyncio.wait_for dropped a cancellation that
+            # arrived as its call completed (peer.call now stops there), and a chunk must never
+            # wait for an event nobody will set: every event is set too, and a chunk that wakes to
+            # `aborted` stops.
             aborted = True
             for ev in [*entered, *(e for row in done for e in row)]:
                 ev.set()

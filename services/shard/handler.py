@@ -32,9 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import wire
-from common.integrity import Seal, seal
 from common.knot import KnotHeader
-from common.lru import ByteLRU
 from common.matmul import get_kernel
 from common.models import Model
 from common.quant import QTensor, dequantize_rows, resident_copy
@@ -45,6 +43,7 @@ from common.shard_sampling import summarize
 from services.batcher import Batcher
 from services.boot import BootCache
 from services.cobordism_warden.client import CobordismWardenClient
+from services.embed_cache import SealedRows
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
 
 log = logging.getLogger(__name__)
@@ -96,8 +95,7 @@ class Shard:
         self.head: QTensor | None = None
         self.head_f32: QTensor | None = None
         self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self._logits_batch)
-        # row -> (seal, (dim,) float32 read-only)
-        self.row_cache: ByteLRU[int, tuple[Seal, np.ndarray]] = ByteLRU(settings.row_cache_bytes)
+        self.row_cache = SealedRows(settings.row_cache_bytes, "shard")
         self.stats = {"embed_calls": 0, "rows_from_local": 0, "rows_from_warden": 0, "rows_from_r2": 0,
                       "warden_failures": 0, "warden_rows_rejected": 0, "row_cache_rejects": 0, "logits_calls": 0,
                       "sample_calls": 0}
@@ -123,10 +121,11 @@ class Shard:
         """row -> float32 (dim,): the local LRU, then the warden's hierarchy, R2 directly if the warden fails."""
         out: dict[int, np.ndarray] = {}
         for r in rows:
-            v = self._cached(r)
+            v = self.row_cache.checked(r, self.source.etag)
             if v is not None:
                 out[r] = v
         self.stats["rows_from_local"] += len(out)
+        self.stats["row_cache_rejects"] = self.row_cache.rejects
         fetch = [r for r in rows if r not in out]
         if fetch and self.warden is not None:
             out.update(await self._from_warden(fetch))
@@ -135,23 +134,8 @@ class Shard:
             out[r] = dequantize_rows(data, self.embd.ggml_type, self.dim, self.embd_name)[0]
             self.stats["rows_from_r2"] += 1
         for r in fetch:
-            out[r].flags.writeable = False  # shared by later lookups: nobody may write into it
-            self.row_cache.put(r, (seal(self.source.etag, out[r]), out[r]), out[r].nbytes)
+            self.row_cache.keep(r, out[r], self.source.etag)  # its own (dim,) array
         return out
-
-    def _cached(self, row: int) -> np.ndarray | None:
-        """A row from the local LRU if its seal holds (same knot version, same crc32); else a miss."""
-        hit = self.row_cache.get(row)
-        if hit is None:
-            return None
-        s, vec = hit
-        problem = s.problem(self.source.etag, vec)
-        if problem is None:
-            return vec
-        self.stats["row_cache_rejects"] += 1
-        log.warning("shard row cache entry %d rejected (%s): refetching", row, problem)
-        self.row_cache.pop(row)
-        return None
 
     def warden_stats(self) -> dict[str, int]:
         """What the warden client counted: replies for another version, bad entries it reported."""
