@@ -186,7 +186,7 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("entry", "middle", "exit", "solo")),
     _s("MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "station shard layer_warden cobordism_warden drafter",
        "bytes the service may hold: kept weights and KV caches (station), its slice (shard), the warden's LRU, "
-       "the draft model's tensors (drafter)", minimum=1,
+       "the draft model's tensors, one forward's work and its sessions' KV caches (drafter)", minimum=1,
        reader_defaults={"layer_warden": str(1024 * MiB), "cobordism_warden": str(256 * MiB),
                         "drafter": str(1024 * MiB)}),
     _s("MEMORY_PROFILE", "choice", "worker", "station",

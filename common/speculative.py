@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, runti
 import numpy as np
 
 from common.kvcache import KVCache, prefill_chunks
+from common.runtime import PayloadTooLarge
 from common.sampling import DRAFT, Sampler, SamplingParams, softmax
 
 if TYPE_CHECKING:
@@ -158,17 +159,60 @@ class DraftModel:
     only that row is used, so a forward need not compute the LM head for the others (for a 150-token
     prompt the 0.5B's head over every row took 0.8 s of 2.2). Greedy requests draft the argmax
     (point masses); sampled ones draw from the sampler's distribution with the DRAFT noise stream
-    and report it (Draft.q), which the accept/reject rule needs."""
+    and report it (Draft.q), which the accept/reject rule needs.
+
+    kv_budget_bytes, with kv_bound(n) (the most an n-token sequence's cache may hold, growth
+    included: KVCache.nbytes_bound), bounds the sessions' caches together: before a session grows,
+    the least recently used others are dropped until it fits beside them (a dropped generation is
+    fed again from its context if it drafts again), and a sequence too long to fit alone is a 413.
+    Without them only max_sessions bounds the caches."""
 
     def __init__(self, forward: Callable[[list[int], KVCache, int], np.ndarray], new_kv: Callable[[], KVCache],
-                 max_sessions: int = 64, confidence: float = DRAFT_CONFIDENCE):
+                 max_sessions: int = 64, confidence: float = DRAFT_CONFIDENCE,
+                 kv_budget_bytes: int | None = None, kv_bound: Callable[[int], int] | None = None,
+                 on_evict: Callable[[str], None] = lambda request_id: None):
+        if (kv_budget_bytes is None) != (kv_bound is None):
+            raise ValueError("kv_budget_bytes and kv_bound go together")
         self.forward, self.new_kv, self.max_sessions = forward, new_kv, max_sessions
         self.confidence = confidence  # stop drafting at a token the draft model gives less than this
+        self.kv_budget_bytes, self.kv_bound, self.on_evict = kv_budget_bytes, kv_bound, on_evict
         self.sessions: dict[str, tuple[KVCache, list[int]]] = {}  # request id -> (cache, tokens it holds)
         self.forwards = 0
+        self.sessions_evicted = 0  # dropped for the KV budget (not for max_sessions)
 
-    def _session(self, request_id: str) -> tuple[KVCache, list[int]]:
+    @property
+    def kv_bytes(self) -> int:
+        return sum(kv.nbytes for kv, _ in self.sessions.values())
+
+    def max_tokens(self) -> int | None:
+        """The longest sequence whose cache fits the KV budget alone (None: no budget)."""
+        if self.kv_bound is None:
+            return None
+        lo, hi = 0, 1
+        while self.kv_bound(hi) <= self.kv_budget_bytes:
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:  # kv_bound(lo) fits (or lo == 0), kv_bound(hi) does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.kv_bound(mid) <= self.kv_budget_bytes else (lo, mid)
+        return lo
+
+    def _session(self, request_id: str, n_tokens: int) -> tuple[KVCache, list[int]]:
+        """The request's cache and the tokens it holds (a new one if none), once there is room for
+        it to hold n_tokens."""
         kv, held = self.sessions.pop(request_id, None) or (self.new_kv(), [])
+        if self.kv_bound is not None:
+            # a cache rewound from a longer sequence keeps its capacity
+            need = max(kv.nbytes, self.kv_bound(n_tokens))
+            if need > self.kv_budget_bytes:
+                raise PayloadTooLarge(
+                    f"a sequence of {n_tokens} tokens needs up to {need} bytes of the draft model's KV cache, "
+                    f"over its budget of {self.kv_budget_bytes} (at most {self.max_tokens()} tokens): "
+                    f"raise the drafter's MEMORY_BUDGET_BYTES")
+            while self.sessions and self.kv_bytes + need > self.kv_budget_bytes:
+                evicted = next(iter(self.sessions))  # the least recently used
+                del self.sessions[evicted]
+                self.sessions_evicted += 1
+                self.on_evict(evicted)
         self.sessions[request_id] = (kv, held)  # most recent last
         while len(self.sessions) > self.max_sessions:
             del self.sessions[next(iter(self.sessions))]
@@ -191,7 +235,7 @@ class DraftModel:
 
     def prefill(self, request_id: str, context: Sequence[int]) -> int:
         """Feed context into the request's cache ahead of its first draft -> the tokens fed."""
-        kv, held = self._session(request_id)
+        kv, held = self._session(request_id, len(context))
         _, fed = self._feed(kv, held, context, keep_one=False)
         self.sessions[request_id] = (kv, list(context))
         return fed
@@ -206,7 +250,7 @@ class DraftModel:
         from (softmax(scores) is its distribution)."""
         if k <= 0 or not context:
             return [], None
-        kv, held = self._session(request_id)
+        kv, held = self._session(request_id, len(context) + k - 1)  # the last draft is not fed
         logits, _ = self._feed(kv, held, context, keep_one=True)
         fed = len(context)
         sampler = Sampler(sampling)

@@ -55,8 +55,8 @@ class Cluster:
 async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shards: int = 8,
                         station_budget_bytes: int = 128 << 20, wardens: bool = True,
                         station_vars: dict | None = None, draft_knot: Path | None = None,
-                        coordinator_vars: dict | None = None) -> Cluster:
-    """draft_knot: also a drafter serving that model, bound to the coordinator as DRAFTER."""
+                        coordinator_vars: dict | None = None, drafter_vars: dict | None = None) -> Cluster:
+    """draft_knot: also a drafter serving that model (with drafter_vars), bound to the coordinator as DRAFTER."""
     from deploy.knotfile import open_model
 
     cfg = model_for(open_model(knot_path).header).cfg
@@ -88,7 +88,8 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
         ranges.append((s.vocab_start, s.vocab_end))
     if draft_knot is not None:
         await bucket.put(DRAFT_KEY, draft_knot.read_bytes())
-        bindings["DRAFTER"] = LocalService(drafter.fetch, Env(base, {"KNOT_KEY": DRAFT_KEY}), tasks)
+        bindings["DRAFTER"] = LocalService(drafter.fetch, Env(base, {"KNOT_KEY": DRAFT_KEY, **(drafter_vars or {})}),
+                                          tasks)
     co_env = Env({**base, **bindings}, {
         "KNOT_KEY": KNOT_KEY,
         "STATIONS": ",".join(f"STATION_{i}" for i in range(len(stations))),

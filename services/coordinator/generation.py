@@ -315,23 +315,29 @@ class Coordinator:
                                f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
         timeout_s = self.settings.request_timeout_s
         return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
-                                 speculation=self.speculation(g), deadline=time.monotonic() + timeout_s,
+                                 speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
                                  timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure)
 
-    def speculation(self, g: GenerateRequest) -> SpeculationParams:
+    def speculation(self, g: GenerateRequest, n_prompt: int) -> SpeculationParams:
         """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is, for
         greedy requests (whose output speculation does not change), the draft model where the
-        cluster has a drafter, else prompt lookup; off for sampled ones. Why the draft model first:
+        cluster has a drafter whose KV budget holds the prompt (drafts stop where the sequence
+        outgrows it: RemoteDraftModel), else prompt lookup; off for sampled ones. Why the draft model first:
         knot bench, 1.5B drafted by the 0.5B, 2026-12-02 00:33, decode against prompt lookup: code
         16.0 against 10.2 tok/s, code edit 16.3 against 15.5, chat 11.1 against 11.8
         (docs/performance.md)."""
         source = g.speculation.source if g.speculation.source != "auto" else self.settings.speculation
+        d = self.drafter_client
+        holds = d is not None and n_prompt < d.max_context_tokens  # the prompt, and a token more
         if source == "auto":
-            source = ("off" if not g.sampling.greedy else
-                      "draft_model" if self.drafter_client is not None else "prompt_lookup")
-        if source == "draft_model" and self.drafter_client is None:
+            source = "off" if not g.sampling.greedy else "draft_model" if holds else "prompt_lookup"
+        if source == "draft_model" and d is None:
             raise InvalidParam("speculation source 'draft_model': this coordinator has no draft model (DRAFTER)",
                                "speculation")
+        if source == "draft_model" and not holds:
+            raise InvalidParam(f"speculation source 'draft_model': the prompt is {n_prompt} tokens, and the drafter's "
+                               f"MEMORY_BUDGET_BYTES holds the KV cache of at most {d.max_context_tokens - 1} "
+                               f"(use prompt_lookup, or raise the drafter's budget)", "speculation")
         max_draft = g.speculation.max_draft or self.settings.max_draft
         return SpeculationParams(source, max_draft)
 
@@ -340,7 +346,7 @@ class Coordinator:
         if not sp.on:
             return None
         if sp.source == "draft_model":
-            return RemoteDraftModel(self.drafter_client)
+            return RemoteDraftModel(self.drafter_client, self.drafter_client.max_context_tokens)
         return PromptLookup(sp.ngram_max, sp.ngram_min)
 
     def _context_note(self) -> str:

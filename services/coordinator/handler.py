@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
-from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
+from common.runtime import BadGateway, Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
 from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
@@ -181,12 +181,17 @@ async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> 
         return None
     client = DrafterClient(binding, settings.station_timeout_s)
     try:
-        theirs = int((await client.stats())["vocab_size"])
+        stats = await client.stats()
     except HttpError as e:
         raise ServiceUnavailable(f"drafter {e}") from None
+    theirs, longest = stats.get("vocab_size"), stats.get("max_context_tokens")
+    for name, v in (("vocab_size", theirs), ("max_context_tokens", longest)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise BadGateway(f"drafter /stats: {name} {v!r}, expected a positive integer")
     if theirs != vocab_size:
         raise TopologyError(f"the drafter's model has a vocabulary of {theirs} tokens, the served model "
                             f"{vocab_size}: a draft model must share the tokenizer")
+    client.max_context_tokens = longest
     return client
 
 

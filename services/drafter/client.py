@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -15,12 +16,15 @@ from services.drafter.handler import SAMPLING_FIELDS
 from services.peer import PEER_URL, call, get_json
 
 
+log = logging.getLogger(__name__)
+
 PRIME_CHUNK_TOKENS = 2048  # prompt tokens the drafter reads per /prime call
 
 
 class DrafterClient:
-    def __init__(self, binding: Any, timeout_s: float):
+    def __init__(self, binding: Any, timeout_s: float, max_context_tokens: int | None = None):
         self.binding, self.timeout_s = binding, timeout_s
+        self.max_context_tokens = max_context_tokens  # the longest sequence it drafts for (its /stats)
 
     async def draft(self, request_id: str, context: list[int], k: int, sampling, key: int
                     ) -> tuple[list[int], np.ndarray | None]:
@@ -64,10 +68,15 @@ class DrafterClient:
 
 
 class RemoteDraftModel:
-    """The Drafter and Primes protocols (common.speculative) over the drafter service."""
+    """The Drafter and Primes protocols (common.speculative) over the drafter service.
 
-    def __init__(self, client: DrafterClient):
-        self.client = client
+    max_tokens: the longest sequence the drafter's KV budget holds (its /stats max_context_tokens).
+    Drafts are cut to end there, and past it the trips draft nothing: what is generated does not
+    depend on the drafts, and a /draft the drafter cannot hold would be its 413, failing the request."""
+
+    def __init__(self, client: DrafterClient, max_tokens: int | None = None):
+        self.client, self.max_tokens = client, max_tokens
+        self.outgrown = False  # the sequence outgrew max_tokens (logged once)
 
     def prime(self, gen, prompt: list[int]) -> asyncio.Task:
         """The Primes protocol: the drafter reads the prompt while the stations do (a task, started now)."""
@@ -81,5 +90,13 @@ class RemoteDraftModel:
             await self.client.prime(request_id, prompt[:min(end, len(prompt))])
 
     async def propose(self, gen, context: list[int], k: int) -> Draft:
+        if self.max_tokens is not None:
+            k = min(k, self.max_tokens - len(context) + 1)  # the drafter's cache holds context + k - 1
+            if k <= 0:
+                if not self.outgrown:
+                    self.outgrown = True
+                    log.info("request %s: %d tokens outgrow the drafter's %d; no more drafts", gen.request_id,
+                             len(context), self.max_tokens)
+                return Draft([], None)
         tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
         return Draft(tokens, None if scores is None else [softmax(z) for z in scores])

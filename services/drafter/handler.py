@@ -6,11 +6,14 @@ speculative decoding (common/speculative.py, DraftModel).
                              request, float32 (k, vocab): the scores each id was drawn from
     POST /prime              JSON {"request_id", "context": [ids]}: feed a prompt into the request's
                              KV cache ahead of its first /draft -> {"request_id", "fed": tokens fed}
+                             Either is a 413 when the sequence's KV cache (context and drafts) cannot
+                             fit the budget alone; to fit it, the least recently used sessions go.
     POST /release/<rid>      drop a request's KV cache
     GET  /stats
 
-Env: KNOT_KEY (the draft model's .knot), MEMORY_BUDGET_BYTES (default 1 GiB: the whole model and
-its KV caches); binding KNOT_BUCKET.
+Env: KNOT_KEY (the draft model's .knot), MEMORY_BUDGET_BYTES (default 1 GiB: the whole model, one
+forward's work and the sessions' KV caches; /stats max_context_tokens is the longest sequence whose
+cache it holds, and the coordinator drafts with it only for sequences that fit); binding KNOT_BUCKET.
 
 Why a service of its own rather than a model inside the coordinator: the coordinator is a Worker
 that must stay small and keep serving every request from one event loop, while a draft model holds
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import wire
+from common.kvcache import PREFILL_CHUNK_TOKENS
 from common.layers import forward_tokens
 from common.quant import QTensor
 from common.runtime import BadRequest, Env, NotFound, Request, Response, ServiceUnavailable
@@ -40,6 +44,7 @@ from services.knot_source import KnotSource
 log = logging.getLogger(__name__)
 
 BOOT_READ_BYTES = 64 << 20  # one ranged read of the draft model's payload at boot
+MIN_CONTEXT_TOKENS = 1024  # a drafter whose budget holds a shorter sequence's KV cache refuses to boot
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "penalty_last_n")
@@ -70,6 +75,7 @@ class Drafter:
         if header.payload_nbytes > self.settings.budget_bytes:
             raise ServiceUnavailable(f"draft model {self.settings.knot_key!r}: {header.payload_nbytes} bytes of "
                                      f"tensors exceed MEMORY_BUDGET_BYTES={self.settings.budget_bytes}")
+        # (the KV caches' share is checked once the model is known, below)
         a = header.payload_offset
         # Filled in ranged reads, not kept as the one read's bytes: a numpy buffer of this size sits
         # on transparent huge pages, where the products run faster (common.quant.resident_copy), and
@@ -90,7 +96,26 @@ class Drafter:
         def forward(tokens: list[int], kv, pos: int) -> np.ndarray:  # -> (1, vocab): the last row only
             return forward_tokens(self.model, tokens, kv, pos, load_phase, self.tensors.__getitem__, head)
 
-        self.draft_model = DraftModel(forward, self.model.new_kv)
+        # What the budget leaves for the sessions' KV caches, beside the tensors and one forward's
+        # work: a prefill chunk's activations at the context's length, and the last row's scores
+        # with the sampler's copies of them.
+        cfg, n_layer = self.model.cfg, self.model.cfg.n_layer
+        work = self.model.activation_bytes(PREFILL_CHUNK_TOKENS, cfg.context_length) + 8 * 4 * cfg.vocab_size
+        kv_budget = self.settings.budget_bytes - header.payload_nbytes - work
+        bound = self.model.new_kv().nbytes_bound
+        self.draft_model = DraftModel(forward, self.model.new_kv, kv_budget_bytes=max(kv_budget, 0),
+                                      kv_bound=lambda n: bound(n, n_layer), on_evict=self._evicted)
+        if self.draft_model.max_tokens() < min(MIN_CONTEXT_TOKENS, cfg.context_length):
+            raise ServiceUnavailable(
+                f"draft model {self.settings.knot_key!r}: MEMORY_BUDGET_BYTES={self.settings.budget_bytes} leaves "
+                f"{max(kv_budget, 0)} bytes for KV caches beside {header.payload_nbytes} bytes of tensors and "
+                f"{work} of work, room for {self.draft_model.max_tokens()} tokens (at least "
+                f"{MIN_CONTEXT_TOKENS} are needed)")
+
+    def _evicted(self, request_id: str) -> None:
+        log.warning("draft session %s dropped: the sessions' KV caches would exceed the %d bytes that "
+                    "MEMORY_BUDGET_BYTES leaves them (it is fed again from its context if it drafts again)",
+                    request_id, self.draft_model.kv_budget_bytes)
 
     def draft(self, body: dict) -> list[wire.Envelope]:
         rid, context, k, sampling, key = _draft_request(body, self.model.cfg.vocab_size)
@@ -111,7 +136,10 @@ class Drafter:
         return {"request_id": rid, "fed": fed}
 
     def stats(self) -> dict:
-        return {"knot_key": self.settings.knot_key, "sessions": len(self.draft_model.sessions),
+        dm = self.draft_model
+        return {"knot_key": self.settings.knot_key, "sessions": len(dm.sessions), "kv_bytes": dm.kv_bytes,
+                "kv_budget_bytes": dm.kv_budget_bytes, "max_context_tokens": min(dm.max_tokens(), self.model.cfg.context_length),
+                "sessions_evicted": dm.sessions_evicted,
                 "drafts": self.drafts, "drafted_tokens": self.drafted, "forwards": self.draft_model.forwards,
                 "primes": self.primes, "primed_tokens": self.primed_tokens,
                 "vocab_size": self.model.cfg.vocab_size, **self.source.stats()}

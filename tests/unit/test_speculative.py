@@ -313,6 +313,38 @@ def test_draft_model_stops_at_the_first_token_it_doubts(tiny_knot):
         free[:1], "the first draft is always made"
 
 
+def test_draft_model_keeps_its_kv_caches_within_the_budget(tiny_knot):
+    """With a KV budget, the least recently used sessions go before one grows past it; a dropped
+    session drafts the same again from its context, and a sequence that cannot fit alone is a 413."""
+    import common.speculative as spec
+    from common.runtime import PayloadTooLarge, status_for
+
+    e = LocalEngine.open(tiny_knot)
+    bound = lambda n: e.new_kv().nbytes_bound(n, e.cfg.n_layer)  # noqa: E731
+    ctx = e.tokenizer.encode(CODE)
+    n = len(ctx) + 5  # a context and its drafts
+    budget = 2 * bound(n) + bound(n) // 2  # two such sessions fit, three do not
+    free = spec.DraftModel(e.forward, e.new_kv, confidence=0.0)
+    dm = spec.DraftModel(e.forward, e.new_kv, confidence=0.0, kv_budget_bytes=budget, kv_bound=bound)
+    assert bound(dm.max_tokens()) <= budget < bound(dm.max_tokens() + 1)
+    want = {rid: free.draft(rid, ctx + [i], 6, SamplingParams(), 0)[0] for i, rid in enumerate("abc")}
+    for i, rid in enumerate("ab"):
+        assert dm.draft(rid, ctx + [i], 6, SamplingParams(), 0)[0] == want[rid]
+    assert list(dm.sessions) == ["a", "b"] and dm.sessions_evicted == 0
+    dm.draft("a", ctx + [0], 6, SamplingParams(), 0)  # "a" is now the most recently used
+    assert dm.draft("c", ctx + [2], 6, SamplingParams(), 0)[0] == want["c"]
+    assert list(dm.sessions) == ["a", "c"] and dm.sessions_evicted == 1, "the least recently used went"
+    assert dm.kv_bytes <= budget
+    assert dm.draft("b", ctx + [1], 6, SamplingParams(), 0)[0] == want["b"], "fed again from its context"
+    assert list(dm.sessions) == ["c", "b"] and dm.kv_bytes <= budget and dm.sessions_evicted == 2
+    with pytest.raises(PayloadTooLarge) as err:
+        dm.prefill("d", list(range(dm.max_tokens() + 1)))
+    assert status_for(err.value) == 413 and "MEMORY_BUDGET_BYTES" in str(err.value)
+    assert "d" not in dm.sessions and dm.kv_bytes <= budget
+    with pytest.raises(ValueError):
+        spec.DraftModel(e.forward, e.new_kv, kv_budget_bytes=budget)
+
+
 def test_sampled_draft_model_keeps_the_distribution(tiny_knot):
     from common.speculative import DraftModel
 
@@ -399,6 +431,50 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
     for sampling, source in (({}, "draft_model"), (dict(temperature=0.9, seed=7), "off")):  # auto, with a drafter
         r = (await c.generate(prompt=CODE, max_tokens=4, **sampling)).json()
         assert r["timings"]["speculation"]["source"] == source, sampling
+    await c.drain()
+
+
+async def test_cluster_drafts_only_as_far_as_the_drafters_kv_budget_holds(tiny_knot, other_tiny, tmp_path,
+                                                                              monkeypatch):
+    """The drafter's MEMORY_BUDGET_BYTES covers its sessions' KV caches, and its /stats says the
+    longest sequence they hold. The coordinator drafts with it only up to there (auto picks prompt
+    lookup for a longer prompt; an explicit draft_model is a 400), and the tokens are speculation
+    off's. A budget with no room for the caches fails the drafter's boot, naming the numbers."""
+    import json
+
+    from common.kvcache import PREFILL_CHUNK_TOKENS
+    from services.drafter import handler as drafter_handler
+
+    monkeypatch.setattr(drafter_handler, "MIN_CONTEXT_TOKENS", 8)
+    cfg = other_tiny.cfg
+    work = other_tiny.arch.activation_bytes(PREFILL_CHUNK_TOKENS, cfg.context_length) + 32 * cfg.vocab_size
+    budget = lambda n: other_tiny.model.header.payload_nbytes + work + \
+        other_tiny.new_kv().nbytes_bound(n, cfg.n_layer)  # noqa: E731  (holds n tokens, not n + 1)
+    limit = 12
+    ids = other_tiny.tokenizer.encode(CODE)
+    assert len(ids) >= limit
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=other_tiny.model.path,
+                            drafter_vars={"MEMORY_BUDGET_BYTES": str(budget(limit))})
+    stats = (await c.coordinator.env.DRAFTER.fetch(Request("GET", "/stats"))).json()
+    assert stats["max_context_tokens"] == limit and stats["kv_bytes"] == 0, stats
+    off = (await c.generate(prompt="the", max_tokens=30, speculation="off")).json()
+    r = (await c.generate(prompt="the", max_tokens=30, speculation="draft_model")).json()
+    assert r["tokens"] == off["tokens"] and r["timings"]["speculation"]["drafted"] > 0
+    stats = (await c.coordinator.env.DRAFTER.fetch(Request("GET", "/stats"))).json()
+    assert stats["drafts"] > 0 and stats["kv_bytes"] <= stats["kv_budget_bytes"], stats
+    r = (await c.generate(prompt=CODE, max_tokens=4)).json()  # auto: the prompt is too long for the drafter
+    assert r["timings"]["speculation"]["source"] == "prompt_lookup", r["timings"]
+    r = await c.generate(prompt=CODE, max_tokens=4, speculation="draft_model")
+    assert r.status == 400 and "MEMORY_BUDGET_BYTES" in r.json()["message"], r.body
+    body = {"request_id": "x", "context": ids[:limit] + ids[:limit]}
+    r = await c.coordinator.env.DRAFTER.fetch(Request("POST", "/prime", {}, json.dumps(body).encode()))
+    assert r.status == 413 and "MEMORY_BUDGET_BYTES" in r.json()["message"], r.body
+    await c.drain()
+    c = await build_cluster(tiny_knot, tmp_path / "small", 1, 1, draft_knot=other_tiny.model.path,
+                            drafter_vars={"MEMORY_BUDGET_BYTES": str(budget(4))})
+    r = await c.coordinator.env.DRAFTER.fetch(Request("GET", "/stats"))
+    assert r.status == 503 and "MEMORY_BUDGET_BYTES" in r.json()["message"] and "room for 4 tokens" in \
+        r.json()["message"], r.body
     await c.drain()
 
 
