@@ -328,7 +328,8 @@ class Coordinator:
         (docs/performance.md)."""
         source = g.speculation.source if g.speculation.source != "auto" else self.settings.speculation
         d = self.drafter_client
-        holds = d is not None and n_prompt < d.max_context_tokens  # the prompt, and a token more
+        # the prompt, and a token more (None: a drafter that states no limit)
+        holds = d is not None and (d.max_context_tokens is None or n_prompt < d.max_context_tokens)
         if source == "auto":
             source = "off" if not g.sampling.greedy else "draft_model" if holds else "prompt_lookup"
         if source == "draft_model" and d is None:
@@ -336,8 +337,8 @@ class Coordinator:
                                "speculation")
         if source == "draft_model" and not holds:
             raise InvalidParam(f"speculation source 'draft_model': the prompt is {n_prompt} tokens, and the drafter's "
-                               f"MEMORY_BUDGET_BYTES holds the KV cache of at most {d.max_context_tokens - 1} "
-                               f"(use prompt_lookup, or raise the drafter's budget)", "speculation")
+                               f"MEMORY_BUDGET_BYTES holds the KV cache of {d.max_context_tokens}, no room to draft after "
+                               f"it (use prompt_lookup, or raise the drafter's budget)", "speculation")
         max_draft = g.speculation.max_draft or self.settings.max_draft
         return SpeculationParams(source, max_draft)
 
