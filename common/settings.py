@@ -166,8 +166,8 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=1),
     _s("MODEL_NAME", "str", None, "coordinator", "the model id /v1/models reports (default: KNOT_KEY without .knot)"),
     _s("SPECULATION", "choice", "auto", "coordinator", "speculative decoding of requests that do not choose: "
-       "auto (for greedy requests the draft model where there is a DRAFTER, else prompt lookup; off for sampled "
-       "ones), off, prompt_lookup, draft_model",
+       "auto (for greedy requests the draft model where there is a DRAFTER whose budget holds the prompt, else "
+       "prompt lookup; off for sampled ones), off, prompt_lookup, draft_model",
        choices=("auto", "off", "prompt_lookup", "draft_model")),
     _s("SPEC_MAX_DRAFT", "int", "8", "coordinator", "tokens drafted per trip at most (a request's max_draft "
        f"may ask for fewer or more, up to {MAX_DRAFT})", minimum=1, maximum=MAX_DRAFT),
