@@ -182,7 +182,8 @@ class DraftModel:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(kv.nbytes for kv, _ in self.sessions.values())
+        # list() copies the values at once: /stats may read this while a draft runs in a thread
+        return sum(kv.nbytes for kv, _ in list(self.sessions.values()))
 
     def max_tokens(self) -> int | None:
         """The longest sequence whose cache fits the KV budget alone (None: no budget)."""

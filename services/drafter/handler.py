@@ -25,6 +25,7 @@ by the next call, which sends the context the drafts must follow).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from common.settings import read
 from common.speculative import MAX_DRAFT, DraftModel
 from services.boot import BootCache
 from services.knot_source import KnotSource
+from services.offload import off_loop
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,10 @@ class Drafter:
         self.drafted = 0
         self.primes = 0
         self.primed_tokens = 0  # prompt tokens fed by /prime, ahead of the first draft
+        # The model runs off the event loop, so /healthz, /stats and the other calls answer while a
+        # prompt is read (2,048 tokens a call: seconds); one call at a time, because the sessions
+        # and their caches are not for two threads at once.
+        self._compute = asyncio.Lock()
 
     async def boot(self) -> None:
         """Every tensor of the draft model, resident: one ranged read of the payload."""
@@ -105,21 +111,23 @@ class Drafter:
         bound = self.model.new_kv().nbytes_bound
         self.draft_model = DraftModel(forward, self.model.new_kv, kv_budget_bytes=max(kv_budget, 0),
                                       kv_bound=lambda n: bound(n, n_layer), on_evict=self._evicted)
-        if self.draft_model.max_tokens() < min(MIN_CONTEXT_TOKENS, cfg.context_length):
+        self.max_context_tokens = min(self.draft_model.max_tokens(), cfg.context_length)
+        need = min(MIN_CONTEXT_TOKENS, cfg.context_length)
+        if self.max_context_tokens < need:
             raise ServiceUnavailable(
                 f"draft model {self.settings.knot_key!r}: MEMORY_BUDGET_BYTES={self.settings.budget_bytes} leaves "
                 f"{max(kv_budget, 0)} bytes for KV caches beside {header.payload_nbytes} bytes of tensors and "
-                f"{work} of work, room for {self.draft_model.max_tokens()} tokens (at least "
-                f"{MIN_CONTEXT_TOKENS} are needed)")
+                f"{work} of work, room for {self.draft_model.max_tokens()} tokens (at least {need} are needed)")
 
     def _evicted(self, request_id: str) -> None:
         log.warning("draft session %s dropped: the sessions' KV caches would exceed the %d bytes that "
                     "MEMORY_BUDGET_BYTES leaves them (it is fed again from its context if it drafts again)",
                     request_id, self.draft_model.kv_budget_bytes)
 
-    def draft(self, body: dict) -> list[wire.Envelope]:
+    async def draft(self, body: dict) -> list[wire.Envelope]:
         rid, context, k, sampling, key = _draft_request(body, self.model.cfg.vocab_size)
-        tokens, scores = self.draft_model.draft(rid, context, k, sampling, key)
+        async with self._compute:
+            tokens, scores = await off_loop(self.draft_model.draft, rid, context, k, sampling, key)
         self.drafts += 1
         self.drafted += len(tokens)
         n = len(context)
@@ -128,9 +136,10 @@ class Drafter:
             out.append(wire.Envelope(rid, "draft", n, n + len(tokens), np.stack(scores).astype(np.float32)))
         return out
 
-    def prime(self, body: dict) -> dict:
+    async def prime(self, body: dict) -> dict:
         rid, context = _request_context(body, self.model.cfg.vocab_size)
-        fed = self.draft_model.prefill(rid, context)
+        async with self._compute:
+            fed = await off_loop(self.draft_model.prefill, rid, context)
         self.primes += 1
         self.primed_tokens += fed
         return {"request_id": rid, "fed": fed}
@@ -138,7 +147,7 @@ class Drafter:
     def stats(self) -> dict:
         dm = self.draft_model
         return {"knot_key": self.settings.knot_key, "sessions": len(dm.sessions), "kv_bytes": dm.kv_bytes,
-                "kv_budget_bytes": dm.kv_budget_bytes, "max_context_tokens": min(dm.max_tokens(), self.model.cfg.context_length),
+                "kv_budget_bytes": dm.kv_budget_bytes, "max_context_tokens": self.max_context_tokens,
                 "sessions_evicted": dm.sessions_evicted,
                 "drafts": self.drafts, "drafted_tokens": self.drafted, "forwards": self.draft_model.forwards,
                 "primes": self.primes, "primed_tokens": self.primed_tokens,
@@ -197,13 +206,14 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     d = await drafter_for(env)
     path = request.path
     if path == "/draft" and request.method == "POST":
-        return Response.from_bytes(wire.encode_envelopes(d.draft(request.json())), wire.ENVELOPE_CONTENT_TYPE)
+        return Response.from_bytes(wire.encode_envelopes(await d.draft(request.json())), wire.ENVELOPE_CONTENT_TYPE)
     if path == "/prime" and request.method == "POST":
-        return Response.from_json(d.prime(request.json()))
+        return Response.from_json(await d.prime(request.json()))
     if path.startswith("/release/") and request.method == "POST":
         rid = path[len("/release/"):]
-        released = rid in d.draft_model.sessions
-        d.draft_model.release(rid)
+        async with d._compute:  # not while a call changes the sessions in its thread
+            released = rid in d.draft_model.sessions
+            d.draft_model.release(rid)
         return Response.from_json({"request_id": rid, "released": released})
     if path == "/stats" and request.method == "GET":
         return Response.from_json({**d.stats(), "boots": _booted.boots})

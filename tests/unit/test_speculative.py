@@ -478,6 +478,46 @@ async def test_cluster_drafts_only_as_far_as_the_drafters_kv_budget_holds(tiny_k
     await c.drain()
 
 
+async def test_the_drafter_answers_while_a_prompt_is_read(tiny_knot, other_tiny, tmp_path):
+    """The drafter's model runs off its event loop, one call at a time: /stats answers while a
+    /prime computes, and a /draft (and a /release) of another request waits for it, then runs."""
+    import asyncio
+    import json
+    import threading
+
+    c = await build_cluster(tiny_knot, tmp_path, 1, 1, draft_knot=other_tiny.model.path)
+    drafter = c.coordinator.env.DRAFTER
+    assert (await drafter.fetch(Request("GET", "/stats"))).status == 200  # booted
+    from services.drafter import handler as drafter_handler
+
+    d = await drafter_handler.drafter_for(drafter.env)
+    gate, entered = threading.Event(), threading.Event()
+    prefill = d.draft_model.prefill
+
+    def slow_prefill(rid, context):
+        entered.set()
+        assert gate.wait(10), "the test never opened the gate"
+        return prefill(rid, context)
+
+    d.draft_model.prefill = slow_prefill
+    ids = other_tiny.tokenizer.encode(CODE)
+    post = lambda path, body: drafter.fetch(Request("POST", path, {}, json.dumps(body).encode()))  # noqa: E731
+    prime = asyncio.ensure_future(post("/prime", {"request_id": "a", "context": ids}))
+    draft = asyncio.ensure_future(post("/draft", {"request_id": "b", "context": ids, "k": 2, "key": 1}))
+    release = asyncio.ensure_future(post("/release/b", {}))
+    await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+    stats = await asyncio.wait_for(drafter.fetch(Request("GET", "/stats")), 5)  # the loop is free
+    assert stats.status == 200 and stats.json()["primes"] == 0
+    await asyncio.sleep(0.05)
+    assert not (prime.done() or draft.done() or release.done()), "the draft waits for the prime's model"
+    gate.set()
+    r = await asyncio.wait_for(prime, 30)
+    assert r.status == 200 and r.json()["fed"] == len(ids)
+    assert (await asyncio.wait_for(draft, 30)).status == 200
+    assert (await asyncio.wait_for(release, 30)).json()["released"] is True
+    await c.drain()
+
+
 async def test_draft_model_without_a_drafter_is_a_400(tiny_knot, tmp_path):
     c = await build_cluster(tiny_knot, tmp_path, 1, 1)
     r = await c.generate(prompt="the", max_tokens=4, speculation="draft_model")
