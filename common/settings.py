@@ -231,6 +231,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_ACCESS_LOG", "choice", "all", "host compose",
        "all: log every request; errors: only 4xx/5xx (internal hops run ~10 requests per token)",
        choices=("all", "errors"), reader_defaults={"compose": "errors"}),
+    _s("KNOT_SHM_DIR", "str", None, "host launcher", "a directory of shared memory (tmpfs) where this host writes "
+       "large replies to callers of the same directory, and reads theirs, instead of the socket "
+       "(deploy/local/shm.py); `knot cluster up` sets one per cluster under /dev/shm, `KNOT_SHM_DIR=` turns it off; "
+       "unset: sockets only (docker compose)"),
     _s("KNOT_MAX_BODY_BYTES", "int", None, "host", "largest request body accepted, 413 before it is read "
        "(default: the service module's MAX_BODY_BYTES, 4 MiB for the coordinator; else 64 MiB)", minimum=1),
     _s("KNOT_INTERNAL_SECRET", "str", REQUIRED, "host compose launcher",

@@ -63,6 +63,15 @@ class Running:
     restarted_at: float | None = None  # time.time() of the last restart
 
 
+def shm_dir_for(run_dir: Path) -> Path:
+    """The cluster's shared-memory directory (deploy/local/shm.py): in /dev/shm (tmpfs) where there is
+    one, named after the run directory, so two clusters on one machine never share it."""
+    import hashlib
+
+    tag = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return Path("/dev/shm") / f"knot-{tag}" if Path("/dev/shm").is_dir() else run_dir / "shm"
+
+
 def default_run_dir() -> Path:
     return Path(settings.read(os.environ, "KNOT_RUN_DIR", "launcher") or compose.REPO_ROOT / ".knot-run")
 
@@ -261,6 +270,8 @@ class Cluster:
         base_env.update(profile_env(profile, base_env, len(layout.stations)))
         if draft is not None:
             base_env["KNOT_DRAFT_MODEL"] = draft.source
+        if "KNOT_SHM_DIR" not in base_env:  # set empty, it stays off
+            base_env["KNOT_SHM_DIR"] = str(shm_dir_for(self.run_dir))
         alive = [r for r in self._load() if r.kind != "oneshot" and servers.pid_alive(r.pid)]
         if alive:
             raise LauncherError(f"cluster already up ({', '.join(f'{r.name}={r.pid}' for r in alive)}); "
@@ -272,6 +283,9 @@ class Cluster:
             if not base_env.get(name):  # one set in the environment wins, as over compose's .env
                 base_env[name] = secret
         chosen = {name: base_env[name] for name in kept}
+        shm = settings.read(base_env, "KNOT_SHM_DIR", "launcher")
+        if shm:
+            Path(shm).mkdir(mode=0o700, parents=True, exist_ok=True)
         if chosen != kept:  # the supervisor restarts services with the file's: it holds what they run with
             cluster_secrets.write(self.run_dir / SECRETS_FILE, {**cluster_secrets.read(self.run_dir / SECRETS_FILE),
                                                                 **chosen})
@@ -386,6 +400,9 @@ class Cluster:
             servers.stop_pid(sup, 10.0)
         stopped = self._stop_all(self._load())
         self.state_path.unlink(missing_ok=True)
+        # reply buffers a killed process could not unlink (the hosts unlink theirs as connections close)
+        import shutil
+        shutil.rmtree(shm_dir_for(self.run_dir), ignore_errors=True)
         return stopped
 
     def status(self) -> list[dict]:

@@ -29,6 +29,7 @@ from common.runtime import (BadGateway, BadRequest, DurableObjectId, GatewayTime
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
 from deploy.local.embedded import check_etag, check_range
 from deploy.local.logs import REQUEST_ID_HEADER, request_id_var
+from deploy.local.shm import SHM_HEADER, SHM_LENGTH_HEADER, ReplyReader, ShmError
 
 
 
@@ -256,10 +257,11 @@ class Connections:
     7B station makes ~330 calls per forward to its LayerWarden, and a fresh connection per call
     would cost a connect each and leave a closed socket in TIME_WAIT each."""
 
-    def __init__(self, max_idle_per_peer: int = 4):
+    def __init__(self, max_idle_per_peer: int = 4, shm: ReplyReader | None = None):
         self.max_idle_per_peer = max_idle_per_peer
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self.opened = 0  # connections made
+        self.shm = shm  # large replies read from shared memory where the peer writes them there
 
     def take(self, peer: tuple[str, int]) -> socket.socket | None:
         """An idle connection to peer that is still open and quiet, or None."""
@@ -283,6 +285,8 @@ class Connections:
             for sock in idle:
                 sock.close()
         self._idle.clear()
+        if self.shm is not None:
+            self.shm.close()
 
 
 def _quiet(sock: socket.socket) -> bool:
@@ -322,9 +326,10 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     for k, v in headers.items():  # aiohttp refuses these too: a line break would forge a header
         if any(c in f"{k}{v}" for c in "\r\n\0"):
             raise BadRequest(f"header {k!r} holds a line break or NUL and cannot be sent to {target.host}")
+    shm = connections.shm if connections is not None else None
     head = [f"{request.method} {target.raw_path_qs} HTTP/1.1", f"Host: {target.raw_authority}",
             *([] if connections is not None else ["Connection: close"]), f"Content-Length: {len(body)}",
-            *(f"{k}: {v}" for k, v in headers.items())]
+            *(f"{k}: {v}" for k, v in headers.items()), *([f"{SHM_HEADER}: {shm.offer}"] if shm is not None else [])]
     message = "\r\n".join(head).encode("utf-8") + b"\r\n\r\n" + body  # header octets as aiohttp sends them
     peer = (target.host, target.port)
     loop = asyncio.get_running_loop()
@@ -352,6 +357,8 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
                     raise ServiceUnavailable(f"{request.method} {url}: connection lost: {e}") from None
                 except _Malformed as e:
                     raise BadGateway(f"{request.method} {url}: {e}") from None
+                if SHM_HEADER in reply_headers:  # copied out before the connection carries anything else
+                    body_out = _shm_body(shm, reply_headers, body_out, f"{request.method} {url}")
                 if keep and connections is not None:
                     connections.give(peer, sock)
                     sock = None
@@ -362,6 +369,20 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     finally:
         if sock is not None:  # not handed back: closed (an error, a timeout, or the peer's close)
             sock.close()
+
+
+def _shm_body(shm: ReplyReader | None, headers: Headers, body: bytes | memoryview, what: str) -> memoryview:
+    """The body of a reply the peer left in shared memory (deploy/local/shm.py), its headers removed."""
+    name, length = headers.pop(SHM_HEADER), headers.pop(SHM_LENGTH_HEADER, None)
+    if shm is None:
+        raise BadGateway(f"{what}: a reply in shared memory ({name[:80]!r}), which this call did not ask for")
+    if len(body) or length is None or not length.isdigit():
+        raise BadGateway(f"{what}: a reply in shared memory with {len(body)} body bytes and "
+                         f"{SHM_LENGTH_HEADER} {length!r}")
+    try:
+        return shm.read(name, int(length))
+    except ShmError as e:
+        raise BadGateway(f"{what}: {e}") from None
 
 
 async def _connect(loop: asyncio.AbstractEventLoop, peer: tuple[str, int], what: str) -> socket.socket:
@@ -473,10 +494,10 @@ class HttpNamespace:
     """DO namespace binding onto the process that hosts the class (its /__do/{class} route)."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, class_name: str, timeout_s: float,
-                 signer: Signer | None = None):
+                 signer: Signer | None = None, shm: ReplyReader | None = None):
         self.session, self.base_url = session, base_url.rstrip("/")
         self.class_name, self.timeout_s, self.signer = class_name, timeout_s, signer
-        self.connections = Connections()  # the stubs' kept-alive connections (buffered_fetch)
+        self.connections = Connections(shm=shm)  # the stubs' kept-alive connections (buffered_fetch)
 
     async def close(self) -> None:
         self.connections.close()

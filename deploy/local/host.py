@@ -33,6 +33,7 @@ from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectH
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
+from deploy.local.shm import SHM_HEADER, SHM_LENGTH_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class ServiceRuntime:
     # An internal service's calls must be signed with the cluster's secret (KNOT_INTERNAL_SECRET):
     # None when it is unset (then nothing is checked, and the start says so).
     verifier: signing.Verifier | None = None
+    # Large replies to callers that read KNOT_SHM_DIR go through it (deploy/local/shm.py); None: sockets only.
+    shm: ReplyBuffers | None = None
 
 
 # ---------------------------------------------------------------- translation
@@ -129,6 +132,14 @@ async def send_response(request: web.Request, resp: Response) -> web.StreamRespo
     if resp.stream is None and len(resp.body) < SLICED_BODY_BYTES:
         return to_aiohttp_response(resp)
     if resp.stream is None:
+        shm = request.app[RUNTIME].shm
+        if (shm is not None and request.headers.get(SHM_HEADER) == shm.offer and len(resp.body) >= SHM_MIN_BYTES
+                and request.transport is not None):
+            put = shm.write(request.transport, resp.body)
+            if put is not None:  # else every buffer is in use: the socket, as for any caller
+                headers = _reply_headers(resp)
+                headers[SHM_HEADER], headers[SHM_LENGTH_HEADER] = put[0], str(put[1])
+                return web.Response(status=resp.status, headers=headers)
         return await _send_sliced(request, resp)
     out = web.StreamResponse(status=resp.status, headers=_reply_headers(resp))
     out.headers[REQUEST_ID_HEADER] = request_id_var.get()  # sent with the headers, before the body
@@ -275,6 +286,8 @@ def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.C
                  do_host: DurableObjectHost | None) -> Any:
     timeout_s = settings.call_timeout_s
 
+    reader = ReplyReader(settings.shm_dir) if settings.shm_dir is not None else None
+
     def local_namespace(b: BindingURL) -> LocalNamespace:
         if do_host is None or b.target not in do_host.classes:
             raise ConfigError(f"binding {name}={url}: this process does not host {b.target!r} "
@@ -291,7 +304,7 @@ def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.C
         "dir": lambda b: DirectoryBucket(b.target),
         "redis": lambda b: RedisKV(b.target, b.prefix, timeout_s, password=settings.redis_password),
         "memory": lambda b: MemoryKV(),
-        "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s, signer),
+        "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s, signer, reader),
         "do+local": local_namespace,
         "http": service, "https": service,
     })
@@ -338,9 +351,13 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
     if verifier is None and not svc.public:
         log.warning("%s: KNOT_INTERNAL_SECRET is unset: this internal service answers unsigned calls from "
                     "anyone who can reach its port (knot cluster up and knot secrets generate one)", settings.name)
+    shm = None
+    if settings.shm_dir is not None:
+        shm = ReplyBuffers(settings.shm_dir)
+        stack.callback(shm.close)
     return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks,
                           access_log=settings.access_log, max_body_bytes=settings.max_body_bytes or svc.max_body_bytes,
-                          public=svc.public, verifier=verifier)
+                          public=svc.public, verifier=verifier, shm=shm)
 
 
 def app_runner(app: web.Application) -> web.AppRunner:

@@ -96,6 +96,7 @@ class HostSettings:
     max_body_bytes: int | None  # None: the service module's MAX_BODY_BYTES (deploy/local/host.py)
     redis_password: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
     internal_secret: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
+    shm_dir: str | None = None  # large replies through shared memory (deploy/local/shm.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "HostSettings":
@@ -134,6 +135,7 @@ class HostSettings:
             max_body_bytes=get("KNOT_MAX_BODY_BYTES"),
             redis_password=redis_password(bindings, get("KNOT_REDIS_PASSWORD")),
             internal_secret=get("KNOT_INTERNAL_SECRET"),
+            shm_dir=get("KNOT_SHM_DIR") or None,
         )
 
 
