@@ -68,13 +68,16 @@ class _Buffer:
         if n > self.size:
             if self.map is not None:
                 self.map.close()
-            os.ftruncate(self.fd, n)
+            # Allocated now, not on the first write through the map: a tmpfs that is full refuses
+            # here (ENOSPC, the socket then), where a write to an unbacked page would be SIGBUS.
+            os.posix_fallocate(self.fd, 0, n)
             self.map, self.size = mmap.mmap(self.fd, n), n
         _copy(self.map, body, n)
         return n
 
     def close(self) -> None:
-        """Idempotent: the host's close, a sweep of closed connections and the transport's finalizer may each call it."""
+        """Idempotent: the host's close, a sweep of closed connections and the transport's
+        finalizer may each call it."""
         if self.fd < 0:
             return
         if self.map is not None:

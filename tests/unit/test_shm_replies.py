@@ -135,3 +135,21 @@ async def test_a_reply_naming_a_file_the_caller_may_not_read_is_a_bad_gateway(tm
     finally:
         await runner.cleanup()
     assert MAX_BUFFERS >= 4, "two stations' prefetching connections"
+
+
+async def test_a_full_directory_sends_the_reply_over_the_socket(shm_host, monkeypatch):
+    """posix_fallocate reserves a buffer's pages before the copy: a full tmpfs refuses there
+    (ENOSPC), and the reply takes the socket, where a write to an unbacked page would kill the host."""
+    import errno
+
+    url, buffers, d = shm_host
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    conns = Connections(shm=ReplyReader(d))
+    r = await buffered_fetch(url + "/big", Request("GET", "/big"), 30, connections=conns)
+    assert r.status == 200 and r.body == BIG and buffers.failures == 1 and conns.shm.replies == 0
+    assert os.listdir(d) == [], "the refused buffer's file is gone"
+    conns.close()
