@@ -18,9 +18,11 @@ Run directory (default .knot-run/, or KNOT_RUN_DIR):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import urllib.request
@@ -66,8 +68,6 @@ class Running:
 def shm_dir_for(run_dir: Path) -> Path:
     """The cluster's shared-memory directory (deploy/local/shm.py): in /dev/shm (tmpfs) where there is
     one, named after the run directory, so two clusters on one machine never share it."""
-    import hashlib
-
     tag = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
     return Path("/dev/shm") / f"knot-{tag}" if Path("/dev/shm").is_dir() else run_dir / "shm"
 
@@ -401,7 +401,6 @@ class Cluster:
         stopped = self._stop_all(self._load())
         self.state_path.unlink(missing_ok=True)
         # reply buffers a killed process could not unlink (the hosts unlink theirs as connections close)
-        import shutil
         shutil.rmtree(shm_dir_for(self.run_dir), ignore_errors=True)
         return stopped
 
