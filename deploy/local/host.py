@@ -224,7 +224,8 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "service": rt.name, "pid": os.getpid(),
                               "uptime_s": round(time.monotonic() - rt.started_at, 3),
                               "wait_until": rt.tasks.stats(),
-                              "durable_objects": len(rt.do_host.stats()) if rt.do_host else 0})
+                              "durable_objects": len(rt.do_host.stats()) if rt.do_host else 0,
+                              **({"shm_replies": rt.shm.stats()} if rt.shm is not None else {})})
 
 
 async def _readyz(request: web.Request) -> web.Response:

@@ -130,6 +130,11 @@ class ReplyBuffers:
         self.bytes += n
         return buf.name, n
 
+    def stats(self) -> dict:
+        """For the host's /healthz: the replies and bytes sent through buffers, the buffers now, refusals."""
+        return {"replies": self.replies, "bytes": self.bytes,
+                "buffers": len(self._by_transport), "failures": self.failures}
+
     def close(self) -> None:
         for t in list(self._by_transport):
             self._by_transport.pop(t).close()

@@ -56,6 +56,8 @@ async def test_a_large_reply_comes_through_the_connections_buffer(shm_host):
     assert len(files) == 1 and os.path.getsize(d / files[0]) == 2 * len(BIG), "it grew to the largest reply"
     r = await buffered_fetch(url + "/small", Request("GET", "/small"), 30, connections=conns)
     assert r.json() == {"path": "/small"} and buffers.replies == 3, "a small reply takes the socket"
+    health = (await buffered_fetch(url + "/healthz", Request("GET", "/healthz"), 30)).json()["shm_replies"]
+    assert health == {"replies": 3, "bytes": 4 * len(BIG), "buffers": 1, "failures": 0}
     conns.close()  # the connection goes, and the host drops its buffer
     import gc
     for _ in range(50):
