@@ -12,7 +12,7 @@ which moved the real models' logits by up to 0.09 and flipped a llama.cpp fideli
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -31,6 +31,19 @@ def kv_capacity(have: int, need: int) -> int:
     """The capacity (tokens) a layer grows to when it holds `have` and must hold `need` > have."""
     want = max(need, have + have // 8)
     return -(-want // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+
+
+
+def largest(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest n in [0, hi] with fits(n), for a fits that holds up to some n and not beyond; 0 if
+    none (how many tokens' caches, or rows, a memory budget holds)."""
+    if fits(hi):
+        return hi
+    lo = 0  # fits(lo) or lo == 0; not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 class KVCache:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, runti
 
 import numpy as np
 
-from common.kvcache import KVCache, prefill_chunks
+from common.kvcache import KVCache, largest, prefill_chunks
 from common.runtime import PayloadTooLarge
 from common.sampling import DRAFT, Sampler, SamplingParams, softmax
 
@@ -189,13 +189,11 @@ class DraftModel:
         """The longest sequence whose cache fits the KV budget alone (None: no budget)."""
         if self.kv_bound is None:
             return None
-        lo, hi = 0, 1
-        while self.kv_bound(hi) <= self.kv_budget_bytes:
-            lo, hi = hi, 2 * hi
-        while hi - lo > 1:  # kv_bound(lo) fits (or lo == 0), kv_bound(hi) does not
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.kv_bound(mid) <= self.kv_budget_bytes else (lo, mid)
-        return lo
+        fits = lambda n: self.kv_bound(n) <= self.kv_budget_bytes  # noqa: E731
+        hi = 1
+        while fits(hi):  # an n that does not fit, to search below
+            hi *= 2
+        return largest(fits, hi)
 
     def _session(self, request_id: str, n_tokens: int) -> tuple[KVCache, list[int]]:
         """The request's cache and the tokens it holds (a new one if none), once there is room for
@@ -209,9 +207,10 @@ class DraftModel:
                     f"a sequence of {n_tokens} tokens needs up to {need} bytes of the draft model's KV cache, "
                     f"over its budget of {self.kv_budget_bytes} (at most {self.max_tokens()} tokens): "
                     f"raise the drafter's MEMORY_BUDGET_BYTES")
-            while self.sessions and self.kv_bytes + need > self.kv_budget_bytes:
+            held_bytes = self.kv_bytes
+            while self.sessions and held_bytes + need > self.kv_budget_bytes:
                 evicted = next(iter(self.sessions))  # the least recently used
-                del self.sessions[evicted]
+                held_bytes -= self.sessions.pop(evicted)[0].nbytes
                 self.sessions_evicted += 1
                 self.on_evict(evicted)
         self.sessions[request_id] = (kv, held)  # most recent last

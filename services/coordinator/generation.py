@@ -347,7 +347,7 @@ class Coordinator:
         if not sp.on:
             return None
         if sp.source == "draft_model":
-            return RemoteDraftModel(self.drafter_client, self.drafter_client.max_context_tokens)
+            return RemoteDraftModel(self.drafter_client)
         return PromptLookup(sp.ngram_max, sp.ngram_min)
 
     def _context_note(self) -> str:

@@ -70,13 +70,13 @@ class DrafterClient:
 class RemoteDraftModel:
     """The Drafter and Primes protocols (common.speculative) over the drafter service.
 
-    max_tokens: the longest sequence the drafter's KV budget holds (its /stats max_context_tokens).
-    Drafts are cut to end there, and past it the trips draft nothing: what is generated does not
-    depend on the drafts, and a /draft the drafter cannot hold would be its 413, failing the request."""
+    Drafts are cut to end at the longest sequence the drafter's KV budget holds (the client's
+    max_context_tokens), and past it the trips draft nothing: what is generated does not depend on
+    the drafts, and a /draft the drafter cannot hold would be its 413, failing the request."""
 
-    def __init__(self, client: DrafterClient, max_tokens: int | None = None):
-        self.client, self.max_tokens = client, max_tokens
-        self.outgrown = False  # the sequence outgrew max_tokens (logged once)
+    def __init__(self, client: DrafterClient):
+        self.client = client
+        self.outgrown = False  # the sequence outgrew the drafter's limit (logged once)
 
     def prime(self, gen, prompt: list[int]) -> asyncio.Task:
         """The Primes protocol: the drafter reads the prompt while the stations do (a task, started now)."""
@@ -90,13 +90,14 @@ class RemoteDraftModel:
             await self.client.prime(request_id, prompt[:min(end, len(prompt))])
 
     async def propose(self, gen, context: list[int], k: int) -> Draft:
-        if self.max_tokens is not None:
-            k = min(k, self.max_tokens - len(context) + 1)  # the drafter's cache holds context + k - 1
+        limit = self.client.max_context_tokens
+        if limit is not None:
+            k = min(k, limit - len(context) + 1)  # the drafter's cache holds context + k - 1
             if k <= 0:
                 if not self.outgrown:
                     self.outgrown = True
                     log.info("request %s: %d tokens outgrow the drafter's %d; no more drafts", gen.request_id,
-                             len(context), self.max_tokens)
+                             len(context), limit)
                 return Draft([], None)
         tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
         return Draft(tokens, None if scores is None else [softmax(z) for z in scores])

@@ -117,7 +117,7 @@ class Drafter:
             raise ServiceUnavailable(
                 f"draft model {self.settings.knot_key!r}: MEMORY_BUDGET_BYTES={self.settings.budget_bytes} leaves "
                 f"{max(kv_budget, 0)} bytes for KV caches beside {header.payload_nbytes} bytes of tensors and "
-                f"{work} of work, room for {self.draft_model.max_tokens()} tokens (at least {need} are needed)")
+                f"{work} of work, room for {self.max_context_tokens} tokens (at least {need} are needed)")
 
     def _evicted(self, request_id: str) -> None:
         log.warning("draft session %s dropped: the sessions' KV caches would exceed the %d bytes that "

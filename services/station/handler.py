@@ -49,7 +49,7 @@ import numpy as np
 
 from common import wire
 from common.knot import KnotHeader
-from common.kvcache import KV_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS, KVCache
+from common.kvcache import KV_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS, KVCache, largest
 from common.layers import run_layers, steps
 from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
@@ -60,7 +60,7 @@ from services.boot import BootCache
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
 from services.layer_warden.client import LayerWardenClient
 from services.station.memory import (ForwardWeights, MemoryPlan, StationMemory, StationMemoryFull, describe_plan,
-                                        largest, plan_memory)
+                                        plan_memory)
 from services.station.tensors import PhaseLoader
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol, Sequence
 
+from common.kvcache import largest
 from common.lru import ByteLRU
 from common.matmul import DEFAULT_TILE_BYTES
 from common.quant import QTensor
@@ -382,14 +383,3 @@ class ForwardWeights:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: an abandoned load's error concerns no one
             self.memory.release(names)
-
-
-def largest(fits: Callable[[int], bool], hi: int) -> int:
-    """The largest n in [0, hi] with fits(n), for a fits that holds up to some n and not beyond; 0 if none."""
-    if fits(hi):
-        return hi
-    lo = 0  # fits(lo) or lo == 0; not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo

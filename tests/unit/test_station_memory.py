@@ -9,9 +9,10 @@ import threading
 import numpy as np
 import pytest
 
+from common.kvcache import largest
 from common.matmul import DEFAULT_TILE_BYTES
 from common.quant import QTensor
-from services.station.memory import ForwardWeights, StationMemory, StationMemoryFull, largest
+from services.station.memory import ForwardWeights, StationMemory, StationMemoryFull
 
 ACT_PER_ROW = 1000  # activation bytes per row, in these tests
 
