@@ -134,27 +134,69 @@ def _check_text(s: str, where: str) -> None:
                          f"{e.start}, which is not Unicode text") from None
 
 
-@dataclass
 class Response:
     """A reply. `body` is bytes; a streaming reply has `stream` instead (and body b"").
 
     `stream` is an async iterator of bytes chunks, written one by one as they come (Workers: a
     ReadableStream body). The host either iterates it to the end or, when the client goes away,
     stops and calls aclose_stream(), so a producer's `finally` always runs (cancel work, free state).
+
+    A body may also be given as `parts` (from_parts): buffers whose concatenation is the body. A
+    host that can write them one by one (the local host, to a socket or a shared-memory buffer)
+    never joins them; reading `body` joins them once. Why: a LayerWarden's batch is ~56 MB of frames
+    it already holds, per phase of a 7B; the join was a copy of every streamed byte (issue 15).
     """
 
-    status: int = 200
-    headers: Headers = field(default_factory=Headers)
-    # bytes; or a read-only memoryview of the buffer a large reply was received into, kept as it is
-    # (a host's binding that reads a peer's body straight into one buffer: no copy of tens of MB)
-    body: bytes | memoryview = b""
-    stream: AsyncIterator[bytes] | None = field(default=None, repr=False, compare=False)
+    def __init__(self, status: int = 200, headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+                 body: bytes | memoryview = b"", stream: AsyncIterator[bytes] | None = None):
+        self.status = status
+        self.headers = headers if isinstance(headers, Headers) else Headers(headers)
+        self.body = body
+        self.stream = stream
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.headers, Headers):
-            self.headers = Headers(self.headers)
-        if not (isinstance(self.body, memoryview) and self.body.readonly):
-            self.body = bytes(self.body)
+    @property
+    def body(self) -> bytes | memoryview:
+        # bytes; or a read-only memoryview of the buffer a large reply was received into, kept as it
+        # is (a host's binding that reads a peer's body straight into one buffer: no copy of tens of MB)
+        if self._parts is not None:
+            self._body, self._parts = b"".join(self._parts), None
+        return self._body
+
+    @body.setter
+    def body(self, value: bytes | memoryview) -> None:
+        self._parts = None
+        self._body = value if isinstance(value, memoryview) and value.readonly else bytes(value)
+
+    @property
+    def parts(self) -> tuple[bytes | memoryview, ...]:
+        """The body's buffers in order, not joined (one part unless from_parts made it)."""
+        return self._parts if self._parts is not None else (self._body,)
+
+    @property
+    def nbytes(self) -> int:
+        """len(body), without joining the parts."""
+        return sum(memoryview(p).nbytes for p in self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Response):
+            return NotImplemented
+        return (self.status, self.headers, self.body) == (other.status, other.headers, other.body)
+
+    def __repr__(self) -> str:
+        return f"Response(status={self.status}, headers={self.headers!r}, nbytes={self.nbytes})"
+
+    @classmethod
+    def from_parts(cls, parts: Iterable[bytes | memoryview], content_type: str = "application/octet-stream",
+                   status: int = 200, headers: Mapping[str, str] | None = None) -> "Response":
+        """A body given as the buffers it concatenates (kept, not copied: nobody may change them)."""
+        resp = cls.from_bytes(b"", content_type, status, headers)
+        kept = []
+        for p in parts:
+            if isinstance(p, memoryview) and not (p.readonly and p.c_contiguous):
+                raise TypeError("Response.from_parts: a memoryview part must be read-only and contiguous")
+            kept.append(p if isinstance(p, (bytes, memoryview)) else bytes(p))
+        resp._parts = tuple(kept)
+        return resp
 
     @classmethod
     def from_json(cls, obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> "Response":

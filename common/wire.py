@@ -185,10 +185,16 @@ def encode_batch(frames: Iterable[TensorFrame]) -> bytes:
     return join_batch([encode_tensor(f) for f in frames])
 
 
-def join_batch(encoded: list[bytes]) -> bytes:
+def batch_parts(encoded: list[bytes]) -> list[bytes]:
     """A batch of frames already encoded by encode_tensor (a cache can keep them encoded: the
-    crc32 is computed once, not per request)."""
-    return b"".join([_BATCH_HEAD.pack(BATCH_MAGIC, VERSION, 0, 0, len(encoded)), *encoded])
+    crc32 is computed once, not per request), as the buffers it concatenates: the header, then
+    each frame. A reply can send them without joining them (Response.from_parts)."""
+    return [_BATCH_HEAD.pack(BATCH_MAGIC, VERSION, 0, 0, len(encoded)), *encoded]
+
+
+def join_batch(encoded: list[bytes]) -> bytes:
+    """batch_parts, joined into one buffer."""
+    return b"".join(batch_parts(encoded))
 
 
 def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:

@@ -129,13 +129,13 @@ async def send_response(request: web.Request, resp: Response) -> web.StreamRespo
     or on any other early exit (cancellation at shutdown, a failing producer), the stream is closed
     with aclose so its producer's cleanup runs (e.g. the coordinator frees the stations' KV caches).
     """
-    if resp.stream is None and len(resp.body) < SLICED_BODY_BYTES:
+    if resp.stream is None and resp.nbytes < SLICED_BODY_BYTES:
         return to_aiohttp_response(resp)
     if resp.stream is None:
         shm = request.app[RUNTIME].shm
-        if (shm is not None and request.headers.get(SHM_HEADER) == shm.offer and len(resp.body) >= SHM_MIN_BYTES
+        if (shm is not None and request.headers.get(SHM_HEADER) == shm.offer and resp.nbytes >= SHM_MIN_BYTES
                 and request.transport is not None):
-            put = shm.write(request.transport, resp.body)
+            put = shm.write(request.transport, resp.parts)
             if put is not None:  # else every buffer is in use: the socket, as for any caller
                 headers = _reply_headers(resp)
                 headers[SHM_HEADER], headers[SHM_LENGTH_HEADER] = put[0], str(put[1])
@@ -156,16 +156,18 @@ async def send_response(request: web.Request, resp: Response) -> web.StreamRespo
 
 
 async def _send_sliced(request: web.Request, resp: Response) -> web.StreamResponse:
-    """A large body as it is: each slice goes to the socket without a copy, and only what the socket
-    does not take at once is buffered (aiohttp then waits for the buffer to drain)."""
+    """A large body as it is, part by part (Response.parts, never joined): each slice goes to the
+    socket without a copy, and only what the socket does not take at once is buffered (aiohttp then
+    waits for the buffer to drain)."""
     out = web.StreamResponse(status=resp.status, headers=_reply_headers(resp))
-    out.content_length = len(resp.body)
+    out.content_length = resp.nbytes
     out.headers[REQUEST_ID_HEADER] = request_id_var.get()  # sent with the headers, before the body
-    body = memoryview(resp.body)
     try:
         await out.prepare(request)
-        for a in range(0, len(body), WRITE_SLICE_BYTES):
-            await out.write(body[a:a + WRITE_SLICE_BYTES])
+        for part in resp.parts:
+            part = memoryview(part).cast("B")
+            for a in range(0, len(part), WRITE_SLICE_BYTES):
+                await out.write(part[a:a + WRITE_SLICE_BYTES])
         await out.write_eof()
     except ConnectionError as e:  # the client went away
         log.info("client disconnected mid-body: %s", e or type(e).__name__)

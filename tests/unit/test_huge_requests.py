@@ -200,10 +200,15 @@ async def test_a_large_reply_body_arrives_whole_with_its_headers_and_length():
 
     from deploy.local.host import SLICED_BODY_BYTES, WRITE_SLICE_BYTES
 
-    bodies = {"/small": b"s" * 1000, "/edge": bytes(SLICED_BODY_BYTES),
-              "/big": np.random.default_rng(0).bytes(2 * WRITE_SLICE_BYTES + 7)}
+    big = np.random.default_rng(0).bytes(2 * WRITE_SLICE_BYTES + 7)
+    bodies = {"/small": b"s" * 1000, "/edge": bytes(SLICED_BODY_BYTES), "/big": big, "/parts": big[::-1]}
+    cuts = [0, 3, WRITE_SLICE_BYTES + 1, WRITE_SLICE_BYTES + 1, len(big)]  # parts across slices, one empty
 
     async def handler(request: Request, env, ctx) -> Response:
+        if request.path == "/parts":  # a warden's batch: frames sent one by one, never joined
+            body = bodies["/parts"]
+            return Response.from_parts([body[a:b] for a, b in zip(cuts, cuts[1:])], "application/x-knot-tensor-batch",
+                                       headers={"X-Knot-Etag": "e1"})
         return Response.from_bytes(bodies[request.path], "application/x-knot-tensor-batch", headers={"X-Knot-Etag": "e1"})
 
     rt = ServiceRuntime("layer-warden", handler, Env(), BackgroundTasks("test"))

@@ -36,6 +36,23 @@ def test_response_constructors():
     assert b.body == b"\x00\x01" and b.headers["Content-Type"] == "application/x-knot-tensor" and b.ok
 
 
+def test_a_body_given_as_parts_is_their_concatenation_joined_only_when_read():
+    data = bytes(range(256)) * 10
+    parts = [data[:5], memoryview(data)[5:300].toreadonly(), b"", data[300:]]
+    r = Response.from_parts(parts, "application/x-knot-tensor-batch")
+    assert r.headers["Content-Type"] == "application/x-knot-tensor-batch" and r.nbytes == len(data)
+    assert r.parts[1].obj is data, "kept as given, not copied"
+    assert r.body == data and r.parts == (data,), "read once, joined once"
+    assert r == Response.from_bytes(data, "application/x-knot-tensor-batch") and "nbytes=2560" in repr(r)
+    assert Response.from_bytes(b"xy").parts == (b"xy",) and Response.from_bytes(b"xy").nbytes == 2
+    r.body = b"new"
+    assert (r.body, r.parts, r.nbytes) == (b"new", (b"new",), 3)
+    with pytest.raises(TypeError, match="read-only and contiguous"):
+        Response.from_parts([memoryview(bytearray(4))])  # a buffer its owner could still change
+    with pytest.raises(TypeError, match="read-only and contiguous"):
+        Response.from_parts([memoryview(data)[::2]])
+
+
 @pytest.mark.parametrize("exc, status", [
     (rt.BadRequest("x"), 400), (rt.NotFound("x"), 404), (rt.Conflict("x"), 409),
     (rt.RangeNotSatisfiable("x"), 416), (rt.BadGateway("x"), 502), (rt.ServiceUnavailable("x"), 503),

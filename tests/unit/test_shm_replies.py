@@ -22,6 +22,9 @@ async def handler(request: Request, env, ctx) -> Response:
         return Response.from_bytes(BIG, "application/x-knot-tensor-batch")
     if request.path == "/bigger":
         return Response.from_bytes(BIG + BIG[::-1], "application/x-knot-tensor-batch")
+    if request.path == "/parts":  # a warden's batch: the frames it holds, copied into the buffer one by one
+        return Response.from_parts([BIG[:9], b"", memoryview(BIG)[9:SHM_MIN_BYTES + 1].toreadonly(),
+                                    BIG[SHM_MIN_BYTES + 1:]], "application/x-knot-tensor-batch")
     return Response.from_json({"path": request.path})
 
 
@@ -47,17 +50,17 @@ async def shm_host(tmp_path):
 async def test_a_large_reply_comes_through_the_connections_buffer(shm_host):
     url, buffers, d = shm_host
     conns = Connections(shm=ReplyReader(d))
-    for path, want in (("/big", BIG), ("/bigger", BIG + BIG[::-1]), ("/big", BIG)):
+    for path, want in (("/big", BIG), ("/bigger", BIG + BIG[::-1]), ("/big", BIG), ("/parts", BIG)):
         r = await buffered_fetch(url + path, Request("GET", path), 30, connections=conns)
         assert r.status == 200 and r.body == want and r.body.readonly
         assert "X-Knot-Shm" not in r.headers and r.headers["Content-Type"] == "application/x-knot-tensor-batch"
-    assert (buffers.replies, conns.shm.replies, conns.opened) == (3, 3, 1), "one connection, one buffer"
+    assert (buffers.replies, conns.shm.replies, conns.opened) == (4, 4, 1), "one connection, one buffer"
     files = os.listdir(d)
     assert len(files) == 1 and os.path.getsize(d / files[0]) == 2 * len(BIG), "it grew to the largest reply"
     r = await buffered_fetch(url + "/small", Request("GET", "/small"), 30, connections=conns)
-    assert r.json() == {"path": "/small"} and buffers.replies == 3, "a small reply takes the socket"
+    assert r.json() == {"path": "/small"} and buffers.replies == 4, "a small reply takes the socket"
     health = (await buffered_fetch(url + "/healthz", Request("GET", "/healthz"), 30)).json()["shm_replies"]
-    assert health == {"replies": 3, "bytes": 4 * len(BIG), "buffers": 1, "failures": 0}
+    assert health == {"replies": 4, "bytes": 5 * len(BIG), "buffers": 1, "failures": 0}
     conns.close()  # the connection goes, and the host drops its buffer
     import gc
     for _ in range(50):
