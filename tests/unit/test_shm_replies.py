@@ -158,3 +158,20 @@ async def test_a_full_directory_sends_the_reply_over_the_socket(shm_host, monkey
     assert r.status == 200 and r.body == BIG and buffers.failures == 1 and conns.shm.replies == 0
     assert os.listdir(d) == [], "the refused buffer's file is gone"
     conns.close()
+
+
+def test_a_large_copy_in_two_halves_is_byte_exact():
+    """_copy splits a copy of SPLIT_COPY_BYTES or more between two threads: every byte lands, at
+    its offset, with nothing written outside [at, at + n)."""
+    import numpy as np
+
+    from deploy.local.shm import SPLIT_COPY_BYTES, _copy
+
+    n = SPLIT_COPY_BYTES + 12345  # odd: the halves differ by a byte
+    src = np.random.default_rng(1).bytes(n)
+    dst = bytearray(b"\xaa" * (n + 7))
+    _copy(dst, src, n, at=3)
+    assert dst[3:3 + n] == src and dst[:3] == b"\xaa" * 3 and dst[3 + n:] == b"\xaa" * 4
+    small = bytearray(10)
+    _copy(small, b"abcdef", 6, at=2)
+    assert small == b"\0\0abcdef\0\0"
