@@ -14,7 +14,9 @@ Measures (issue 7's benchmark):
                                       default 128 MiB, a Worker's memory): its decode tok/s, the
                                       bytes per token the stations pulled from their LayerWardens, and
                                       per station those bytes over its layer loop's time (GB/s) set
-                                      against np.copyto of a phase's bytes (the machine's copy speed)
+                                      against np.copyto of a phase's bytes (the machine's copy speed);
+                                      --fluid-model runs it on another model, e.g. the seed's 7B shape
+                                      from `knot synth` (its row then has no llama.cpp cell)
     peak RSS <service>                VmHWM of each service process at the end
     speculation                       greedy decode of a code prompt (HumanEval-style), a chat
                                       prompt and a code edit (chat), with speculation off and with each source (prompt
@@ -160,6 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fluid-tokens", type=int, default=16, metavar="N",
                    help="tokens generated in the fluid run (default 16)")
     p.add_argument("--no-fluid", action="store_true", help="skip the fluid run")
+    p.add_argument("--fluid-model", default=None, metavar="MODEL",
+                   help="the fluid run's model, if not --model: a name, or a .gguf or .knot path, e.g. the seed's "
+                   "7B shape from `knot synth` (set KNOT_LAYER_WARDEN_BUDGET_BYTES to hold it: 5000000000); its "
+                   "row has no llama.cpp cell")
     p.add_argument("--run-dir", default=None, help="cluster run directory (default: $TMPDIR/knot-bench; "
                    "the bucket survives, so later runs skip the upload)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
@@ -531,10 +537,13 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
                            ll.get("long_prefill_tok_s", {}).get(n), "tok/s"))
     figs.append(Figure("R2 bytes per token", cl.get("r2_bytes_per_token"), None, "B"))
     mib = fluid_budget_bytes / 2**20
+    # The fluid run of another model (--fluid-model) is set against nothing: llama.cpp ran --model.
+    other = fluid.get("model")
+    where = f"{mib:g} MiB stations" + (f", {other}" if other else "")
     if fluid:  # with --no-fluid no row: llama.cpp's decode must not stand in a fluid row alone
-        figs.append(Figure(f"fluid ({mib:g} MiB stations) decode", fluid.get("decode_tok_s"),
-                           ll.get("decode_tok_s"), "tok/s"))
-        figs.append(Figure(f"fluid ({mib:g} MiB stations) warden bytes per token",
+        figs.append(Figure(f"fluid ({where}) decode", fluid.get("decode_tok_s"),
+                           None if other else ll.get("decode_tok_s"), "tok/s"))
+        figs.append(Figure(f"fluid ({where}) warden bytes per token",
                            fluid.get("warden_bytes_per_token"), None, "B"))
     copy = fluid.get("copy_gb_s")
     for name, r in (fluid.get("rates") or {}).items():
@@ -588,7 +597,9 @@ def run(args: argparse.Namespace) -> int:
         cl = measure_cluster(args.model, args, args.tokens, long_text, concurrency,
                              {n: tok.decode(ids) for n, ids in long_sets.items()})
         if not args.no_fluid:
-            fluid = measure_fluid(args.model, args)
+            fluid = measure_fluid(args.fluid_model or args.model, args)
+            if args.fluid_model:
+                fluid["model"] = Path(args.fluid_model).name
 
     figures = build_figures(cl, local, ll, concurrency, fluid, args.fluid_budget_bytes)
     print(f"knot bench: {model} ({gguf.name}), {args.tokens} tokens, prompt {len(long_ids)} tokens, "
@@ -607,7 +618,7 @@ def run(args: argparse.Namespace) -> int:
         for n, r in (cl.get("long_prompts") or {}).items():
             print(f"{n}-token prompt: {r}")
     if fluid:
-        print(f"fluid run: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
+        print(f"fluid run{' of ' + fluid['model'] if fluid.get('model') else ''}: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
         for line in describe_fluid(fluid["rates"], fluid["copy_gb_s"]):
             print(f"fluid {line}")
     if args.json:

@@ -61,6 +61,11 @@ def test_build_figures_names_the_required_rows():
     # --no-fluid: no fluid row, so llama.cpp's decode is not shown against an empty fluid cell
     no_fluid = build_figures(cl, None, {"decode_tok_s": 45.0}, [1], None, 134217728)
     assert not any(f.name.startswith("fluid") for f in no_fluid)
+    # --fluid-model: the row names the model and has no llama.cpp cell (llama.cpp ran --model)
+    other = build_figures(cl, None, {"decode_tok_s": 45.0}, [1], {**fluid, "model": "qwen7b-synth.knot"}, 134217728)
+    by = {f.name: f for f in other}
+    row = by["fluid (128 MiB stations, qwen7b-synth.knot) decode"]
+    assert (row.ours, row.llama) == (1.5, None)
 
 
 def test_fluid_rates_are_bytes_over_the_layer_loops_time_against_the_copy_speed():
