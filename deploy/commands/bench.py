@@ -365,7 +365,9 @@ def measure_fluid(model: str | None, args) -> dict:
         http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": 2, "temperature": 0})
         w0, s0 = _counters(cluster, running, "warden_bytes"), stations_stats(cluster, running)
         progress(f"fluid decode: {args.fluid_tokens} tokens")
-        body = http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": args.fluid_tokens, "temperature": 0})
+        # speculation off, as the decode row: one forward per token, so the bytes per token are a forward's
+        body = http_json("POST", url, {"prompt": SHORT_PROMPT, "max_tokens": args.fluid_tokens, "temperature": 0,
+                                       "speculation": "off"})
         n = body["usage"]["completion_tokens"]
         rates = fluid_rates(s0, stations_stats(cluster, running))
         return {"decode_tok_s": body["timings"]["decode_tok_s"], "tokens": n,
