@@ -15,6 +15,7 @@ def test_ratio_is_ours_over_llama_and_missing_sides_give_none():
 def test_format_value_by_unit():
     assert format_value(None, "tok/s") == "-"
     assert format_value(28.64, "tok/s") == "28.6 tok/s"
+    assert format_value(0.5649, "tok/s") == "0.56 tok/s" and format_value(9.876, "tok/s") == "9.88 tok/s"
     assert format_value(68.7, "ms") == "69 ms"
     assert format_value(1234567, "B") == "1,234,567 B"
     assert format_value(248 * 2**20, "MiB") == "248 MiB"
