@@ -620,7 +620,8 @@ def run(args: argparse.Namespace) -> int:
         for n, r in (cl.get("long_prompts") or {}).items():
             print(f"{n}-token prompt: {r}")
     if fluid:
-        print(f"fluid run{' of ' + fluid['model'] if fluid.get('model') else ''}: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
+        of = f" of {fluid['model']}" if fluid.get("model") else ""
+        print(f"fluid run{of}: {fluid['tokens']} tokens; station stats: {json.dumps(fluid['station_stats'])}")
         for line in describe_fluid(fluid["rates"], fluid["copy_gb_s"]):
             print(f"fluid {line}")
     if args.json:
