@@ -33,7 +33,6 @@ def kv_capacity(have: int, need: int) -> int:
     return -(-want // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
 
 
-
 def largest(fits: Callable[[int], bool], hi: int) -> int:
     """The largest n in [0, hi] with fits(n), for a fits that holds up to some n and not beyond; 0 if
     none (how many tokens' caches, or rows, a memory budget holds)."""
