@@ -161,6 +161,7 @@ def write_synth(out: str | Path, *, layers=28, hidden=3584, ffn=18944, heads=28,
     head = knot.pack_header(metadata)
     header = knot.parse_header(head)
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)  # `knot synth /tmp/new-dir/x.knot` on a fresh machine
     tmp = out.with_name(out.name + ".partial")
     rng = np.random.default_rng(seed)
     with open(tmp, "wb") as f, tqdm(total=header.payload_nbytes, unit="B", unit_scale=True, unit_divisor=1024,

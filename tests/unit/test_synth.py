@@ -14,7 +14,7 @@ DIMS = dict(layers=4, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=400)
 
 
 def test_synth_knot_parses_sizes_add_up_and_tensors_are_finite(tmp_path):
-    out = tmp_path / "tiny.knot"
+    out = tmp_path / "new-dir" / "tiny.knot"  # its directory made as on a fresh machine
     header = write_synth(out, **DIMS, context=256)
     raw = out.read_bytes()
     h = parse_header(raw, file_size=len(raw))  # the stale guard: size == payloadOffset + payload
