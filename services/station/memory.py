@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Iterator, Mapping, Protocol, Sequence
@@ -144,7 +145,9 @@ class StationMemory:
                  tile_bytes: int = DEFAULT_TILE_BYTES):
         self.budget_bytes = budget_bytes
         self.tile_bytes = tile_bytes  # matmul's float32 tile, at most DEFAULT_TILE_BYTES
-        self.activation_bytes = activation_bytes  # (T new rows, S positions attended) -> bytes
+        # (T new rows, S positions attended) -> bytes; pure, and asked ~3 times per phase with the
+        # same (T, S) through a forward, so remembered
+        self.activation_bytes = functools.lru_cache(maxsize=16)(activation_bytes)
         self.kv_bytes = kv_bytes
         self.keep, self.take = keep, take  # tensor -> kept entry; kept entry -> tensor, or None: a miss
         self.resident: dict[str, QTensor] = {}

@@ -49,13 +49,20 @@ class PhaseLoader:
         self.wait_until = wait_until
         self.stats = {"warden_tensors": 0, "warden_bytes": 0, "r2_tensors": 0, "r2_bytes": 0,
                       "warden_failures": 0, "invalidations": 0, "kept_rejected": 0}
+        # (layer, phase) -> its tensor names, checked against the header once: a decode forward
+        # asks two or three times per phase, and building and checking them each time was a
+        # share of the ~3 ms per forward the station spent beside its layers (docs/performance.md)
+        self._names: dict[tuple[int, str], tuple[str, ...]] = {}
 
     def names(self, layer: int, phase: str) -> list[str]:
-        names = self.model.phase_tensors(layer, phase)
-        for n in names:
-            if n not in self.header.tensors:
-                raise MissingTensorError(phase, layer, n)
-        return names
+        names = self._names.get((layer, phase))
+        if names is None:
+            names = tuple(self.model.phase_tensors(layer, phase))
+            for n in names:
+                if n not in self.header.tensors:
+                    raise MissingTensorError(phase, layer, n)
+            self._names[(layer, phase)] = names
+        return list(names)
 
     def nbytes(self, name: str) -> int:
         """The tensor's size in the knot, known before it is loaded."""
