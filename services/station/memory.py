@@ -232,6 +232,34 @@ class StationMemory:
         w, need = self.claim(names, T, S, source, protect)
         return await self.fill(w, need, T, S, source)
 
+    def at_hand(self, names: list[str], T: int, S: int) -> dict[str, QTensor] | None:
+        """acquire() for a phase whose tensors are all resident or kept, with nothing to evict: the
+        same tensors and the same accounting, without its coroutine and room-making. None where any
+        is missing or room must be made (acquire() then does the work). Why: a resident station
+        runs every phase this way, and acquire's generality cost ~25 us per phase, ~1.2 ms of a
+        0.5B station's 22 ms decode forward."""
+        total = self.kept.bytes_used + self.loaded_bytes + self.fixed_bytes(T, S)
+        if total > self.budget_bytes:  # make_room would evict: the general path
+            return None
+        w = {}
+        for n in names:
+            t = self.resident.get(n)
+            if t is None:
+                kept = self.kept.get(n)  # a hit refreshes it, as in claim()
+                t = None if kept is None else self.take(kept)
+                if t is None:
+                    if kept is not None:  # a miss, counted once (take); acquire() loads it again
+                        self.kept.pop(n)
+                    return None
+            w[n] = t
+        self.peak_accounted_bytes = max(self.peak_accounted_bytes, total)
+        return w
+
+    def held(self, w: Mapping[str, QTensor]) -> bool:
+        """Every tensor of a finished phase is resident or kept and none counts as loaded:
+        evict_or_keep() would change nothing."""
+        return all((n in self.resident or n in self.kept) and n not in self.loaded for n in w)
+
     def claim(self, names: list[str], T: int, S: int, source: TensorSource,
               protect: Sequence[str] = ()) -> tuple[dict[str, QTensor], dict[str, int]]:
         """acquire()'s first half, at once: the tensors at hand, and room made and counted for the
@@ -327,8 +355,10 @@ class ForwardWeights:
             self.next = None
             self.prefetched += 1
         else:
-            await self._drop_next()
-            w = await self.memory.acquire(names, self.T, self.S, self.source)
+            w = self.memory.at_hand(names, self.T, self.S) if self.next is None else None
+            if w is None:
+                await self._drop_next()
+                w = await self.memory.acquire(names, self.T, self.S, self.source)
         step = self.following.get((layer, phase))
         if step is not None:
             upcoming = self.source.names(*step)
@@ -339,6 +369,8 @@ class ForwardWeights:
         return w
 
     def done(self, layer: int, phase: str, w: Mapping[str, QTensor]) -> None:
+        if self.memory.held(w):  # nothing to let go of nor to keep (a resident station's every phase)
+            return
         self.memory.evict_or_keep(w, self.T, self.S, self._ahead((layer, phase)))
 
     def _ahead(self, step: tuple[int, str]) -> int:

@@ -65,6 +65,26 @@ async def test_acquire_takes_resident_then_kept_then_loads_the_rest_and_accounts
     assert m.peak_accounted_bytes == want, "the peak stays"
 
 
+async def test_at_hand_is_acquire_without_the_work_and_steps_aside_where_acquire_has_some():
+    """The resident station's fast path: the same tensors, LRU refresh and peak as acquire() when
+    every tensor is resident or kept and nothing must be evicted; None (acquire's turn) otherwise."""
+    m = memory(DEFAULT_TILE_BYTES + ACT_PER_ROW + 10 + 1000)
+    m.hold({"norm": tensor("norm", 40)})
+    for n in "ab":
+        m.kept.put(n, tensor(n, 100), 100)
+    w = m.at_hand(["norm", "a"], 1, 1)
+    assert w == {"norm": m.resident["norm"], "a": m.kept.peek("a")} and list(m.kept.keys()) == ["b", "a"]
+    assert m.peak_accounted_bytes == 40 + 200 + ACT_PER_ROW + 10 + DEFAULT_TILE_BYTES
+    assert m.held(w) and not m.held({"c": tensor("c", 100)})
+    assert m.at_hand(["a", "c"], 1, 1) is None, "c must be loaded"
+    assert m.at_hand(["a"], 1, 1 + 80) is None, "80 more positions of activations: room must be made"
+    src = Source({"a": 100, "c": 100})
+    got = await m.acquire(["a", "c"], 1, 1, src)
+    assert src.loaded == ["c"] and not m.held(got), "c counts as loaded until evict_or_keep"
+    m.take = lambda kept: None  # a kept tensor whose seal fails: dropped once, then loaded
+    assert m.at_hand(["b"], 1, 1) is None and "b" not in m.kept
+
+
 def test_make_room_evicts_most_recently_used_first_and_never_the_phases_own():
     m = memory(DEFAULT_TILE_BYTES + ACT_PER_ROW + 500)
     for n in "abcd":
