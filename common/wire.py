@@ -332,7 +332,9 @@ def _read_envelope(r: _Reader) -> Envelope:
 #     0    4     magic          b"KSMP"
 #     4    1     version        1
 #     5    1     flags          bit 0 DRAW: also the slice's best Gumbel-perturbed score (temperature > 0,
-#                               no top-k / top-p / min-p: every token of the slice may be drawn); others 0
+#                               no top-k / top-p / min-p: every token of the slice may be drawn);
+#                               bit 1 NO_LSE: the sampler needs no log-sum-exp (no top-p, no logprobs),
+#                               so the slice's LSE column is NaN, not computed; others 0
 #     6    2     reserved       0
 #     8    4     top            u32, candidates per row (>= 1): the slice's best logits and their ids
 #     12   4     penalty_last_n i32, the penalty window (0 off, -1 all), as SamplingParams
@@ -349,6 +351,7 @@ def _read_envelope(r: _Reader) -> Envelope:
 SAMPLE_MAGIC = b"KSMP"
 SAMPLE_CONTENT_TYPE = "application/x-knot-sample"
 FLAG_DRAW = 1
+FLAG_NO_LSE = 2
 MAX_SAMPLE_TOP = 4096  # candidates per row a shard may be asked for
 _SAMPLE_HEAD = struct.Struct("<4sBBHIidQdddI")
 
@@ -364,6 +367,7 @@ class SampleSpec:
     presence: float = 0.0
     penalty_last_n: int = 0
     history: tuple[int, ...] = ()
+    lse: bool = True  # False: NO_LSE, the slices' log-sum-exps are not needed (nor computed)
 
 
 def encode_sample_request(spec: SampleSpec, env: Envelope) -> bytes:
@@ -371,7 +375,8 @@ def encode_sample_request(spec: SampleSpec, env: Envelope) -> bytes:
     if not 1 <= spec.top <= MAX_SAMPLE_TOP or not -1 <= spec.penalty_last_n < 2 ** 31:
         raise ValueError(f"sample spec: top {spec.top} or penalty_last_n {spec.penalty_last_n} out of range")
     hist = np.asarray(spec.history, dtype="<i4").tobytes()
-    head = _SAMPLE_HEAD.pack(SAMPLE_MAGIC, VERSION, FLAG_DRAW if spec.draw else 0, 0, spec.top, spec.penalty_last_n,
+    flags = (FLAG_DRAW if spec.draw else 0) | (0 if spec.lse else FLAG_NO_LSE)
+    head = _SAMPLE_HEAD.pack(SAMPLE_MAGIC, VERSION, flags, 0, spec.top, spec.penalty_last_n,
                              spec.temperature, spec.key & 0xFFFFFFFFFFFFFFFF, spec.repetition, spec.frequency,
                              spec.presence, len(spec.history))
     return head + hist + _CRC.pack(crc32(hist, crc32(head))) + encode_envelope(env)
@@ -381,7 +386,7 @@ def decode_sample_request(buf: bytes | memoryview) -> tuple[SampleSpec, Envelope
     r = _Reader(buf, "sample spec")
     (magic, version, flags, reserved, top, last_n, temperature, key, repetition, frequency, presence,
      n_hist) = r.unpack(_SAMPLE_HEAD, "sample spec header")
-    _check_magic_version("sample spec", magic, SAMPLE_MAGIC, version, flags & ~FLAG_DRAW)
+    _check_magic_version("sample spec", magic, SAMPLE_MAGIC, version, flags & ~(FLAG_DRAW | FLAG_NO_LSE))
     if reserved or not 1 <= top <= MAX_SAMPLE_TOP or last_n < -1:
         raise MalformedFrame(f"sample spec: reserved {reserved}, top {top} (1..{MAX_SAMPLE_TOP}) or "
                              f"penalty_last_n {last_n} (>= -1) out of range")
@@ -401,7 +406,7 @@ def decode_sample_request(buf: bytes | memoryview) -> tuple[SampleSpec, Envelope
     if r.remaining():
         raise MalformedFrame(f"sample request: {r.remaining()} trailing bytes after the envelope")
     spec = SampleSpec(top, temperature, key, bool(flags & FLAG_DRAW), repetition, frequency, presence, last_n,
-                      tuple(hist.tolist()))
+                      tuple(hist.tolist()), not flags & FLAG_NO_LSE)
     return spec, env
 
 

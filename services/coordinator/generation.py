@@ -166,16 +166,19 @@ class ClusterEngine:
             return None
         if gen.logprobs is not None and p.penalized:
             return None
-        top = max(self.sample_top, p.top_k, gen.logprobs or 0)
+        # Greedy decides from each slice's best candidate alone; more are for logprobs and filters.
+        top = max(1, gen.logprobs or 0) if p.greedy else max(self.sample_top, p.top_k, gen.logprobs or 0)
         if top > wire.MAX_SAMPLE_TOP:
             return None
         history: list[int] = []
         if p.penalized:  # row j's window: the last penalty_last_n tokens up to its input
             history = seq if p.penalty_last_n < 0 else seq[-(p.penalty_last_n + n_rows - 1):]
         no_filter = not 0 < p.top_k < self.pipeline.vocab_size and p.top_p >= 1.0 and p.min_p <= 0.0
+        # the log-sum-exps serve top_p's cut and logprobs only
+        lse = gen.logprobs is not None or (not p.greedy and p.top_p < 1.0)
         return wire.SampleSpec(top, p.temperature, gen.sampler_key, not p.greedy and no_filter,
                                p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                               p.penalty_last_n, tuple(history))
+                               p.penalty_last_n, tuple(history), lse)
 
 
 def summary(gen: ClusterGeneration) -> dict:

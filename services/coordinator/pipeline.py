@@ -290,7 +290,7 @@ class Pipeline:
         for (spec_s, _), res in zip(self.shards, results):
             if not isinstance(res, BaseException):
                 sl = SliceSummary(spec_s.vocab_start, spec_s.vocab_end, *(e.array for e in res))
-                bad = sl.check(h.shape[0])
+                bad = sl.check(h.shape[0], spec.lse)
                 if bad is None:
                     slices.append(sl)
                     continue

@@ -257,7 +257,7 @@ async def _sample(sh: Shard, request: Request) -> Response:
                             penalty_last_n=spec.penalty_last_n)
     x = await sh.batcher.submit(h)  # (T, n_rows) logits of the slice
     ids, vals, stats = summarize(x, sh.settings.vocab_start, spec.top, params, spec.key, spec.history,
-                                 f.position, spec.draw)
+                                 f.position, spec.draw, spec.lse)
     sh.stats["sample_calls"] += 1
     body = wire.encode_envelopes(wire.Envelope(f.request_id, "sample", f.position, f.seq_len, a)
                                  for a in (ids, vals, stats))

@@ -8,7 +8,7 @@ import pytest
 from common import wire
 from common.runtime import Request
 from common.sampling import Sampler, SamplingParams, top_indices
-from common.shard_sampling import SliceSummary, decide, merge, row_history, summarize
+from common.shard_sampling import LSE, SliceSummary, decide, merge, row_history, summarize
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
 
@@ -30,13 +30,18 @@ def _slices(vocab: int, n_shards: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _summaries(x, slices, top, p, key, seq, position):
+def _summaries(x, slices, top, p, key, seq, position, lse=None):
     draw = not p.greedy and not 0 < p.top_k < x.shape[1] and p.top_p >= 1.0 and p.min_p <= 0.0
-    return [SliceSummary(a, b, *summarize(x[:, a:b], a, top, p, key, seq, position, draw)) for a, b in slices]
+    lse = (not p.greedy and p.top_p < 1.0) if lse is None else lse  # the coordinator's rule, no logprobs
+    out = [SliceSummary(a, b, *summarize(x[:, a:b], a, top, p, key, seq, position, draw, lse)) for a, b in slices]
+    assert all(s.check(x.shape[0], lse) is None for s in out)
+    assert lse or all(np.isnan(s.stats[:, LSE]).all() for s in out), "not asked for: not computed"
+    return out
 
 
 def test_top_indices_order_by_value_then_lowest_index():
     x = np.array([1, 3, 3, 2, 3, 0, 2], np.float32)
+    assert top_indices(x, 1).tolist() == [1]  # greedy's argmax: the lowest of equal maxima
     assert top_indices(x, 2).tolist() == [1, 2]
     assert top_indices(x, 4).tolist() == [1, 2, 4, 3]
     assert top_indices(x, 7).tolist() == [1, 2, 4, 3, 6, 0, 5]
@@ -94,7 +99,7 @@ def test_logprobs_from_summaries_match_the_full_row():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((1, 300)).astype(np.float32) * 4
     p = SamplingParams(temperature=0.8)
-    rows = merge(_summaries(x, _slices(300, 4), 8, p, 3, [5], 0), 300, 1)
+    rows = merge(_summaries(x, _slices(300, 4), 8, p, 3, [5], 0, lse=True), 300, 1)
     tid = decide(rows[0], p, 3)
     got, want = token_logprobs(rows[0], tid, 5), token_logprobs(x[0], tid, 5)
     assert [i for i, _ in got.top] == [i for i, _ in want.top]
@@ -107,9 +112,11 @@ def test_sample_spec_round_trips_and_bad_specs_are_refused():
     spec = wire.SampleSpec(16, 0.7, (1 << 64) - 5, True, 1.2, 0.1, 0.3, -1, (9, 8, 7))
     got, genv = wire.decode_sample_request(wire.encode_sample_request(spec, env))
     assert got == spec and genv.request_id == "r" and np.array_equal(genv.array, env.array)
+    greedy = wire.SampleSpec(1, 0.0, 3, lse=False)
+    assert wire.decode_sample_request(wire.encode_sample_request(greedy, env))[0] == greedy
     head = wire._SAMPLE_HEAD
     good = bytearray(wire.encode_sample_request(spec, env))
-    for field, value in [(8, 0), (8, wire.MAX_SAMPLE_TOP + 1), (16, float("nan")), (32, 0.0), (5, 2), (16, 0.0)]:
+    for field, value in [(8, 0), (8, wire.MAX_SAMPLE_TOP + 1), (16, float("nan")), (32, 0.0), (5, 4), (16, 0.0)]:
         bad = bytearray(good)
         fmt = {8: "<I", 16: "<d", 32: "<d", 5: "<B"}[field]
         import struct
