@@ -15,13 +15,14 @@ reason and the record. The clock is passed in (common/ reads none).
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from common.sampling import Sampler, SamplingParams
-from common.speculative import Draft, Drafter, DraftLength, Primes, SpeculationParams, verify
+from common.speculative import Draft, Drafter, DraftLength, Primes, SpeculationParams, TripCost, verify
 
 if TYPE_CHECKING:
     from common.tokenizer import Tokenizer
@@ -147,15 +148,19 @@ def token_logprobs(logits: np.ndarray, tid: int, top_n: int) -> TokenLogprobs:
 
 
 async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer", clock: Callable[[], float],
-                          drafter: Drafter | None = None) -> AsyncIterator[TokenEvent | FinishEvent]:
+                          drafter: Drafter | None = None,
+                          cost: TripCost | None = None) -> AsyncIterator[TokenEvent | FinishEvent]:
     """Sample up to gen.max_tokens after the prompt; fills gen in as it goes. With a drafter (and
-    gen.speculation on), each engine trip verifies the tokens it drafts (common/speculative.py)."""
+    gen.speculation on), each engine trip verifies the tokens it drafts (common/speculative.py).
+    With a TripCost (the engine's, common.speculative.trip_cost), the trips are timed and drafting
+    backs off where its tokens come slower than plain trips' (DraftLength)."""
     sampler = Sampler(gen.sampling)
     gen.sampler_key = sampler.key
     detok = tokenizer.stream(skip_special=True)
     stop = StopText(gen.stop)
     history = list(gen.prompt_ids)
-    draft_len = DraftLength(gen.speculation.max_draft) if drafter is not None and gen.speculation.on else None
+    draft_len = DraftLength(gen.speculation.max_draft, cost=cost) if drafter is not None and gen.speculation.on \
+        else None
     gen.t0 = clock()
     # A draft model reads the prompt while the target does (a service of its own: the drafter),
     # not in the first trip after it; the first proposal awaits it.
@@ -183,7 +188,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                 if primed is not None:
                     await primed  # a failed prime fails the request, as a failed proposal would
                     primed = None
-                decided = await _trip(engine, gen, sampler, history, drafter, draft_len)
+                decided = await _trip(engine, gen, sampler, history, drafter, draft_len, cost)
                 continue
             break
     finally:
@@ -199,13 +204,15 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
 
 
 async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list[int], drafter: Drafter | None,
-                draft_len: DraftLength | None) -> list[tuple[int, np.ndarray]]:
+                draft_len: DraftLength | None, cost: TripCost | None = None) -> list[tuple[int, np.ndarray]]:
     """One engine call after the prompt's: the last token, and the drafts if there are any -> the
-    tokens it decides, each with its row."""
+    tokens it decides, each with its row. With a cost, a plain trip's time goes into it, and a
+    drafting trip's (its drafting included) to draft_len."""
     # A trip decides up to k + 1 tokens: draft no more than max_tokens leaves room for.
     k = 0 if draft_len is None else min(draft_len.next(), gen.max_tokens - len(gen.token_ids) - 1)
     if draft_len is not None:
         gen.backed_off = draft_len.skipped
+    t0 = time.perf_counter()  # the machine's time, not the generation's clock (tests script that one)
     draft = Draft([])
     if k > 0:
         draft = drafter.propose(gen, history, k)
@@ -213,13 +220,17 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
             draft = await draft
     gen.trips += 1
     if not draft.tokens:
+        t0 = time.perf_counter()  # a plain trip: the engine's call alone, whatever a failed lookup took
         row = await engine.next_logits(gen, history[-1], history)
+        if cost is not None:
+            cost.observe_plain(time.perf_counter() - t0)
         return [(sampler(row, history), row)]
     rows = await engine.verify_logits(gen, [history[-1], *draft.tokens], history + draft.tokens)
+    seconds = time.perf_counter() - t0
     tokens, accepted = verify(sampler, rows, history, draft)
     gen.drafted += len(draft.tokens)
     gen.accepted += accepted
-    draft_len.update(len(draft.tokens), accepted)
+    draft_len.update(len(draft.tokens), accepted, seconds if cost is not None else None)
     return list(zip(tokens, rows))
 
 

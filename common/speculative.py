@@ -27,6 +27,7 @@ If every draft is accepted, the last row gives one more token (the "bonus").
 """
 from __future__ import annotations
 
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, runtime_checkable
@@ -299,27 +300,71 @@ def draft_key(gen: "Generation") -> int:
 MAX_COOLDOWN = 16
 
 
+class TripCost:
+    """What a plain trip (one row, nothing drafted) through one engine takes, as its trips measure
+    it: what a drafting trip's tokens are weighed against (DraftLength). Shared by the engine's
+    generations (trip_cost(engine)): it describes the machine and the model, not a request.
+
+    Why: what a drafted row costs depends on the machine. Where the kernels are memory-bound (AVX-512
+    VNNI), 8 rows cost little more than 1, and drafts pay from low acceptance on. Where they are
+    compute-bound (an AMD Zen 1, AVX2 only), 8 rows cost ~7 times 1: there the 0.5B drafting 8
+    tokens for the 1.5B at 58% acceptance ran at 0.52x llama.cpp, against 0.79x without drafts
+    (knot bench, docs/performance.md). Acceptance alone cannot tell these apart; the clock can."""
+
+    WEIGHT = 0.25  # of the newest plain trip in the running mean
+
+    def __init__(self):
+        self.plain_s: float | None = None  # seconds of a plain trip, a running mean; None: none yet
+
+    def observe_plain(self, seconds: float) -> None:
+        self.plain_s = seconds if self.plain_s is None else self.plain_s + self.WEIGHT * (seconds - self.plain_s)
+
+
+_TRIP_COSTS: "weakref.WeakKeyDictionary[object, TripCost]" = weakref.WeakKeyDictionary()
+
+
+def trip_cost(engine: object) -> TripCost:
+    """The engine's TripCost (made at its first use, gone with the engine)."""
+    cost = _TRIP_COSTS.get(engine)
+    if cost is None:
+        cost = _TRIP_COSTS[engine] = TripCost()
+    return cost
+
+
 class DraftLength:
     """How many tokens to draft next: more after a trip that accepted them all, fewer after a
     rejection (the heuristic of Hugging Face's assisted generation: +2 / -1; half after a draft of
-    which nothing was accepted), and none for a while after such drafts in a row (MAX_COOLDOWN)."""
+    which nothing was accepted), and none for a while after such drafts in a row (MAX_COOLDOWN).
 
-    def __init__(self, max_draft: int, start: int | None = None):
+    With a TripCost, also none for a while after drafting trips that gave their tokens slower than
+    plain trips do (a trip's seconds, drafting included, over the tokens it decided): after the
+    first such trip in a row the next trip drafts nothing, after the second the next 2, then 4, ...
+    (at most MAX_COOLDOWN); a trip that paid ends it. The plain trips meanwhile keep the TripCost
+    current. Until the TripCost has seen a plain trip, the coming trip is one (a probe)."""
+
+    def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None):
         self.max_draft = max_draft
         self.k = max_draft if start is None else min(start, max_draft)
+        self.cost = cost
         self.failures = 0  # drafts in a row of which nothing was accepted
+        self.slow = 0      # drafting trips in a row slower per token than a plain trip
         self.cooldown = 0  # trips left that draft nothing
         self.skipped = 0   # trips that drafted nothing because of the back-off
 
     def next(self) -> int:
-        """The draft length of the coming trip: 0 while backing off (that trip is counted)."""
+        """The draft length of the coming trip: 0 while backing off (that trip is counted) and for
+        the probe of a TripCost that has seen no plain trip yet."""
         if self.cooldown > 0:
             self.cooldown -= 1
             self.skipped += 1
             return 0
+        if self.cost is not None and self.cost.plain_s is None:
+            return 0
         return self.k
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """After a trip that drafted `drafted` tokens and accepted `accepted` of them, in `seconds`
+        (drafting included; None: not timed)."""
         if drafted == 0:
             return
         if accepted == drafted:
@@ -331,6 +376,13 @@ class DraftLength:
         else:
             self.failures += 1
             self.cooldown = min(1 << (self.failures - 2), MAX_COOLDOWN) if self.failures > 1 else 0
+        if self.cost is None or seconds is None or self.cost.plain_s is None:
+            return
+        if seconds / (accepted + 1) > self.cost.plain_s:  # its tokens came slower than plain trips give them
+            self.slow += 1
+            self.cooldown = max(self.cooldown, min(1 << (self.slow - 1), MAX_COOLDOWN))
+        else:
+            self.slow = 0
 
 
 def verify(sampler: Sampler, rows: np.ndarray, context: list[int], draft: Draft) -> tuple[list[int], int]:

@@ -23,7 +23,7 @@ from common.matmul import get_kernel
 from common.models import model_for
 from common.quant import QTensor
 from common.sampling import SamplingParams
-from common.speculative import Drafter, DraftModel, PromptLookup, SpeculationParams
+from common.speculative import Drafter, DraftModel, PromptLookup, SpeculationParams, trip_cost
 from common.sync import iterate_sync
 from common.tokenizer import Tokenizer
 
@@ -176,7 +176,8 @@ class LocalEngine:
                          speculation=speculation)
         try:
             drafter = self.drafter(speculation)
-            for ev in iterate_sync(generate_events(self, gen, self.tokenizer, time.perf_counter, drafter)):
+            for ev in iterate_sync(generate_events(self, gen, self.tokenizer, time.perf_counter, drafter,
+                                                   trip_cost(self))):
                 if ev.text and on_text is not None:
                     on_text(ev.text)
         finally:

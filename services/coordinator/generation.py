@@ -30,7 +30,7 @@ from common.models import ModelConfig
 from common import wire
 from common.runtime import HttpError, ServiceUnavailable
 from common.shard_sampling import RowSummary, decide
-from common.speculative import Drafter, PromptLookup, SpeculationParams
+from common.speculative import Drafter, PromptLookup, SpeculationParams, trip_cost
 from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
 from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
@@ -373,7 +373,7 @@ class Coordinator:
         t_last = 0.0
         try:
             async with contextlib.aclosing(generate_events(self.engine, gen, self.tokenizer, time.perf_counter,
-                                                           self.drafter(gen))) as events:
+                                                           self.drafter(gen), trip_cost(self.engine))) as events:
                 async for ev in events:
                     if isinstance(ev, TokenEvent):
                         now = time.perf_counter()

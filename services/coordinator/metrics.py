@@ -163,7 +163,8 @@ class CoordinatorMetrics:
         self.accepted = Counter(f"{PREFIX}_spec_accepted_tokens", "draft tokens accepted, by source", ["source"],
                                 registry=r)
         self.backed_off = Counter(f"{PREFIX}_spec_backed_off_trips", "trips that drafted nothing because the "
-                                  "drafts before them all failed (common/speculative.DraftLength), by source",
+                                  "drafts before them all failed or gave their tokens slower than plain trips "
+                                  "(common/speculative.DraftLength), by source",
                                   ["source"], registry=r)
         self.tokens_per_trip = Histogram(f"{PREFIX}_tokens_per_trip", "a generation's tokens per decode trip",
                                          buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16, 33), registry=r)

@@ -9,7 +9,8 @@ from common import wire
 from common.generation import Generation
 from common.runtime import Request
 from common.sampling import Sampler, SamplingParams
-from common.speculative import MAX_COOLDOWN, Draft, DraftLength, PromptLookup, SpeculationParams, lookup, verify
+from common.speculative import (MAX_COOLDOWN, Draft, DraftLength, PromptLookup, SpeculationParams, TripCost, lookup,
+                                trip_cost, verify)
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
 
@@ -86,6 +87,102 @@ def rows_for(tokens: list[int], vocab: int = 10) -> np.ndarray:
     rows = np.zeros((len(tokens), vocab), np.float32)
     rows[np.arange(len(tokens)), tokens] = 5.0
     return rows
+
+
+def test_with_a_trip_cost_drafts_back_off_where_their_tokens_come_slower_than_plain_trips():
+    cost = TripCost()
+    d = DraftLength(8, cost=cost)
+    assert d.next() == 0 and d.skipped == 0, "no plain trip timed yet: the coming one is a probe, not a back-off"
+    cost.observe_plain(0.1)
+    assert d.next() == 8
+    d.update(8, 3, seconds=0.5)                      # 4 tokens in 0.5 s: 0.125 each, a plain trip gives one in 0.1
+    assert [d.next() for _ in range(2)] == [0, 7]
+    d.update(7, 1, seconds=0.3)                      # slow again: the back-off doubles
+    assert [d.next() for _ in range(3)] == [0, 0, 6] and d.skipped == 3
+    d.update(6, 6, seconds=0.35)                     # 7 tokens at 0.05 each: it paid, the back-off ends
+    assert d.slow == 0 and d.next() == 8
+    d.update(8, 3)                                   # not timed: acceptance alone decides, as without a cost
+    assert d.next() == 7
+    cost.observe_plain(0.2)
+    assert cost.plain_s == pytest.approx(0.125), "a running mean of the plain trips"
+    assert trip_cost(d) is trip_cost(d) and trip_cost(d) is not trip_cost(cost), "one per engine"
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+
+class _Timed:
+    """An engine whose greedy token at generated index i is script[i], and whose trips take
+    0.5 + per_row * rows seconds of a fake clock (per_row 0.5: 9 rows cost 5 plain trips)."""
+
+    def __init__(self, vocab: int, script: list[int], clock: _Clock, per_row: float):
+        self.vocab, self.script, self.clock, self.per_row, self.n0 = vocab, script, clock, per_row, 0
+
+    def _row(self, i: int) -> np.ndarray:
+        x = np.zeros(self.vocab, np.float32)
+        x[self.script[i]] = 10.0
+        return x
+
+    async def prompt_logits(self, gen, ids):
+        self.n0 = len(ids)
+        return self._row(0)
+
+    async def next_logits(self, gen, token, history):
+        self.clock.t += 0.5 + self.per_row
+        return self._row(len(history) - self.n0)
+
+    async def verify_logits(self, gen, tokens, history):
+        self.clock.t += 0.5 + self.per_row * len(tokens)
+        first = len(history) - (len(tokens) - 1) - self.n0  # generated index the first row predicts
+        return np.stack([self._row(first + j) for j in range(len(tokens))])
+
+
+class _OneRight:
+    """Drafts the right next token, then wrong ones: one accepted per trip. Each proposal takes a
+    plain trip's time (a draft model's forwards, say)."""
+
+    def __init__(self, script: list[int], n0: int, clock: _Clock):
+        self.script, self.n0, self.clock = script, n0, clock
+
+    def propose(self, gen, context, k):
+        self.clock.t += 1.0
+        i = len(context) - self.n0
+        return Draft([self.script[i]] + [(self.script[i + 1 + j] + 1) % 50 for j in range(k - 1)])
+
+
+async def test_the_generation_loop_times_its_trips_and_stops_drafting_where_it_does_not_pay(engine, monkeypatch):
+    """Drafts of which one token is right, each proposal as dear as a plain trip: without a TripCost
+    every trip drafts (none fails whole); with the engine's, the loop backs off and the generation
+    takes less time. The same tokens either way."""
+    import types
+
+    from common import generation
+
+    clock = _Clock()
+    monkeypatch.setattr(generation, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    script = [(7 * i) % 50 + 1 for i in range(80)]
+    spec = SpeculationParams("prompt_lookup", 8)
+
+    async def run(cost):
+        e = _Timed(engine.cfg.vocab_size, script, clock, per_row=0.5)
+        gen = Generation([1, 2, 3], 60, speculation=spec)
+        t0 = clock.t
+        async for _ in generation.generate_events(e, gen, engine.tokenizer, clock.perf_counter,
+                                                  _OneRight(script, 3, clock), cost):
+            pass
+        return gen, clock.t - t0
+
+    (plain, plain_s), (timed, timed_s) = await run(None), await run(TripCost())
+    assert plain.token_ids == timed.token_ids == script[:60]
+    # one accepted per trip, so never a failure: 29 trips of 2 tokens, and a last one with room for 1
+    assert plain.backed_off == 0 and plain.accepted == 29 and plain.trips == 30
+    assert timed.backed_off > 30 and timed.drafted < plain.drafted // 2, (timed.backed_off, timed.drafted)
+    assert timed_s < 0.8 * plain_s, (timed_s, plain_s)
 
 
 def test_greedy_rule_accepts_the_argmax_and_replaces_the_first_miss():
