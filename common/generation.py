@@ -1,7 +1,7 @@
 """One generation loop, shared by the single process and the cluster, and its record.
 
     gen = Generation(prompt_ids, max_tokens, sampling, stop, logprobs, request_id)
-    async for ev in generate_events(engine, gen, tokenizer, clock, drafter):
+    async for ev in generate_events(engine, gen, tokenizer, clock, drafter, cost):
         TokenEvent(id, text, logprobs)   # one per sampled token; text is what it released
         FinishEvent(reason, text)        # last: "stop" | "length" (OpenAI's reasons), plus any held-back tail
 
@@ -15,7 +15,6 @@ reason and the record. The clock is passed in (common/ reads none).
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
 
@@ -152,8 +151,8 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                           cost: TripCost | None = None) -> AsyncIterator[TokenEvent | FinishEvent]:
     """Sample up to gen.max_tokens after the prompt; fills gen in as it goes. With a drafter (and
     gen.speculation on), each engine trip verifies the tokens it drafts (common/speculative.py).
-    With a TripCost (the engine's, common.speculative.trip_cost), the trips are timed and drafting
-    backs off where its tokens come slower than plain trips' (DraftLength)."""
+    With a TripCost (the engine's, common.speculative.trip_cost), the trips are timed by clock and
+    drafting backs off where its tokens come slower than plain trips' (DraftLength)."""
     sampler = Sampler(gen.sampling)
     gen.sampler_key = sampler.key
     detok = tokenizer.stream(skip_special=True)
@@ -188,7 +187,8 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                 if primed is not None:
                     await primed  # a failed prime fails the request, as a failed proposal would
                     primed = None
-                decided = await _trip(engine, gen, sampler, history, drafter, draft_len, cost)
+                decided = await _trip(engine, gen, sampler, history, drafter, draft_len,
+                                      None if cost is None else (cost, clock))
                 continue
             break
     finally:
@@ -204,15 +204,16 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
 
 
 async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list[int], drafter: Drafter | None,
-                draft_len: DraftLength | None, cost: TripCost | None = None) -> list[tuple[int, np.ndarray]]:
+                draft_len: DraftLength | None,
+                timed: tuple[TripCost, Callable[[], float]] | None = None) -> list[tuple[int, np.ndarray]]:
     """One engine call after the prompt's: the last token, and the drafts if there are any -> the
-    tokens it decides, each with its row. With a cost, a plain trip's time goes into it, and a
-    drafting trip's (its drafting included) to draft_len."""
+    tokens it decides, each with its row. timed (cost, clock): a plain trip's time goes into cost,
+    a drafting trip's (its drafting included) to draft_len; None: nothing is timed."""
     # A trip decides up to k + 1 tokens: draft no more than max_tokens leaves room for.
     k = 0 if draft_len is None else min(draft_len.next(), gen.max_tokens - len(gen.token_ids) - 1)
     if draft_len is not None:
         gen.backed_off = draft_len.skipped
-    t0 = time.perf_counter()  # the machine's time, not the generation's clock (tests script that one)
+    t0 = timed[1]() if timed else 0.0
     draft = Draft([])
     if k > 0:
         draft = drafter.propose(gen, history, k)
@@ -220,17 +221,17 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
             draft = await draft
     gen.trips += 1
     if not draft.tokens:
-        t0 = time.perf_counter()  # a plain trip: the engine's call alone, whatever a failed lookup took
+        t0 = timed[1]() if timed else 0.0  # a plain trip: the engine's call alone, whatever a failed lookup took
         row = await engine.next_logits(gen, history[-1], history)
-        if cost is not None:
-            cost.observe_plain(time.perf_counter() - t0)
+        if timed:
+            timed[0].observe_plain(timed[1]() - t0)
         return [(sampler(row, history), row)]
     rows = await engine.verify_logits(gen, [history[-1], *draft.tokens], history + draft.tokens)
-    seconds = time.perf_counter() - t0
+    seconds = timed[1]() - t0 if timed else None
     tokens, accepted = verify(sampler, rows, history, draft)
     gen.drafted += len(draft.tokens)
     gen.accepted += accepted
-    draft_len.update(len(draft.tokens), accepted, seconds if cost is not None else None)
+    draft_len.update(len(draft.tokens), accepted, seconds)
     return list(zip(tokens, rows))
 
 
