@@ -151,7 +151,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                           cost: TripCost | None = None) -> AsyncIterator[TokenEvent | FinishEvent]:
     """Sample up to gen.max_tokens after the prompt; fills gen in as it goes. With a drafter (and
     gen.speculation on), each engine trip verifies the tokens it drafts (common/speculative.py).
-    With a TripCost (the engine's, common.speculative.trip_cost), the trips are timed by clock and
+    With a TripCost (the engine's own), the trips are timed by clock and
     drafting backs off where its tokens come slower than plain trips' (DraftLength)."""
     sampler = Sampler(gen.sampling)
     gen.sampler_key = sampler.key

@@ -27,7 +27,6 @@ If every draft is accepted, the last row gives one more token (the "bonus").
 """
 from __future__ import annotations
 
-import weakref
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence, runtime_checkable
@@ -303,7 +302,8 @@ MAX_COOLDOWN = 16
 class TripCost:
     """What a plain trip (one row, nothing drafted) through one engine takes, as its trips measure
     it: what a drafting trip's tokens are weighed against (DraftLength). Shared by the engine's
-    generations (trip_cost(engine)): it describes the machine and the model, not a request.
+    generations (an engine keeps one: LocalEngine.trip_cost, ClusterEngine.trip_cost): it describes
+    the machine and the model, not a request.
 
     Why: what a drafted row costs depends on the machine. Where the kernels are memory-bound (AVX-512
     VNNI), 8 rows cost little more than 1, and drafts pay from low acceptance on. Where they are
@@ -319,16 +319,6 @@ class TripCost:
     def observe_plain(self, seconds: float) -> None:
         self.plain_s = seconds if self.plain_s is None else self.plain_s + self.WEIGHT * (seconds - self.plain_s)
 
-
-_TRIP_COSTS: "weakref.WeakKeyDictionary[object, TripCost]" = weakref.WeakKeyDictionary()
-
-
-def trip_cost(engine: object) -> TripCost:
-    """The engine's TripCost (made at its first use, gone with the engine)."""
-    cost = _TRIP_COSTS.get(engine)
-    if cost is None:
-        cost = _TRIP_COSTS[engine] = TripCost()
-    return cost
 
 
 class DraftLength:

@@ -23,7 +23,7 @@ from common.matmul import get_kernel
 from common.models import model_for
 from common.quant import QTensor
 from common.sampling import SamplingParams
-from common.speculative import Drafter, DraftModel, PromptLookup, SpeculationParams, trip_cost
+from common.speculative import Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost
 from common.sync import iterate_sync
 from common.tokenizer import Tokenizer
 
@@ -52,6 +52,7 @@ class LocalEngine:
         same vocabulary that drafts for this one (speculation source "draft_model"). An
         architecture the model registry does not know raises common.models.UnknownArchitecture."""
         self.model = model
+        self.trip_cost = TripCost()  # its plain trips' time, shared by its generations (speculation's back-off)
         self.draft = None
         if draft is not None:
             if draft.cfg.vocab_size != model_for(model.header).cfg.vocab_size:
@@ -177,7 +178,7 @@ class LocalEngine:
         try:
             drafter = self.drafter(speculation)
             for ev in iterate_sync(generate_events(self, gen, self.tokenizer, time.perf_counter, drafter,
-                                                   trip_cost(self))):
+                                                   self.trip_cost)):
                 if ev.text and on_text is not None:
                     on_text(ev.text)
         finally:

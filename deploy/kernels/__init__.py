@@ -128,6 +128,23 @@ def set_threads(n: int) -> None:
     _qmatmul.set_threads(n)
 
 
+def one_blas_thread() -> bool:
+    """Run numpy's BLAS (attention's matmuls) on one thread in this process; False when threadpoolctl
+    is missing (Pyodide has no threads to limit).
+
+    Why: OpenBLAS's result depends on its thread count. On an AVX2 Zen 1, the 1.5B's greedy tokens
+    from one process with 2 BLAS threads parted from the cluster's (whose services run one) at token
+    42 of a HumanEval prompt; with one thread both gave the same. Every process that installs the
+    kernels (the services, the CLI, the tests, LocalEngine's first use) now computes attention alike,
+    and the kernels' own pool is what uses the cores."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return False
+    threadpool_limits(1, user_api="blas")
+    return True
+
+
 def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> list[str]:
     """Register the C kernels for every type they support; return those types ([] if not built).
 
@@ -136,6 +153,7 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
     Cloudflare's Python Workers run)."""
     global _install_attempted
     _install_attempted = True
+    one_blas_thread()
     isa = isa_from_env(env)
     if isa is None:
         log.info("matmul stays on numpy: %s", f"{KERNELS_ENV} is off" if _qmatmul else UNAVAILABLE_REASON)

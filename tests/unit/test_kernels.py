@@ -487,3 +487,13 @@ def test_a_library_user_of_local_engine_gets_the_kernels(tiny_knot):
         out = subprocess.run([sys.executable, "-c", code, str(tiny_knot)], env=env, capture_output=True, text=True,
                              check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
         assert out.stdout.strip() == want, (setting, out.stdout, out.stderr)
+
+
+def test_install_runs_numpy_blas_on_one_thread():
+    """Attention's matmuls go through numpy's BLAS, whose results depend on its thread count: every
+    process that installs the kernels runs it on one, so the single process computes as the services."""
+    from threadpoolctl import threadpool_info
+
+    assert kernels.one_blas_thread()
+    blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
+    assert blas and all(p["num_threads"] == 1 for p in blas), blas
