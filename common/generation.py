@@ -187,8 +187,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                 if primed is not None:
                     await primed  # a failed prime fails the request, as a failed proposal would
                     primed = None
-                decided = await _trip(engine, gen, sampler, history, drafter, draft_len,
-                                      None if cost is None else (cost, clock))
+                decided = await _trip(engine, gen, sampler, history, drafter, draft_len, cost, clock)
                 continue
             break
     finally:
@@ -204,16 +203,17 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
 
 
 async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list[int], drafter: Drafter | None,
-                draft_len: DraftLength | None,
-                timed: tuple[TripCost, Callable[[], float]] | None = None) -> list[tuple[int, np.ndarray]]:
+                draft_len: DraftLength | None, cost: TripCost | None = None,
+                clock: Callable[[], float] | None = None) -> list[tuple[int, np.ndarray]]:
     """One engine call after the prompt's: the last token, and the drafts if there are any -> the
-    tokens it decides, each with its row. timed (cost, clock): a plain trip's time goes into cost,
-    a drafting trip's (its drafting included) to draft_len; None: nothing is timed."""
+    tokens it decides, each with its row. With a cost, the clock times the trip: a plain trip's
+    time goes into cost, a drafting trip's (its drafting included) to draft_len."""
     # A trip decides up to k + 1 tokens: draft no more than max_tokens leaves room for.
     k = 0 if draft_len is None else min(draft_len.next(), gen.max_tokens - len(gen.token_ids) - 1)
     if draft_len is not None:
         gen.backed_off = draft_len.skipped
-    t0 = timed[1]() if timed else 0.0
+    now = clock if cost is not None else (lambda: 0.0)
+    t0 = now()
     draft = Draft([])
     if k > 0:
         draft = drafter.propose(gen, history, k)
@@ -221,13 +221,13 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
             draft = await draft
     gen.trips += 1
     if not draft.tokens:
-        t0 = timed[1]() if timed else 0.0  # a plain trip: the engine's call alone, whatever a failed lookup took
+        t0 = now()  # a plain trip: the engine's call alone, whatever a failed lookup took
         row = await engine.next_logits(gen, history[-1], history)
-        if timed:
-            timed[0].observe_plain(timed[1]() - t0)
+        if cost is not None:
+            cost.observe_plain(now() - t0)
         return [(sampler(row, history), row)]
     rows = await engine.verify_logits(gen, [history[-1], *draft.tokens], history + draft.tokens)
-    seconds = timed[1]() - t0 if timed else None
+    seconds = now() - t0 if cost is not None else None
     tokens, accepted = verify(sampler, rows, history, draft)
     gen.drafted += len(draft.tokens)
     gen.accepted += accepted

@@ -243,17 +243,21 @@ class StationMemory:
             return None
         w = {}
         for n in names:
-            t = self.resident.get(n)
+            t = self.resident.get(n) or self._kept_tensor(n)
             if t is None:
-                kept = self.kept.get(n)  # a hit refreshes it, as in claim()
-                t = None if kept is None else self.take(kept)
-                if t is None:
-                    if kept is not None:  # a miss, counted once (take); acquire() loads it again
-                        self.kept.pop(n)
-                    return None
+                return None
             w[n] = t
         self.peak_accounted_bytes = max(self.peak_accounted_bytes, total)
         return w
+
+    def _kept_tensor(self, name: str) -> QTensor | None:
+        """The kept tensor (a hit refreshes it), or None: not kept, or its seal failed (take() counts
+        that miss once; the entry is dropped, so the phase loads it again)."""
+        kept = self.kept.get(name)
+        t = None if kept is None else self.take(kept)
+        if t is None and kept is not None:
+            self.kept.pop(name)
+        return t
 
     def held(self, w: Mapping[str, QTensor]) -> bool:
         """Every tensor of a finished phase is resident or kept and none counts as loaded:
@@ -267,12 +271,9 @@ class StationMemory:
         w = {n: self.resident[n] for n in names if n in self.resident}
         for n in names:
             if n not in w:
-                kept = self.kept.get(n)
-                t = None if kept is None else self.take(kept)
+                t = self._kept_tensor(n)
                 if t is not None:
                     w[n] = t
-                elif kept is not None:
-                    self.kept.pop(n)
         need = {n: source.nbytes(n) for n in names if n not in w}
         self.make_room(sum(need.values()), T, S, protect=set(names) | set(protect))
         self.loaded.update(need)
