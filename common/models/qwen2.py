@@ -12,8 +12,9 @@ A layer runs as four phases so a station can hold one phase of one layer at a ti
 
 Order of operations mirrors llama.cpp's qwen2 graph (src/llama-model.cpp, llm_build_qwen2) and
 ggml's CPU ops where the order changes float32 results; the refs are cited at each place.
-llama.cpp's Q8 activation quantization and f16 KV cache are deliberately not emulated:
-docs/fidelity.md measures why (it brings us no closer to llama.cpp's logits).
+Attention rounds as llama.cpp's does (an f16 KV cache, q and the probabilities rounded to f16) and
+sums in float64, so its bits do not depend on the CPU's BLAS (attention() below). llama.cpp's Q8
+activation quantization is the C kernels' (deploy/kernels), not this file's: docs/fidelity.md.
 """
 from __future__ import annotations
 
@@ -173,58 +174,107 @@ def silu(x: np.ndarray) -> np.ndarray:
 # of a 32k context in one tile, which is exactly the untiled computation.
 ATTN_TILE_BYTES = 4 << 20
 ATTN_TILE_ALIGN = 64  # tiles start at multiples of this many keys
+# The float64 copies of keys, values and float16 probabilities are made this many bytes at a time,
+# whatever the tile: float64 sums do not depend on where the keys are cut (below).
+ATTN_CONVERT_BYTES = 2 << 20
 
 
-def attn_tile_keys(n_head: int, T: int, convert_bytes_per_key: int = 0) -> int:
-    """Keys per tile for T query rows: as many as keep the tile's float32 scores (n_head, T, tile),
-    and its float32 copies of k and v (convert_bytes_per_key, when the cache stores another
-    dtype), within ATTN_TILE_BYTES; a multiple of ATTN_TILE_ALIGN, and at least that."""
-    n = ATTN_TILE_BYTES // (4 * n_head * T + convert_bytes_per_key)
+def attn_tile_keys(n_head: int, T: int) -> int:
+    """Keys per tile for T query rows: as many as keep the tile's float32 scores (n_head, T, tile)
+    within ATTN_TILE_BYTES; a multiple of ATTN_TILE_ALIGN, and at least that."""
+    n = ATTN_TILE_BYTES // (4 * n_head * T)
     return max(ATTN_TILE_ALIGN, n - n % ATTN_TILE_ALIGN)
 
 
-def attention_bytes(n_head: int, hd: int, T: int, S: int) -> int:
-    """An upper bound of attention()'s float32 temporaries for T query rows over S float32 keys
-    (any T_i <= T, S_i <= S of a batch's sequences, run one after another, stay within it)."""
+def _convert_keys(n_kv: int, hd: int, rows: int) -> int:
+    """Keys per float64 copy: a key's k or v row (n_kv, hd) in float64, and its scores or
+    probabilities of every head and query row (rows = n_head * T): to_f16's float32 result beside
+    its float64 copy, or the scores' float64 product, within ATTN_CONVERT_BYTES."""
+    return max(1, ATTN_CONVERT_BYTES // (8 * n_kv * hd + 12 * rows))
+
+
+def attention_bytes(n_head: int, hd: int, T: int, S: int, n_kv: int | None = None) -> int:
+    """An upper bound of attention()'s temporaries for T query rows over S keys (any T_i <= T,
+    S_i <= S of a batch's sequences, run one after another, stay within it); n_kv: the kv heads
+    (None: as many as n_head, an upper bound)."""
     scores = min(4 * n_head * T * S, max(ATTN_TILE_BYTES, 4 * n_head * T * ATTN_TILE_ALIGN))  # one tile
     mask = scores // (4 * n_head)                                # (T, tile) bool
-    rows = 4 * T * n_head * (5 * hd + 8)  # q regrouped, the accumulator, one tile's p @ V, the output
-    return scores + mask + rows + _NUMPY_BUFFER_BYTES  # twice (regrouped back); m, l, alpha per row
+    convert = min(ATTN_CONVERT_BYTES, S * (8 * (n_kv or n_head) * hd + 12 * n_head * T))  # _convert_keys
+    # q in float64, the float64 output and one slice's product into it; m, l, alpha per row
+    rows = T * n_head * (3 * 8 * hd + 3 * 8)
+    return scores + mask + convert + rows + _NUMPY_BUFFER_BYTES
 
 
 # numpy's casting buffers (8192 elements of the wider type, both ways), e.g. a float32 sum in double.
 _NUMPY_BUFFER_BYTES = 2 * 8192 * 8
 
 
+# llama.cpp's attention (flash attention off) reads an f16 KV cache, rounds q to f16 for K·q and
+# the softmax's probabilities to f16 for V·p (ggml's mul_mat converts src1 to the f16 vec_dot_type).
+# We round the same values the same way (IEEE round to nearest even, as F16C), so the keys and
+# values are f16 numbers (attn_phase_batch rounds them before the cache keeps them) whatever dtype
+# the cache stores. Why f16 at all: on a Zen 5, OpenBLAS's Haswell kernels (its choice there) and
+# its SkylakeX ones summed float32 attention in orders that parted the 0.5B's greedy tokens at step
+# 4-5 and moved top-10 logits by up to 0.41: our tokens depended on the CPU, and the llama.cpp
+# oracle failed on that machine (docs/fidelity.md). A product of two f16 numbers is exact in float64
+# and the products' sums in float64 are exact or within a float64 rounding, so the float32 result
+# is the same bits whatever BLAS or the key tiling sums first.
+def to_f16(x: np.ndarray) -> np.ndarray:
+    """x float32 rounded to float16 (round to nearest even), still float32: the values of
+    x.astype(np.float16), without numpy's conversion, which takes ~10-60 ns an element on small
+    numbers (float16 subnormals: a long context's probabilities). Adding c = 2^(e + 13), e the
+    exponent of |x|, leaves float32's last bit at 2^(e - 10): the sum rounds |x| to 11 significant
+    bits, and subtracting c is exact; c >= 1/2 rounds below 2^-14 to multiples of 2^-24, float16's
+    subnormals. Past 65504, float16's largest, it is inf."""
+    a = np.abs(x, dtype=np.float32)
+    c = a.view(np.int32) & np.int32(0x7F800000)  # |x|'s exponent bits
+    c += np.int32(13 << 23)
+    c = c.view(np.float32)                       # 2^(e + 13)
+    np.maximum(c, np.float32(0.5), out=c)  # (a huge |x| wraps c negative: it is inf below anyway)
+    a += c
+    a -= c
+    np.copyto(a, np.float32(np.inf), where=a > np.float32(65504))
+    return np.copysign(a, x, out=a)
+
+
+def round_kv(x: np.ndarray) -> np.ndarray:
+    """Keys or values (T, n_kv, hd) float32 -> their float16 values, as float32: what llama.cpp's
+    f16 cache holds."""
+    return to_f16(x)
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
               q_pos: np.ndarray, k_pos: np.ndarray, tile: int | None = None) -> np.ndarray:
     """Causal grouped-query attention, tiled over the keys.
 
-    q (T, n_head, hd) f32, k/v (S, n_kv, hd) (any float dtype: the cache's), q_pos (T,), k_pos (S,)
-    -> (T, n_head * hd) f32. Query t sees key s iff k_pos[s] <= q_pos[t], so chunked prefill,
-    decode and rows at any positions need no other bookkeeping than the positions.
+    q (T, n_head, hd) f32, k/v (S, n_kv, hd) (any float dtype: the cache's; their values are f16
+    numbers), q_pos (T,), k_pos (S,) -> (T, n_head * hd) f32. Query t sees key s iff
+    k_pos[s] <= q_pos[t], so chunked prefill, decode and rows at any positions need no other
+    bookkeeping than the positions.
     tile: keys per tile (default attn_tile_keys); S <= tile is the one-tile computation.
     """
     T, n_head, hd = q.shape
     S, n_kv, _ = k.shape
     g = n_head // n_kv  # query heads per kv head: head h reads kv head h // g (ggml broadcast)
     if tile is None:
-        tile = attn_tile_keys(n_head, T, 0 if k.dtype == np.float32 else 2 * 4 * n_kv * hd)
-    qg = q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3)        # (T, n_kv, g, hd) -> (n_kv, g, T, hd)
-    if S <= tile:
-        out = _attend_one_tile(qg, k, v, q_pos, k_pos)
+        tile = attn_tile_keys(n_head, T)
+    qg = np.ascontiguousarray(to_f16(q).reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3), np.float64)  # -> (n_kv, g, T, hd)
+    if S <= tile:  # softmax(scores) (n_kv, g, T, S), gone once it has weighed the values
+        out = _weighted_values(softmax_(_scores(qg, k, q_pos, k_pos)), v)  # (n_kv, g, T, hd) f64
     else:
         out = _attend_tiles(qg, k, v, q_pos, k_pos, tile)
+    out = out.astype(np.float32)
     return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)    # (n_kv, g, T, hd) -> (T, n_kv, g, hd) -> (T, n_head * hd)
 
 
 # Up to this many rows of one sequence (a decode step; a speculative verify trip, MAX_DRAFT + 1 in
 # common/speculative.py), attention runs one row at a time, each over the keys its decode step
-# saw. Why: the scores' and p @ V's products sum in an order that depends on the number of rows
-# (_scores), so a batch's rows are not the bits each row gives alone, and the next layers' Q8
-# rounding of the activations grew that to 0.3-0.56 in a logit of the 1.5B: a verified draft
-# must be the token decoding gives, or greedy speculation changes the output at near-ties. The
-# matmul kernels, norms and RoPE are row-exact already. Longer prefill chunks keep one product.
+# saw. Why: a batch's softmax and its tiles are those of T rows (a prefill's tiles hold fewer keys
+# than a decode's), so a batch's rows need not be the bits each row gives alone, and the next
+# layers' Q8 rounding of the activations grew such differences to 0.3-0.56 in a logit of the 1.5B:
+# a verified draft must be the token decoding gives, or greedy speculation changes the output at
+# near-ties. The matmul kernels, norms and RoPE are row-exact already. Longer prefill chunks keep
+# one product.
 EXACT_ROWS = 33
 
 
@@ -242,41 +292,61 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
                                      k_pos[:S - T + 1 + t]) for t in range(T)])
 
 
+def _f64_slices(x: np.ndarray, rows: int):
+    """Keys or values x (t, n_kv, hd) -> (a, (n_kv, c, hd) float64) for each slice [a, a + c) of as
+    many keys as _convert_keys allows beside `rows` scores each, copied into one reused buffer."""
+    t, n_kv, hd = x.shape
+    step = min(t, _convert_keys(n_kv, hd, rows))
+    buf = np.empty((n_kv, step, hd), np.float64)
+    for a in range(0, t, step):
+        xc = x[a:a + step]
+        xf = buf[:, :xc.shape[0]]
+        xf[...] = xc.transpose(1, 0, 2)                          # (c, n_kv, hd) -> (n_kv, c, hd)
+        yield a, xf
+
+
 def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
-    """Scaled, masked scores of one tile: qg (n_kv, g, T, hd), k (t, n_kv, hd) -> (n_kv, g, T, t) f32."""
-    kt = k.astype(np.float32, copy=False).transpose(1, 2, 0)[:, None]  # (t, n_kv, hd) -> (n_kv, 1, hd, t)
-    # Not the same bits in every batch: with numpy 2.4 a row's scores differ by ~1e-6 between a
-    # product of T rows and of that row alone, as p @ V's do (BLAS picks its kernel by the row
-    # count). attn_phase_batch runs short batches row by row for that (EXACT_ROWS).
-    s = np.matmul(qg, kt)                                       # (n_kv, g, T, hd) @ (n_kv, 1, hd, t) -> (n_kv, g, T, t)
+    """Scaled, masked scores of one tile: qg (n_kv, g, T, hd) f64 (f16 numbers), k (t, n_kv, hd)
+    -> (n_kv, g, T, t) f32. Each score is a float64 sum of exact products, rounded once to
+    float32: the same bits in any tile, batch or BLAS."""
+    n_kv, g, T, hd = qg.shape
+    s = np.empty((n_kv, g, T, k.shape[0]), np.float32)
+    for a, kf in _f64_slices(k, n_kv * g * T):
+        s[..., a:a + kf.shape[1]] = np.matmul(qg, kf.transpose(0, 2, 1)[:, None])  # (n_kv, g, T, hd) @ (n_kv, 1, hd, c)
     # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
-    s *= np.float32(1.0 / np.sqrt(np.float32(qg.shape[-1])))
+    s *= np.float32(1.0 / np.sqrt(np.float32(hd)))
     masked = k_pos[None, :] > q_pos[:, None]                    # (T, t)
     if masked.any():  # in place, broadcast over the heads (boolean indexing would build index arrays)
         np.copyto(s, np.float32(-np.inf), where=masked)
     return s
 
 
-def _values(v: np.ndarray) -> np.ndarray:
-    """v (t, n_kv, hd) -> (n_kv, 1, t, hd) f32, a view when the cache is float32."""
-    return v.astype(np.float32, copy=False).transpose(1, 0, 2)[:, None]
-
-
-def _attend_one_tile(qg, k, v, q_pos, k_pos) -> np.ndarray:
-    """All S keys at once -> (n_kv, g, T, hd): softmax(scores) @ V."""
-    p = softmax_(_scores(qg, k, q_pos, k_pos))                  # (n_kv, g, T, S)
-    return np.matmul(p, _values(v))                             # (n_kv, g, T, S) @ (n_kv, 1, S, hd) -> (n_kv, g, T, hd)
+def _weighted_values(p: np.ndarray, v: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """p (n_kv, g, T, t) f32 weights, v (t, n_kv, hd) -> out += f16(p) @ v, (n_kv, g, T, hd) f64
+    (a new one when out is None), summed in float64 a bounded slice of keys at a time."""
+    n_kv, g, T, _ = p.shape
+    if out is None:
+        out = np.zeros((n_kv, g, T, v.shape[-1]), np.float64)
+    for a, vf in _f64_slices(v, n_kv * g * T):
+        w = to_f16(p[..., a:a + vf.shape[1]]).astype(np.float64)  # (n_kv, g, T, c)
+        out += np.matmul(w, vf[:, None])                          # (n_kv, g, T, c) @ (n_kv, 1, c, hd) -> (n_kv, g, T, hd)
+        del w  # before the next slice's
+    return out
 
 
 def _attend_tiles(qg, k, v, q_pos, k_pos, tile: int) -> np.ndarray:
     """The keys in tiles of `tile`, with an online softmax (ref: FlashAttention, Dao et al. 2022,
     algorithm 1): per query row a running max m and sum l; the output accumulates exp(s - m) @ V
-    and is rescaled by exp(m_old - m_new) whenever the max grows. -> (n_kv, g, T, hd)."""
+    and is rescaled by exp(m_old - m_new) whenever the max grows. -> (n_kv, g, T, hd) f64.
+    The weights rounded to f16 here are a tile's exp(s - m), not the normalized probabilities of
+    the one-tile computation (a row's sum is known only after its last tile): past one tile the
+    result equals it within that rounding, about 5e-4 relative, as llama.cpp's flash-attention
+    path also differs from its plain one."""
     S = k.shape[0]
     rows = qg.shape[:3]                                          # (n_kv, g, T)
     m = np.full((*rows, 1), -np.inf, np.float32)                 # running max of each row
     l = np.zeros((*rows, 1), np.float64)                         # running sum, in double as ggml's softmax
-    acc = np.zeros(qg.shape, np.float32)                         # running exp(s - m) @ V, (n_kv, g, T, hd)
+    acc = np.zeros(qg.shape, np.float64)                         # running exp(s - m) @ V, (n_kv, g, T, hd)
     q_last = q_pos.max()
     for a in range(0, S, tile):
         b = min(a + tile, S)
@@ -290,10 +360,10 @@ def _attend_tiles(qg, k, v, q_pos, k_pos, tile: int) -> np.ndarray:
         alpha = np.exp(m - m_use)                                 # 0 before the row's first key
         l = l * alpha + s.sum(axis=-1, keepdims=True, dtype=np.float64)
         acc *= alpha
-        acc += np.matmul(s, _values(v[a:b]))                      # (n_kv, g, T, t) @ (n_kv, 1, t, hd)
+        _weighted_values(s, v[a:b], out=acc)                      # acc += f16(s) @ V
         m = m_new
         del s  # before the next tile's scores: one tile alive at a time
-    return acc * (1.0 / l).astype(np.float32)
+    return acc / l
 
 
 # ---------------------------------------------------------------------------- phases
@@ -333,8 +403,8 @@ def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str
     v = matmul(xn, wv) + _vec(bv)                               # (N, dim) @ Wv.T -> (N, n_kv * hd)
     cos, sin = rope_cos_sin(positions, hd, cfg.rope_base)
     q = rope_neox(q.reshape(N, cfg.n_head, hd), cos, sin)       # (N, n_head, hd)
-    k = rope_neox(k.reshape(N, cfg.n_kv_head, hd), cos, sin)    # (N, n_kv, hd)
-    v = v.reshape(N, cfg.n_kv_head, hd)                         # (N, n_kv, hd)
+    k = round_kv(rope_neox(k.reshape(N, cfg.n_kv_head, hd), cos, sin))  # (N, n_kv, hd), f16 numbers as llama.cpp's cache
+    v = round_kv(v.reshape(N, cfg.n_kv_head, hd))               # (N, n_kv, hd), f16 numbers
     outs, a0 = [], 0
     for (kv, _), p in zip(seqs, pos):
         a1 = a0 + p.shape[0]
@@ -432,7 +502,7 @@ class Qwen2(Model):
         c = self.cfg
         kvd = c.n_kv_head * c.head_dim
         # x, normed x, q, k, v, RoPE's halves, the attention output, the o product and the sum
-        attn = 4 * T * (7 * c.dim + 4 * kvd) + attention_bytes(c.n_head, c.head_dim, T, S)
+        attn = 4 * T * (7 * c.dim + 4 * kvd) + attention_bytes(c.n_head, c.head_dim, T, S, c.n_kv_head)
         ffn = 4 * T * (2 * c.dim + 3 * c.ffn_dim)  # residual, normed x, act, and two (T, ffn_dim) temporaries
         norm = 4 * T * c.dim + 16 * T * c.dim      # x, and rmsnorm's float64 copy and its square
         return 3 * T * max(c.dim, c.ffn_dim) + max(attn, ffn, norm) + _NUMPY_BUFFER_BYTES

@@ -1,5 +1,5 @@
 """Tiled attention (online softmax over key tiles) against the one-tile computation: equal within
-float32 rounding on random data, the same greedy tokens on a tiny model, and temporaries bounded
+the float16 rounding of the weights on random data, the same greedy tokens on a tiny model, and temporaries bounded
 by the tile instead of by the prompt."""
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def qkv(T: int, S: int, n_head: int = 4, n_kv: int = 2, hd: int = 16, seed: int 
     return q, k, v
 
 
+def f16_weights_atol(v: np.ndarray) -> float:
+    """How far the tiled result may be from the one-tile one: each rounds a key's weight to float16
+    (2^-11 relative), the one-tile computation its probability and a tile its exp(s - m), so the
+    outputs (weights summing to 1 over the values) differ by at most 2 * 2^-11 * max |v|."""
+    return 2 * 2.0 ** -11 * float(np.abs(v.astype(np.float32)).max())
+
+
 @pytest.mark.parametrize("T,S,tile", [(1, 300, 64), (37, 300, 64), (37, 300, 128), (64, 1000, 192), (5, 70, 64)])
 def test_tiled_equals_one_tile_on_random_data(T, S, tile):
     """A prefill chunk: T queries at the last T positions over S keys, in tiles of `tile` keys."""
@@ -30,7 +37,7 @@ def test_tiled_equals_one_tile_on_random_data(T, S, tile):
     k_pos, q_pos = np.arange(S), np.arange(S - T, S)
     want = qwen2.attention(q, k, v, q_pos, k_pos, tile=S)
     got = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=f16_weights_atol(v))
 
 
 def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile():
@@ -45,7 +52,7 @@ def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile():
     want = qwen2.attention(q, k, v, q_pos, k_pos, tile=S)
     for tile in (64, 128):
         got = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=0, atol=f16_weights_atol(v))
     # Row 0 sees key position 0 only: its output is that key's value row, whatever the tiles.
     g = 2
     key0 = int(np.flatnonzero(k_pos == 0)[0])
@@ -59,7 +66,30 @@ def test_float16_storage_converts_per_tile():
     pos = np.arange(300)
     want = qwen2.attention(q, k16.astype(np.float32), v16.astype(np.float32), pos[-16:], pos, tile=300)
     got = qwen2.attention(q, k16, v16, pos[-16:], pos, tile=64)
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=f16_weights_atol(v16))
+    # One tile: the same bits whether the cache stores float16 or float32 copies of the same values.
+    np.testing.assert_array_equal(qwen2.attention(q, k16, v16, pos[-16:], pos, tile=300), want)
+
+
+def test_to_f16_is_numpys_float16_rounding():
+    """Every float32 input, rounded as numpy's (IEEE) float16 conversion rounds it: random values over
+    float16's whole range and past it, each tie between two float16 numbers and its neighbours,
+    float16's subnormals and the smaller numbers that round to them or to zero, signs, inf, nan."""
+    rng = np.random.default_rng(0)
+    f16 = np.arange(0x7C01, dtype=np.uint16).view(np.float16).astype(np.float64)  # +0 ... inf
+    ties = ((f16[:-2] + f16[1:-1]) / 2).astype(np.float32)     # halfway between neighbours
+    x = np.concatenate([
+        rng.standard_normal(200_000).astype(np.float32) * np.float32(10.0) ** rng.integers(-9, 6, 200_000),
+        np.exp(-rng.random(100_000) * 103).astype(np.float32),  # softmax weights down to 1e-45
+        f16.astype(np.float32), ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(np.inf)),
+        np.float32([65504, 65519.99, 65520, 70000, 3e38, np.inf, 2 ** -24, 2 ** -25, 2 ** -25 * 1.0001, 0.0]),
+    ]).astype(np.float32)
+    x = np.concatenate([x, -x, np.float32([np.nan])])
+    with np.errstate(over="ignore"):  # past 65504 numpy says it overflows to inf, as it should
+        want = x.astype(np.float16).astype(np.float32)
+    got = qwen2.to_f16(x)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # -0.0 and nan included
 
 
 def test_tile_keys_bound_the_scores_and_decode_takes_one_tile():
@@ -92,8 +122,9 @@ def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt():
     q_pos, k_pos = np.arange(S - T, S), np.arange(S)
     full_scores = 4 * n_head * T * S
     tiled = peak_bytes(lambda: qwen2.attention(q, k, v, q_pos, k_pos))
-    accounted = qwen2.attention_bytes(n_head, 16, T, S)
-    assert tiled <= accounted < full_scores / 4, (tiled, accounted, full_scores)
+    accounted = qwen2.attention_bytes(n_head, 16, T, S, n_kv=2)
+    # the bound: a tile's scores, and the float64 copies of a slice of keys beside them
+    assert tiled <= accounted < full_scores / 4 + qwen2.ATTN_CONVERT_BYTES, (tiled, accounted, full_scores)
     assert accounted < 1.3 * tiled, "the bound is the real footprint, not a guess far above it"
 
 
@@ -112,11 +143,11 @@ def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch):
 
 
 def test_scores_are_the_same_bits_in_any_tile():
-    """Each score is numpy's in-order float32 sum over head_dim, whatever the tile: tiling changes
-    only how the softmax's pieces are combined."""
+    """Each score is a float64 sum of exact products rounded once to float32, whatever the tile or
+    the slices of keys copied at a time: tiling changes only how the softmax's pieces are combined."""
     q, k, v = qkv(8, 300, seed=9)
     pos = np.arange(300)
-    qg = q.reshape(8, 2, 2, 16).transpose(1, 2, 0, 3)
+    qg = np.ascontiguousarray(qwen2.to_f16(q).reshape(8, 2, 2, 16).transpose(1, 2, 0, 3), np.float64)
     whole = qwen2._scores(qg, k, pos[-8:], pos)
     np.testing.assert_array_equal(qwen2._scores(qg, k[64:128], pos[-8:], pos[64:128]), whole[..., 64:128])
 

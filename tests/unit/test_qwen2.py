@@ -134,16 +134,17 @@ def test_attention_gqa_causal_against_loops():
     rng = np.random.default_rng(3)
     T, n_head, n_kv, hd = 5, 4, 2, 8
     q = rng.normal(size=(T, n_head, hd)).astype(np.float32)
-    k = rng.normal(size=(T, n_kv, hd)).astype(np.float32)
-    v = rng.normal(size=(T, n_kv, hd)).astype(np.float32)
+    k = qwen2.round_kv(rng.normal(size=(T, n_kv, hd)).astype(np.float32))  # as attn_phase caches them
+    v = qwen2.round_kv(rng.normal(size=(T, n_kv, hd)).astype(np.float32))
     pos = np.arange(T)
     got = qwen2.attention(q, k, v, pos, pos).reshape(T, n_head, hd)
+    f16 = lambda x: x.astype(np.float16).astype(np.float64)  # llama.cpp's roundings: q, k, v, p
     for t in range(T):
         for h in range(n_head):
             kh = h // (n_head // n_kv)  # consecutive query heads share a kv head
-            s = k[: t + 1, kh] @ q[t, h] / np.sqrt(hd)
+            s = f16(k[: t + 1, kh]) @ f16(q[t, h]) / np.sqrt(hd)
             p = np.exp(s - s.max())
-            np.testing.assert_allclose(got[t, h], (p / p.sum()) @ v[: t + 1, kh], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got[t, h], f16(p / p.sum()) @ f16(v[: t + 1, kh]), rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ phases and the fluid-memory contract
