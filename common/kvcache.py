@@ -4,11 +4,10 @@ Decode appends one token's k, v per layer; prefill appends a chunk. Positions co
 caller and are stored beside the keys: attention masks by position (key pos <= query pos),
 so a chunked prefill sees exactly what an unchunked one does.
 
-Keys and values are stored token-major, (capacity, n_kv, hd). Attention reads K through a
-transposed view, for which numpy's matmul takes its own loop: every score is then a sequential
-float32 sum over head_dim, the same whatever the tiling, the chunking or the batch. (A head-major
-K^T would let BLAS take it, 20% faster at 2k tokens of context, but BLAS sums in another order,
-which moved the real models' logits by up to 0.09 and flipped a llama.cpp fidelity prompt.)
+Keys and values are stored token-major, (capacity, n_kv, hd), and hold float16 numbers whatever
+the storage dtype (the attn phase rounds them first, as llama.cpp's f16 cache holds them).
+Attention copies a slice of them at a time to float64, where its products are exact and its sums
+do not depend on BLAS's order (common/models/qwen2.py, attention()).
 """
 from __future__ import annotations
 
@@ -49,7 +48,8 @@ class KVCache:
     """Keys and values per layer, each (capacity, n_kv_head, head_dim), in arrival order.
 
     A station only ever appends the layers it runs, so layers are created on first use.
-    `dtype` is the storage type; attention converts to float32 one tile at a time.
+    `dtype` is the storage type (float16 would halve it and keep the same values); attention
+    converts a slice of keys at a time to float64.
     """
 
     def __init__(self, n_kv_head: int, head_dim: int, dtype=np.float32):
