@@ -218,7 +218,8 @@ _NUMPY_BUFFER_BYTES = 2 * 8192 * 8
 # 4-5 and moved top-10 logits by up to 0.41: our tokens depended on the CPU, and the llama.cpp
 # oracle failed on that machine (docs/fidelity.md). A product of two f16 numbers is exact in float64
 # and the products' sums in float64 are exact or within a float64 rounding, so the float32 result
-# is the same bits whatever BLAS or the key tiling sums first.
+# is the same bits whatever order BLAS sums in and however the keys are sliced for the copies
+# (tiles past ATTN_TILE_BYTES are another matter: _attend_tiles).
 def to_f16(x: np.ndarray) -> np.ndarray:
     """x float32 rounded to float16 (round to nearest even), still float32: the values of
     x.astype(np.float16), without numpy's conversion, which takes ~10-60 ns an element on small
