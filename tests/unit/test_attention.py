@@ -92,6 +92,25 @@ def test_to_f16_is_numpys_float16_rounding():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # -0.0 and nan included
 
 
+def test_slices_of_keys_for_the_float64_copies_do_not_change_the_bits(monkeypatch):
+    """The float64 copies are made a slice of keys at a time (ATTN_CONVERT_BYTES). Where the keys
+    are cut changes no score (each is one sum over head_dim) and no output bit (float64 sums of
+    exact products, rounded once to float32): a decode row and a prefill chunk, with the 0.5B's
+    14 query heads over 2 kv heads of 64, are the same bits in slices of 1, 7 and all keys."""
+    rng = np.random.default_rng(11)
+    S = 300
+    k = qwen2.round_kv((rng.standard_normal((S, 2, 64)) * 3).astype(np.float32))
+    v = qwen2.round_kv(rng.standard_normal((S, 2, 64)).astype(np.float32))
+    for T in (1, 24):
+        q = rng.standard_normal((T, 14, 64)).astype(np.float32)
+        q_pos, k_pos = np.arange(S - T, S), np.arange(S)
+        want = qwen2.attention(q, k, v, q_pos, k_pos)
+        for keys in (1, 7):
+            monkeypatch.setattr(qwen2, "_convert_keys", lambda n_kv, hd, rows, keys=keys: keys)
+            np.testing.assert_array_equal(qwen2.attention(q, k, v, q_pos, k_pos), want)
+        monkeypatch.undo()
+
+
 def test_tile_keys_bound_the_scores_and_decode_takes_one_tile():
     tile_bytes = qwen2.ATTN_TILE_BYTES
     for n_head, T in [(14, 256), (28, 256), (12, 1), (14, 3000)]:
