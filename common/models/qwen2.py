@@ -238,12 +238,6 @@ def to_f16(x: np.ndarray) -> np.ndarray:
     return np.copysign(a, x, out=a)
 
 
-def round_kv(x: np.ndarray) -> np.ndarray:
-    """Keys or values (T, n_kv, hd) float32 -> their float16 values, as float32: what llama.cpp's
-    f16 cache holds."""
-    return to_f16(x)
-
-
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
               q_pos: np.ndarray, k_pos: np.ndarray, tile: int | None = None) -> np.ndarray:
     """Causal grouped-query attention, tiled over the keys.
@@ -264,8 +258,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
         out = _weighted_values(softmax_(_scores(qg, k, q_pos, k_pos)), v)  # (n_kv, g, T, hd) f64
     else:
         out = _attend_tiles(qg, k, v, q_pos, k_pos, tile)
-    out = out.astype(np.float32)
-    return out.transpose(2, 0, 1, 3).reshape(T, n_head * hd)    # (n_kv, g, T, hd) -> (T, n_kv, g, hd) -> (T, n_head * hd)
+    out = np.ascontiguousarray(out.transpose(2, 0, 1, 3), np.float32)  # (n_kv, g, T, hd) -> (T, n_kv, g, hd), one copy
+    return out.reshape(T, n_head * hd)                          # -> (T, n_head * hd), a view
 
 
 # Up to this many rows of one sequence (a decode step; a speculative verify trip, MAX_DRAFT + 1 in
@@ -404,8 +398,8 @@ def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str
     v = matmul(xn, wv) + _vec(bv)                               # (N, dim) @ Wv.T -> (N, n_kv * hd)
     cos, sin = rope_cos_sin(positions, hd, cfg.rope_base)
     q = rope_neox(q.reshape(N, cfg.n_head, hd), cos, sin)       # (N, n_head, hd)
-    k = round_kv(rope_neox(k.reshape(N, cfg.n_kv_head, hd), cos, sin))  # (N, n_kv, hd), f16 numbers as llama.cpp's cache
-    v = round_kv(v.reshape(N, cfg.n_kv_head, hd))               # (N, n_kv, hd), f16 numbers
+    k = to_f16(rope_neox(k.reshape(N, cfg.n_kv_head, hd), cos, sin))  # (N, n_kv, hd), f16 numbers as llama.cpp's cache
+    v = to_f16(v.reshape(N, cfg.n_kv_head, hd))                 # (N, n_kv, hd), f16 numbers
     outs, a0 = [], 0
     for (kv, _), p in zip(seqs, pos):
         a1 = a0 + p.shape[0]

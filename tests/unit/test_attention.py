@@ -99,8 +99,8 @@ def test_slices_of_keys_for_the_float64_copies_do_not_change_the_bits(monkeypatc
     14 query heads over 2 kv heads of 64, are the same bits in slices of 1, 7 and all keys."""
     rng = np.random.default_rng(11)
     S = 300
-    k = qwen2.round_kv((rng.standard_normal((S, 2, 64)) * 3).astype(np.float32))
-    v = qwen2.round_kv(rng.standard_normal((S, 2, 64)).astype(np.float32))
+    k = qwen2.to_f16((rng.standard_normal((S, 2, 64)) * 3).astype(np.float32))
+    v = qwen2.to_f16(rng.standard_normal((S, 2, 64)).astype(np.float32))
     for T in (1, 24):
         q = rng.standard_normal((T, 14, 64)).astype(np.float32)
         q_pos, k_pos = np.arange(S - T, S), np.arange(S)

@@ -134,8 +134,8 @@ def test_attention_gqa_causal_against_loops():
     rng = np.random.default_rng(3)
     T, n_head, n_kv, hd = 5, 4, 2, 8
     q = rng.normal(size=(T, n_head, hd)).astype(np.float32)
-    k = qwen2.round_kv(rng.normal(size=(T, n_kv, hd)).astype(np.float32))  # as attn_phase caches them
-    v = qwen2.round_kv(rng.normal(size=(T, n_kv, hd)).astype(np.float32))
+    k = qwen2.to_f16(rng.normal(size=(T, n_kv, hd)).astype(np.float32))  # as attn_phase caches them
+    v = qwen2.to_f16(rng.normal(size=(T, n_kv, hd)).astype(np.float32))
     pos = np.arange(T)
     got = qwen2.attention(q, k, v, pos, pos).reshape(T, n_head, hd)
     f16 = lambda x: x.astype(np.float16).astype(np.float64)  # llama.cpp's roundings: q, k, v, p
