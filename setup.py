@@ -24,7 +24,7 @@ else:
 
 setup(ext_modules=[Extension("deploy.kernels._qmatmul",
                              [f"{KERNELS}/{c}" for c in ("_qmatmul.c", "simd_avx2.c", "simd_avx512.c")],
-                             depends=[f"{KERNELS}/{h}" for h in ("quants.h", "quants_avx2.h", "pool.h")],
+                             depends=[f"{KERNELS}/{h}" for h in ("quants.h", "quants_avx2.h", "attn.h", "attn_avx2.h", "pool.h")],
                              extra_compile_args=cflags,
                              extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
                              optional=True)])

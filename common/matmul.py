@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from common.quant import QUANT_TYPES, QTensor, UnsupportedQuantType, dequantize_rows, row_nbytes
@@ -82,3 +84,30 @@ def matmul_tiled(x: np.ndarray, w: QTensor, tile_bytes: int = DEFAULT_TILE_BYTES
         W = dequantize_rows(w.data[a * nb:b * nb], w.ggml_type, ne0, w.name, out=tile[:b - a])
         np.matmul(x, W.T, out=y[:, a:b])  # (T, ne0) @ (ne0, b - a) -> (T, b - a)
     return y
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """Attention's two products computed elsewhere (deploy.kernels: C), the same numbers as
+    common.models.qwen2's numpy float64 matmuls. Each returns None for what it does not take
+    (another cache dtype, head dim), and the caller then runs numpy.
+
+    scores(q (n_kv, R, hd) f32, k (S, n_kv, hd)) -> (n_kv, R, S) f32: q·k summed in float64,
+        rounded once (q and k f16 numbers, so every product is exact);
+    values(p (n_kv, R, S) f32, v (S, n_kv, hd), out (n_kv, R, hd) f64) -> out, += f16(p) @ v
+        summed in float64."""
+    scores: Callable[[np.ndarray, np.ndarray], np.ndarray | None]
+    values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]
+
+
+_ATTENTION: list[AttentionKernel | None] = [None]
+
+
+def register_attention_kernel(kernel: AttentionKernel | None) -> AttentionKernel | None:
+    """Route attention's products to `kernel` (None: numpy again); return the old one."""
+    old, _ATTENTION[0] = _ATTENTION[0], kernel
+    return old
+
+
+def get_attention_kernel() -> AttentionKernel | None:
+    return _ATTENTION[0]

@@ -44,15 +44,22 @@ def pytest_collectreport(report):
 @pytest.fixture(autouse=True)
 def _restore_kernel_registry():
     """Whatever a test registers or removes, the next test sees the session's kernels."""
-    saved = dict(mm._KERNELS)
+    saved, attention = dict(mm._KERNELS), mm.get_attention_kernel()
     yield
     mm._KERNELS.clear()
     mm._KERNELS.update(saved)
+    mm.register_attention_kernel(attention)
 
 
 @pytest.fixture
-def numpy_matmul():
-    """Route matmul to the numpy reference for one test."""
+def numpy_attention():
+    """Route attention's products to numpy's float64 matmuls for one test (what Workers run)."""
+    mm.register_attention_kernel(None)
+
+
+@pytest.fixture
+def numpy_matmul(numpy_attention):
+    """Route matmul, and attention's products, to the numpy reference for one test."""
     mm._KERNELS.clear()
 
 

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from common.kvcache import KVCache
-from common.matmul import matmul
+from common.matmul import get_attention_kernel, matmul
 from common.models.base import MissingTensorError, Model, PhaseWeights, Sequences
 from common.quant import QTensor
 
@@ -253,11 +253,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     g = n_head // n_kv  # query heads per kv head: head h reads kv head h // g (ggml broadcast)
     if tile is None:
         tile = attn_tile_keys(n_head, T)
-    qg = np.ascontiguousarray(to_f16(q).reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3), np.float64)  # -> (n_kv, g, T, hd)
+    # the kernels take q in float32 (f16 numbers, exact), numpy's float64 matmul in float64
+    kern = get_attention_kernel()
+    qg = np.ascontiguousarray(to_f16(q).reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3),
+                              np.float32 if kern else np.float64)  # -> (n_kv, g, T, hd)
     if S <= tile:  # softmax(scores) (n_kv, g, T, S), gone once it has weighed the values
-        out = _weighted_values(softmax_(_scores(qg, k, q_pos, k_pos)), v)  # (n_kv, g, T, hd) f64
+        out = _weighted_values(softmax_(_scores(qg, k, q_pos, k_pos, kern)), v, kern=kern)  # (n_kv, g, T, hd) f64
     else:
-        out = _attend_tiles(qg, k, v, q_pos, k_pos, tile)
+        out = _attend_tiles(qg, k, v, q_pos, k_pos, tile, kern)
     out = np.ascontiguousarray(out.transpose(2, 0, 1, 3), np.float32)  # (n_kv, g, T, hd) -> (T, n_kv, g, hd), one copy
     return out.reshape(T, n_head * hd)                          # -> (T, n_head * hd), a view
 
@@ -300,14 +303,19 @@ def _f64_slices(x: np.ndarray, rows: int):
         yield a, xf
 
 
-def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
-    """Scaled, masked scores of one tile: qg (n_kv, g, T, hd) f64 (f16 numbers), k (t, n_kv, hd)
-    -> (n_kv, g, T, t) f32. Each score is a float64 sum of exact products, rounded once to
-    float32: the same bits in any tile, batch or BLAS."""
+def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, kern=None) -> np.ndarray:
+    """Scaled, masked scores of one tile: qg (n_kv, g, T, hd) f64 (f16 numbers; float32 for the
+    kernel kern), k (t, n_kv, hd) -> (n_kv, g, T, t) f32. Each score is a float64 sum of exact
+    products, rounded once to float32: the same bits in any tile, batch or BLAS."""
     n_kv, g, T, hd = qg.shape
-    s = np.empty((n_kv, g, T, k.shape[0]), np.float32)
-    for a, kf in _f64_slices(k, n_kv * g * T):
-        s[..., a:a + kf.shape[1]] = np.matmul(qg, kf.transpose(0, 2, 1)[:, None])  # (n_kv, g, T, hd) @ (n_kv, 1, hd, c)
+    s = kern.scores(qg.reshape(n_kv, g * T, hd), k) if kern else None  # (n_kv, g * T, t), or None
+    if s is not None:
+        s = s.reshape(n_kv, g, T, k.shape[0])
+    else:
+        s = np.empty((n_kv, g, T, k.shape[0]), np.float32)
+        qd = qg if qg.dtype == np.float64 else qg.astype(np.float64)  # a kernel that declined this cache
+        for a, kf in _f64_slices(k, n_kv * g * T):
+            s[..., a:a + kf.shape[1]] = np.matmul(qd, kf.transpose(0, 2, 1)[:, None])  # (n_kv, g, T, hd) @ (n_kv, 1, hd, c)
     # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
     s *= np.float32(1.0 / np.sqrt(np.float32(hd)))
     masked = k_pos[None, :] > q_pos[:, None]                    # (T, t)
@@ -316,12 +324,15 @@ def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray)
     return s
 
 
-def _weighted_values(p: np.ndarray, v: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def _weighted_values(p: np.ndarray, v: np.ndarray, out: np.ndarray | None = None, kern=None) -> np.ndarray:
     """p (n_kv, g, T, t) f32 weights, v (t, n_kv, hd) -> out += f16(p) @ v, (n_kv, g, T, hd) f64
-    (a new one when out is None), summed in float64 a bounded slice of keys at a time."""
-    n_kv, g, T, _ = p.shape
+    (a new one when out is None), summed in float64 a bounded slice of keys at a time (numpy), or
+    key by key in order (the kernel kern)."""
+    n_kv, g, T, t = p.shape
     if out is None:
         out = np.zeros((n_kv, g, T, v.shape[-1]), np.float64)
+    if kern and kern.values(p.reshape(n_kv, g * T, t), v, out.reshape(n_kv, g * T, -1)) is not None:
+        return out
     for a, vf in _f64_slices(v, n_kv * g * T):
         w = to_f16(p[..., a:a + vf.shape[1]]).astype(np.float64)  # (n_kv, g, T, c)
         out += np.matmul(w, vf[:, None])                          # (n_kv, g, T, c) @ (n_kv, 1, c, hd) -> (n_kv, g, T, hd)
@@ -329,7 +340,7 @@ def _weighted_values(p: np.ndarray, v: np.ndarray, out: np.ndarray | None = None
     return out
 
 
-def _attend_tiles(qg, k, v, q_pos, k_pos, tile: int) -> np.ndarray:
+def _attend_tiles(qg, k, v, q_pos, k_pos, tile: int, kern=None) -> np.ndarray:
     """The keys in tiles of `tile`, with an online softmax (ref: FlashAttention, Dao et al. 2022,
     algorithm 1): per query row a running max m and sum l; the output accumulates exp(s - m) @ V
     and is rescaled by exp(m_old - m_new) whenever the max grows. -> (n_kv, g, T, hd) f64.
@@ -347,7 +358,7 @@ def _attend_tiles(qg, k, v, q_pos, k_pos, tile: int) -> np.ndarray:
         b = min(a + tile, S)
         if k_pos[a:b].min() > q_last:
             continue  # every key of the tile is after every query: masked out entirely
-        s = _scores(qg, k[a:b], q_pos, k_pos[a:b])               # (n_kv, g, T, t)
+        s = _scores(qg, k[a:b], q_pos, k_pos[a:b], kern)         # (n_kv, g, T, t)
         m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
         m_use = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that has seen no key yet
         s -= m_use
@@ -355,7 +366,7 @@ def _attend_tiles(qg, k, v, q_pos, k_pos, tile: int) -> np.ndarray:
         alpha = np.exp(m - m_use)                                 # 0 before the row's first key
         l = l * alpha + s.sum(axis=-1, keepdims=True, dtype=np.float64)
         acc *= alpha
-        _weighted_values(s, v[a:b], out=acc)                      # acc += f16(s) @ V
+        _weighted_values(s, v[a:b], out=acc, kern=kern)           # acc += f16(s) @ V
         m = m_new
         del s  # before the next tile's scores: one tile alive at a time
     return acc / l

@@ -1,4 +1,5 @@
-"""Matmul kernels that compute on the quantized blocks (the C extension `_qmatmul`).
+"""Matmul kernels that compute on the quantized blocks (the C extension `_qmatmul`), and
+attention's two products in float64 (make_attention_kernel).
 
 `install()` registers them into common.matmul's kernel registry, so every caller of
 common.matmul.matmul uses them for the types they support. The extension is optional: when
@@ -22,7 +23,7 @@ from typing import Mapping
 import numpy as np
 
 from common import settings
-from common.matmul import Kernel, register_kernel
+from common.matmul import AttentionKernel, Kernel, register_attention_kernel, register_kernel
 from common.quant import QTensor
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,39 @@ def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Ker
 
     kernel.__name__ = f"qmatmul_{ggml_type}"
     return kernel
+
+
+# what the attention kernels take (attn.h): float32 caches, head dims a multiple of 16 up to 256
+ATTN_HEAD_DIMS = range(16, 257, 16)
+
+
+def make_attention_kernel(simd: bool = True, parallel: bool = True) -> AttentionKernel:
+    """attention's products in C (attn.h): the numbers of qwen2's numpy float64 matmuls, summed in
+    one fixed order on every ISA, thread count and batch. They decline (None) a cache that is not
+    float32 and a head dim the kernels do not take; numpy serves those."""
+
+    def takes(q: np.ndarray, kv: np.ndarray) -> bool:
+        return kv.dtype == np.float32 and q.shape[-1] in ATTN_HEAD_DIMS and kv.ndim == 3
+
+    def scores(q: np.ndarray, k: np.ndarray) -> np.ndarray | None:
+        n_kv, R, hd = q.shape
+        if not takes(q, k) or q.dtype != np.float32 or k.shape[1:] != (n_kv, hd):
+            return None
+        S = k.shape[0]
+        out = np.empty((n_kv, R, S), np.float32)
+        _qmatmul.attn_scores(np.ascontiguousarray(q), np.ascontiguousarray(k), out, n_kv, R, S, hd, simd, parallel)
+        return out  # (n_kv, R, S)
+
+    def values(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> np.ndarray | None:
+        n_kv, R, S = p.shape
+        hd = out.shape[-1]
+        if (not takes(out, v) or p.dtype != np.float32 or v.shape != (S, n_kv, hd) or out.shape != (n_kv, R, hd)
+                or out.dtype != np.float64 or not out.flags.c_contiguous):  # out is written in place
+            return None
+        _qmatmul.attn_values(np.ascontiguousarray(p), np.ascontiguousarray(v), out, n_kv, R, S, hd, simd, parallel)
+        return out  # (n_kv, R, hd) f64, += f16(p) @ v
+
+    return AttentionKernel(scores=scores, values=values)
 
 
 def isas() -> list[str]:
@@ -166,7 +200,8 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
         register_kernel(name, make_kernel(name))
         if name not in _installed:
             _installed.append(name)
-    log.info("matmul kernels (%s): %s", describe(), ", ".join(_installed))
+    register_attention_kernel(make_attention_kernel())
+    log.info("matmul kernels (%s): %s, and attention's products", describe(), ", ".join(_installed))
     return list(_installed)
 
 
@@ -181,6 +216,7 @@ def ensure_installed(env: Mapping[str, str] = os.environ) -> None:
 
 
 def uninstall() -> None:
-    """Route the installed types back to the numpy path."""
+    """Route the installed types, and attention, back to the numpy path."""
     while _installed:
         register_kernel(_installed.pop(), None)
+    register_attention_kernel(None)

@@ -9,6 +9,8 @@
  *                  fixed order, no FMA: built with -ffp-contract=off)
  *   quants_avx2.h  the same numbers on AVX2 (+ AVX-512 VNNI), one token or four at a time,
  *                  compiled twice under function-level targets: simd_avx2.c, simd_avx512.c
+ *   attn.h         attention's products K·q and V·p in float64, in one fixed order (the
+ *                  reference), attn_avx2.h the same on AVX2 / AVX-512F
  *   pool.h         the thread pool
  *
  * The extension itself is built for the baseline ISA (x86-64: SSE2), so one build runs on any
@@ -27,6 +29,7 @@
 #include <stdlib.h>
 
 #include "quants.h"
+#include "attn.h"
 #include "quants_avx2.h"
 #include "pool.h"
 
@@ -63,6 +66,7 @@ static const isa_kernels ISA_SCALAR = {
     {NULL, NULL, NULL, NULL, NULL},
     {0, 0, 0, 0, 0},
     quantize_row_q8_0, quantize_row_q8_K, lane_corr,
+    attn_scores_ref, attn_values_ref,
 };
 extern const isa_kernels knot_isa_avx2, knot_isa_avx512;  /* simd_avx2.c, simd_avx512.c */
 
@@ -77,7 +81,8 @@ static int isa_runs(const isa_kernels *isa) {
     if (isa == &ISA_SCALAR) return 1;
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
     __builtin_cpu_init();
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    /* fma: attention's float64 sums (every AVX2 CPU has it) */
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
     if (isa == &knot_isa_avx2) return avx2;
     if (isa == &knot_isa_avx512)
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
@@ -197,6 +202,49 @@ static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, co
     return 0;
 }
 
+/* ------------------------------------------------------------------ attention */
+
+/* One kv head's share of attention, its g query heads' rows together: q (n_kv, R, hd),
+ * k and v (S, n_kv, hd), p and scores (n_kv, R, S), out (n_kv, R, hd). A task is one kv head
+ * and a block of keys (scores) or of rows (values): each output is computed by one thread. */
+typedef struct {
+    const isa_kernels *isa;
+    const float *q, *kv, *p;
+    float *scores;
+    double *out;
+    int n_kv, R, S, hd, per_task, tasks_per_head;
+} attn_ctx;
+
+#define ATTN_TASK_KEYS 256  /* keys per scores task */
+#define ATTN_TASK_ROWS 4    /* rows per values task */
+
+static void attn_scores_task(void *vctx, int task) {
+    const attn_ctx *c = vctx;
+    const int h = task / c->tasks_per_head, s0 = task % c->tasks_per_head * c->per_task;
+    const int ns = c->S - s0 < c->per_task ? c->S - s0 : c->per_task;
+    const size_t ks = (size_t)c->n_kv * c->hd;
+    c->isa->attn_scores(c->q + (size_t)h * c->R * c->hd, c->R, c->kv + (size_t)s0 * ks + (size_t)h * c->hd, ks,
+                        ns, c->hd, c->scores + (size_t)h * c->R * c->S + s0, (size_t)c->S);
+}
+
+static void attn_values_task(void *vctx, int task) {
+    const attn_ctx *c = vctx;
+    const int h = task / c->tasks_per_head, r0 = task % c->tasks_per_head * c->per_task;
+    const int nr = c->R - r0 < c->per_task ? c->R - r0 : c->per_task;
+    c->isa->attn_values(c->p + ((size_t)h * c->R + r0) * c->S, (size_t)c->S, nr, c->kv + (size_t)h * c->hd,
+                        (size_t)c->n_kv * c->hd, c->S, c->hd, c->out + ((size_t)h * c->R + r0) * c->hd);
+}
+
+/* a product this small (multiply-adds) costs less than waking the workers */
+#define ATTN_PARALLEL_MIN (1 << 16)
+
+static void attn_run(task_fn fn, attn_ctx *c, int per_task, int n_per_head, int parallel) {
+    c->per_task = per_task;
+    c->tasks_per_head = (n_per_head + per_task - 1) / per_task;
+    const double work = (double)c->n_kv * c->R * c->S * c->hd;
+    parallel_for(fn, c, c->n_kv * c->tasks_per_head, parallel && work >= ATTN_PARALLEL_MIN);
+}
+
 /* ------------------------------------------------------------------ Python bindings */
 
 static int get_buf(PyObject *o, Py_buffer *b, int writable, const char *what) {
@@ -245,6 +293,65 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
     PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&yb);
     return ret;
 }
+
+static int attn_buffers(PyObject *const *objs, Py_buffer *bufs, const char *const *names, const int *writable,
+                        const Py_ssize_t *expect, int n) {
+    for (int i = 0; i < n; i++) {
+        if (get_buf(objs[i], &bufs[i], writable[i], names[i])) {
+            while (i--) PyBuffer_Release(&bufs[i]);
+            return -1;
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        if (bufs[i].len != expect[i]) {
+            PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", names[i], bufs[i].len, expect[i]);
+            for (int j = 0; j < n; j++) PyBuffer_Release(&bufs[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int attn_shape_ok(int n_kv, int R, int S, int hd) {
+    if (n_kv < 1 || R < 0 || S < 0 || hd < ATTN_HD_ALIGN || hd > ATTN_MAX_HD || hd % ATTN_HD_ALIGN) {
+        PyErr_Format(PyExc_ValueError, "attention: bad shape n_kv=%d R=%d S=%d hd=%d (hd must be a multiple "
+                     "of %d, at most %d)", n_kv, R, S, hd, ATTN_HD_ALIGN, ATTN_MAX_HD);
+        return 0;
+    }
+    return 1;
+}
+
+/* attn_scores(q f32 (n_kv, R, hd), k f32 (S, n_kv, hd), out f32 (n_kv, R, S), n_kv, R, S, hd) and
+ * attn_values(p f32 (n_kv, R, S), v f32 (S, n_kv, hd), out f64 (n_kv, R, hd) +=, n_kv, R, S, hd) */
+static PyObject *attn_call(PyObject *args, PyObject *kw, int values) {
+    static char *kwlist[] = {"a", "kv", "out", "n_kv", "R", "S", "hd", "simd", "parallel", NULL};
+    int n_kv, R, S, hd, simd = 1, parallel = 1;
+    PyObject *objs[3];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOiiii|pp", kwlist, &objs[0], &objs[1], &objs[2],
+                                     &n_kv, &R, &S, &hd, &simd, &parallel)) return NULL;
+    if (!attn_shape_ok(n_kv, R, S, hd)) return NULL;
+    static const char *const names[2][3] = {{"q", "k", "out"}, {"p", "v", "out"}};
+    static const int writable[] = {0, 0, 1};
+    const Py_ssize_t kv_bytes = (Py_ssize_t)S * n_kv * hd * 4;
+    const Py_ssize_t expect[2][3] = {{(Py_ssize_t)n_kv * R * hd * 4, kv_bytes, (Py_ssize_t)n_kv * R * S * 4},
+                                     {(Py_ssize_t)n_kv * R * S * 4, kv_bytes, (Py_ssize_t)n_kv * R * hd * 8}};
+    Py_buffer b[3];
+    if (attn_buffers(objs, b, names[values], writable, expect[values], 3)) return NULL;
+    attn_ctx c = {simd ? isa_current : &ISA_SCALAR, NULL, b[1].buf, NULL, NULL, NULL, n_kv, R, S, hd, 0, 0};
+    if (values) { c.p = b[0].buf; c.out = b[2].buf; }
+    else { c.q = b[0].buf; c.scores = b[2].buf; }
+    if (R && S) {
+        Py_BEGIN_ALLOW_THREADS
+        if (values) attn_run(attn_values_task, &c, ATTN_TASK_ROWS, R, parallel);
+        else attn_run(attn_scores_task, &c, ATTN_TASK_KEYS, S, parallel);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attn_scores(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return attn_call(args, kw, 0); }
+static PyObject *py_attn_values(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return attn_call(args, kw, 1); }
 
 /* quantize(x float32 (T, ne0) buffer, T, ne0, k) -> (qs bytes, d bytes float32, bsums bytes int16 | None) */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
@@ -317,6 +424,12 @@ static PyMethodDef methods[] = {
      "matmul(ggml_type, x, w, y, T, ne0, ne1, simd=True, parallel=True): y (T, ne1) = x (T, ne0) @ W.T"},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(x, T, ne0, k, simd=True) -> (qs, d, bsums|None): the Q8_0 (k false) or Q8_K activation"},
+    {"attn_scores", (PyCFunction)(void (*)(void))py_attn_scores, METH_VARARGS | METH_KEYWORDS,
+     "attn_scores(q, k, out, n_kv, R, S, hd, simd=True, parallel=True): out (n_kv, R, S) f32 = q (n_kv, R, hd) . "
+     "k (S, n_kv, hd), float64 sums in attn.h's order"},
+    {"attn_values", (PyCFunction)(void (*)(void))py_attn_values, METH_VARARGS | METH_KEYWORDS,
+     "attn_values(p, v, out, n_kv, R, S, hd, simd=True, parallel=True): out (n_kv, R, hd) f64 += f16(p) (n_kv, R, S) "
+     "@ v (S, n_kv, hd)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): threads per matmul, caller included"},
     {"get_threads", py_get_threads, METH_NOARGS, "threads per matmul, caller included"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): the kernels matmul(simd=True) runs, one of ISAS"},

@@ -284,6 +284,14 @@ static inline float dot_q6_K_ref(const uint8_t *w, const int8_t *q, const float 
 
 enum { K_Q4_0, K_Q5_0, K_Q8_0, K_Q4_K, K_Q6_K, N_KTYPES };  /* index into the tables below */
 
+/* attention's products (attn.h says in which order every ISA sums them):
+ * scores: out[r * os + s] = (float) sum_d q[r * hd + d] * k[s * ks + d] in double, r < R, s < S
+ * values: out[r * hd + d] += sum_s f16(p[r * ps + s]) * v[s * vs + d] in double, s ascending */
+typedef void (*attn_scores_fn)(const float *q, int R, const float *k, size_t ks, int S, int hd,
+                               float *out, size_t os);
+typedef void (*attn_values_fn)(const float *p, size_t ps, int R, const float *v, size_t vs, int S,
+                               int hd, double *out);
+
 typedef struct {
     const char *name;           /* NULL: not compiled in (the compiler lacks the target, or not x86) */
     dot_fn dot[N_KTYPES];
@@ -292,6 +300,8 @@ typedef struct {
     void (*quantize_q8_0)(const float *x, int8_t *qs, float *d, int ne0);
     void (*quantize_q8_K)(const float *x, int8_t *qs, float *d, int16_t *bsums, int ne0);
     void (*lane_corr)(const int8_t *qs, int32_t *corr, int ne0, int offset);
+    attn_scores_fn attn_scores;
+    attn_values_fn attn_values;
 } isa_kernels;
 
 #endif

@@ -456,12 +456,15 @@ static void quantize_row_q8_0_avx2(const float *x, int8_t *qs, float *d, int ne0
 #define CORR_Q8_0 0  /* signed: no corr lanes */
 #endif
 
+#include "attn_avx2.h"
+
 const isa_kernels KNOT_ISA = {
     KNOT_ISA_NAME,
     {dot_q4_0_avx2, dot_q5_0_avx2, dot_q8_0_avx2, dot_q4_K_avx2, dot_q6_K_avx2},
     {dot4_q4_0_avx2, dot4_q5_0_avx2, dot4_q8_0_avx2, dot4_q4_K_avx2, dot4_q6_K_avx2},
     {CORR(Q4_0), CORR(Q5_0), CORR_Q8_0, 0, 0},
     quantize_row_q8_0_avx2, quantize_row_q8_K, lane_corr,  /* the last two: quants.h's, compiled for this ISA */
+    attn_scores_simd, attn_values_simd,
 };
 #else
 const isa_kernels KNOT_ISA = {NULL};  /* the compiler did not take the target: the module runs without it */

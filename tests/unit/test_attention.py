@@ -1,6 +1,7 @@
 """Tiled attention (online softmax over key tiles) against the one-tile computation: equal within
 the float16 rounding of the weights on random data, the same greedy tokens on a tiny model, and temporaries bounded
-by the tile instead of by the prompt."""
+by the tile instead of by the prompt. The properties hold on both paths of attention's products: numpy's
+float64 matmuls (what Workers run) and the C kernels (deploy/kernels/attn.h), which compute the same numbers."""
 from __future__ import annotations
 
 import tracemalloc
@@ -8,10 +9,25 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from common import matmul as mm
 from common.kvcache import KVCache
 from common.models import qwen2
 from common.sampling import SamplingParams
 from common.speculative import MAX_DRAFT
+from deploy import kernels
+
+
+@pytest.fixture(params=["numpy", "kernel"])
+def attn_path(request):
+    """Attention's products on numpy's float64 matmuls or on the C kernels (conftest restores the
+    session's registry after the test)."""
+    if request.param == "kernel":
+        if not kernels.available():
+            pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+        mm.register_attention_kernel(kernels.make_attention_kernel())
+    else:
+        mm.register_attention_kernel(None)
+    return request.param
 
 
 def qkv(T: int, S: int, n_head: int = 4, n_kv: int = 2, hd: int = 16, seed: int = 0):
@@ -31,7 +47,7 @@ def f16_weights_atol(v: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("T,S,tile", [(1, 300, 64), (37, 300, 64), (37, 300, 128), (64, 1000, 192), (5, 70, 64)])
-def test_tiled_equals_one_tile_on_random_data(T, S, tile):
+def test_tiled_equals_one_tile_on_random_data(T, S, tile, attn_path):
     """A prefill chunk: T queries at the last T positions over S keys, in tiles of `tile` keys."""
     q, k, v = qkv(T, S, seed=T + S)
     k_pos, q_pos = np.arange(S), np.arange(S - T, S)
@@ -40,7 +56,7 @@ def test_tiled_equals_one_tile_on_random_data(T, S, tile):
     np.testing.assert_allclose(got, want, rtol=0, atol=f16_weights_atol(v))
 
 
-def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile():
+def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile(attn_path):
     """Query rows at arbitrary positions (a speculative verify frame, a batch's rows) and keys in
     any order: the mask is by position alone, and a row whose keys all sit in other tiles still
     gets exactly its own softmax."""
@@ -60,7 +76,7 @@ def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile():
     np.testing.assert_allclose(got0, np.repeat(v[key0], g, axis=0), rtol=1e-6)
 
 
-def test_float16_storage_converts_per_tile():
+def test_float16_storage_converts_per_tile(numpy_attention):
     q, k, v = qkv(16, 300, seed=2)
     k16, v16 = k.astype(np.float16), v.astype(np.float16)
     pos = np.arange(300)
@@ -92,7 +108,7 @@ def test_to_f16_is_numpys_float16_rounding():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # -0.0 and nan included
 
 
-def test_slices_of_keys_for_the_float64_copies_do_not_change_the_bits(monkeypatch):
+def test_slices_of_keys_for_the_float64_copies_do_not_change_the_bits(monkeypatch, numpy_attention):
     """The float64 copies are made a slice of keys at a time (ATTN_CONVERT_BYTES). Where the keys
     are cut changes no score (each is one sum over head_dim) and no output bit (float64 sums of
     exact products, rounded once to float32): a decode row and a prefill chunk, with the 0.5B's
@@ -133,7 +149,7 @@ def peak_bytes(fn) -> int:
         tracemalloc.stop()
 
 
-def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt():
+def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt(numpy_attention):
     """A 256-row chunk at the end of an 8k-token prompt: the one-tile computation would hold
     (n_head, T, S) float32 scores (32 MiB here); the tiled one about one tile's worth."""
     T, S, n_head = 256, 8192, 4
@@ -147,7 +163,7 @@ def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt():
     assert accounted < 1.3 * tiled, "the bound is the real footprint, not a guess far above it"
 
 
-def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch):
+def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch, attn_path):
     """The tiny model decodes the same greedy tokens when every attention runs in tiles of 4 keys."""
     from deploy.engine_local import LocalEngine
 
@@ -161,14 +177,46 @@ def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch):
     assert got.token_ids == want.token_ids and len(want.token_ids) == 24
 
 
-def test_scores_are_the_same_bits_in_any_tile():
+def test_scores_are_the_same_bits_in_any_tile(attn_path):
     """Each score is a float64 sum of exact products rounded once to float32, whatever the tile or
     the slices of keys copied at a time: tiling changes only how the softmax's pieces are combined."""
     q, k, v = qkv(8, 300, seed=9)
     pos = np.arange(300)
-    qg = np.ascontiguousarray(qwen2.to_f16(q).reshape(8, 2, 2, 16).transpose(1, 2, 0, 3), np.float64)
-    whole = qwen2._scores(qg, k, pos[-8:], pos)
-    np.testing.assert_array_equal(qwen2._scores(qg, k[64:128], pos[-8:], pos[64:128]), whole[..., 64:128])
+    kern = mm.get_attention_kernel()
+    qg = np.ascontiguousarray(qwen2.to_f16(q).reshape(8, 2, 2, 16).transpose(1, 2, 0, 3),
+                              np.float32 if kern else np.float64)
+    whole = qwen2._scores(qg, k, pos[-8:], pos, kern)
+    np.testing.assert_array_equal(qwen2._scores(qg, k[64:128], pos[-8:], pos[64:128], kern), whole[..., 64:128])
+
+
+def exact_sum_qkv(T: int, S: int, n_head: int, n_kv: int, hd: int, seed: int):
+    """q, k, v whose float64 sums are exact in any order: f16 numbers of magnitude in [2^-4, 16]
+    (or 0), so a product is a multiple of 2^-28 below 2^8, and every partial sum fits 53 bits;
+    the weights' f16 rounding (>= 2^-24) times such values likewise for up to ~2^13 keys."""
+    rng = np.random.default_rng(seed)
+
+    def draw(shape):
+        x = rng.uniform(2.0 ** -4, 16.0, shape) * rng.choice([-1.0, 1.0], shape)
+        x[rng.random(shape) < 0.05] = 0.0
+        return x.astype(np.float16).astype(np.float32)
+    return draw((T, n_head, hd)) / np.float32(4), draw((S, n_kv, hd)) / np.float32(4), draw((S, n_kv, hd))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="C kernels not built")
+@pytest.mark.parametrize("T,S,tile", [(1, 1500, None), (7, 400, None), (64, 1000, 192), (1, 40, None)])
+def test_kernels_and_numpy_give_the_same_bits(T, S, tile):
+    """Where every float64 sum is exact, the order of the sums cannot matter: the C kernels' fixed
+    order and BLAS's equal bit for bit, one tile and tiled, at the 0.5B's and 1.5B's head shapes.
+    (On real keys the sums can round in float64, and the two agree unless that rounding straddles
+    a float32 boundary: the llama.cpp oracle tests run the kernels.)"""
+    for n_head, n_kv, hd in [(14, 2, 64), (12, 2, 128)]:
+        q, k, v = exact_sum_qkv(T, S, n_head, n_kv, hd, seed=S + hd)
+        q_pos, k_pos = np.arange(S - T, S), np.arange(S)
+        mm.register_attention_kernel(None)
+        want = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
+        mm.register_attention_kernel(kernels.make_attention_kernel())
+        np.testing.assert_array_equal(qwen2.attention(q, k, v, q_pos, k_pos, tile=tile).view(np.uint32),
+                                      want.view(np.uint32))
 
 
 # ------------------------------------------------------------------ the station's accounting
@@ -234,7 +282,7 @@ def test_activation_bytes_bound_every_phase_as_measured(shape, T, S, numpy_matmu
 
 
 @pytest.mark.parametrize("T", [2, 6, 9, 33])
-def test_a_short_batch_of_rows_is_each_row_decoded_alone(T):
+def test_a_short_batch_of_rows_is_each_row_decoded_alone(T, attn_path):
     """A speculative verify trip's rows (attend_sequence, T <= EXACT_ROWS) are bit for bit what
     decoding them one at a time gives: row t over the first S - T + 1 + t keys, alone. (A product
     of T rows sums in another order, ~1e-6 apart, which the next layers' Q8 rounding grew to 0.3-0.56

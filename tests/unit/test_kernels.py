@@ -497,3 +497,105 @@ def test_install_runs_numpy_blas_on_one_thread():
     assert kernels.one_blas_thread()
     blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
     assert blas and all(p["num_threads"] == 1 for p in blas), blas
+
+
+# ---- attention's products (attn.h): float64 sums in one fixed order
+
+def f16_numbers(shape, rng, lo: float = -8.0, hi: float = 8.0) -> np.ndarray:
+    """float32 values that are f16 numbers, as the cache's keys and values and the rounded q are."""
+    return rng.uniform(lo, hi, shape).astype(np.float16).astype(f32)
+
+
+def attn_scores_numpy(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """attn.h's order, in numpy: q (n_kv, R, hd), k (S, n_kv, hd) -> (n_kv, R, S) f32. Lane i sums
+    the terms d = i (mod 8) in order of d, then ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+    n_kv, R, hd = q.shape
+    prod = q.astype(np.float64)[:, :, None, :] * k.transpose(1, 0, 2).astype(np.float64)[:, None]  # (n_kv, R, S, hd), exact
+    lanes = np.zeros(prod.shape[:3] + (8,))
+    for c in range(hd // 8):
+        lanes = lanes + prod[..., 8 * c:8 * c + 8]
+    l = [lanes[..., i] for i in range(8)]
+    return (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))).astype(f32)
+
+
+def attn_values_numpy(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """attn.h's order, in numpy: out (n_kv, R, hd) += f16(p) (n_kv, R, S) @ v (S, n_kv, hd), key by key."""
+    out = out.copy()
+    w = p.astype(np.float16).astype(np.float64)
+    for s in range(p.shape[-1]):
+        out = out + w[:, :, s, None] * v[s].astype(np.float64)[:, None, :]
+    return out
+
+
+ATTN_SHAPES = [(2, 7, 1, 64), (2, 7, 5, 64), (2, 6, 300, 128), (1, 37, 301, 64), (2, 3, 9, 16), (4, 2, 1000, 256)]
+
+
+@pytest.mark.parametrize("n_kv,R,S,hd", ATTN_SHAPES)
+def test_attention_products_equal_the_numpy_emulation(n_kv, R, S, hd, isa):
+    rng = np.random.default_rng(S + hd)
+    q, k, v = f16_numbers((n_kv, R, hd), rng), f16_numbers((S, n_kv, hd), rng), rng.standard_normal((S, n_kv, hd)).astype(f32)
+    p = rng.random((n_kv, R, S), f32) ** 4  # many tiny weights: f16 subnormals
+    out0 = rng.standard_normal((n_kv, R, hd))
+    for simd in (True, False):
+        kern = kernels.make_attention_kernel(simd=simd)
+        assert_bits(kern.scores(q, k), attn_scores_numpy(q, k))
+        out = out0.copy()
+        assert kern.values(p, v, out) is out
+        np.testing.assert_array_equal(out.view(np.uint64), attn_values_numpy(p, v, out0).view(np.uint64))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_attention_products_agree_across_threads_isas_and_row_batches(threads, isa):
+    """Each output is one thread's sum in attn.h's order: any thread count, ISA, or set of rows
+    sharing a call gives the same bits (a verify trip's rows are their decode steps' rows)."""
+    rng = np.random.default_rng(threads)
+    n_kv, R, S, hd = 2, 14, 1500, 64
+    q, k, v = f16_numbers((n_kv, R, hd), rng), f16_numbers((S, n_kv, hd), rng), f16_numbers((S, n_kv, hd), rng)
+    p = rng.random((n_kv, R, S), f32)
+    kernels.set_threads(threads)
+    ref = kernels.make_attention_kernel(simd=False, parallel=False)
+    kern = kernels.make_attention_kernel()
+    assert_bits(kern.scores(q, k), ref.scores(q, k))
+    assert_bits(kern.scores(q[:, 3:4], k), ref.scores(q, k)[:, 3:4])  # one row alone
+    out, out_ref = np.zeros((n_kv, R, hd)), np.zeros((n_kv, R, hd))
+    kern.values(p, v, out), ref.values(p, v, out_ref)
+    np.testing.assert_array_equal(out.view(np.uint64), out_ref.view(np.uint64))
+    one = np.zeros((n_kv, 1, hd))
+    kern.values(np.ascontiguousarray(p[:, 5:6]), v, one)
+    np.testing.assert_array_equal(one.view(np.uint64), out[:, 5:6].view(np.uint64))
+
+
+def test_attention_weights_round_to_f16_as_numpy_does():
+    """The weights' f16 rounding in C (F16C, or the reference's bit arithmetic) is numpy's
+    astype(float16): ties to even, subnormals, the largest f16 and past it (inf)."""
+    edges = np.array([0.0, 2.0 ** -25, 2.0 ** -25 * 1.5, 2.0 ** -24, 2.0 ** -14 * (1 - 2.0 ** -11), 2.0 ** -14,
+                      1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 65504.0, 65519.0, 65520.0, 1e30, 1e-45], f32)
+    p = np.concatenate([edges, np.random.default_rng(0).random(4093, f32) ** 8])[None, None]  # (1, 1, 4106)
+    S = p.shape[-1]
+    for simd in (True, False):
+        kern = kernels.make_attention_kernel(simd=simd)
+        for s in range(0, S, 997):  # one key per call: out = f16(p_s) * 1
+            v = np.ones((1, 1, 16), f32)
+            out = np.zeros((1, 1, 16))
+            kern.values(np.ascontiguousarray(p[..., s:s + 1]), v, out)
+            assert out[0, 0, 0] == np.float64(p[0, 0, s].astype(np.float16)), (s, p[0, 0, s])
+        for s, x in enumerate(edges):
+            out = np.zeros((1, 1, 16))
+            kern.values(np.full((1, 1, 1), x, f32), np.ones((1, 1, 16), f32), out)
+            with np.errstate(over="ignore"):  # 65520 and 1e30 round to inf, as they should
+                want = np.float64(np.float16(x))
+            assert out[0, 0, 0] == want, x
+
+
+def test_attention_kernel_declines_what_it_does_not_take():
+    kern = kernels.make_attention_kernel()
+    rng = np.random.default_rng(0)
+    q = f16_numbers((2, 3, 64), rng)
+    assert kern.scores(q, f16_numbers((5, 2, 64), rng).astype(np.float16)) is None  # a float16 cache: numpy
+    assert kern.scores(f16_numbers((2, 3, 72), rng), f16_numbers((5, 2, 72), rng)) is None  # hd not a multiple of 16
+    out = np.zeros((2, 3, 64))
+    assert kern.values(rng.random((2, 3, 5), f32), f16_numbers((5, 2, 64), rng), out[:, ::-1]) is None  # out not writable in place
+    with pytest.raises(ValueError, match="expected"):
+        _qmatmul.attn_scores(q, np.zeros((5, 2, 64), f32), np.zeros((2, 3, 4), f32), 2, 3, 5, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _qmatmul.attn_values(np.zeros((2, 3, 5), f32), np.zeros((5, 2, 8), f32), np.zeros((2, 3, 8)), 2, 3, 5, 8)
