@@ -247,6 +247,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     k_pos[s] <= q_pos[t], so chunked prefill, decode and rows at any positions need no other
     bookkeeping than the positions.
     tile: keys per tile (default attn_tile_keys); S <= tile is the one-tile computation.
+    The two products run in the registered attention kernel (deploy/kernels/attn.h: the same
+    float64 sums in one fixed order, in C) when there is one, else in numpy's float64 matmuls.
     """
     T, n_head, hd = q.shape
     S, n_kv, _ = k.shape
