@@ -5,15 +5,18 @@ caller and are stored beside the keys: attention masks by position (key pos <= q
 so a chunked prefill sees exactly what an unchunked one does.
 
 Keys and values are stored token-major, (capacity, n_kv, hd), and hold float16 numbers whatever
-the storage dtype (the attn phase rounds them first, as llama.cpp's f16 cache holds them).
-Attention copies a slice of them at a time to float64, where its products are exact and its sums
-do not depend on BLAS's order (common/models/qwen2.py, attention()).
+the storage dtype (the attn phase rounds them first, as llama.cpp's f16 cache holds them), so the
+storage type changes bytes, never numbers: default_kv_dtype() says which. Attention's products are
+exact in float64 and summed there, by the C kernels or a slice of keys at a time by numpy
+(common/models/qwen2.py, attention()).
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
 import numpy as np
+
+from common.matmul import get_attention_kernel
 
 # Capacity grows in whole blocks of tokens and by at least an eighth: a long decode copies O(n)
 # in total, and a cache holds at most an eighth (or one block) more than its tokens.
@@ -44,17 +47,27 @@ def largest(fits: Callable[[int], bool], hi: int) -> int:
     return lo
 
 
+def default_kv_dtype() -> np.dtype:
+    """The cache's storage type: float16 where the C attention kernels run (they read it as fast as
+    float32, and it halves a session's bytes, as llama.cpp's f16 cache), float32 on numpy's path
+    (Workers, KNOT_KERNELS=off), whose float16 -> float64 copies cost about twice float32's (4.5
+    against 2.3 ns an element, measured): there a station's decode over 1,500 keys would pay ~0.8
+    ms more per layer for the halved bytes."""
+    kern = get_attention_kernel()
+    return kern.cache_dtype if kern is not None else np.dtype(np.float32)
+
+
 class KVCache:
     """Keys and values per layer, each (capacity, n_kv_head, head_dim), in arrival order.
 
     A station only ever appends the layers it runs, so layers are created on first use.
-    `dtype` is the storage type (float16 would halve it and keep the same values); attention
-    converts a slice of keys at a time to float64.
+    `dtype` is the storage type (None: default_kv_dtype()): float16 (llama.cpp's cache type) holds
+    the values the attn phase appends exactly, float32 the same values in twice the bytes.
     """
 
-    def __init__(self, n_kv_head: int, head_dim: int, dtype=np.float32):
+    def __init__(self, n_kv_head: int, head_dim: int, dtype=None):
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(dtype) if dtype is not None else default_kv_dtype()
         self._k: dict[int, np.ndarray] = {}    # layer -> (capacity, n_kv, hd)
         self._v: dict[int, np.ndarray] = {}
         self._pos: dict[int, np.ndarray] = {}  # layer -> (capacity,) int64

@@ -95,9 +95,11 @@ class AttentionKernel:
     scores(q (n_kv, R, hd) f32, k (S, n_kv, hd)) -> (n_kv, R, S) f32: q·k summed in float64,
         rounded once (q and k f16 numbers, so every product is exact);
     values(p (n_kv, R, S) f32, v (S, n_kv, hd), out (n_kv, R, hd) f64) -> out, += f16(p) @ v
-        summed in float64."""
+        summed in float64;
+    cache_dtype: the KV cache's storage type it reads best (common.kvcache.default_kv_dtype)."""
     scores: Callable[[np.ndarray, np.ndarray], np.ndarray | None]
     values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]
+    cache_dtype: np.dtype = np.dtype(np.float32)
 
 
 _ATTENTION: list[AttentionKernel | None] = [None]

@@ -45,7 +45,7 @@ def _mem_available_bytes() -> int | None:
 
 class LocalEngine:
     def __init__(self, model, *, cache_f32: bool | None = None,
-                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=np.float32,
+                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=None,
                  draft: "LocalEngine | None" = None):
         """model: a deploy.knotfile.LocalModel. cache_f32=None: cache when the float32 weights
         fit in cache_budget_bytes and in half the available memory. draft: a smaller model of the

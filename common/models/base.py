@@ -80,7 +80,8 @@ class Model(ABC):
 
     # -------------------------------------------------------- math
 
-    def new_kv(self, dtype=np.float32) -> KVCache:
+    def new_kv(self, dtype=None) -> KVCache:
+        """An empty cache; dtype None: common.kvcache.default_kv_dtype()."""
         return KVCache(self.cfg.n_kv_head, self.cfg.head_dim, dtype=dtype)
 
     @abstractmethod

@@ -90,17 +90,18 @@ def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Ker
     return kernel
 
 
-# what the attention kernels take (attn.h): float32 caches, head dims a multiple of 16 up to 256
+# what the attention kernels take (attn.h): float32 or float16 caches, head dims a multiple of 16 up to 256
 ATTN_HEAD_DIMS = range(16, 257, 16)
+ATTN_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def make_attention_kernel(simd: bool = True, parallel: bool = True) -> AttentionKernel:
     """attention's products in C (attn.h): the numbers of qwen2's numpy float64 matmuls, summed in
-    one fixed order on every ISA, thread count and batch. They decline (None) a cache that is not
-    float32 and a head dim the kernels do not take; numpy serves those."""
+    one fixed order on every ISA, thread count and batch. They decline (None) a cache of another
+    dtype than float32 or float16 and a head dim the kernels do not take; numpy serves those."""
 
     def takes(q: np.ndarray, kv: np.ndarray) -> bool:
-        return kv.dtype == np.float32 and q.shape[-1] in ATTN_HEAD_DIMS and kv.ndim == 3
+        return kv.dtype in ATTN_KV_DTYPES and q.shape[-1] in ATTN_HEAD_DIMS and kv.ndim == 3
 
     def scores(q: np.ndarray, k: np.ndarray) -> np.ndarray | None:
         n_kv, R, hd = q.shape
@@ -108,7 +109,8 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
             return None
         S = k.shape[0]
         out = np.empty((n_kv, R, S), np.float32)
-        _qmatmul.attn_scores(np.ascontiguousarray(q), np.ascontiguousarray(k), out, n_kv, R, S, hd, simd, parallel)
+        _qmatmul.attn_scores(np.ascontiguousarray(q), np.ascontiguousarray(k), out, n_kv, R, S, hd, simd, parallel,
+                             k.dtype == np.float16)
         return out  # (n_kv, R, S)
 
     def values(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> np.ndarray | None:
@@ -117,10 +119,11 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
         if (not takes(out, v) or p.dtype != np.float32 or v.shape != (S, n_kv, hd) or out.shape != (n_kv, R, hd)
                 or out.dtype != np.float64 or not out.flags.c_contiguous):  # out is written in place
             return None
-        _qmatmul.attn_values(np.ascontiguousarray(p), np.ascontiguousarray(v), out, n_kv, R, S, hd, simd, parallel)
+        _qmatmul.attn_values(np.ascontiguousarray(p), np.ascontiguousarray(v), out, n_kv, R, S, hd, simd, parallel,
+                             v.dtype == np.float16)
         return out  # (n_kv, R, hd) f64, += f16(p) @ v
 
-    return AttentionKernel(scores=scores, values=values)
+    return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16))
 
 
 def isas() -> list[str]:

@@ -209,7 +209,8 @@ static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, co
  * and a block of keys (scores) or of rows (values): each output is computed by one thread. */
 typedef struct {
     const isa_kernels *isa;
-    const float *q, *kv, *p;
+    const float *q, *p;
+    kv_ptr kv;  /* keys or values */
     float *scores;
     double *out;
     int n_kv, R, S, hd, per_task, tasks_per_head;
@@ -223,7 +224,7 @@ static void attn_scores_task(void *vctx, int task) {
     const int h = task / c->tasks_per_head, s0 = task % c->tasks_per_head * c->per_task;
     const int ns = c->S - s0 < c->per_task ? c->S - s0 : c->per_task;
     const size_t ks = (size_t)c->n_kv * c->hd;
-    c->isa->attn_scores(c->q + (size_t)h * c->R * c->hd, c->R, c->kv + (size_t)s0 * ks + (size_t)h * c->hd, ks,
+    c->isa->attn_scores(c->q + (size_t)h * c->R * c->hd, c->R, kv_add(c->kv, (size_t)s0 * ks + (size_t)h * c->hd), ks,
                         ns, c->hd, c->scores + (size_t)h * c->R * c->S + s0, (size_t)c->S);
 }
 
@@ -231,7 +232,7 @@ static void attn_values_task(void *vctx, int task) {
     const attn_ctx *c = vctx;
     const int h = task / c->tasks_per_head, r0 = task % c->tasks_per_head * c->per_task;
     const int nr = c->R - r0 < c->per_task ? c->R - r0 : c->per_task;
-    c->isa->attn_values(c->p + ((size_t)h * c->R + r0) * c->S, (size_t)c->S, nr, c->kv + (size_t)h * c->hd,
+    c->isa->attn_values(c->p + ((size_t)h * c->R + r0) * c->S, (size_t)c->S, nr, kv_add(c->kv, (size_t)h * c->hd),
                         (size_t)c->n_kv * c->hd, c->S, c->hd, c->out + ((size_t)h * c->R + r0) * c->hd);
 }
 
@@ -321,23 +322,24 @@ static int attn_shape_ok(int n_kv, int R, int S, int hd) {
     return 1;
 }
 
-/* attn_scores(q f32 (n_kv, R, hd), k f32 (S, n_kv, hd), out f32 (n_kv, R, S), n_kv, R, S, hd) and
- * attn_values(p f32 (n_kv, R, S), v f32 (S, n_kv, hd), out f64 (n_kv, R, hd) +=, n_kv, R, S, hd) */
+/* attn_scores(q f32 (n_kv, R, hd), k (S, n_kv, hd), out f32 (n_kv, R, S), n_kv, R, S, hd) and
+ * attn_values(p f32 (n_kv, R, S), v (S, n_kv, hd), out f64 (n_kv, R, hd) +=, n_kv, R, S, hd):
+ * k and v float32, or f16 with kv_f16 */
 static PyObject *attn_call(PyObject *args, PyObject *kw, int values) {
-    static char *kwlist[] = {"a", "kv", "out", "n_kv", "R", "S", "hd", "simd", "parallel", NULL};
-    int n_kv, R, S, hd, simd = 1, parallel = 1;
+    static char *kwlist[] = {"a", "kv", "out", "n_kv", "R", "S", "hd", "simd", "parallel", "kv_f16", NULL};
+    int n_kv, R, S, hd, simd = 1, parallel = 1, kv_f16 = 0;
     PyObject *objs[3];
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOiiii|pp", kwlist, &objs[0], &objs[1], &objs[2],
-                                     &n_kv, &R, &S, &hd, &simd, &parallel)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOiiii|ppp", kwlist, &objs[0], &objs[1], &objs[2],
+                                     &n_kv, &R, &S, &hd, &simd, &parallel, &kv_f16)) return NULL;
     if (!attn_shape_ok(n_kv, R, S, hd)) return NULL;
     static const char *const names[2][3] = {{"q", "k", "out"}, {"p", "v", "out"}};
     static const int writable[] = {0, 0, 1};
-    const Py_ssize_t kv_bytes = (Py_ssize_t)S * n_kv * hd * 4;
+    const Py_ssize_t kv_bytes = (Py_ssize_t)S * n_kv * hd * (kv_f16 ? 2 : 4);
     const Py_ssize_t expect[2][3] = {{(Py_ssize_t)n_kv * R * hd * 4, kv_bytes, (Py_ssize_t)n_kv * R * S * 4},
                                      {(Py_ssize_t)n_kv * R * S * 4, kv_bytes, (Py_ssize_t)n_kv * R * hd * 8}};
     Py_buffer b[3];
     if (attn_buffers(objs, b, names[values], writable, expect[values], 3)) return NULL;
-    attn_ctx c = {simd ? isa_current : &ISA_SCALAR, NULL, b[1].buf, NULL, NULL, NULL, n_kv, R, S, hd, 0, 0};
+    attn_ctx c = {simd ? isa_current : &ISA_SCALAR, NULL, NULL, {b[1].buf, kv_f16}, NULL, NULL, n_kv, R, S, hd, 0, 0};
     if (values) { c.p = b[0].buf; c.out = b[2].buf; }
     else { c.q = b[0].buf; c.scores = b[2].buf; }
     if (R && S) {
@@ -425,10 +427,10 @@ static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(x, T, ne0, k, simd=True) -> (qs, d, bsums|None): the Q8_0 (k false) or Q8_K activation"},
     {"attn_scores", (PyCFunction)(void (*)(void))py_attn_scores, METH_VARARGS | METH_KEYWORDS,
-     "attn_scores(q, k, out, n_kv, R, S, hd, simd=True, parallel=True): out (n_kv, R, S) f32 = q (n_kv, R, hd) . "
+     "attn_scores(q, k, out, n_kv, R, S, hd, simd=True, parallel=True, kv_f16=False): out (n_kv, R, S) f32 = q (n_kv, R, hd) . "
      "k (S, n_kv, hd), float64 sums in attn.h's order"},
     {"attn_values", (PyCFunction)(void (*)(void))py_attn_values, METH_VARARGS | METH_KEYWORDS,
-     "attn_values(p, v, out, n_kv, R, S, hd, simd=True, parallel=True): out (n_kv, R, hd) f64 += f16(p) (n_kv, R, S) "
+     "attn_values(p, v, out, n_kv, R, S, hd, simd=True, parallel=True, kv_f16=False): out (n_kv, R, hd) f64 += f16(p) (n_kv, R, S) "
      "@ v (S, n_kv, hd)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): threads per matmul, caller included"},
     {"get_threads", py_get_threads, METH_NOARGS, "threads per matmul, caller included"},

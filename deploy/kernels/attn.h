@@ -1,6 +1,7 @@
 /* Attention's two products, K·q and V·p, summed in float64 in one fixed order.
  *
- * What they compute is common/models/qwen2.py's numpy attention (_scores, _weighted_values):
+ * What they compute is common/models/qwen2.py's numpy attention (_scores, _weighted_values), on
+ * a float32 or an f16 KV cache:
  * llama.cpp's CPU path with flash attention off reads an f16 KV cache and rounds q and the
  * softmax's probabilities to f16, so every product here is of numbers a float32 holds exactly,
  * and their product is exact in float64 (24 + 24 significant bits <= 53). The sums are float64;
@@ -28,28 +29,28 @@
 #define ATTN_MAX_HD 256  /* head dims the kernels take: a multiple of ATTN_HD_ALIGN, at most this */
 #define ATTN_HD_ALIGN 16
 
-static inline double attn_dot_ref(const float *q, const float *k, int hd) {
+static inline double attn_dot_ref(const float *q, kv_ptr k, int hd) {
     double l[8] = {0};
     for (int d = 0; d < hd; d += 8)
-        for (int i = 0; i < 8; i++) l[i] += (double)q[d + i] * (double)k[d + i];
+        for (int i = 0; i < 8; i++) l[i] += (double)q[d + i] * (double)kv_get(k, d + i);
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-static void attn_scores_ref(const float *q, int R, const float *k, size_t ks, int S, int hd,
+static void attn_scores_ref(const float *q, int R, kv_ptr k, size_t ks, int S, int hd,
                             float *out, size_t os) {
     for (int r = 0; r < R; r++)
         for (int s = 0; s < S; s++)
-            out[(size_t)r * os + s] = (float)attn_dot_ref(q + (size_t)r * hd, k + (size_t)s * ks, hd);
+            out[(size_t)r * os + s] = (float)attn_dot_ref(q + (size_t)r * hd, kv_add(k, (size_t)s * ks), hd);
 }
 
-static void attn_values_ref(const float *p, size_t ps, int R, const float *v, size_t vs, int S,
+static void attn_values_ref(const float *p, size_t ps, int R, kv_ptr v, size_t vs, int S,
                             int hd, double *out) {
     for (int r = 0; r < R; r++) {
         double *o = out + (size_t)r * hd;
         for (int s = 0; s < S; s++) {
             const double w = round_f16(p[(size_t)r * ps + s]);
-            const float *vr = v + (size_t)s * vs;
-            for (int d = 0; d < hd; d++) o[d] += w * (double)vr[d];
+            const kv_ptr vr = kv_add(v, (size_t)s * vs);
+            for (int d = 0; d < hd; d++) o[d] += w * (double)kv_get(vr, d);
         }
     }
 }

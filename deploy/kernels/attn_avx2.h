@@ -7,6 +7,12 @@
 
 #if HAVE_AVX2
 
+/* 4 keys' or values' elements from i on, as doubles */
+static inline __m256d kv_load4_pd(kv_ptr a, size_t i) {
+    return a.f16 ? _mm256_cvtps_pd(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)a.p + i))))
+                 : _mm256_cvtps_pd(_mm_loadu_ps((const float *)a.p + i));
+}
+
 #define ATTN_QROWS 16  /* query rows converted to double at a time, reused over every key */
 
 #if defined(__AVX512F__)
@@ -39,7 +45,7 @@ static inline __m128 attn_reduce4(const __m256d lo[4], const __m256d hi[4]) {
 #define ATTN_KEYS 4
 #endif
 
-static void attn_scores_simd(const float *q, int R, const float *k, size_t ks, int S, int hd,
+static void attn_scores_simd(const float *q, int R, kv_ptr k, size_t ks, int S, int hd,
                              float *out, size_t os) {
     double qd[ATTN_QROWS * ATTN_MAX_HD] __attribute__((aligned(64)));   /* rows of q in double */
     double kd[ATTN_KEYS * ATTN_MAX_HD] __attribute__((aligned(64)));    /* a block of keys in double */
@@ -51,7 +57,7 @@ static void attn_scores_simd(const float *q, int R, const float *k, size_t ks, i
         for (int s = 0; s < S_blk; s += ATTN_KEYS) {
             for (int j = 0; j < ATTN_KEYS; j++)
                 for (int d = 0; d < hd; d += 4)
-                    _mm256_store_pd(kd + j * hd + d, _mm256_cvtps_pd(_mm_loadu_ps(k + (size_t)(s + j) * ks + d)));
+                    _mm256_store_pd(kd + j * hd + d, kv_load4_pd(k, (size_t)(s + j) * ks + d));
             for (int r = 0; r < nr; r++) {
                 const double *qr = qd + r * hd;
                 float *o = out + (size_t)(r0 + r) * os + s;
@@ -78,7 +84,7 @@ static void attn_scores_simd(const float *q, int R, const float *k, size_t ks, i
             }
         }
         /* the last S % ATTN_KEYS keys: the reference's sums are the same numbers */
-        attn_scores_ref(q + (size_t)r0 * hd, nr, k + (size_t)S_blk * ks, ks, S - S_blk, hd,
+        attn_scores_ref(q + (size_t)r0 * hd, nr, kv_add(k, (size_t)S_blk * ks), ks, S - S_blk, hd,
                         out + (size_t)r0 * os + S_blk, os);
     }
 }
@@ -143,7 +149,7 @@ static inline __attribute__((always_inline)) void attn_values_rows(const int NR,
 /* out (R, hd) f64 += f16(p) (R, S) @ v (S, hd): a block of ATTN_VKEYS values is converted to
  * double once, then every row, 4, 2 or 1 at a time, adds its keys in order. hd: a multiple of
  * ATTN_VDIMS (16 on AVX2; on AVX-512, 32, else the AVX2-width loop below). */
-static void attn_values_simd(const float *p, size_t ps, int R, const float *v, size_t vs, int S,
+static void attn_values_simd(const float *p, size_t ps, int R, kv_ptr v, size_t vs, int S,
                              int hd, double *out) {
     if (hd % ATTN_VDIMS) {  /* AVX-512 with hd = 16 (x 16 odd): the reference's numbers */
         attn_values_ref(p, ps, R, v, vs, S, hd, out);
@@ -155,7 +161,7 @@ static void attn_values_simd(const float *p, size_t ps, int R, const float *v, s
         const int nk = S - s0 < ATTN_VKEYS ? S - s0 : ATTN_VKEYS;
         for (int j = 0; j < nk; j++)
             for (int d = 0; d < hd; d += 4)
-                _mm256_store_pd(vd + (size_t)j * hd + d, _mm256_cvtps_pd(_mm_loadu_ps(v + (size_t)(s0 + j) * vs + d)));
+                _mm256_store_pd(vd + (size_t)j * hd + d, kv_load4_pd(v, (size_t)(s0 + j) * vs + d));
         int r = 0;
         for (; r + 4 <= R; r += 4) {
             for (int i = 0; i < 4; i++) attn_round_weights(p + (size_t)(r + i) * ps + s0, nk, w + i * ATTN_VKEYS);

@@ -287,9 +287,19 @@ enum { K_Q4_0, K_Q5_0, K_Q8_0, K_Q4_K, K_Q6_K, N_KTYPES };  /* index into the ta
 /* attention's products (attn.h says in which order every ISA sums them):
  * scores: out[r * os + s] = (float) sum_d q[r * hd + d] * k[s * ks + d] in double, r < R, s < S
  * values: out[r * hd + d] += sum_s f16(p[r * ps + s]) * v[s * vs + d] in double, s ascending */
-typedef void (*attn_scores_fn)(const float *q, int R, const float *k, size_t ks, int S, int hd,
+/* keys or values as the KV cache stores them: float32, or f16 (llama.cpp's cache type) when f16 is
+ * set; offsets count elements */
+typedef struct { const void *p; int f16; } kv_ptr;
+static inline kv_ptr kv_add(kv_ptr a, size_t n) {
+    a.p = a.f16 ? (const void *)((const uint16_t *)a.p + n) : (const void *)((const float *)a.p + n);
+    return a;
+}
+static inline float kv_get(kv_ptr a, size_t i) {
+    return a.f16 ? f16_to_f32(((const uint16_t *)a.p)[i]) : ((const float *)a.p)[i];
+}
+typedef void (*attn_scores_fn)(const float *q, int R, kv_ptr k, size_t ks, int S, int hd,
                                float *out, size_t os);
-typedef void (*attn_values_fn)(const float *p, size_t ps, int R, const float *v, size_t vs, int S,
+typedef void (*attn_values_fn)(const float *p, size_t ps, int R, kv_ptr v, size_t vs, int S,
                                int hd, double *out);
 
 typedef struct {

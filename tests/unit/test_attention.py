@@ -217,6 +217,11 @@ def test_kernels_and_numpy_give_the_same_bits(T, S, tile):
         mm.register_attention_kernel(kernels.make_attention_kernel())
         np.testing.assert_array_equal(qwen2.attention(q, k, v, q_pos, k_pos, tile=tile).view(np.uint32),
                                       want.view(np.uint32))
+        # a float16 cache (the kernel reads f16), and a float64 one, which the kernel declines:
+        # numpy's float64 matmuls from its float32 q
+        for dtype in (np.float16, np.float64):
+            got = qwen2.attention(q, k.astype(dtype), v.astype(dtype), q_pos, k_pos, tile=tile)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 # ------------------------------------------------------------------ the station's accounting
@@ -299,3 +304,16 @@ def test_a_short_batch_of_rows_is_each_row_decoded_alone(T, attn_path):
         n = S - T + 1 + t
         np.testing.assert_array_equal(rows[t], qwen2.attention(q[t:t + 1], k[:n], v[:n], q_pos[t:t + 1], k_pos[:n])[0])
     assert qwen2.EXACT_ROWS == MAX_DRAFT + 1, "a verify trip of the longest draft is exact"
+
+
+def test_the_cache_stores_float16_where_the_kernels_read_it_and_float32_on_numpy():
+    """The storage type changes a session's bytes, never its numbers: float16 halves them where the
+    C kernels run, numpy's path keeps float32 (its float16 copies to float64 cost twice as much)."""
+    mm.register_attention_kernel(None)
+    kv32 = KVCache(2, 64)
+    assert kv32.dtype == np.float32 and kv32.token_bytes() == 2 * 2 * 64 * 4 + 8
+    if kernels.available():
+        mm.register_attention_kernel(kernels.make_attention_kernel())
+        kv16 = KVCache(2, 64)
+        assert kv16.dtype == np.float16 and kv16.token_bytes() == 2 * 2 * 64 * 2 + 8
+        assert KVCache(2, 64, dtype=np.float32).dtype == np.float32  # an explicit type is kept

@@ -18,7 +18,7 @@ from tests.inprocess import build_cluster
 # One station of both tiny layers: ~1.25 MB of layer tensors beside ~0.81 MB fixed, so at this
 # budget it streams most phases each step and has room for two at once (prefetch_fits) in decode.
 PREFETCH_BUDGET_BYTES = 1_800_000
-BATCH_BUDGET_BYTES = 3_400_000
+BATCH_BUDGET_BYTES = 2_400_000
 
 
 async def _run(tiny_knot, tmp_path, prefetch: str, monkeypatch):

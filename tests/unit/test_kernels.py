@@ -530,10 +530,13 @@ def attn_values_numpy(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> np.ndarr
 ATTN_SHAPES = [(2, 7, 1, 64), (2, 7, 5, 64), (2, 6, 300, 128), (1, 37, 301, 64), (2, 3, 9, 16), (4, 2, 1000, 256)]
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("n_kv,R,S,hd", ATTN_SHAPES)
-def test_attention_products_equal_the_numpy_emulation(n_kv, R, S, hd, isa):
+def test_attention_products_equal_the_numpy_emulation(n_kv, R, S, hd, kv_dtype, isa):
+    """Keys and values as a float32 or a float16 cache stores them (the kernels read either)."""
     rng = np.random.default_rng(S + hd)
     q, k, v = f16_numbers((n_kv, R, hd), rng), f16_numbers((S, n_kv, hd), rng), rng.standard_normal((S, n_kv, hd)).astype(f32)
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
     p = rng.random((n_kv, R, S), f32) ** 4  # many tiny weights: f16 subnormals
     out0 = rng.standard_normal((n_kv, R, hd))
     for simd in (True, False):
@@ -591,7 +594,7 @@ def test_attention_kernel_declines_what_it_does_not_take():
     kern = kernels.make_attention_kernel()
     rng = np.random.default_rng(0)
     q = f16_numbers((2, 3, 64), rng)
-    assert kern.scores(q, f16_numbers((5, 2, 64), rng).astype(np.float16)) is None  # a float16 cache: numpy
+    assert kern.scores(q, f16_numbers((5, 2, 64), rng).astype(np.float64)) is None  # a float64 cache: numpy
     assert kern.scores(f16_numbers((2, 3, 72), rng), f16_numbers((5, 2, 72), rng)) is None  # hd not a multiple of 16
     out = np.zeros((2, 3, 64))
     assert kern.values(rng.random((2, 3, 5), f32), f16_numbers((5, 2, 64), rng), out[:, ::-1]) is None  # out not writable in place

@@ -391,7 +391,7 @@ async def test_fluid_station_streams_only_what_it_cannot_keep(tiny_knot, tmp_pat
     order every forward; evicting least recently used there would evict exactly the tensor needed
     next and hit nothing. The station keeps a stable set instead: each decode forward moves from
     the warden only the bytes it does not keep."""
-    c = await build_cluster(tiny_knot, tmp_path, 1, 1, station_budget_bytes=1792 << 10)
+    c = await build_cluster(tiny_knot, tmp_path, 1, 1, station_budget_bytes=1536 << 10)
     st = c.stations[0]
     await c.generate(prompt="the", max_tokens=3)
     s0 = (await st.fetch(Request("GET", "/stats"))).json()
