@@ -135,6 +135,10 @@ SETTINGS: tuple[Setting, ...] = (
        reader_defaults={"cobordism_warden": REQUIRED}),
     _s("EMBED_CACHE", "binding", None, "cobordism_warden",
        "KV namespace for dequantized embedding rows (optional), the middle level of the row cache"),
+    _s("SHARED_BLOCKS", "binding", None, "layer_warden",
+       "shared-memory blocks (optional, never configured: the local host offers them where KNOT_SHM_DIR is set); "
+       "the LayerWarden keeps large frames there, and its replies name them instead of copying them "
+       "(deploy/local/shm.py)"),
     _s("STATION_<i>", "binding", None, "coordinator", "service binding to station i"),
     _s("SHARD_<i>", "binding", None, "coordinator", "service binding to shard i"),
     _s("DRAFTER", "binding", None, "coordinator", "service binding to the drafter (optional): enables the "

@@ -29,7 +29,7 @@ from common.runtime import (BadGateway, BadRequest, DurableObjectId, GatewayTime
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
 from deploy.local.embedded import check_etag, check_range
 from deploy.local.logs import REQUEST_ID_HEADER, request_id_var
-from deploy.local.shm import SHM_HEADER, SHM_LENGTH_HEADER, ReplyReader, ShmError
+from deploy.local.shm import PIECES_HEADER, SHM_HEADER, SHM_LENGTH_HEADER, ReplyReader, ShmError
 
 
 
@@ -357,7 +357,8 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
                     raise ServiceUnavailable(f"{request.method} {url}: connection lost: {e}") from None
                 except _Malformed as e:
                     raise BadGateway(f"{request.method} {url}: {e}") from None
-                if SHM_HEADER in reply_headers:  # copied out before the connection carries anything else
+                if SHM_HEADER in reply_headers or PIECES_HEADER in reply_headers:  # copied out before the
+                    # connection carries anything else
                     body_out = _shm_body(shm, reply_headers, body_out, f"{request.method} {url}")
                 if keep and connections is not None:
                     connections.give(peer, sock)
@@ -372,15 +373,19 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
 
 
 def _shm_body(shm: ReplyReader | None, headers: Headers, body: bytes | memoryview, what: str) -> memoryview:
-    """The body of a reply the peer left in shared memory (deploy/local/shm.py), its headers removed."""
-    name, length = headers.pop(SHM_HEADER), headers.pop(SHM_LENGTH_HEADER, None)
+    """The body of a reply the peer left in shared memory (deploy/local/shm.py), its headers removed:
+    a reply buffer's bytes, the blocks its pieces name, or both."""
+    name, length = headers.pop(SHM_HEADER, None), headers.pop(SHM_LENGTH_HEADER, None)
+    pieces = headers.pop(PIECES_HEADER, None)
     if shm is None:
-        raise BadGateway(f"{what}: a reply in shared memory ({name[:80]!r}), which this call did not ask for")
-    if len(body) or length is None or not length.isdigit():
+        raise BadGateway(f"{what}: a reply in shared memory ({(name or pieces)[:80]!r}), which this call did not "
+                         "ask for")
+    if name is not None and (len(body) or length is None or not length.isdigit()):
         raise BadGateway(f"{what}: a reply in shared memory with {len(body)} body bytes and "
                          f"{SHM_LENGTH_HEADER} {length!r}")
     try:
-        return shm.read(name, int(length))
+        own = shm.read(name, int(length)) if name is not None else body
+        return own if pieces is None else shm.assemble(pieces, own)
     except ShmError as e:
         raise BadGateway(f"{what}: {e}") from None
 

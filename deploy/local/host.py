@@ -33,7 +33,7 @@ from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectH
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
-from deploy.local.shm import SHM_HEADER, SHM_LENGTH_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader
+from deploy.local.shm import SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -135,11 +135,10 @@ async def send_response(request: web.Request, resp: Response) -> web.StreamRespo
         shm = request.app[RUNTIME].shm
         if (shm is not None and request.headers.get(SHM_HEADER) == shm.offer and resp.nbytes >= SHM_MIN_BYTES
                 and request.transport is not None):
-            put = shm.write(request.transport, resp.parts)
-            if put is not None:  # else every buffer is in use: the socket, as for any caller
-                headers = _reply_headers(resp)
-                headers[SHM_HEADER], headers[SHM_LENGTH_HEADER] = put[0], str(put[1])
-                return web.Response(status=resp.status, headers=headers)
+            plan = shm.reply(request.transport, resp.parts)
+            if plan is not None:  # else every buffer is in use and no part is a block: the socket
+                headers = _reply_headers(resp) | plan[0]
+                return web.Response(status=resp.status, headers=headers, body=b"".join(plan[1]))
         return await _send_sliced(request, resp)
     out = web.StreamResponse(status=resp.status, headers=_reply_headers(resp))
     out.headers[REQUEST_ID_HEADER] = request_id_var.get()  # sent with the headers, before the body
@@ -344,6 +343,11 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
         if hasattr(b, "ping"):
             checks[name] = b.ping
         bindings[name] = b
+    shm = None
+    if settings.shm_dir is not None:
+        shm = ReplyBuffers(settings.shm_dir)
+        stack.callback(shm.close)
+        bindings["SHARED_BLOCKS"] = shm.blocks  # the LayerWarden keeps its tensors there (deploy/local/shm.py)
     env = Env(bindings, settings.vars)
     check_settings(settings.name, settings.service, env)
     if do_host is not None:
@@ -354,10 +358,6 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
     if verifier is None and not svc.public:
         log.warning("%s: KNOT_INTERNAL_SECRET is unset: this internal service answers unsigned calls from "
                     "anyone who can reach its port (knot cluster up and knot secrets generate one)", settings.name)
-    shm = None
-    if settings.shm_dir is not None:
-        shm = ReplyBuffers(settings.shm_dir)
-        stack.callback(shm.close)
     return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks,
                           access_log=settings.access_log, max_body_bytes=settings.max_body_bytes or svc.max_body_bytes,
                           public=svc.public, verifier=verifier, shm=shm)

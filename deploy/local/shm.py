@@ -22,6 +22,22 @@ read-only. Nothing here is trusted more than the socket's bytes: the frames insi
 crc32s, checked by the station as before. A host without the directory, or with every buffer in use
 (MAX_BUFFERS), answers over the socket as always, so callers and hosts mix freely (docker compose
 and Cloudflare never set it).
+
+Shared blocks (the env binding SHARED_BLOCKS): the copy into a reply buffer was still a pass over
+every streamed byte, and it was the LayerWarden's whole cost (~1 s of CPU per 7B token, both
+stations' 3.9 GB). So a host can keep long-lived bytes in files of the directory from the start:
+SharedBlocks.keep() copies a buffer once into a new file (a block) and returns a read-only view of
+it, which the LayerWarden caches in place of the bytes. A reply whose parts include such views names
+them instead of copying them: `X-Knot-Shm-Pieces: 12,knot-blk-7-3:56623150,...`, the body in order,
+where `<n>` is the next n bytes of the reply's own body (the socket's, or the connection's buffer
+when they reach SHM_MIN_BYTES) and `<name>:<n>` is a whole block. The caller copies every piece into
+one private buffer, as it copies a reply buffer now: one copy, the caller's, where there were two.
+
+A block is written once, before anyone can name it, and never again; its file is unlinked when the
+last view of it goes (the cache evicted it, and no reply still pins it). The host pins a reply's
+blocks with its connection until that connection carries its next request or closes, so the caller
+always finds what a reply names. Nothing here trusts a block more than a reply buffer: a caller
+copies it to private memory first, and the frames' crc32s are checked on that copy.
 """
 from __future__ import annotations
 
@@ -42,10 +58,15 @@ log = logging.getLogger(__name__)
 
 SHM_HEADER = "X-Knot-Shm"
 SHM_LENGTH_HEADER = "X-Knot-Shm-Length"
+PIECES_HEADER = "X-Knot-Shm-Pieces"
 SHM_MIN_BYTES = 1 << 20  # smaller bodies go over the socket: a file's round trip costs more than they do
 MAX_BUFFERS = 8  # a host's buffers at once (one per connection that got a large reply), ~a phase each
 _NAME = re.compile(r"\Aknot-shm-[0-9]+-[0-9]+\Z")
+_BLOCK_NAME = re.compile(r"\Aknot-blk-[0-9]+-[0-9]+\Z")
 _names = itertools.count()
+MAX_PIECES = 1024  # a reply's pieces (a LayerWarden batch is at most 256 frames and a header)
+MAX_PIECES_CHARS = 16 << 10  # longer piece lists are not sent: the blocks' bytes go into the buffer instead
+MAX_ASSEMBLED_BYTES = 16 << 30  # what a caller allocates for one reply's pieces, at most
 
 
 # A copy of SPLIT_COPY_BYTES or more runs as two halves, one on a helper thread (numpy's copyto
@@ -113,6 +134,75 @@ class _Buffer:
             pass
 
 
+class SharedBlocks:
+    """A host's immutable buffers in files of the shared directory (the env binding SHARED_BLOCKS):
+    what keep() returns is sent by name, not copied, to callers of the same directory."""
+
+    def __init__(self, directory: str | Path, min_bytes: int = SHM_MIN_BYTES):
+        self.directory = Path(directory)
+        self.min_bytes = min_bytes
+        # id(array) -> (a weak reference to it, file name, bytes): only while the array lives (the
+        # finalizer removes the entry before the id can be reused)
+        self._live: dict[int, tuple[weakref.ref, str, int]] = {}
+        self.bytes = 0  # in live blocks
+        self.failures = 0  # blocks the directory refused (logged once)
+
+    def keep(self, data: Any) -> memoryview | None:
+        """A read-only copy of data (any contiguous buffer) in a new block, or None: data is smaller
+        than min_bytes, or the directory refused (full or gone). The caller then keeps data itself."""
+        n = memoryview(data).nbytes
+        if n < self.min_bytes:
+            return None
+        name = f"knot-blk-{os.getpid()}-{next(_names)}"
+        path = self.directory / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            return self._refused(e)
+        try:
+            os.posix_fallocate(fd, 0, n)  # a full tmpfs refuses here, not with SIGBUS on a write
+            m = mmap.mmap(fd, n)
+        except OSError as e:
+            os.unlink(path)
+            return self._refused(e)
+        finally:
+            os.close(fd)
+        _copy(m, data, n)
+        array = np.frombuffer(m, np.uint8)
+        array.flags.writeable = False
+        key = id(array)
+        self._live[key] = (weakref.ref(array), name, n)
+        self.bytes += n
+        weakref.finalize(array, self._release, key, path, n)
+        return memoryview(array)
+
+    def _refused(self, e: OSError) -> None:
+        if not self.failures:
+            log.warning("shared block in %s: %s; keeping bytes in the process", self.directory, e)
+        self.failures += 1
+        return None
+
+    def _release(self, key: int, path: Path, n: int) -> None:
+        self._live.pop(key, None)
+        self.bytes -= n
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def region(self, part: Any) -> tuple[str, int] | None:
+        """(file name, bytes) when part is a whole block keep() returned; None for any other buffer."""
+        if not isinstance(part, memoryview):
+            return None
+        live = self._live.get(id(part.obj))
+        if live is None or live[0]() is not part.obj or part.nbytes != live[2]:
+            return None
+        return live[1], live[2]
+
+    def stats(self) -> dict:
+        return {"blocks": len(self._live), "block_bytes": self.bytes, "block_failures": self.failures}
+
+
 class ReplyBuffers:
     """A host's side: each connection's reply buffer, made on its first large reply and dropped
     with the connection (its transport)."""
@@ -122,9 +212,54 @@ class ReplyBuffers:
         self.offer = str(self.directory)  # what a caller of the same directory sends in SHM_HEADER
         self.max_buffers = max_buffers
         self._by_transport: weakref.WeakKeyDictionary[Any, _Buffer] = weakref.WeakKeyDictionary()
+        # the blocks of each connection's last reply, kept until its caller has copied them
+        self._pinned: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
+        self.blocks = SharedBlocks(self.directory)  # the host's SHARED_BLOCKS binding
         self.replies = 0  # bodies sent through a buffer
         self.bytes = 0
+        self.block_replies = 0  # replies that named blocks
+        self.block_bytes = 0  # bytes of the blocks they named (copied by nobody but the caller)
         self.failures = 0  # buffers the directory refused (logged once)
+
+    def reply(self, transport: Any, parts: Sequence[Any]) -> tuple[dict[str, str], list] | None:
+        """How to send a body (the buffers it concatenates) to a caller of this directory: (headers,
+        the parts still to send over the socket), or None when all of it goes over the socket.
+
+        Blocks are named (PIECES_HEADER), the rest is copied into the connection's buffer when it
+        reaches SHM_MIN_BYTES and sent over the socket otherwise."""
+        self._pinned.pop(transport, None)  # its caller copied the last reply before sending this request
+        pieces: list[int | tuple[str, int]] = []
+        inline, named = [], []
+        for p in parts:
+            region = self.blocks.region(p)
+            if region is not None:
+                pieces.append(region)
+                named.append(p)
+                continue
+            n = memoryview(p).nbytes
+            if not n:
+                continue
+            inline.append(p)
+            if pieces and isinstance(pieces[-1], int):
+                pieces[-1] += n  # neighbouring inline parts are one piece
+            else:
+                pieces.append(n)
+        headers: dict[str, str] = {}
+        if named:
+            spec = ",".join(str(x) if isinstance(x, int) else f"{x[0]}:{x[1]}" for x in pieces)
+            if len(pieces) <= MAX_PIECES and len(spec) <= MAX_PIECES_CHARS:
+                headers[PIECES_HEADER] = spec
+                self._pinned[transport] = named
+                self.block_replies += 1
+                self.block_bytes += sum(n for _, n in (x for x in pieces if not isinstance(x, int)))
+            else:
+                inline, named = list(parts), []
+        if sum(memoryview(p).nbytes for p in inline) >= SHM_MIN_BYTES:
+            put = self.write(transport, inline)
+            if put is not None:
+                headers[SHM_HEADER], headers[SHM_LENGTH_HEADER] = put[0], str(put[1])
+                return headers, []
+        return (headers, inline) if named else None
 
     def write(self, transport: Any, parts: Sequence[Any]) -> tuple[str, int] | None:
         """Copy a body (the buffers it concatenates, Response.parts) into the connection's buffer ->
@@ -157,9 +292,11 @@ class ReplyBuffers:
     def stats(self) -> dict:
         """For the host's /healthz: the replies and bytes sent through buffers, the buffers now, refusals."""
         return {"replies": self.replies, "bytes": self.bytes,
-                "buffers": len(self._by_transport), "failures": self.failures}
+                "buffers": len(self._by_transport), "failures": self.failures,
+                "block_replies": self.block_replies, "block_bytes_named": self.block_bytes, **self.blocks.stats()}
 
     def close(self) -> None:
+        self._pinned.clear()
         for t in list(self._by_transport):
             self._by_transport.pop(t).close()
 
@@ -187,17 +324,46 @@ class ReplyReader:
         self.replies += 1
         return memoryview(out).toreadonly()
 
+    def assemble(self, spec: str, inline: Any) -> memoryview:
+        """A private copy of the body a PIECES_HEADER spec describes: `<n>` pieces from `inline` (the
+        reply's own body, in order), `<name>:<n>` pieces from the blocks of those names."""
+        pieces: list[tuple[str | None, int]] = []
+        for item in spec.split(","):
+            name, sep, n = item.rpartition(":")
+            if not n.isdigit() or (sep and not _BLOCK_NAME.match(name)):
+                raise ShmError(f"{PIECES_HEADER} piece {item[:80]!r} is neither <bytes> nor <block name>:<bytes>")
+            pieces.append((name if sep else None, int(n)))
+        total, own = sum(n for _, n in pieces), sum(n for name, n in pieces if name is None)
+        if len(pieces) > MAX_PIECES or total > MAX_ASSEMBLED_BYTES:
+            raise ShmError(f"{PIECES_HEADER}: {len(pieces)} pieces of {total} bytes, over this reader's "
+                           f"{MAX_PIECES} pieces or {MAX_ASSEMBLED_BYTES} bytes")
+        inline = memoryview(inline).cast("B")
+        if own != inline.nbytes:
+            raise ShmError(f"{PIECES_HEADER} names {own} bytes of the reply's own body, which has {inline.nbytes}")
+        out = np.empty(total, np.uint8)
+        at = taken = 0
+        for name, n in pieces:
+            if name is None:
+                _copy(out, inline[taken:taken + n], n, at)
+                taken += n
+            else:
+                _copy(out, self._map(name, n)[2], n, at)
+            at += n
+        self.replies += 1
+        return memoryview(out).toreadonly()
+
     def _map(self, name: str, length: int) -> tuple[int, int, mmap.mmap]:
+        what = "block" if _BLOCK_NAME.match(name) else "reply buffer"
         try:
             fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
-            raise ShmError(f"reply buffer {name}: {e.strerror}") from None
+            raise ShmError(f"{what} {name}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise ShmError(f"reply buffer {name} is not a regular file of this user")
+                raise ShmError(f"{what} {name} is not a regular file of this user")
             if st.st_size < length:
-                raise ShmError(f"reply buffer {name} holds {st.st_size} bytes, the reply says {length}")
+                raise ShmError(f"{what} {name} holds {st.st_size} bytes, the reply says {length}")
             kept = self._maps.get(name)
             if kept is not None and kept[0] == st.st_ino and kept[1] == st.st_size:
                 return kept

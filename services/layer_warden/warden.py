@@ -2,7 +2,8 @@
 
     L1  this DO's RAM: a byte budget (default 1 GiB) and the residency rule below, evicting the most
         recently used first (a station's cyclic scan; common/lru.py); entries are kept as encoded
-        tensor frames, so a hit costs no crc32 and one copy
+        tensor frames, so a hit costs no crc32 and one copy (none, where the host offers the binding
+        SHARED_BLOCKS: local processes keep large frames in shared files, which replies name)
     L3  R2 (env.KNOT_BUCKET) ranged reads          (L2, KV, is not used for layer tensors)
 
 Integrity: R2 reads are pinned to the served knot version and checked against the knot's crc32.
@@ -35,7 +36,7 @@ from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
 from common.models import Model
 from common.runtime import BadRequest, NotFound, Request, Response
-from common.settings import default
+from common.settings import default, read
 from services.knot_source import KnotSource
 from services.warden_base import Identity, IdentityFields, Served, WardenBase, budget_from
 
@@ -101,8 +102,17 @@ class LayerWarden(WardenBase):
         data = await v.source.read_tensor(name)  # pinned, and checked against the knot's crc32
         crc = crc32(data) if entry.crc32 is None else entry.crc32
         frame = wire.encode_tensor(wire.TensorFrame(name, entry.ggml_type, entry.shape, data, payload_crc32=crc))
+        frame = self._shared(frame)
         v.caches.put(name, (Seal(v.source.etag, crc, len(data)), frame), len(data))  # budget: tensor bytes (+ ~60 B)
         return frame
+
+    def _shared(self, frame: bytes) -> bytes | memoryview:
+        """The frame as the cache keeps it: in a shared block where the host offers SHARED_BLOCKS (local
+        processes: a reply then names the block, and the host copies nothing, deploy/local/shm.py),
+        else the bytes themselves. A block is a read-only copy: nothing here writes it again."""
+        blocks = read(self.env, "SHARED_BLOCKS", "layer_warden")
+        kept = blocks.keep(frame) if blocks is not None else None
+        return frame if kept is None else kept
 
     @staticmethod
     def _problem(v: Served, knot_crc: int | None, seal: Seal, frame: bytes) -> str | None:

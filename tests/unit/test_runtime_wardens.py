@@ -3,6 +3,7 @@
 The same behaviours are proven against real SeaweedFS and Redis in tests/integration/.
 """
 import json
+import os
 
 import numpy as np
 import pytest
@@ -127,6 +128,39 @@ async def test_layer_warden_lru_budget_residency_and_invalidate(tmp_path, knot):
     assert "blk.0.attn_norm.weight" not in s["cached"]
     await w.call(lw, "GET", "/tensor/blk.0.attn_norm.weight", hdrs)
     assert (await w.call(lw, "GET", "/stats", hdrs)).json()["r2_reads"] == before + 1
+
+
+async def test_layer_warden_keeps_large_frames_in_shared_blocks(tmp_path, knot):
+    """With the host's SHARED_BLOCKS binding (local processes), the LayerWarden caches frames of 1 MiB
+    or more in shared blocks: its replies carry the blocks themselves (a host names them, copying
+    nothing), their bytes are the frames it sent before, and an evicted entry's block goes."""
+    import gc
+
+    from deploy.local.shm import SharedBlocks
+
+    data, header = knot
+    w = World(tmp_path, data)
+    blocks = SharedBlocks(tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    w.env.update({"SHARED_BLOCKS": blocks})
+    budget = 4 << 20
+    hdrs = {**LAYER, "X-Layer-End": "2"}
+    await w.call(lw, "POST", "/configure", body={"knot_key": KEY, "layer_start": 0, "layer_end": 2,
+                                                 "budget_bytes": budget})
+    names = ["blk.0.attn_norm.weight", "blk.0.attn_q.weight", "blk.0.ffn_up.weight"]
+    for _ in range(2):  # a miss, then hits
+        r = await w.call(lw, "POST", "/tensors", hdrs, {"names": names})
+        assert [blocks.region(p) is not None for p in r.parts] == [False, False, True, True], "the header, a norm, two blocks"
+        frames = wire.decode_batch(r.body)  # (r.body joins the parts)
+        assert [f.payload for f in frames] == [data[slice(*header.tensor_range(n))] for n in names]
+    del r
+    big = [n for n in header.tensors if n.startswith("blk.") and header.tensors[n].length >= 1 << 20]
+    for n in big:  # past the budget: evictions
+        assert (await w.call(lw, "GET", f"/tensor/{n}", hdrs)).status == 200
+    s = (await w.call(lw, "GET", "/stats", hdrs)).json()
+    gc.collect()
+    cached_big = [n for n in s["cached"] if n in big]
+    assert s["evictions"] > 0 and len(os.listdir(tmp_path / "shm")) == blocks.stats()["blocks"] == len(cached_big)
 
 
 def embed_rows(data, header, rows):

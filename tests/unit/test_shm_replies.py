@@ -1,7 +1,9 @@
 """deploy/local/shm.py: large replies through a shared directory between a host and buffered_fetch
 (issue 15, the fluid path). Against the real host (build_app) on a real socket: the bytes equal the
 socket's, a connection reuses its buffer and the buffer goes with it, callers or hosts without the
-directory get the socket, and a reply naming a file the caller may not read is a BadGateway."""
+directory get the socket, and a reply naming a file the caller may not read is a BadGateway.
+Shared blocks: a reply names them instead of copying them, the caller gets the same bytes, and a
+block's file lives exactly as long as its view and the last reply that named it."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,14 @@ from deploy.local.tasks import BackgroundTasks
 BIG = os.urandom(3 * SHM_MIN_BYTES + 4321)
 
 
+BLOCKS: dict[str, memoryview] = {}  # what the /blocks handler holds, as a warden's cache would
+
+
 async def handler(request: Request, env, ctx) -> Response:
+    if request.path == "/blocks":  # a warden's batch with cached frames in shared blocks, and small ones not
+        small = int(request.query.get("small", "100"))
+        return Response.from_parts([BIG[:12], BLOCKS["a"], BIG[:small], BIG[5:9], BLOCKS["b"]],
+                                   "application/x-knot-tensor-batch")
     if request.path == "/big":
         return Response.from_bytes(BIG, "application/x-knot-tensor-batch")
     if request.path == "/bigger":
@@ -60,7 +69,8 @@ async def test_a_large_reply_comes_through_the_connections_buffer(shm_host):
     r = await buffered_fetch(url + "/small", Request("GET", "/small"), 30, connections=conns)
     assert r.json() == {"path": "/small"} and buffers.replies == 4, "a small reply takes the socket"
     health = (await buffered_fetch(url + "/healthz", Request("GET", "/healthz"), 30)).json()["shm_replies"]
-    assert health == {"replies": 4, "bytes": 5 * len(BIG), "buffers": 1, "failures": 0}
+    assert health == {"replies": 4, "bytes": 5 * len(BIG), "buffers": 1, "failures": 0, "block_replies": 0,
+                      "block_bytes_named": 0, "blocks": 0, "block_bytes": 0, "block_failures": 0}
     conns.close()  # the connection goes, and the host drops its buffer
     import gc
     for _ in range(50):
@@ -106,6 +116,18 @@ async def test_more_connections_than_buffers_fall_back_to_the_socket(shm_host):
         c.close()
 
 
+async def _serve_liar(liar):
+    """A host of our own that says what a test makes it say (aiohttp directly, no checks)."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/", liar)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/"
+
+
 async def test_a_reply_naming_a_file_the_caller_may_not_read_is_a_bad_gateway(tmp_path):
     from aiohttp import web
 
@@ -119,12 +141,7 @@ async def test_a_reply_naming_a_file_the_caller_may_not_read_is_a_bad_gateway(tm
         name = request.query["name"]
         return web.Response(headers={"X-Knot-Shm": name, "X-Knot-Shm-Length": request.query.get("n", "10")})
 
-    app = web.Application()
-    app.router.add_get("/", liar)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    runner, url = await _serve_liar(liar)
     try:
         for query, needle in (("name=../secret", "not a reply buffer"), ("name=knot-shm-1-1", "reply buffer"),
                               ("name=knot-shm-2-2", "No such file"), ("name=knot-shm-1-1&n=x", "X-Knot-Shm-Length")):
@@ -175,3 +192,105 @@ def test_a_large_copy_in_two_halves_is_byte_exact():
     small = bytearray(10)
     _copy(small, b"abcdef", 6, at=2)
     assert small == b"\0\0abcdef\0\0"
+
+
+def _expected(small: int) -> bytes:
+    return BIG[:12] + bytes(BLOCKS["a"]) + BIG[:small] + BIG[5:9] + bytes(BLOCKS["b"])
+
+
+async def _settle(predicate) -> bool:
+    import asyncio
+    import gc
+    for _ in range(50):
+        gc.collect()
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_shared_blocks_are_named_not_copied_and_live_as_long_as_their_views(shm_host):
+    url, buffers, d = shm_host
+    blocks = buffers.blocks
+    BLOCKS["a"] = blocks.keep(BIG)
+    BLOCKS["b"] = blocks.keep(BIG[::-1][:SHM_MIN_BYTES])
+    assert blocks.keep(BIG[:SHM_MIN_BYTES - 1]) is None, "a small buffer stays in the process"
+    assert BLOCKS["a"].readonly and bytes(BLOCKS["a"]) == BIG and blocks.stats()["blocks"] == 2
+    with pytest.raises(TypeError):
+        BLOCKS["a"][0] = 1  # nothing writes a block again
+    assert blocks.region(BLOCKS["a"]) == (blocks.region(BLOCKS["a"])[0], len(BIG))
+    assert blocks.region(BLOCKS["a"][1:]) is None and blocks.region(memoryview(BIG)) is None, "whole blocks only"
+    try:
+        conns = Connections(shm=ReplyReader(d))
+        for small in (100, 2 * SHM_MIN_BYTES):  # the rest over the socket, then through the connection's buffer
+            r = await buffered_fetch(url + f"/blocks?small={small}", Request("GET", "/blocks"), 30, connections=conns)
+            assert r.status == 200 and r.body == _expected(small) and r.body.readonly
+            assert not any(h.startswith("X-Knot-Shm") for h in r.headers)
+        assert (buffers.block_replies, buffers.replies, conns.shm.replies) == (2, 1, 3)
+        assert buffers.block_bytes == 2 * (len(BIG) + SHM_MIN_BYTES)
+        plain = await buffered_fetch(url + "/blocks", Request("GET", "/blocks"), 30, connections=Connections())
+        assert plain.body == _expected(100) and buffers.block_replies == 2, "a caller without the directory: the socket"
+
+        # The cache drops block a while the last reply on the connection still names it: its file
+        # stays until that connection's next large reply, then goes.
+        name_a = blocks.region(BLOCKS["a"])[0]
+        del BLOCKS["a"]
+        assert await _settle(lambda: blocks.stats()["blocks"] == 2) and (d / name_a).exists(), "pinned by the reply"
+        r = await buffered_fetch(url + "/big", Request("GET", "/big"), 30, connections=conns)
+        assert r.body == BIG
+        assert await _settle(lambda: not (d / name_a).exists()), "unpinned by the next reply, and unlinked"
+        assert blocks.stats()["blocks"] == 1 and blocks.stats()["block_bytes"] == SHM_MIN_BYTES
+        conns.close()
+    finally:
+        BLOCKS.clear()
+    assert await _settle(lambda: blocks.stats()["blocks"] == 0) and not any(f.startswith("knot-blk") for f in os.listdir(d))
+
+
+async def test_a_full_directory_keeps_blocks_in_the_process(tmp_path, monkeypatch):
+    import errno
+
+    from deploy.local.shm import SharedBlocks
+
+    blocks = SharedBlocks(tmp_path)
+    monkeypatch.setattr(os, "posix_fallocate",
+                        lambda fd, o, n: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    assert blocks.keep(BIG) is None and blocks.failures == 1 and os.listdir(tmp_path) == []
+    assert SharedBlocks(tmp_path / "gone").keep(BIG) is None, "a missing directory refuses too"
+
+
+async def test_bad_pieces_are_a_bad_gateway(tmp_path):
+    """A reply's piece list is the peer's word: names outside the blocks, lengths that do not add up,
+    files that are not there or too short, or too many pieces, each a BadGateway that names it."""
+    from aiohttp import web
+
+    d = tmp_path / "shm"
+    d.mkdir()
+    (d / "knot-blk-1-1").write_bytes(b"z" * 64)
+    (tmp_path / "secret").write_bytes(b"s" * 64)
+    os.symlink(tmp_path / "secret", d / "knot-blk-1-2")
+    (d / "knot-blk-1-3").mkdir()
+
+    async def liar(request):
+        pieces = ",".join([request.query["p"]] * int(request.query.get("k", "1")))  # k times: no long URLs
+        return web.Response(headers={"X-Knot-Shm-Pieces": pieces}, body=b"x" * int(request.query["n"]))
+
+    runner, url = await _serve_liar(liar)
+    from urllib.parse import quote
+    try:
+        r = await buffered_fetch(url + "?n=3&p=" + quote("2,knot-blk-1-1:64,1"), Request("GET", "/"), 5,
+                                 connections=Connections(shm=ReplyReader(d)))
+        assert r.body == b"xx" + b"z" * 64 + b"x", "the liar's honest reply"
+        for pieces, n, needle in (("../secret:10", 0, "neither"), ("knot-shm-1-1:10", 0, "neither"),
+                                  ("knot-blk-1-1:x", 0, "neither"), ("3,knot-blk-1-1:10", 2, "has 2"),
+                                  ("knot-blk-1-1:65", 0, "holds 64 bytes"), ("knot-blk-9-9:1", 0, "No such file"),
+                                  ("knot-blk-1-2:1", 0, "symbolic link"), ("knot-blk-1-3:1", 0, "not a regular file"),
+                                  ("knot-blk-1-1:1&k=1025", 0, "1025 pieces"),
+                                  ("knot-blk-1-1:99999999999", 0, "bytes, over")):
+            with pytest.raises(BadGateway, match=needle):
+                await buffered_fetch(url + f"?n={n}&p=" + quote(pieces, safe="&="), Request("GET", "/"), 5,
+                                     connections=Connections(shm=ReplyReader(d)))
+        with pytest.raises(BadGateway, match="did not ask"):
+            await buffered_fetch(url + "?n=0&p=" + quote("knot-blk-1-1:1"), Request("GET", "/"), 5,
+                                 connections=Connections())
+    finally:
+        await runner.cleanup()
