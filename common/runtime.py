@@ -153,6 +153,10 @@ class Response:
         self.headers = headers if isinstance(headers, Headers) else Headers(headers)
         self.body = body
         self.stream = stream
+        # offset -> (length, crc32) of byte ranges of the body, computed by this process's own binding
+        # as it copied them in (never read from the wire): a decoder may take a frame's crc32 from
+        # here instead of a second pass over its bytes (deploy/local/shm.py, common/wire.py)
+        self.body_crc32s: dict[int, tuple[int, int]] = {}
 
     @property
     def body(self) -> bytes | memoryview:

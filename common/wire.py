@@ -142,7 +142,12 @@ def encode_tensor(frame: TensorFrame) -> bytes:
     return b"".join((meta, frame.payload, _CRC.pack(crc)))
 
 
-def _read_tensor(r: _Reader) -> TensorFrame:
+# crc32 of any bytes followed by their own crc32 (little-endian): a frame whose crc32 over all of it,
+# crc field included, is this is intact (CRC-32's residue; zlib's and ISA-L's alike)
+CRC_RESIDUE = 0x2144DF1C
+
+
+def _read_tensor(r: _Reader, known: dict[int, tuple[int, int]] | None = None) -> TensorFrame:
     start = r.pos
     magic, version, flags, name_len, type_len, ndim, reserved, row_start, payload_len = r.unpack(
         _TENSOR_HEAD, "tensor frame header")
@@ -160,11 +165,21 @@ def _read_tensor(r: _Reader) -> TensorFrame:
     meta_crc = crc32(r.buf[start:r.pos])
     payload = r.take(payload_len, f"payload of {name}")
     (crc,) = r.unpack(_CRC, f"crc32 of {name}")
-    payload_crc = crc32(payload)
-    got = crc32_combine(meta_crc, payload_crc, payload_len)  # = crc32 of every byte before the crc
-    if got != crc:
-        raise ChecksumMismatch(f"tensor frame {name}: crc32 0x{got:08x} over {payload_len} payload bytes, "
-                               f"frame says 0x{crc:08x}")
+    whole = (known or {}).get(start)
+    if whole is not None and whole[0] == r.pos - start:
+        # The binding computed the crc32 of this whole frame as it copied it: no second pass. The
+        # payload's is what the frame's crc32 leaves once the meta's is taken out (crc32 is linear:
+        # crc(meta + payload) = combine(crc(meta), 0, len) ^ crc(payload)).
+        if whole[1] != CRC_RESIDUE:
+            raise ChecksumMismatch(f"tensor frame {name}: its {r.pos - start} bytes do not match its crc32 "
+                                   f"0x{crc:08x} (checked as they were copied)")
+        payload_crc = crc ^ crc32_combine(meta_crc, 0, payload_len)
+    else:
+        payload_crc = crc32(payload)
+        got = crc32_combine(meta_crc, payload_crc, payload_len)  # = crc32 of every byte before the crc
+        if got != crc:
+            raise ChecksumMismatch(f"tensor frame {name}: crc32 0x{got:08x} over {payload_len} payload bytes, "
+                                   f"frame says 0x{crc:08x}")
     # A view, not a copy: a fluid station decodes ~300 MB of frames per token. Whoever keeps a
     # payload beyond the request copies it (it pins the whole received buffer otherwise).
     return TensorFrame(name, ggml_type, shape, payload.toreadonly(), row_start, payload_crc)
@@ -197,7 +212,9 @@ def join_batch(encoded: list[bytes]) -> bytes:
     return b"".join(batch_parts(encoded))
 
 
-def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
+def decode_batch(buf: bytes | memoryview, known_crc32s: dict[int, tuple[int, int]] | None = None) -> list[TensorFrame]:
+    """The batch's frames. known_crc32s (Response.body_crc32s): offset -> (length, crc32) of byte ranges
+    this process's binding checked as it copied them; a frame that is exactly one of them is not read again."""
     r = _Reader(buf, "tensor batch")
     magic, version, flags, reserved, count = r.unpack(_BATCH_HEAD, "batch header")
     _check_magic_version("tensor batch", magic, BATCH_MAGIC, version, flags)
@@ -206,7 +223,7 @@ def decode_batch(buf: bytes | memoryview) -> list[TensorFrame]:
     frames = []
     for i in range(count):
         r.what = f"tensor batch frame {i} of {count}"
-        frames.append(_read_tensor(r))
+        frames.append(_read_tensor(r, known_crc32s))
     if r.remaining():
         raise MalformedFrame(f"tensor batch: {r.remaining()} trailing bytes after {count} frames")
     return frames

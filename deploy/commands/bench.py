@@ -17,7 +17,8 @@ Measures (issue 7's benchmark):
                                       against np.copyto of a phase's bytes (the machine's copy speed);
                                       --fluid-model runs it on another model, e.g. the seed's 7B shape
                                       from `knot synth` (its row then has no llama.cpp cell)
-    peak RSS <service>                VmHWM of each service process at the end
+    peak RSS <service>                VmHWM of each service process at the end (a station's counts the
+                                      LayerWarden's shared blocks it has mapped: deploy/local/shm.py)
     speculation                       greedy decode of a code prompt (HumanEval-style), a chat
                                       prompt and a code edit (chat), with speculation off and with each source (prompt
                                       lookup; the draft model with --draft-model): tok/s, acceptance

@@ -357,13 +357,16 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
                     raise ServiceUnavailable(f"{request.method} {url}: connection lost: {e}") from None
                 except _Malformed as e:
                     raise BadGateway(f"{request.method} {url}: {e}") from None
+                checked: dict[int, tuple[int, int]] = {}
                 if SHM_HEADER in reply_headers or PIECES_HEADER in reply_headers:  # copied out before the
                     # connection carries anything else
-                    body_out = _shm_body(shm, reply_headers, body_out, f"{request.method} {url}")
+                    body_out = _shm_body(shm, reply_headers, body_out, f"{request.method} {url}", checked)
                 if keep and connections is not None:
                     connections.give(peer, sock)
                     sock = None
-                return Response(status, reply_headers, body_out)
+                resp = Response(status, reply_headers, body_out)
+                resp.body_crc32s = checked
+                return resp
             raise AssertionError("unreachable: the second attempt is on a new connection")
     except TimeoutError:
         raise GatewayTimeout(f"{request.method} {url}: no answer within {timeout_s} s") from None
@@ -372,9 +375,10 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
             sock.close()
 
 
-def _shm_body(shm: ReplyReader | None, headers: Headers, body: bytes | memoryview, what: str) -> memoryview:
+def _shm_body(shm: ReplyReader | None, headers: Headers, body: bytes | memoryview, what: str,
+              checked: dict[int, tuple[int, int]]) -> memoryview:
     """The body of a reply the peer left in shared memory (deploy/local/shm.py), its headers removed:
-    a reply buffer's bytes, the blocks its pieces name, or both."""
+    a reply buffer's bytes, the blocks its pieces name (their crc32s into `checked`), or both."""
     name, length = headers.pop(SHM_HEADER, None), headers.pop(SHM_LENGTH_HEADER, None)
     pieces = headers.pop(PIECES_HEADER, None)
     if shm is None:
@@ -385,7 +389,7 @@ def _shm_body(shm: ReplyReader | None, headers: Headers, body: bytes | memoryvie
                          f"{SHM_LENGTH_HEADER} {length!r}")
     try:
         own = shm.read(name, int(length)) if name is not None else body
-        return own if pieces is None else shm.assemble(pieces, own)
+        return own if pieces is None else shm.assemble(pieces, own, checked)
     except ShmError as e:
         raise BadGateway(f"{what}: {e}") from None
 

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from common.integrity import crc32
 from common.runtime import BadGateway, Env, Request, Response
 from deploy.local.bindings import Connections, buffered_fetch
 from deploy.local.host import ServiceRuntime, app_runner, build_app
@@ -177,6 +178,20 @@ async def test_a_full_directory_sends_the_reply_over_the_socket(shm_host, monkey
     conns.close()
 
 
+def test_a_checked_copy_returns_the_crc32_of_what_landed():
+    """_copy_checked: the bytes of _copy and their crc32, read back from the destination, in chunks
+    and (from SPLIT_COPY_BYTES on) in two halves joined by crc32_combine."""
+    import numpy as np
+
+    from deploy.local.shm import CHECK_CHUNK_BYTES, SPLIT_COPY_BYTES, _copy_checked
+
+    rng = np.random.default_rng(2)
+    for n in (0, 1, CHECK_CHUNK_BYTES - 1, CHECK_CHUNK_BYTES + 1, SPLIT_COPY_BYTES + 12345):
+        src = rng.bytes(n)
+        dst = bytearray(n + 5)
+        assert _copy_checked(dst, src, n, at=2) == crc32(src) and dst[2:2 + n] == src and dst[:2] == bytes(2)
+
+
 def test_a_large_copy_in_two_halves_is_byte_exact():
     """_copy splits a copy of SPLIT_COPY_BYTES or more between two threads: every byte lands, at
     its offset, with nothing written outside [at, at + n)."""
@@ -225,6 +240,8 @@ async def test_shared_blocks_are_named_not_copied_and_live_as_long_as_their_view
         for small in (100, 2 * SHM_MIN_BYTES):  # the rest over the socket, then through the connection's buffer
             r = await buffered_fetch(url + f"/blocks?small={small}", Request("GET", "/blocks"), 30, connections=conns)
             assert r.status == 200 and r.body == _expected(small) and r.body.readonly
+            a, b = 12, 12 + len(BIG) + small + 4  # each block's crc32, computed on the copy
+            assert r.body_crc32s == {a: (len(BIG), crc32(BIG)), b: (SHM_MIN_BYTES, crc32(bytes(BLOCKS["b"])))}
             assert not any(h.startswith("X-Knot-Shm") for h in r.headers)
         assert (buffers.block_replies, buffers.replies, conns.shm.replies) == (2, 1, 3)
         assert buffers.block_bytes == 2 * (len(BIG) + SHM_MIN_BYTES)
@@ -294,3 +311,34 @@ async def test_bad_pieces_are_a_bad_gateway(tmp_path):
                                  connections=Connections())
     finally:
         await runner.cleanup()
+
+
+def test_an_assembled_body_reuses_a_buffer_only_once_nothing_holds_it(tmp_path):
+    """The reader assembles into the buffer of an earlier body only after every view of that body
+    (a frame's payload, an array over it) is gone: a body still held is never written over."""
+    import gc
+
+    import numpy as np
+
+    from deploy.local.shm import SPLIT_COPY_BYTES, SharedBlocks
+
+    blocks = SharedBlocks(tmp_path)
+    rng = np.random.default_rng(3)
+    datas = [rng.bytes(SPLIT_COPY_BYTES + 100) for _ in range(3)]
+    kept = [blocks.keep(x) for x in datas]
+    reader = ReplyReader(tmp_path)
+    spec = [f"{blocks.region(k)[0]}:{len(x)}" for k, x in zip(kept, datas)]
+    a = reader.assemble(spec[0], b"")
+    held = np.frombuffer(a[50:], np.uint8)[10:].reshape(-1, 2)  # a payload's array, as a QTensor holds it
+    del a
+    gc.collect()
+    b = reader.assemble(spec[1], b"")
+    assert reader.reused == 0 and bytes(held.reshape(-1)) == datas[0][60:], "a held body is never reused"
+    assert not np.shares_memory(np.frombuffer(b, np.uint8), held)
+    del held, b
+    gc.collect()
+    c = reader.assemble(spec[2], b"")
+    assert reader.reused == 1 and c == datas[2], "the spare, once nothing held it"
+    small = reader.assemble("5", b"hello")
+    assert small == b"hello" and reader.reused == 1, "a small body takes no spare"
+    reader.close()

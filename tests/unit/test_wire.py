@@ -32,6 +32,41 @@ def test_batch_roundtrip(batch):
 FRAME = TensorFrame("blk.0.attn_q.weight", "Q8_0", (32, 2), bytes(range(68)), row_start=3)
 
 
+def _known(buf: bytes, sizes: list[int]) -> dict[int, tuple[int, int]]:
+    """What a binding that copied each frame (of these encoded sizes, after the batch header) reports."""
+    from common.integrity import crc32
+    out, at = {}, 12
+    for n in sizes:
+        out[at] = (n, crc32(buf[at:at + n]))
+        at += n
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(frames, min_size=1, max_size=6), st.data())
+def test_crc32s_known_from_the_copy_give_the_same_frames(batch, data):
+    """A frame whose whole crc32 the binding computed as it copied it is not hashed again: the
+    frames, payload_crc32 included, equal a full decode's; a flipped byte is still caught."""
+    sizes = [len(wire.encode_tensor(f)) for f in batch]
+    buf = wire.encode_batch(batch)
+    got = wire.decode_batch(buf, _known(buf, sizes))
+    full = wire.decode_batch(buf)
+    assert got == full and [f.payload_crc32 for f in got] == [f.payload_crc32 for f in full]
+    bad = bytearray(buf)
+    i = data.draw(st.integers(12, len(buf) - 1))
+    bad[i] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(wire.WireError):
+        wire.decode_batch(bytes(bad), _known(bytes(bad), sizes))  # the crc32s of the changed bytes
+
+
+def test_a_known_crc32_is_used_only_for_exactly_its_frame():
+    buf = wire.encode_batch([FRAME, FRAME])
+    n = len(wire.encode_tensor(FRAME))
+    with pytest.raises(wire.ChecksumMismatch, match="do not match its crc32 .* as they were copied"):
+        wire.decode_batch(buf, {12: (n, 0x12345678)})
+    assert wire.decode_batch(buf, {12: (n - 1, 0x12345678), 13: (n, 0)}) == [FRAME, FRAME], "not this frame's range"
+
+
 def test_layout_of_the_fixed_header():
     buf = wire.encode_tensor(FRAME)
     magic, version, flags, name_len, type_len, ndim, _, row_start, payload_len = struct.unpack_from(
