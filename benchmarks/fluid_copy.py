@@ -1,14 +1,16 @@
 """What a fluid station pays to take one phase of weights out of its LayerWarden's shared blocks.
 
-The LayerWarden keeps its frames in shared blocks (deploy/local/shm.py SharedBlocks); a station's
-binding copies each block it is sent into one private buffer and checks the copy's crc32. Three
-ways of doing that, interleaved, on a --mb MB block (a 7B's largest phase is ~56 MB):
+The LayerWarden keeps its frames in sealed shared blocks (deploy/local/shm.py SharedBlocks). Four
+ways of taking one, interleaved, on a --mb MB block (a 7B's largest phase is ~56 MB):
 
-    copy, then crc32    a fresh buffer, copied into (two threads), then one crc32 pass over it
-                        (what the station did before the copy was checked as it went)
-    checked copy        the same fresh buffer, each 256 KiB chunk's crc32 taken as it lands
-    checked, spare      ReplyReader.assemble as the station runs it: the checked copy into the
-                        buffer of the previous body, when nobody holds that any more
+    copy, then crc32     a fresh buffer, copied into (two threads), then one crc32 pass over it
+                         (the station before e814c50)
+    checked copy, spare  copied into a used buffer, each 256 KiB chunk's crc32 taken as it lands,
+                         on two threads (e814c50 to this change)
+    sealed, first sight  ReplyReader.assemble on a block it has not seen: the seals checked, the
+                         block mapped read-only and its crc32 taken; no copy
+    sealed, held         ReplyReader.assemble on a block it holds: a descriptor opened and
+                         compared, nothing read (what every forward after the first pays)
 
     python benchmarks/fluid_copy.py [--mb 56] [--reps 15]
 
@@ -29,8 +31,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from common.integrity import crc32  # noqa: E402
-from deploy.local.shm import ReplyReader, SharedBlocks, _copy, _copy_checked  # noqa: E402
+from common.integrity import crc32, crc32_combine  # noqa: E402
+from deploy.local.shm import ReplyReader, SharedBlocks, _copy, _helper  # noqa: E402
+
+CHUNK = 256 << 10
+
+
+def _copy_run(dst: np.ndarray, src: np.ndarray) -> int:
+    crc = 0
+    for a in range(0, dst.nbytes, CHUNK):
+        np.copyto(dst[a:a + CHUNK], src[a:a + CHUNK])
+        crc = crc32(dst[a:a + CHUNK], crc)
+    return crc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         blocks = SharedBlocks(d)
         block = blocks.keep(np.random.default_rng(0).bytes(n))
         name = blocks.region(block)[0]
-        reader = ReplyReader(d)
-        src = reader._map(name, n)[2]
+        src = np.frombuffer(block, np.uint8)
         want = crc32(block)
+        used = np.ones(n, np.uint8)
+        held = ReplyReader(d)
 
         def before() -> int:
             out = np.empty(n, np.uint8)
@@ -54,14 +67,25 @@ def main(argv: list[str] | None = None) -> int:
             return crc32(out)
 
         def checked() -> int:
-            return _copy_checked(np.empty(n, np.uint8), src, n)
+            half = n // 2
+            other = _helper.submit(_copy_run, used[half:], src[half:])
+            first = _copy_run(used[:half], src[:half])
+            return crc32_combine(first, other.result(), n - half)
 
-        def spare() -> int:
+        def assemble(reader: ReplyReader) -> int:
             got: dict[int, tuple[int, int]] = {}
-            reader.assemble(f"{name}:{n}", b"", got)  # dropped at once: its buffer is the next spare
+            reader.assemble(f"{name}:{n}", b"", got)
             return got[0][1]
 
-        ways = {"copy, then crc32": before, "checked copy": checked, "checked, spare": spare}
+        def first_sight() -> int:
+            reader = ReplyReader(d)
+            try:
+                return assemble(reader)
+            finally:
+                reader.close()
+
+        ways = {"copy, then crc32": before, "checked copy, spare": checked, "sealed, first sight": first_sight,
+                "sealed, held": lambda: assemble(held)}
         times: dict[str, list[float]] = {k: [] for k in ways}
         for f in ways.values():
             assert f() == want, "every way must give the block's crc32"
@@ -71,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
                 f()
                 times[k].append(time.perf_counter() - t0)
         first = statistics.median(times["copy, then crc32"])
-        print(f"{n / 1e6:.0f} MB block, {args.reps} interleaved runs each (spare buffers reused: {reader.reused})")
+        print(f"{n / 1e6:.0f} MB block, {args.reps} interleaved runs each (held: {held.stats()['checked_blocks']} "
+              f"check, {held.stats()['held_hits']} hits)")
         for k, ts in times.items():
             med = statistics.median(ts)
-            print(f"  {k:18s} median {med * 1e3:6.1f} ms ({n / med / 1e9:5.2f} GB/s), best {min(ts) * 1e3:6.1f} ms;"
+            print(f"  {k:19s} median {med * 1e3:6.1f} ms ({n / med / 1e9:5.2f} GB/s), best {min(ts) * 1e3:6.1f} ms;"
                   f" {first / med:4.2f}x the first")
-        reader.close()
+        held.close()
     return 0
 
 

@@ -33,9 +33,11 @@ bodies (names, row ids) are at the end. docs/wire.md describes every frame.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import struct
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -92,18 +94,38 @@ class TensorFrame:
 
 
 class _Reader:
-    """Bounds-checked cursor over a buffer; every short read names the field it wanted."""
+    """Bounds-checked cursor over a body: one buffer, or the buffers it concatenates (Response.parts).
+    Every short read names the field it wanted."""
 
-    def __init__(self, buf: bytes | memoryview, what: str):
-        self.buf = memoryview(buf)
+    def __init__(self, buf: bytes | memoryview | Sequence[bytes | memoryview], what: str):
+        parts = [memoryview(p).cast("B") for p in ((buf,) if isinstance(buf, (bytes, bytearray, memoryview)) else buf)]
+        self.parts = [p for p in parts if p.nbytes] or [memoryview(b"")]
+        self.starts = list(itertools.accumulate((p.nbytes for p in self.parts), initial=0))
+        self.size = self.starts[-1]
         self.pos = 0
         self.what = what
 
+    def span(self, a: int, b: int) -> memoryview:
+        """Bytes [a, b) of the body: a view where one part holds them all (a frame in its own block,
+        as a LayerWarden sends its large ones), a joined copy where they cross parts."""
+        if len(self.parts) == 1:  # the usual body: one buffer
+            return self.parts[0][a:b]
+        i = bisect.bisect_right(self.starts, a) - 1
+        if i < len(self.parts) and b <= self.starts[i + 1]:
+            return self.parts[i][a - self.starts[i]:b - self.starts[i]]
+        out, at = bytearray(), a
+        while at < b:
+            i = bisect.bisect_right(self.starts, at) - 1
+            piece = self.parts[i][at - self.starts[i]:min(b, self.starts[i + 1]) - self.starts[i]]
+            out += piece
+            at += piece.nbytes
+        return memoryview(bytes(out))
+
     def take(self, n: int, field: str) -> memoryview:
-        if n > len(self.buf) - self.pos:
+        if n > self.size - self.pos:
             raise TruncatedFrame(f"{self.what}: {field} needs {n} bytes at offset {self.pos}, "
-                                 f"only {len(self.buf) - self.pos} left of {len(self.buf)}")
-        out = self.buf[self.pos:self.pos + n]
+                                 f"only {self.size - self.pos} left of {self.size}")
+        out = self.span(self.pos, self.pos + n)
         self.pos += n
         return out
 
@@ -111,7 +133,7 @@ class _Reader:
         return st.unpack(self.take(st.size, field))
 
     def remaining(self) -> int:
-        return len(self.buf) - self.pos
+        return self.size - self.pos
 
 
 def _check_magic_version(what: str, magic: bytes, want_magic: bytes, version: int, flags: int) -> None:
@@ -162,7 +184,7 @@ def _read_tensor(r: _Reader, known: dict[int, tuple[int, int]] | None = None) ->
     except UnicodeDecodeError as e:
         raise MalformedFrame(f"tensor frame: name or type is not text ({e.reason} at byte {e.start})") from None
     shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
-    meta_crc = crc32(r.buf[start:r.pos])
+    meta_crc = crc32(r.span(start, r.pos))
     payload = r.take(payload_len, f"payload of {name}")
     (crc,) = r.unpack(_CRC, f"crc32 of {name}")
     whole = (known or {}).get(start)
@@ -212,9 +234,12 @@ def join_batch(encoded: list[bytes]) -> bytes:
     return b"".join(batch_parts(encoded))
 
 
-def decode_batch(buf: bytes | memoryview, known_crc32s: dict[int, tuple[int, int]] | None = None) -> list[TensorFrame]:
-    """The batch's frames. known_crc32s (Response.body_crc32s): offset -> (length, crc32) of byte ranges
-    this process's binding checked as it copied them; a frame that is exactly one of them is not read again."""
+def decode_batch(buf: bytes | memoryview | Sequence[bytes | memoryview],
+                 known_crc32s: dict[int, tuple[int, int]] | None = None) -> list[TensorFrame]:
+    """The batch's frames, from one buffer or the buffers it concatenates (Response.parts: a frame
+    inside one part is a view of it, not a copy). known_crc32s (Response.body_crc32s): offset ->
+    (length, crc32) of byte ranges this process's binding checked; a frame that is exactly one of
+    them is not read again."""
     r = _Reader(buf, "tensor batch")
     magic, version, flags, reserved, count = r.unpack(_BATCH_HEAD, "batch header")
     _check_magic_version("tensor batch", magic, BATCH_MAGIC, version, flags)
@@ -332,7 +357,7 @@ def _read_envelope(r: _Reader) -> Envelope:
                                  f"only {r.remaining()} left")
     payload = r.take(n * itemsize, f"payload {shape}")
     (crc,) = r.unpack(_CRC, "crc32")
-    got = crc32(r.buf[start:r.pos - _CRC.size])
+    got = crc32(r.span(start, r.pos - _CRC.size))
     if got != crc:
         raise ChecksumMismatch(f"envelope {rid}: crc32 0x{got:08x}, frame says 0x{crc:08x}")
     if seq_len < position:
@@ -416,7 +441,7 @@ def decode_sample_request(buf: bytes | memoryview) -> tuple[SampleSpec, Envelope
         raise MalformedFrame("sample spec: DRAW with temperature 0 (greedy draws nothing)")
     hist = np.frombuffer(r.take(4 * n_hist, f"history ({n_hist} tokens)"), dtype="<i4")
     (crc,) = r.unpack(_CRC, "crc32")
-    got = crc32(r.buf[:r.pos - _CRC.size])
+    got = crc32(r.span(0, r.pos - _CRC.size))
     if got != crc:
         raise ChecksumMismatch(f"sample spec: crc32 0x{got:08x}, frame says 0x{crc:08x}")
     env = _read_envelope(r)

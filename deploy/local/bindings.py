@@ -364,7 +364,11 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
                 if keep and connections is not None:
                     connections.give(peer, sock)
                     sock = None
-                resp = Response(status, reply_headers, body_out)
+                if isinstance(body_out, list):  # a reply naming blocks: its parts, never joined here
+                    resp = Response.from_parts(body_out, reply_headers.get("Content-Type", "application/octet-stream"),
+                                               status, reply_headers)
+                else:
+                    resp = Response(status, reply_headers, body_out)
                 resp.body_crc32s = checked
                 return resp
             raise AssertionError("unreachable: the second attempt is on a new connection")
@@ -376,9 +380,10 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
 
 
 def _shm_body(shm: ReplyReader | None, headers: Headers, body: bytes | memoryview, what: str,
-              checked: dict[int, tuple[int, int]]) -> memoryview:
+              checked: dict[int, tuple[int, int]]) -> memoryview | list[memoryview]:
     """The body of a reply the peer left in shared memory (deploy/local/shm.py), its headers removed:
-    a reply buffer's bytes, the blocks its pieces name (their crc32s into `checked`), or both."""
+    a reply buffer's bytes; or, where its pieces name blocks, the parts it concatenates (views of
+    the sealed blocks, their crc32s into `checked`, and of its own bytes)."""
     name, length = headers.pop(SHM_HEADER, None), headers.pop(SHM_LENGTH_HEADER, None)
     pieces = headers.pop(PIECES_HEADER, None)
     if shm is None:

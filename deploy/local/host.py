@@ -33,7 +33,7 @@ from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectH
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
-from deploy.local.shm import SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader
+from deploy.local.shm import SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, allow_descriptors
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -345,6 +345,7 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
         bindings[name] = b
     shm = None
     if settings.shm_dir is not None:
+        allow_descriptors()  # each shared block this process keeps or holds is a descriptor
         shm = ReplyBuffers(settings.shm_dir)
         stack.callback(shm.close)
         bindings["SHARED_BLOCKS"] = shm.blocks  # the LayerWarden keeps its tensors there (deploy/local/shm.py)

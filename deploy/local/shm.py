@@ -25,22 +25,31 @@ and Cloudflare never set it).
 
 Shared blocks (the env binding SHARED_BLOCKS): the copy into a reply buffer was still a pass over
 every streamed byte, and it was the LayerWarden's whole cost (~1 s of CPU per 7B token, both
-stations' 3.9 GB). So a host can keep long-lived bytes in files of the directory from the start:
-SharedBlocks.keep() copies a buffer once into a new file (a block) and returns a read-only view of
-it, which the LayerWarden caches in place of the bytes. A reply whose parts include such views names
-them instead of copying them: `X-Knot-Shm-Pieces: 12,knot-blk-7-3:56623150,...`, the body in order,
-where `<n>` is the next n bytes of the reply's own body (the socket's, or the connection's buffer
-when they reach SHM_MIN_BYTES) and `<name>:<n>` is a whole block. The caller copies every piece into
-one private buffer, as it copies a reply buffer now: one copy, the caller's, where there were two.
+stations' 3.9 GB). So a host can keep long-lived bytes in shared memory from the start:
+SharedBlocks.keep() writes a buffer once into a new memfd (a block), seals it and returns a read-only
+view of it, which the LayerWarden caches in place of the bytes. A reply whose parts include such
+views names them instead of copying them: `X-Knot-Shm-Pieces: 12,knot-blk-7-31-4096:56623150,...`,
+the body in order, where `<n>` is the next n bytes of the reply's own body (the socket's, or the
+connection's buffer when they reach SHM_MIN_BYTES) and `knot-blk-<pid>-<fd>-<inode>:<n>` is a whole
+block, which the caller opens as /proc/<pid>/fd/<fd>.
 
-A block is written once, before anyone can name it, and never again; its file is unlinked when the
-last view of it goes (the cache evicted it, and no reply still pins it). The host pins a reply's
-blocks with its connection until that connection carries its next request or closes, so the caller
-always finds what a reply names. Nothing here trusts a block more than a reply buffer: a caller
-copies it to private memory first, and the frames' crc32s are checked on that copy.
+Why the caller may compute straight from a peer's memory (no copy at all): a block is sealed
+(F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW, then F_SEAL_SEAL) before anyone can name it, and the
+kernel then refuses every write and every resize of that file, by anyone, for as long as it lives.
+The caller checks the seals itself, maps the file read-only and takes its crc32 once. While the
+caller holds that map, the file (its inode) cannot go, so a later reply naming the same inode names
+the same bytes: the caller uses its map and its crc32 again, with no pass over the bytes. A peer can
+still name a wrong block; the frames' crc32s catch that as they catch a wrong reply buffer. What the
+caller holds goes once unused for HOLD_SECONDS (or past MAX_HELD_BYTES), at its next reply naming
+blocks: a block the host dropped lives on until then.
+
+The host pins a reply's blocks with its connection until that connection carries its next request
+or closes, so the caller always finds what a reply names; the block's descriptor closes when the
+last view of it goes (the cache evicted it, and no reply still pins it).
 """
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import mmap
@@ -48,7 +57,9 @@ import os
 import re
 import stat
 import threading
+import time
 import weakref
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
@@ -65,7 +76,11 @@ PIECES_HEADER = "X-Knot-Shm-Pieces"
 SHM_MIN_BYTES = 1 << 20  # smaller bodies go over the socket: a file's round trip costs more than they do
 MAX_BUFFERS = 8  # a host's buffers at once (one per connection that got a large reply), ~a phase each
 _NAME = re.compile(r"\Aknot-shm-[0-9]+-[0-9]+\Z")
-_BLOCK_NAME = re.compile(r"\Aknot-blk-[0-9]+-[0-9]+\Z")
+_BLOCK_NAME = re.compile(r"\Aknot-blk-([0-9]{1,10})-([0-9]{1,10})-([0-9]{1,20})\Z")  # pid, fd, inode
+# What makes a block immutable, checked by every caller on the file itself: no write, no resize.
+BLOCK_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+HOLD_SECONDS = 30.0  # a checked block nobody named for this long is let go (its host may have dropped it)
+MAX_HELD_BYTES = 16 << 30  # and the least recently named go past this many bytes (address space, not copies)
 _names = itertools.count()
 MAX_PIECES = 1024  # a reply's pieces (a LayerWarden batch is at most 256 frames and a header)
 MAX_PIECES_CHARS = 16 << 10  # longer piece lists are not sent: the blocks' bytes go into the buffer instead
@@ -95,31 +110,16 @@ def _copy(dst: Any, src: Any, n: int, at: int = 0) -> None:
         other.result()
 
 
-# A block is checked as it is copied: chunk by chunk, the crc32 of what just landed in the caller's
-# memory, while it is still in cache. Copy then crc32 was two passes over memory (the crc32 alone
-# ~9 GB/s from memory here, ~20 from cache); on one thread a 56 MB phase went 3.8 -> 4.2 GB/s.
-CHECK_CHUNK_BYTES = 256 << 10
-
-
-def _copy_run(dst: np.ndarray, src: np.ndarray) -> int:
-    crc = 0
-    for a in range(0, dst.nbytes, CHECK_CHUNK_BYTES):
-        out = dst[a:a + CHECK_CHUNK_BYTES]
-        np.copyto(out, src[a:a + CHECK_CHUNK_BYTES])
-        crc = crc32(out, crc)
-    return crc
-
-
-def _copy_checked(dst: Any, src: Any, n: int, at: int = 0) -> int:
-    """_copy, returning the crc32 of the n bytes as they are in dst (read back from dst, so a src
-    that changes meanwhile cannot make the two differ)."""
-    d, s = np.frombuffer(dst, np.uint8, n, at), np.frombuffer(src, np.uint8, n)
+def _crc32_split(a: np.ndarray) -> int:
+    """crc32 of a's bytes; from SPLIT_COPY_BYTES on, in two halves, one on the helper thread
+    (ISA-L's crc32 releases the GIL), joined by crc32_combine."""
+    n = a.nbytes
     if n < SPLIT_COPY_BYTES:
-        return _copy_run(d, s)
+        return crc32(a)
     half = n // 2
-    other = _helper.submit(_copy_run, d[half:], s[half:])
+    other = _helper.submit(crc32, a[half:])
     try:
-        first = _copy_run(d[:half], s[:half])
+        first = crc32(a[:half])
     finally:
         second = other.result()
     return crc32_combine(first, second, n - half)
@@ -168,63 +168,62 @@ class _Buffer:
 
 
 class SharedBlocks:
-    """A host's immutable buffers in files of the shared directory (the env binding SHARED_BLOCKS):
-    what keep() returns is sent by name, not copied, to callers of the same directory."""
+    """A host's immutable buffers in sealed memfds (the env binding SHARED_BLOCKS): what keep()
+    returns is sent by name, not copied, to callers of the same shared directory (one cluster's
+    processes on one machine)."""
 
     def __init__(self, directory: str | Path, min_bytes: int = SHM_MIN_BYTES):
-        self.directory = Path(directory)
+        self.directory = Path(directory)  # whose callers may be sent block names (ReplyBuffers.offer)
         self.min_bytes = min_bytes
-        # id(array) -> (a weak reference to it, file name, bytes): only while the array lives (the
+        # id(array) -> (a weak reference to it, block name, bytes): only while the array lives (the
         # finalizer removes the entry before the id can be reused)
         self._live: dict[int, tuple[weakref.ref, str, int]] = {}
         self.bytes = 0  # in live blocks
-        self.failures = 0  # blocks the directory refused (logged once)
+        self.failures = 0  # blocks the kernel refused (logged once)
 
     def keep(self, data: Any) -> memoryview | None:
-        """A read-only copy of data (any contiguous buffer) in a new block, or None: data is smaller
-        than min_bytes, or the directory refused (full or gone). The caller then keeps data itself."""
-        n = memoryview(data).nbytes
+        """A read-only copy of data (any contiguous buffer) in a new sealed block, or None: data is
+        smaller than min_bytes, or the kernel refused (out of memory). The caller then keeps data itself."""
+        src = memoryview(data).cast("B")
+        n = src.nbytes
         if n < self.min_bytes:
             return None
-        name = f"knot-blk-{os.getpid()}-{next(_names)}"
-        path = self.directory / name
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.memfd_create(f"knot-blk-{next(_names)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as e:
             return self._refused(e)
         try:
-            os.posix_fallocate(fd, 0, n)  # a full tmpfs refuses here, not with SIGBUS on a write
-            m = mmap.mmap(fd, n)
+            at = 0
+            while at < n:  # write(2), not a writable map: the write seal needs none to exist
+                at += os.pwrite(fd, src[at:], at)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, BLOCK_SEALS | fcntl.F_SEAL_SEAL)
+            m = mmap.mmap(fd, n, prot=mmap.PROT_READ)
+            name = f"knot-blk-{os.getpid()}-{fd}-{os.fstat(fd).st_ino}"
         except OSError as e:
-            os.unlink(path)
-            return self._refused(e)
-        finally:
             os.close(fd)
-        _copy(m, data, n)
-        array = np.frombuffer(m, np.uint8)
-        array.flags.writeable = False
+            return self._refused(e)
+        array = np.frombuffer(m, np.uint8)  # read-only, as the map is
         key = id(array)
         self._live[key] = (weakref.ref(array), name, n)
         self.bytes += n
-        weakref.finalize(array, self._release, key, path, n)
+        weakref.finalize(array, self._release, key, fd, n)
         return memoryview(array)
 
     def _refused(self, e: OSError) -> None:
         if not self.failures:
-            log.warning("shared block in %s: %s; keeping bytes in the process", self.directory, e)
+            log.warning("shared block: %s; keeping bytes in the process", e)
         self.failures += 1
         return None
 
-    def _release(self, key: int, path: Path, n: int) -> None:
+    def _release(self, key: int, fd: int, n: int) -> None:
+        """The block's last view went: its name goes with the descriptor (a caller's map keeps the
+        bytes until that caller lets go)."""
         self._live.pop(key, None)
         self.bytes -= n
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        os.close(fd)
 
     def region(self, part: Any) -> tuple[str, int] | None:
-        """(file name, bytes) when part is a whole block keep() returned; None for any other buffer."""
+        """(block name, bytes) when part is a whole block keep() returned; None for any other buffer."""
         if not isinstance(part, memoryview):
             return None
         live = self._live.get(id(part.obj))
@@ -334,6 +333,21 @@ class ReplyBuffers:
             self._by_transport.pop(t).close()
 
 
+def allow_descriptors(want: int = 1 << 16) -> int:
+    """Raise this process's soft limit on open descriptors toward `want` (never past the hard
+    limit), and return it. Each block is a descriptor or two: a host's own and its map's, a caller's
+    map of each block it holds; a 7B LayerWarden keeps ~200 blocks, a station holds its ~100, and a
+    soft limit of 1,024 is common."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
 class ShmError(Exception):
     """A reply that names a file the caller may not, or cannot, read."""
 
@@ -345,12 +359,17 @@ class ReplyReader:
         self.directory = Path(directory)
         self.offer = str(self.directory)  # SHM_HEADER's value: a host of another directory ignores it
         self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # name -> (inode, size, read-only map)
+        # (st_dev, st_ino) of each sealed block checked -> [read-only view of its map, crc32, bytes,
+        # when last named], least recently named first
+        self._held: OrderedDict[tuple[int, int], list] = OrderedDict()
+        self.held_bytes = 0
+        self.checked_blocks = 0  # blocks mapped and checked (a crc32 pass each)
+        self.held_hits = 0  # blocks named again while held (no pass over their bytes)
         self.replies = 0
-        # The buffer of an assembled body nobody holds any more, kept for the next one (the largest
-        # such, one at a time). A fresh buffer's pages are faulted in and zeroed by the kernel
-        # before the copy writes them: 56 MB took 17.5 ms to assemble and check into a fresh
-        # buffer, 8.4 ms into a used one (benchmarks/fluid_copy.py). A fluid station assembles
-        # every phase's weights: ~1.9 GB per 7B token.
+        # The buffer of a reply buffer's copy nobody holds any more, kept for the next one (the
+        # largest such, one at a time). A fresh buffer's pages are faulted in and zeroed by the kernel
+        # before the copy writes them: 56 MB took 17.5 ms to copy and check into a fresh buffer, 8.4
+        # ms into a used one (benchmarks/fluid_copy.py, when blocks were still copied).
         self._spare: np.ndarray | None = None
         self._spare_lock = threading.Lock()
         self._closed = False
@@ -366,11 +385,11 @@ class ReplyReader:
         self.replies += 1
         return memoryview(out).toreadonly()
 
-    def assemble(self, spec: str, inline: Any, checked: dict[int, tuple[int, int]] | None = None) -> memoryview:
-        """A private copy of the body a PIECES_HEADER spec describes: `<n>` pieces from `inline` (the
-        reply's own body, in order), `<name>:<n>` pieces from the blocks of those names. Each block's
-        crc32, computed on the copy as it was made, goes into `checked` (offset -> (length, crc32)):
-        Response.body_crc32s."""
+    def assemble(self, spec: str, inline: Any, checked: dict[int, tuple[int, int]] | None = None) -> list[memoryview]:
+        """The body a PIECES_HEADER spec describes, as its parts in order (Response.parts): `<n>`
+        pieces are views of `inline` (the reply's own body), `<name>:<n>` pieces read-only views of
+        the sealed blocks of those names, not copied. Each block's crc32 (taken once per block this
+        reader holds) goes into `checked` (offset -> (length, crc32)): Response.body_crc32s."""
         pieces: list[tuple[str | None, int]] = []
         for item in spec.split(","):
             name, sep, n = item.rpartition(":")
@@ -381,22 +400,84 @@ class ReplyReader:
         if len(pieces) > MAX_PIECES or total > MAX_ASSEMBLED_BYTES:
             raise ShmError(f"{PIECES_HEADER}: {len(pieces)} pieces of {total} bytes, over this reader's "
                            f"{MAX_PIECES} pieces or {MAX_ASSEMBLED_BYTES} bytes")
-        inline = memoryview(inline).cast("B")
+        inline = memoryview(inline).cast("B").toreadonly()
         if own != inline.nbytes:
             raise ShmError(f"{PIECES_HEADER} names {own} bytes of the reply's own body, which has {inline.nbytes}")
-        out = self._buffer(total)
+        now = time.monotonic()
+        parts: list[memoryview] = []
         at = taken = 0
         for name, n in pieces:
             if name is None:
-                _copy(out, inline[taken:taken + n], n, at)
+                if n:
+                    parts.append(inline[taken:taken + n])
                 taken += n
             else:
-                crc = _copy_checked(out, self._map(name, n)[2], n, at)
+                view, crc = self._block(name, n, now)
+                parts.append(memoryview(view))
                 if checked is not None:
                     checked[at] = (n, crc)
             at += n
+        self._let_go(now)
         self.replies += 1
-        return memoryview(out).toreadonly()
+        return parts
+
+    def _block(self, name: str, n: int, now: float) -> tuple[np.ndarray, int]:
+        """A read-only map of the sealed block a reply names, and its crc32: taken now, or the ones
+        this reader took when it first saw that very file (it still holds its map)."""
+        pid, fd_number, inode = _BLOCK_NAME.match(name).groups()
+        try:
+            fd = os.open(f"/proc/{pid}/fd/{fd_number}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise ShmError(f"block {name}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != int(inode):
+                raise ShmError(f"block {name}: that descriptor is inode {st.st_ino} now")
+            key = (st.st_dev, st.st_ino)
+            held = self._held.get(key)
+            if held is not None:
+                # This reader maps that inode, so it is the file checked then (an inode's number is
+                # not reused while the inode lives), and its seals kept every byte as it was.
+                if held[2] != n:
+                    raise ShmError(f"block {name} holds {held[2]} bytes, the reply says {n}")
+                held[3] = now
+                self._held.move_to_end(key)
+                self.held_hits += 1
+                return held[0], held[1]
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise ShmError(f"block {name} is not a regular file of this user")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:  # not a memfd (nor any file that takes seals)
+                seals = 0
+            if seals & BLOCK_SEALS != BLOCK_SEALS:
+                raise ShmError(f"block {name} is not sealed against writes and resizing (seals 0x{seals:x}): "
+                               "its bytes could change after they were checked")
+            if st.st_size != n or n == 0:
+                raise ShmError(f"block {name} holds {st.st_size} bytes, the reply says {n}")
+            m = mmap.mmap(fd, n, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        view = np.frombuffer(m, np.uint8)  # read-only, as the map is
+        crc = _crc32_split(view)
+        self._held[key] = [view, crc, n, now]
+        self.held_bytes += n
+        self.checked_blocks += 1
+        return view, crc
+
+    def _let_go(self, now: float) -> None:
+        """Drop the blocks nobody named for HOLD_SECONDS, and the least recently named past
+        MAX_HELD_BYTES (the views handed out keep their own maps)."""
+        while self._held:
+            key, held = next(iter(self._held.items()))
+            if held[3] >= now - HOLD_SECONDS and self.held_bytes <= MAX_HELD_BYTES:
+                break
+            del self._held[key]
+            self.held_bytes -= held[2]
+
+    def stats(self) -> dict:
+        return {"replies": self.replies, "reused": self.reused, "checked_blocks": self.checked_blocks,
+                "held_hits": self.held_hits, "held_blocks": len(self._held), "held_bytes": self.held_bytes}
 
     def _buffer(self, n: int) -> np.ndarray:
         """n bytes to assemble a body into (every byte is written): the spare buffer where it is large
@@ -422,7 +503,7 @@ class ReplyReader:
                 self._spare = raw
 
     def _map(self, name: str, length: int) -> tuple[int, int, mmap.mmap]:
-        what = "block" if _BLOCK_NAME.match(name) else "reply buffer"
+        what = "reply buffer"
         try:
             fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
@@ -450,5 +531,7 @@ class ReplyReader:
         for _, _, m in self._maps.values():
             m.close()
         self._maps.clear()
+        self._held.clear()
+        self.held_bytes = 0
         with self._spare_lock:
             self._spare, self._closed = None, True

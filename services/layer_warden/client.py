@@ -16,7 +16,7 @@ class LayerWardenClient(WardenClient):
         """Tensor frames in request order. Raises HttpError or TimeoutError when the warden fails or
         answers non-2xx, wire.WireError when its batch does not decode."""
         resp = await self._post("/tensors", wire.NAMES_CONTENT_TYPE, wire.encode_names(names))
-        return wire.decode_batch(resp.body, resp.body_crc32s)
+        return wire.decode_batch(resp.parts, resp.body_crc32s)  # blocks as they are mapped, not joined
 
     async def invalidate(self, name: str) -> bool:
         """Drop one cached tensor (a frame the caller rejected); whether the warden held it."""
