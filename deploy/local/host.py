@@ -33,7 +33,7 @@ from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectH
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
-from deploy.local.shm import SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, allow_descriptors
+from deploy.local.shm import SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, allow_descriptors, reader_stats
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,8 @@ async def _healthz(request: web.Request) -> web.Response:
                               "uptime_s": round(time.monotonic() - rt.started_at, 3),
                               "wait_until": rt.tasks.stats(),
                               "durable_objects": len(rt.do_host.stats()) if rt.do_host else 0,
-                              **({"shm_replies": rt.shm.stats()} if rt.shm is not None else {})})
+                              **({"shm_replies": rt.shm.stats()} if rt.shm is not None else {}),
+                              **({"shm_reads": reads} if (reads := reader_stats()) is not None else {})})
 
 
 async def _readyz(request: web.Request) -> web.Response:

@@ -352,12 +352,28 @@ class ShmError(Exception):
     """A reply that names a file the caller may not, or cannot, read."""
 
 
+_readers: weakref.WeakSet = weakref.WeakSet()  # this process's readers (one per binding), for /healthz
+
+
+def reader_stats() -> dict | None:
+    """What this process's readers counted, summed (the host's /healthz); None without any."""
+    readers = list(_readers)
+    if not readers:
+        return None
+    out: dict[str, int] = {}
+    for r in readers:
+        for k, v in r.stats().items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 class ReplyReader:
     """A caller's side: the bytes of a reply the host left in the shared directory."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.offer = str(self.directory)  # SHM_HEADER's value: a host of another directory ignores it
+        _readers.add(self)
         self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # name -> (inode, size, read-only map)
         # (st_dev, st_ino) of each sealed block checked -> [read-only view of its map, crc32, bytes,
         # when last named], least recently named first
