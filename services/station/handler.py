@@ -132,6 +132,7 @@ class Station:
                                     keep=loader.sealed_copy, take=loader.unseal,  # kept copies sealed with the version
                                     tile_bytes=tile_bytes)
         self.memory.pair_bytes = self.plan.held_phase_bytes if self.plan.prefetch else 0
+        self.memory.set_aside_bytes = self.plan.held_phase_bytes
         self.boots_at = self.clock()
         self.forwards = 0
         self.sessions_evicted = 0
@@ -392,7 +393,8 @@ class Station:
             "budget_bytes": self.plan.budget_bytes, "memory": self.plan.as_dict(),
             "peak_accounted_bytes": self.memory.peak_accounted_bytes,
             "resident_bytes": self.memory.resident_bytes, "kept_bytes": self.memory.kept.bytes_used,
-            "kept_tensors": len(self.memory.kept),
+            "kept_tensors": len(self.memory.kept), "kept_copies": self.memory.kept_copies,
+            "kept_copy_bytes": self.memory.kept_copy_bytes, "kept_evictions": self.memory.kept_evictions,
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
             "max_session_tokens": self.max_session_tokens(), "phase_bytes": self.phase_bytes,
             "split_frames": self.split_frames, "refused_frames": self.refused_frames,

@@ -171,6 +171,39 @@ async def test_a_finished_phase_is_copied_only_when_the_next_load_would_not_evic
         assert len(copies) == (1 if told else 3), (told, copies)  # each forward's last one, before: every one
 
 
+async def test_phases_of_different_sizes_keep_nothing_the_large_ones_evict_unused():
+    """Small phases then a large one, in a cycle: beside a small phase there is room to keep a
+    tensor, which the large phase's make_room then evicts before it is used again (a 7B station
+    copied ~250 MB per forward that way). With the plan's set-aside (the largest phase), only what
+    every phase leaves room for is kept: the copies stop after the first forward."""
+    sizes = {"s0": 100, "s1": 100, "s2": 100, "big": 400}
+    order = [(0, n) for n in sizes]
+    results = {}
+    for set_aside in (0, 400):
+        src = Source(sizes)
+        m = memory(DEFAULT_TILE_BYTES + ACT_PER_ROW + 10 + 500)
+        m.set_aside_bytes = set_aside
+        copies = []
+        m.keep = lambda t: (copies.append(t.name), t)[1]
+        loads, per_forward = [], []
+        for forward in range(5):
+            src.loaded, copies[:] = [], []
+            weights = ForwardWeights(m, src, 1, 1, order)
+            for name in sizes:
+                w = await weights.load(0, name)
+                weights.done(0, name, w)
+            assert m.peak_accounted_bytes <= m.budget_bytes
+            loads.append(len(src.loaded))
+            per_forward.append(len(copies))
+        results[set_aside] = (loads, per_forward, m.kept_evictions)
+    loads, copies, evictions = results[0]
+    assert sum(copies[1:]) == 8 and evictions == 9, results  # kept beside a small phase, evicted by big
+    assert results[400] == ([4, 3, 3, 3, 3], [1, 0, 0, 0, 0], 0), results
+    # The churn bought a hit every other forward here (loads 2 and 3 against 3): at 7B the warden's
+    # bytes went down, not up, since what is kept now stays (docs/performance.md).
+    assert loads[1:] == [2, 3, 2, 3], results
+
+
 class SlowSource(Source):
     """Source whose loads finish only when the test lets them (gate), so a prefetch stays in flight."""
 
