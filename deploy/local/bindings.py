@@ -29,7 +29,7 @@ from common.runtime import (BadGateway, BadRequest, DurableObjectId, GatewayTime
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
 from deploy.local.embedded import check_etag, check_range
 from deploy.local.logs import REQUEST_ID_HEADER, request_id_var
-from deploy.local.shm import PIECES_HEADER, SHM_HEADER, SHM_LENGTH_HEADER, ReplyReader, ShmError
+from deploy.local.shm import PID_NS_HEADER, PIECES_HEADER, SHM_HEADER, SHM_LENGTH_HEADER, ReplyReader, ShmError
 
 
 
@@ -329,7 +329,8 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     shm = connections.shm if connections is not None else None
     head = [f"{request.method} {target.raw_path_qs} HTTP/1.1", f"Host: {target.raw_authority}",
             *([] if connections is not None else ["Connection: close"]), f"Content-Length: {len(body)}",
-            *(f"{k}: {v}" for k, v in headers.items()), *([f"{SHM_HEADER}: {shm.offer}"] if shm is not None else [])]
+            *(f"{k}: {v}" for k, v in headers.items()), *([f"{SHM_HEADER}: {shm.offer}"] if shm is not None else []),
+            *([f"{PID_NS_HEADER}: {shm.pid_ns}"] if shm is not None and shm.pid_ns is not None else [])]
     message = "\r\n".join(head).encode("utf-8") + b"\r\n\r\n" + body  # header octets as aiohttp sends them
     peer = (target.host, target.port)
     loop = asyncio.get_running_loop()

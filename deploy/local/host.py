@@ -33,7 +33,7 @@ from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectH
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
-from deploy.local.shm import SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, allow_descriptors, reader_stats
+from deploy.local.shm import PID_NS_HEADER, SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, allow_descriptors, reader_stats
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ async def send_response(request: web.Request, resp: Response) -> web.StreamRespo
         shm = request.app[RUNTIME].shm
         if (shm is not None and request.headers.get(SHM_HEADER) == shm.offer and resp.nbytes >= SHM_MIN_BYTES
                 and request.transport is not None):
-            plan = shm.reply(request.transport, resp.parts)
+            plan = shm.reply(request.transport, resp.parts,
+                             shm.pid_ns is not None and request.headers.get(PID_NS_HEADER) == shm.pid_ns)
             if plan is not None:  # else every buffer is in use and no part is a block: the socket
                 headers = _reply_headers(resp) | plan[0]
                 return web.Response(status=resp.status, headers=headers, body=b"".join(plan[1]))

@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 SHM_HEADER = "X-Knot-Shm"
 SHM_LENGTH_HEADER = "X-Knot-Shm-Length"
 PIECES_HEADER = "X-Knot-Shm-Pieces"
+# The caller's pid namespace: blocks are named by /proc/<pid>/fd/<fd>, which means something only
+# to a caller that sees the host's pids (a directory shared between containers would not).
+PID_NS_HEADER = "X-Knot-Shm-Pid-Ns"
 SHM_MIN_BYTES = 1 << 20  # smaller bodies go over the socket: a file's round trip costs more than they do
 MAX_BUFFERS = 8  # a host's buffers at once (one per connection that got a large reply), ~a phase each
 _NAME = re.compile(r"\Aknot-shm-[0-9]+-[0-9]+\Z")
@@ -242,6 +245,7 @@ class ReplyBuffers:
     def __init__(self, directory: str | Path, max_buffers: int = MAX_BUFFERS):
         self.directory = Path(directory)
         self.offer = str(self.directory)  # what a caller of the same directory sends in SHM_HEADER
+        self.pid_ns = pid_namespace()  # blocks are named only to callers that send the same (PID_NS_HEADER)
         self.max_buffers = max_buffers
         self._by_transport: weakref.WeakKeyDictionary[Any, _Buffer] = weakref.WeakKeyDictionary()
         # the blocks of each connection's last reply, kept until its caller has copied them
@@ -253,17 +257,18 @@ class ReplyBuffers:
         self.block_bytes = 0  # bytes of the blocks they named (copied by nobody but the caller)
         self.failures = 0  # buffers the directory refused (logged once)
 
-    def reply(self, transport: Any, parts: Sequence[Any]) -> tuple[dict[str, str], list] | None:
+    def reply(self, transport: Any, parts: Sequence[Any], name_blocks: bool = True) -> tuple[dict[str, str], list] | None:
         """How to send a body (the buffers it concatenates) to a caller of this directory: (headers,
         the parts still to send over the socket), or None when all of it goes over the socket.
 
-        Blocks are named (PIECES_HEADER), the rest is copied into the connection's buffer when it
-        reaches SHM_MIN_BYTES and sent over the socket otherwise."""
-        self._pinned.pop(transport, None)  # its caller copied the last reply before sending this request
+        Blocks are named (PIECES_HEADER) where name_blocks (the caller shares this pid namespace),
+        the rest is copied into the connection's buffer when it reaches SHM_MIN_BYTES and sent over
+        the socket otherwise."""
+        self._pinned.pop(transport, None)  # its caller mapped the last reply's blocks before sending this request
         pieces: list[int | tuple[str, int]] = []
         inline, named = [], []
         for p in parts:
-            region = self.blocks.region(p)
+            region = self.blocks.region(p) if name_blocks else None
             if region is not None:
                 pieces.append(region)
                 named.append(p)
@@ -352,6 +357,14 @@ class ShmError(Exception):
     """A reply that names a file the caller may not, or cannot, read."""
 
 
+def pid_namespace() -> str | None:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), or None where /proc does not say."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+
+
 _readers: weakref.WeakSet = weakref.WeakSet()  # this process's readers (one per binding), for /healthz
 
 
@@ -373,6 +386,7 @@ class ReplyReader:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.offer = str(self.directory)  # SHM_HEADER's value: a host of another directory ignores it
+        self.pid_ns = pid_namespace()  # PID_NS_HEADER's: a host names blocks only to its own namespace
         _readers.add(self)
         self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # name -> (inode, size, read-only map)
         # (st_dev, st_ino) of each sealed block checked -> [read-only view of its map, crc32, bytes,

@@ -271,6 +271,13 @@ async def test_shared_blocks_are_named_not_copied_and_live_as_long_as_their_view
         assert conns.shm.stats()["checked_blocks"] == 2 and conns.shm.stats()["held_hits"] == 2, "checked once each"
         plain = await buffered_fetch(url + "/blocks", Request("GET", "/blocks"), 30, connections=Connections())
         assert plain.body == _expected(100) and buffers.block_replies == 2, "a caller without the directory: the socket"
+        elsewhere = Connections(shm=ReplyReader(d))
+        elsewhere.shm.pid_ns = "1"  # another pid namespace (a container sharing the directory)
+        r2 = await buffered_fetch(url + "/blocks", Request("GET", "/blocks"), 30, connections=elsewhere)
+        assert r2.body == _expected(100) and r2.parts == (r2.body,) and buffers.block_replies == 2
+        assert (buffers.replies, elsewhere.shm.replies) == (2, 1), "the whole body through its reply buffer"
+        elsewhere.close()
+        del r2
 
         # The cache drops block a while the last reply on the connection still names it: its
         # descriptor stays until that connection's next large reply, then goes.
