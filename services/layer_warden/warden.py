@@ -3,7 +3,7 @@
     L1  this DO's RAM: a byte budget (default 1 GiB) and the residency rule below, evicting the most
         recently used first (a station's cyclic scan; common/lru.py); entries are kept as encoded
         tensor frames, so a hit costs no crc32 and one copy (none, where the host offers the binding
-        SHARED_BLOCKS: local processes keep large frames in shared files, which replies name)
+        SHARED_BLOCKS: local processes keep large frames in sealed shared memory, which replies name)
     L3  R2 (env.KNOT_BUCKET) ranged reads          (L2, KV, is not used for layer tensors)
 
 Integrity: R2 reads are pinned to the served knot version and checked against the knot's crc32.
