@@ -456,7 +456,8 @@ class ReplyReader:
         this reader took when it first saw that very file (it still holds its map)."""
         pid, fd_number, inode = _BLOCK_NAME.match(name).groups()
         try:
-            fd = os.open(f"/proc/{pid}/fd/{fd_number}", os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: a peer could name a FIFO of its own, whose open would wait for a writer
+            fd = os.open(f"/proc/{pid}/fd/{fd_number}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as e:
             raise ShmError(f"block {name}: {e.strerror}") from None
         try:

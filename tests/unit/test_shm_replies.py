@@ -345,7 +345,10 @@ async def test_bad_pieces_are_a_bad_gateway(tmp_path):
     no_shrink = _memfd(b"z" * 64, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW)
     plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)  # a file of a directory takes no seals
     os.pwrite(plain, b"z" * 64, 0)
-    name = {fd: f"knot-blk-{me}-{fd}-{os.fstat(fd).st_ino}" for fd in (sealed, open_, no_shrink, plain)}
+    fifo_path = tmp_path / "fifo"
+    os.mkfifo(fifo_path)
+    fifo = os.open(fifo_path, os.O_RDONLY | os.O_NONBLOCK)  # a peer's FIFO: opening it must not wait
+    name = {fd: f"knot-blk-{me}-{fd}-{os.fstat(fd).st_ino}" for fd in (sealed, open_, no_shrink, plain, fifo)}
 
     async def liar(request):
         pieces = ",".join([request.query["p"]] * int(request.query.get("k", "1")))  # k times: no long URLs
@@ -366,6 +369,7 @@ async def test_bad_pieces_are_a_bad_gateway(tmp_path):
                                   (f"{wrong_inode}:64", 0, "inode"),
                                   (f"{name[open_]}:64", 0, "not sealed"), (f"{name[no_shrink]}:64", 0, "not sealed"),
                                   (f"{name[plain]}:64", 0, "not sealed"),
+                                  (f"{name[fifo]}:64", 0, "not a regular file"),
                                   (f"{good}:1&k=1025", 0, "1025 pieces"),
                                   (f"{good}:99999999999", 0, "bytes, over")):
             with pytest.raises(BadGateway, match=needle):
