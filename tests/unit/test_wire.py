@@ -59,6 +59,32 @@ def test_crc32s_known_from_the_copy_give_the_same_frames(batch, data):
         wire.decode_batch(bytes(bad), _known(bytes(bad), sizes))  # the crc32s of the changed bytes
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(frames, max_size=6), st.data())
+def test_a_batch_in_parts_decodes_as_the_joined_batch(batch, data):
+    """decode_batch over the buffers a body concatenates (Response.parts), cut anywhere: the same
+    frames as the joined body, errors included; a frame inside one part is a view of that part
+    (a LayerWarden's large frame, read in place from its block), not a copy."""
+    import numpy as np
+
+    buf = wire.encode_batch(batch)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(buf)), max_size=5)))
+    parts = [buf[a:b] for a, b in zip([0, *cuts], [*cuts, len(buf)])]
+    assert wire.decode_batch(parts) == batch
+    sizes = [len(wire.encode_tensor(f)) for f in batch]
+    whole = [np.frombuffer(buf[a - n:a], np.uint8) for a, n in zip(np.cumsum([12, *sizes])[1:], sizes)]
+    framed = [buf[:12], *(memoryview(w) for w in whole)]  # each frame its own part, as blocks come
+    got = wire.decode_batch(framed)
+    assert got == batch
+    for f, w in zip(got, whole):
+        assert not f.payload or np.shares_memory(np.frombuffer(f.payload, np.uint8), w), "read in place"
+    if batch:  # one byte short, the cut kept: the last frame's crc32 is truncated
+        short = [p for p in parts if p]
+        short[-1] = short[-1][:-1]
+        with pytest.raises(wire.TruncatedFrame):
+            wire.decode_batch(short)
+
+
 def test_a_known_crc32_is_used_only_for_exactly_its_frame():
     buf = wire.encode_batch([FRAME, FRAME])
     n = len(wire.encode_tensor(FRAME))
