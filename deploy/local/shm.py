@@ -62,7 +62,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -98,34 +98,33 @@ SPLIT_COPY_BYTES = 8 << 20
 _helper = ThreadPoolExecutor(1, thread_name_prefix="shm-copy")
 
 
+def _in_halves(n: int, run: Callable[[int, int], Any]) -> tuple[Any, Any]:
+    """run(0, n) on this thread below SPLIT_COPY_BYTES, as (its result, None); else run on [0, n/2)
+    here and [n/2, n) on the helper thread at once -> both results."""
+    if n < SPLIT_COPY_BYTES:
+        return run(0, n), None
+    half = n // 2
+    other = _helper.submit(run, half, n)
+    try:
+        first = run(0, half)
+    finally:
+        second = other.result()
+    return first, second
+
+
 def _copy(dst: Any, src: Any, n: int, at: int = 0) -> None:
     """n bytes from src to dst[at:] (numpy's memcpy: 4-7 GB/s a thread here, where a slice of an
     mmap assigned from bytes ran at 0.4-2.4)."""
     d, s = np.frombuffer(dst, np.uint8, n, at), np.frombuffer(src, np.uint8, n)
-    if n < SPLIT_COPY_BYTES:
-        np.copyto(d, s)
-        return
-    half = n // 2
-    other = _helper.submit(np.copyto, d[half:], s[half:])
-    try:
-        np.copyto(d[:half], s[:half])
-    finally:
-        other.result()
+    _in_halves(n, lambda a, b: np.copyto(d[a:b], s[a:b]))
 
 
 def _crc32_split(a: np.ndarray) -> int:
-    """crc32 of a's bytes; from SPLIT_COPY_BYTES on, in two halves, one on the helper thread
-    (ISA-L's crc32 releases the GIL), joined by crc32_combine."""
+    """crc32 of a's bytes, in two halves from SPLIT_COPY_BYTES on (ISA-L's crc32 releases the GIL),
+    joined by crc32_combine."""
     n = a.nbytes
-    if n < SPLIT_COPY_BYTES:
-        return crc32(a)
-    half = n // 2
-    other = _helper.submit(crc32, a[half:])
-    try:
-        first = crc32(a[:half])
-    finally:
-        second = other.result()
-    return crc32_combine(first, second, n - half)
+    first, second = _in_halves(n, lambda i, j: crc32(a[i:j]))
+    return first if second is None else crc32_combine(first, second, n - n // 2)
 
 
 class _Buffer:
@@ -175,8 +174,7 @@ class SharedBlocks:
     returns is sent by name, not copied, to callers of the same shared directory (one cluster's
     processes on one machine)."""
 
-    def __init__(self, directory: str | Path, min_bytes: int = SHM_MIN_BYTES):
-        self.directory = Path(directory)  # whose callers may be sent block names (ReplyBuffers.offer)
+    def __init__(self, min_bytes: int = SHM_MIN_BYTES):
         self.min_bytes = min_bytes
         # id(array) -> (a weak reference to it, block name, bytes): only while the array lives (the
         # finalizer removes the entry before the id can be reused)
@@ -250,7 +248,7 @@ class ReplyBuffers:
         self._by_transport: weakref.WeakKeyDictionary[Any, _Buffer] = weakref.WeakKeyDictionary()
         # the blocks of each connection's last reply, kept until its caller has copied them
         self._pinned: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
-        self.blocks = SharedBlocks(self.directory)  # the host's SHARED_BLOCKS binding
+        self.blocks = SharedBlocks()  # the host's SHARED_BLOCKS binding
         self.replies = 0  # bodies sent through a buffer
         self.bytes = 0
         self.block_replies = 0  # replies that named blocks
@@ -534,17 +532,16 @@ class ReplyReader:
                 self._spare = raw
 
     def _map(self, name: str, length: int) -> tuple[int, int, mmap.mmap]:
-        what = "reply buffer"
         try:
             fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
-            raise ShmError(f"{what} {name}: {e.strerror}") from None
+            raise ShmError(f"reply buffer {name}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise ShmError(f"{what} {name} is not a regular file of this user")
+                raise ShmError(f"reply buffer {name} is not a regular file of this user")
             if st.st_size < length:
-                raise ShmError(f"{what} {name} holds {st.st_size} bytes, the reply says {length}")
+                raise ShmError(f"reply buffer {name} holds {st.st_size} bytes, the reply says {length}")
             kept = self._maps.get(name)
             if kept is not None and kept[0] == st.st_ino and kept[1] == st.st_size:
                 return kept

@@ -140,8 +140,7 @@ async def test_layer_warden_keeps_large_frames_in_shared_blocks(tmp_path, knot):
 
     data, header = knot
     w = World(tmp_path, data)
-    blocks = SharedBlocks(tmp_path / "shm")
-    (tmp_path / "shm").mkdir()
+    blocks = SharedBlocks()
     w.env.update({"SHARED_BLOCKS": blocks})
     budget = 4 << 20
     hdrs = {**LAYER, "X-Layer-End": "2"}

@@ -302,12 +302,12 @@ def _fd_inode(fd: int) -> int | None:
         return None
 
 
-async def test_a_block_the_kernel_refuses_stays_in_the_process(tmp_path, monkeypatch):
+async def test_a_block_the_kernel_refuses_stays_in_the_process(monkeypatch):
     import errno
 
     from deploy.local.shm import SharedBlocks
 
-    blocks = SharedBlocks(tmp_path)
+    blocks = SharedBlocks()
     fds = len(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOMEM, "Cannot allocate memory")))
     assert blocks.keep(BIG) is None and blocks.failures == 1 and blocks.stats()["blocks"] == 0
@@ -400,7 +400,7 @@ def test_a_held_block_is_checked_once_and_let_go_when_unused(tmp_path, monkeypat
     passes = []
     real = shm._crc32_split
     monkeypatch.setattr(shm, "_crc32_split", lambda a: passes.append(a.nbytes) or real(a))
-    blocks = shm.SharedBlocks(tmp_path)
+    blocks = shm.SharedBlocks()
     rng = np.random.default_rng(3)
     datas = [rng.bytes(shm.SPLIT_COPY_BYTES + 100), rng.bytes(SHM_MIN_BYTES)]
     kept = [blocks.keep(x) for x in datas]
