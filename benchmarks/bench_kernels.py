@@ -6,8 +6,10 @@ sum over every weight product of one token (all layers' q, k, v, o, gate, up, do
 head). The estimate leaves out attention, norms and sampling, so it bounds the real decode.
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/bench_kernels.py [--model 0.5b|1.5b|PATH ...]
-        [--threads N] [--tokens T] [--no-numpy] [--reps R] [--generate N]
+        [--threads N] [--tokens T] [--no-numpy] [--reps R] [--generate N] [--rows 1,2,3,4,9]
 
+--rows times one pass over all of a token's weight products with T rows (a speculative verify
+trip's, or stacked decode steps'), as a ratio to one row.
 --generate N also runs N tokens of real greedy decode through deploy.engine_local (attention,
 norms and sampling included) with the kernels installed.
 
@@ -124,6 +126,21 @@ def bench_model(path: Path, args) -> None:
              f"kernels {args.tokens / total_kp:.1f} tok/s" if total_kp else ""))
     print(f"decode, one pass over all {len(ordered)} weight products in model order: "
           f"{t_pass * 1e3:.2f} ms = {1 / t_pass:.2f} tok/s, {total_mb / 1e3 / t_pass:.1f} GB/s")
+    if args.rows:
+        # a speculative verify trip (or a few sessions' stacked decode steps): every weight product
+        # of the model with T rows, against T = 1; what T rows cost in decode steps
+        line = []
+        for T in args.rows:
+            xr = {ne0: rng.standard_normal((T, ne0)).astype(np.float32) for ne0 in xs}
+
+            def rows_pass(_, xr=xr):
+                for w in ordered:
+                    kern = mm.get(w.ggml_type)
+                    kern(xr[w.shape[0]], w) if kern else matmul_tiled(xr[w.shape[0]], w)
+
+            t_rows = time_it(rows_pass, max(3, args.reps // 10))
+            line.append(f"T={T} {t_rows * 1e3:.1f} ms ({t_rows / t_pass:.2f}x)")
+        print("rows per pass, all weight products, against one row: " + ", ".join(line))
 
 
 def bench_generate(path: Path, n_tokens: int) -> None:
@@ -148,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-numpy", dest="numpy", action="store_false", help="skip the (slow) numpy path")
     ap.add_argument("--generate", type=int, default=0, metavar="N",
                     help="also time a real greedy decode of N tokens through LocalEngine")
+    ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="row counts to time over all weight products, e.g. 2,3,4,9 (ratios to T=1)")
     args = ap.parse_args(argv)
     if not kernels.available():
         print(f"no kernels: {kernels.UNAVAILABLE_REASON}", file=sys.stderr)

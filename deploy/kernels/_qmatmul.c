@@ -66,7 +66,7 @@ static const isa_kernels ISA_SCALAR = {
     {NULL, NULL, NULL, NULL, NULL},
     {0, 0, 0, 0, 0},
     quantize_row_q8_0, quantize_row_q8_K, lane_corr,
-    attn_scores_ref, attn_values_ref,
+    attn_scores_ref, attn_values_ref, 0,
 };
 extern const isa_kernels knot_isa_avx2, knot_isa_avx512;  /* simd_avx2.c, simd_avx512.c */
 
@@ -123,7 +123,7 @@ typedef struct {
     int ne0, ne1, nb, T;
     act_t a;
     float *y;
-    int rows_per_task, tok_tile;
+    int rows_per_task, tok_tile, dotn_max;
 } mm_ctx;
 
 static inline const void *act_aux(const mm_ctx *c, int t) {  /* token t's bsums or corr lanes */
@@ -142,14 +142,16 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
         for (int r = r0; r < r1; r++) {
             const uint8_t *wr = c->w + (size_t)r * c->row_bytes;
             int t = t0;
-            for (; c->dot4 && t + 4 <= t1; t += 4) {  /* 4 tokens per pass over the row */
+            while (c->dot4 && t1 - t >= 2) {  /* up to dotn_max tokens per pass over the row */
+                const int n = t1 - t >= c->dotn_max ? c->dotn_max : t1 - t;
                 toks_t tk = tk0;
                 tk.q += (size_t)t * tk.q_stride;
                 tk.d += (size_t)t * tk.d_stride;
                 tk.aux = act_aux(c, t);
-                float out[4];
-                c->dot4(wr, tk, c->nb, out);
-                for (int i = 0; i < 4; i++) c->y[(size_t)(t + i) * c->ne1 + r] = out[i];
+                float out[DOTN_MAX];
+                c->dot4(wr, tk, c->nb, n, out);
+                for (int i = 0; i < n; i++) c->y[(size_t)(t + i) * c->ne1 + r] = out[i];
+                t += n;
             }
             for (; t < t1; t++)
                 c->y[(size_t)t * c->ne1 + r] = c->dot(wr, c->a.qs + (size_t)t * c->ne0,
@@ -181,12 +183,12 @@ static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, co
     for (int t = n_qtasks * qc.rows_per_task; t < T; t++) quant_task(&rest, t);  /* remainder rows */
 
     mm_ctx c = {isa->dot[qt->k], isa->dot4[qt->k], w, (size_t)nb * qt->block_bytes,
-                ne0, ne1, nb, T, a, y, 1, 1};
-    /* tokens per tile: a multiple of 4 whose activations (qs, corr lanes) stay in L1 while the
+                ne0, ne1, nb, T, a, y, 1, 1, isa->dotn_max > 1 ? isa->dotn_max : 1};
+    /* tokens per tile: a multiple of dotn_max whose activations (qs, corr lanes) stay in L1 while the
      * task's rows of W go by */
     const size_t act_bytes = (size_t)ne0 * (corr_offset ? 2 : 1) + (size_t)(ne0 / 16) * 2;
-    c.tok_tile = (int)((16u << 10) / act_bytes) / 4 * 4;
-    if (c.tok_tile < 4) c.tok_tile = 4;
+    c.tok_tile = (int)((16u << 10) / act_bytes) / c.dotn_max * c.dotn_max;
+    if (c.tok_tile < c.dotn_max) c.tok_tile = c.dotn_max;  /* a pass takes dotn_max tokens whatever L1 holds */
     /* rows per task: about 16 KiB of W, and at least 4 tasks per thread when there are rows */
     const size_t bytes_total = c.row_bytes * (size_t)ne1;
     int rpt = (int)((16u << 10) / c.row_bytes);

@@ -144,16 +144,18 @@ static inline void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16
 /* aux: the Q8_K bsums for K-quants, the corr lanes for the VNNI legacy kernels, else unused */
 typedef float (*dot_fn)(const uint8_t *w, const int8_t *q, const float *d, const void *aux, int nb);
 
-/* The same dot for 4 tokens at once (prefill): each weight block is unpacked once. Token i reads
- * q + i * q_stride, d + i * d_stride and aux + i * aux_stride (in elements); out[i] equals dot()
- * of token i bit for bit: each token's operations are the same, in the same order. */
+/* The same dot for n tokens at once, 2 to dotn_max (prefill, a verify trip's rows): each weight
+ * block is unpacked once. Token i reads q + i * q_stride, d + i * d_stride and aux + i * aux_stride
+ * (in elements); out[i] equals dot() of token i bit for bit: each token's operations are the same,
+ * in the same order. */
 typedef struct {
     const int8_t *q;
     const float *d;
     const void *aux;
     size_t q_stride, d_stride, aux_stride;
 } toks_t;
-typedef void (*dot4_fn)(const uint8_t *w, toks_t tk, int nb, float out[4]);
+#define DOTN_MAX 8  /* the most tokens a table's dot4 takes at once (isa_kernels.dotn_max) */
+typedef void (*dot4_fn)(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]);  /* n: 2 to dotn_max */
 
 static inline float hsum8(const float a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -305,13 +307,14 @@ typedef void (*attn_values_fn)(const float *p, size_t ps, int R, kv_ptr v, size_
 typedef struct {
     const char *name;           /* NULL: not compiled in (the compiler lacks the target, or not x86) */
     dot_fn dot[N_KTYPES];
-    dot4_fn dot4[N_KTYPES];     /* 4 tokens at once, or NULL */
+    dot4_fn dot4[N_KTYPES];     /* 2 to dotn_max tokens at once, or NULL */
     int corr_offset[N_KTYPES];  /* > 0: the kernel reads the activation's corr lanes (VNNI legacy) */
     void (*quantize_q8_0)(const float *x, int8_t *qs, float *d, int ne0);
     void (*quantize_q8_K)(const float *x, int8_t *qs, float *d, int16_t *bsums, int ne0);
     void (*lane_corr)(const int8_t *qs, int32_t *corr, int ne0, int offset);
     attn_scores_fn attn_scores;
     attn_values_fn attn_values;
+    int dotn_max;               /* dot4's most tokens: 4, or 8 where 32 vector registers hold them */
 } isa_kernels;
 
 #endif

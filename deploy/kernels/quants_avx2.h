@@ -25,6 +25,40 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
     for (int o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)w + KNOT_PF_DIST + o, _MM_HINT_T0);
 }
 
+/* The multi-token kernels, dotn_*: N tokens per pass over a weight row (2 to 4; to 8 in the
+ * AVX-512 build, whose 32 vector registers hold 8 tokens' accumulators), each weight block
+ * unpacked once. Written once with N a parameter and inlined for each N, so every N runs on
+ * registers; DOTN_ENTRY makes the table's entry, which takes n at run time.
+ * Why: a speculative verify trip's 2 or 3 rows (or the rows left after the 4s) took a
+ * single-token pass each, and 3 rows cost more than 4. Over all of the 1.5B's weight products,
+ * against one row (benchmarks/bench_kernels.py --rows, 2.0 GHz Xeon, interleaved runs): 2 rows
+ * 1.51 -> 1.15-1.20x, 3 rows 2.14 -> 1.35x; with 8 per pass, 5 to 9 rows cost 7-15% less than
+ * in passes of 4 (9 rows 350-355 -> 327-332 ms). */
+#define DOTN_INLINE static inline __attribute__((always_inline))
+#if HAVE_VNNI  /* the AVX-512 build: 32 vector registers hold 8 tokens' accumulators */
+#define DOTN_ISA 8
+#define DOTN_ENTRY(name)                                                                           \
+static void dot4_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
+    switch (n) {                                                                                   \
+    case 2: dotn_##name(w, tk, nb, 2, out); break;                                                 \
+    case 3: dotn_##name(w, tk, nb, 3, out); break;                                                 \
+    case 4: dotn_##name(w, tk, nb, 4, out); break;                                                 \
+    case 5: dotn_##name(w, tk, nb, 5, out); break;                                                 \
+    case 6: dotn_##name(w, tk, nb, 6, out); break;                                                 \
+    case 7: dotn_##name(w, tk, nb, 7, out); break;                                                 \
+    default: dotn_##name(w, tk, nb, 8, out);                                                       \
+    }                                                                                              \
+}
+#else
+#define DOTN_ISA 4
+#define DOTN_ENTRY(name)                                                                           \
+static void dot4_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
+    if (n >= 4) dotn_##name(w, tk, nb, 4, out);                                                    \
+    else if (n == 3) dotn_##name(w, tk, nb, 3, out);                                               \
+    else dotn_##name(w, tk, nb, 2, out);                                                           \
+}
+#endif
+
 static inline float hsum8_ps(__m256 a) {
     float v[8];
     _mm256_storeu_ps(v, a);
@@ -80,22 +114,23 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
     return hsum8_ps(acc);                                                                          \
 }
 #define LEGACY_DOT4(name, BYTES)                                                                   \
-static void dot4_##name##_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {              \
+DOTN_INLINE void dotn_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
     const int32_t *corr = tk.aux;                                                                  \
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+    __m256 acc[DOTN_ISA];                                                                          \
+    for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();                                      \
     for (int b = 0; b < nb; b++, w += BYTES, q += QK, corr += 8) {                                \
         prefetch_ahead(w, BYTES);                                                                  \
         const __m256i x = unpack_##name(w);                                                        \
         const float wd = f16_to_f32(rd16(w));                                                      \
-        for (int i = 0; i < 4; i++) {                                                              \
+        for (int i = 0; i < N; i++) {                                                              \
             const __m256i s = _mm256_dpbusd_epi32(                                                 \
                 _mm256_loadu_si256((const __m256i *)(corr + i * tk.aux_stride)), x,               \
                 _mm256_loadu_si256((const __m256i *)(q + i * tk.q_stride)));                       \
             acc[i] = lanes_acc(acc[i], s, wd * tk.d[b + i * tk.d_stride]);                         \
         }                                                                                          \
     }                                                                                              \
-    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]);                                         \
+    for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]);                                         \
 }
 #else
 /* Q4_0 / Q5_0 as their unsigned quants (0..15, 0..31) for vpmaddubsw, with the activation's corr
@@ -162,22 +197,23 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
     return hsum8_ps(acc);                                                                          \
 }
 #define LEGACY_DOT4(name, BYTES)                                                                   \
-static void dot4_##name##_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {              \
+DOTN_INLINE void dotn_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
     const int32_t *corr = tk.aux;                                                                  \
     (void)corr;                                                                                    \
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+    __m256 acc[DOTN_ISA];                                                                          \
+    for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();                                      \
     for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
         prefetch_ahead(w, BYTES);                                                                  \
         const __m256i x = unpack_##name(w);                                                        \
         const float wd = f16_to_f32(rd16(w));                                                      \
-        for (int i = 0; i < 4; i++) {                                                              \
+        for (int i = 0; i < N; i++) {                                                              \
             const __m256i y = _mm256_loadu_si256((const __m256i *)(q + i * tk.q_stride));         \
             acc[i] = lanes_acc(acc[i], LANES_##name(x, y, corr + 8 * b + i * tk.aux_stride),      \
                                wd * tk.d[b + i * tk.d_stride]);                                    \
         }                                                                                          \
     }                                                                                              \
-    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]);                                         \
+    for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]);                                         \
 }
 #endif
 
@@ -219,6 +255,9 @@ static float dot_q5_0_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
 LEGACY_DOT4(q8_0, Q8_0_BYTES)
 LEGACY_DOT4(q4_0, Q4_0_BYTES)
 LEGACY_DOT4(q5_0, Q5_0_BYTES)
+DOTN_ENTRY(q8_0_avx2)
+DOTN_ENTRY(q4_0_avx2)
+DOTN_ENTRY(q5_0_avx2)
 
 static inline float hsum4_ps(__m128 a) {
     float v[4];
@@ -351,11 +390,11 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
     return hsum8_ps(acc);
 }
 
-static void dot4_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
+DOTN_INLINE void dotn_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[4];
-    __m128 accm[4];
-    for (int i = 0; i < 4; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm_setzero_ps(); }
+    __m256 acc[DOTN_ISA];
+    __m128 accm[DOTN_ISA];
+    for (int i = 0; i < N; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm_setzero_ps(); }
     for (int b = 0; b < nb; b++, w += Q4_K_BYTES) {
         prefetch_ahead(w, Q4_K_BYTES);
         const __m256i sm = _mm256_cvtepu8_epi16(q4_k_scales_sse(w));
@@ -363,20 +402,21 @@ static void dot4_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
         const float wd = f16_to_f32(rd16(w)), wdmin = f16_to_f32(rd16(w + 2));
         const __m128i sc128 = _mm256_castsi256_si128(sm);
         const __m256i scales = _mm256_inserti128_si256(_mm256_castsi128_si256(sc128), sc128, 1);
-        __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i sumi[DOTN_ISA];
+        for (int i = 0; i < N; i++) sumi[i] = _mm256_setzero_si256();
         for (int j = 0; j < QK_K / 64; j++) {
             const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j]));
             const __m256i scale_h = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j + 1]));
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
             const __m256i ql = _mm256_and_si256(bits, m4);
             const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < N; i++) {
                 const int8_t *q = tk.q + i * tk.q_stride + (size_t)b * QK_K + 64 * j;
                 sumi[i] = scaled_add(sumi[i], scale_l, _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)q)));
                 sumi[i] = scaled_add(sumi[i], scale_h, _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(q + 32))));
             }
         }
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < N; i++) {
             const int16_t *bs = (const int16_t *)tk.aux + i * tk.aux_stride + (size_t)b * (QK_K / 16);
             const float ad = tk.d[b + i * tk.d_stride];
             const __m128i bs32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
@@ -384,20 +424,21 @@ static void dot4_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
             acc[i] = lanes_acc(acc[i], sumi[i], ad * wd);
         }
     }
-    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]) - hsum4_ps(accm[i]);
+    for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]) - hsum4_ps(accm[i]);
 }
 
-static void dot4_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
+DOTN_INLINE void dotn_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[DOTN_ISA];
+    for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += Q6_K_BYTES) {
         prefetch_ahead(w, Q6_K_BYTES);
         const uint8_t *ql = w, *qh = w + 128;
         const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(scales);
         const float wd = f16_to_f32(rd16(w + 208));
-        __m256i sumi[4];
-        for (int i = 0; i < 4; i++) {
+        __m256i sumi[DOTN_ISA];
+        for (int i = 0; i < N; i++) {
             const int16_t *bs = (const int16_t *)tk.aux + i * tk.aux_stride + (size_t)b * (QK_K / 16);
             sumi[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                        _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)bs)), 5));
@@ -413,16 +454,20 @@ static void dot4_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, float out[4]) {
             qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m3), 4));
             for (int k = 0; k < 4; k++)
                 sv[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + k])));
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < N; i++) {
                 const int8_t *y = tk.q + i * tk.q_stride + (size_t)b * QK_K + 128 * h;
                 for (int k = 0; k < 4; k++)
                     sumi[i] = scaled_add(sumi[i], sv[k], _mm256_maddubs_epi16(qv[k], _mm256_loadu_si256((const __m256i *)(y + 32 * k))));
             }
         }
-        for (int i = 0; i < 4; i++) acc[i] = lanes_acc(acc[i], sumi[i], tk.d[b + i * tk.d_stride] * wd);
+        for (int i = 0; i < N; i++) acc[i] = lanes_acc(acc[i], sumi[i], tk.d[b + i * tk.d_stride] * wd);
     }
-    for (int i = 0; i < 4; i++) out[i] = hsum8_ps(acc[i]);
+    for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]);
 }
+
+DOTN_ENTRY(q4_K_avx2)
+DOTN_ENTRY(q6_K_avx2)
+
 
 /* AVX2 q8_0 quantization: same operations as quantize_row_q8_0 above, 32 at a time */
 static void quantize_row_q8_0_avx2(const float *x, int8_t *qs, float *d, int ne0) {
@@ -464,7 +509,7 @@ const isa_kernels KNOT_ISA = {
     {dot4_q4_0_avx2, dot4_q5_0_avx2, dot4_q8_0_avx2, dot4_q4_K_avx2, dot4_q6_K_avx2},
     {CORR(Q4_0), CORR(Q5_0), CORR_Q8_0, 0, 0},
     quantize_row_q8_0_avx2, quantize_row_q8_K, lane_corr,  /* the last two: quants.h's, compiled for this ISA */
-    attn_scores_simd, attn_values_simd,
+    attn_scores_simd, attn_values_simd, DOTN_ISA,
 };
 #else
 const isa_kernels KNOT_ISA = {NULL};  /* the compiler did not take the target: the module runs without it */
