@@ -32,8 +32,8 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
  * Why: a speculative verify trip's 2 or 3 rows (or the rows left after the 4s) took a
  * single-token pass each, and 3 rows cost more than 4. Over all of the 1.5B's weight products,
  * against one row (benchmarks/bench_kernels.py --rows, 2.0 GHz Xeon, interleaved runs): 2 rows
- * 1.51 -> 1.15-1.20x, 3 rows 2.14 -> 1.35x; with 8 per pass, 5 to 9 rows cost 7-15% less than
- * in passes of 4 (9 rows 350-355 -> 327-332 ms). */
+ * 1.51 -> 1.15-1.20x, 3 rows 2.14 -> 1.35x; with 8 per pass, 8 and 9 rows cost 7-8% less than
+ * in passes of 4 (9 rows 350-355 -> 327-332 ms), 5 rows the same. */
 #define DOTN_INLINE static inline __attribute__((always_inline))
 #if HAVE_VNNI  /* the AVX-512 build: 32 vector registers hold 8 tokens' accumulators */
 #define DOTN_ISA 8
