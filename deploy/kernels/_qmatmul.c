@@ -117,7 +117,7 @@ static void quant_task(void *vctx, int task) {  /* one task = rows_per_task acti
 
 typedef struct {
     dot_fn dot;
-    dot4_fn dot4;
+    dotn_fn dotn;
     const uint8_t *w;
     size_t row_bytes;
     int ne0, ne1, nb, T;
@@ -142,14 +142,14 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
         for (int r = r0; r < r1; r++) {
             const uint8_t *wr = c->w + (size_t)r * c->row_bytes;
             int t = t0;
-            while (c->dot4 && t1 - t >= 2) {  /* up to dotn_max tokens per pass over the row */
+            while (c->dotn && t1 - t >= 2) {  /* up to dotn_max tokens per pass over the row */
                 const int n = t1 - t >= c->dotn_max ? c->dotn_max : t1 - t;
                 toks_t tk = tk0;
                 tk.q += (size_t)t * tk.q_stride;
                 tk.d += (size_t)t * tk.d_stride;
                 tk.aux = act_aux(c, t);
                 float out[DOTN_MAX];
-                c->dot4(wr, tk, c->nb, n, out);
+                c->dotn(wr, tk, c->nb, n, out);
                 for (int i = 0; i < n; i++) c->y[(size_t)(t + i) * c->ne1 + r] = out[i];
                 t += n;
             }
@@ -182,7 +182,7 @@ static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, co
     rest.rows_per_task = 1;
     for (int t = n_qtasks * qc.rows_per_task; t < T; t++) quant_task(&rest, t);  /* remainder rows */
 
-    mm_ctx c = {isa->dot[qt->k], isa->dot4[qt->k], w, (size_t)nb * qt->block_bytes,
+    mm_ctx c = {isa->dot[qt->k], isa->dotn[qt->k], w, (size_t)nb * qt->block_bytes,
                 ne0, ne1, nb, T, a, y, 1, 1, isa->dotn_max > 1 ? isa->dotn_max : 1};
     /* tokens per tile: a multiple of dotn_max whose activations (qs, corr lanes) stay in L1 while the
      * task's rows of W go by */

@@ -154,8 +154,8 @@ typedef struct {
     const void *aux;
     size_t q_stride, d_stride, aux_stride;
 } toks_t;
-#define DOTN_MAX 8  /* the most tokens a table's dot4 takes at once (isa_kernels.dotn_max) */
-typedef void (*dot4_fn)(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]);  /* n: 2 to dotn_max */
+#define DOTN_MAX 8  /* the most tokens a table's dotn takes at once (isa_kernels.dotn_max) */
+typedef void (*dotn_fn)(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]);  /* n: 2 to dotn_max */
 
 static inline float hsum8(const float a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -307,14 +307,14 @@ typedef void (*attn_values_fn)(const float *p, size_t ps, int R, kv_ptr v, size_
 typedef struct {
     const char *name;           /* NULL: not compiled in (the compiler lacks the target, or not x86) */
     dot_fn dot[N_KTYPES];
-    dot4_fn dot4[N_KTYPES];     /* 2 to dotn_max tokens at once, or NULL */
+    dotn_fn dotn[N_KTYPES];     /* 2 to dotn_max tokens at once, or NULL */
     int corr_offset[N_KTYPES];  /* > 0: the kernel reads the activation's corr lanes (VNNI legacy) */
     void (*quantize_q8_0)(const float *x, int8_t *qs, float *d, int ne0);
     void (*quantize_q8_K)(const float *x, int8_t *qs, float *d, int16_t *bsums, int ne0);
     void (*lane_corr)(const int8_t *qs, int32_t *corr, int ne0, int offset);
     attn_scores_fn attn_scores;
     attn_values_fn attn_values;
-    int dotn_max;               /* dot4's most tokens: 4, or 8 where 32 vector registers hold them */
+    int dotn_max;               /* dotn's most tokens: 4, or 8 where 32 vector registers hold them */
 } isa_kernels;
 
 #endif

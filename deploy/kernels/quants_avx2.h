@@ -27,8 +27,9 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
 
 /* The multi-token kernels, dotn_*: N tokens per pass over a weight row (2 to 4; to 8 in the
  * AVX-512 build, whose 32 vector registers hold 8 tokens' accumulators), each weight block
- * unpacked once. Written once with N a parameter and inlined for each N, so every N runs on
- * registers; DOTN_ENTRY makes the table's entry, which takes n at run time.
+ * unpacked once. Each is written once as dotn_body_* with N a parameter and inlined for each N,
+ * so every N runs on registers; DOTN_ENTRY makes the table's entry, dotn_*, which takes n at run
+ * time.
  * Why: a speculative verify trip's 2 or 3 rows (or the rows left after the 4s) took a
  * single-token pass each, and 3 rows cost more than 4. Over all of the 1.5B's weight products,
  * against one row (benchmarks/bench_kernels.py --rows, 2.0 GHz Xeon, interleaved runs): 2 rows
@@ -38,24 +39,24 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
 #if HAVE_VNNI  /* the AVX-512 build: 32 vector registers hold 8 tokens' accumulators */
 #define DOTN_ISA 8
 #define DOTN_ENTRY(name)                                                                           \
-static void dot4_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
+static void dotn_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
     switch (n) {                                                                                   \
-    case 2: dotn_##name(w, tk, nb, 2, out); break;                                                 \
-    case 3: dotn_##name(w, tk, nb, 3, out); break;                                                 \
-    case 4: dotn_##name(w, tk, nb, 4, out); break;                                                 \
-    case 5: dotn_##name(w, tk, nb, 5, out); break;                                                 \
-    case 6: dotn_##name(w, tk, nb, 6, out); break;                                                 \
-    case 7: dotn_##name(w, tk, nb, 7, out); break;                                                 \
-    default: dotn_##name(w, tk, nb, 8, out);                                                       \
+    case 2: dotn_body_##name(w, tk, nb, 2, out); break;                                            \
+    case 3: dotn_body_##name(w, tk, nb, 3, out); break;                                            \
+    case 4: dotn_body_##name(w, tk, nb, 4, out); break;                                            \
+    case 5: dotn_body_##name(w, tk, nb, 5, out); break;                                            \
+    case 6: dotn_body_##name(w, tk, nb, 6, out); break;                                            \
+    case 7: dotn_body_##name(w, tk, nb, 7, out); break;                                            \
+    default: dotn_body_##name(w, tk, nb, 8, out);                                                  \
     }                                                                                              \
 }
 #else
 #define DOTN_ISA 4
 #define DOTN_ENTRY(name)                                                                           \
-static void dot4_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
-    if (n >= 4) dotn_##name(w, tk, nb, 4, out);                                                    \
-    else if (n == 3) dotn_##name(w, tk, nb, 3, out);                                               \
-    else dotn_##name(w, tk, nb, 2, out);                                                           \
+static void dotn_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
+    if (n >= 4) dotn_body_##name(w, tk, nb, 4, out);                                               \
+    else if (n == 3) dotn_body_##name(w, tk, nb, 3, out);                                          \
+    else dotn_body_##name(w, tk, nb, 2, out);                                                      \
 }
 #endif
 
@@ -113,8 +114,8 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
     }                                                                                              \
     return hsum8_ps(acc);                                                                          \
 }
-#define LEGACY_DOT4(name, BYTES)                                                                   \
-DOTN_INLINE void dotn_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
+#define LEGACY_DOTN(name, BYTES)                                                                   \
+DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
     const int32_t *corr = tk.aux;                                                                  \
     __m256 acc[DOTN_ISA];                                                                          \
@@ -196,8 +197,8 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
     }                                                                                              \
     return hsum8_ps(acc);                                                                          \
 }
-#define LEGACY_DOT4(name, BYTES)                                                                   \
-DOTN_INLINE void dotn_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
+#define LEGACY_DOTN(name, BYTES)                                                                   \
+DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
     const int32_t *corr = tk.aux;                                                                  \
     (void)corr;                                                                                    \
@@ -252,9 +253,9 @@ static float dot_q5_0_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
     return hsum8(v);
 }
 #endif
-LEGACY_DOT4(q8_0, Q8_0_BYTES)
-LEGACY_DOT4(q4_0, Q4_0_BYTES)
-LEGACY_DOT4(q5_0, Q5_0_BYTES)
+LEGACY_DOTN(q8_0, Q8_0_BYTES)
+LEGACY_DOTN(q4_0, Q4_0_BYTES)
+LEGACY_DOTN(q5_0, Q5_0_BYTES)
 DOTN_ENTRY(q8_0_avx2)
 DOTN_ENTRY(q4_0_avx2)
 DOTN_ENTRY(q5_0_avx2)
@@ -390,7 +391,7 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
     return hsum8_ps(acc);
 }
 
-DOTN_INLINE void dotn_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
+DOTN_INLINE void dotn_body_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[DOTN_ISA];
     __m128 accm[DOTN_ISA];
@@ -427,7 +428,7 @@ DOTN_INLINE void dotn_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N
     for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]) - hsum4_ps(accm[i]);
 }
 
-DOTN_INLINE void dotn_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
+DOTN_INLINE void dotn_body_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
     __m256 acc[DOTN_ISA];
     for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();
@@ -468,7 +469,6 @@ DOTN_INLINE void dotn_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N
 DOTN_ENTRY(q4_K_avx2)
 DOTN_ENTRY(q6_K_avx2)
 
-
 /* AVX2 q8_0 quantization: same operations as quantize_row_q8_0 above, 32 at a time */
 static void quantize_row_q8_0_avx2(const float *x, int8_t *qs, float *d, int ne0) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -506,7 +506,7 @@ static void quantize_row_q8_0_avx2(const float *x, int8_t *qs, float *d, int ne0
 const isa_kernels KNOT_ISA = {
     KNOT_ISA_NAME,
     {dot_q4_0_avx2, dot_q5_0_avx2, dot_q8_0_avx2, dot_q4_K_avx2, dot_q6_K_avx2},
-    {dot4_q4_0_avx2, dot4_q5_0_avx2, dot4_q8_0_avx2, dot4_q4_K_avx2, dot4_q6_K_avx2},
+    {dotn_q4_0_avx2, dotn_q5_0_avx2, dotn_q8_0_avx2, dotn_q4_K_avx2, dotn_q6_K_avx2},
     {CORR(Q4_0), CORR(Q5_0), CORR_Q8_0, 0, 0},
     quantize_row_q8_0_avx2, quantize_row_q8_K, lane_corr,  /* the last two: quants.h's, compiled for this ISA */
     attn_scores_simd, attn_values_simd, DOTN_ISA,
