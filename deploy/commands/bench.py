@@ -32,6 +32,11 @@ Measures (issue 7's benchmark):
                                       n_batch steps); they run before the peak RSS is read
 llama.cpp (llama-cpp-python, when installed) runs on the same GGUF with the same thread count:
 decode = N greedy tokens after a short prompt (the eval loop timed), prefill = one 512-token eval.
+Its decode is measured again right after each of our decode figures (the cluster's, the single
+process's, each speculation run), on the model opened once, and each ratio is against the
+measurement beside its figure (best against best for the speculation rows' repeats): on a VM whose
+speed drifts by a quarter within minutes, a ratio against one measurement at the start moved with
+the drift. --llama-once measures it once, at the start.
 
 Benchmarks are records, never tests: nothing here asserts a speed.
 """
@@ -48,6 +53,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 NAME = "bench"
 HELP = "benchmark the cluster against llama.cpp on the same GGUF and print one table with the ratios"
@@ -170,6 +176,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None, help="cluster run directory (default: $TMPDIR/knot-bench; "
                    "the bucket survives, so later runs skip the upload)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--llama-once", action="store_true", help="measure llama.cpp's decode once, at the start, "
+                   "not again beside each decode figure (faster; the ratios then carry the machine's drift)")
     p.add_argument("--no-cluster", action="store_true", help="skip the cluster (single process and llama.cpp only)")
     p.add_argument("--draft-model", default=None, help="also run the cluster with this draft model (name or "
                    "path, same vocabulary) and measure the speculation source draft_model")
@@ -205,57 +213,74 @@ def long_prompt_ids(tokenizer, n: int) -> list[int]:
         k *= 2
 
 
+class LlamaDecode:
+    """llama.cpp's decode on a model opened once: each call times `tokens` greedy tokens after
+    short_ids (the eval loop) and returns tok/s, so it can be measured again beside each of our
+    decode figures. runs: every measurement, in order."""
+
+    def __init__(self, gguf: Path, threads: int, tokens: int, short_ids: list[int], n_ctx: int):
+        from deploy.llamacpp import open_llama
+
+        self.llm = open_llama(gguf, n_ctx=max(1024, n_ctx, len(short_ids) + tokens + 16), n_batch=512,
+                              n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
+        if self.llm.amx_denied:
+            progress("llama.cpp: AMX refused (it faults on these VMs; deploy/llamacpp.py)")
+        self.tokens, self.short_ids = tokens, short_ids
+        self.runs: list[float] = []
+
+    def __call__(self) -> float:
+        import numpy as np
+
+        llm = self.llm
+        llm.reset(); llm.eval(self.short_ids)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t0 = time.perf_counter()
+        for _ in range(self.tokens):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        self.runs.append(self.tokens / (time.perf_counter() - t0))
+        return self.runs[-1]
+
+    def prefill_tok_s(self, ids: list[int]) -> float:
+        """One eval of ids (after a warm-up eval of their first 16)."""
+        llm = self.llm
+        llm.reset(); llm.eval(ids[:16])
+        llm.reset()
+        t0 = time.perf_counter(); llm.eval(ids); dt = time.perf_counter() - t0
+        return len(ids) / dt
+
+    def close(self) -> None:
+        del self.llm
+
+
 def measure_llama_prefill(gguf: Path, threads: int, ids: list[int]) -> float:
     """llama.cpp's prefill tok/s of one prompt: a context of its length, one eval in n_batch steps."""
-    from deploy.llamacpp import open_llama
-
-    llm = open_llama(gguf, n_ctx=len(ids) + 16, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                     flash_attn=False, verbose=False)
+    llm = LlamaDecode(gguf, threads, 0, [], len(ids) + 16)
     try:
-        llm.eval(ids[:16])  # warm-up
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        return len(ids) / (time.perf_counter() - t0)
+        return llm.prefill_tok_s(ids)
     finally:
-        del llm
+        llm.close()
 
 
-def measure_llama(gguf: Path, threads: int, tokens: int, short_ids: list[int], long_ids: list[int]) -> dict:
-    import numpy as np
-
-    from deploy.llamacpp import open_llama
-
-    llm = open_llama(gguf, n_ctx=max(1024, len(long_ids) + 16, len(short_ids) + tokens + 16),
-                     n_batch=512, n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
-    if llm.amx_denied:
-        progress("llama.cpp: AMX refused (it faults on these VMs; deploy/llamacpp.py)")
-    out = {}
-    # prefill: one eval of the long prompt (after a warm-up eval)
-    llm.reset(); llm.eval(long_ids[:16])
-    llm.reset()
-    t0 = time.perf_counter(); llm.eval(long_ids); dt = time.perf_counter() - t0
-    out["prefill_tok_s"] = len(long_ids) / dt
-    # decode: greedy tokens after the short prompt, the eval loop timed
-    llm.reset(); llm.eval(short_ids)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    out["decode_tok_s"] = tokens / (time.perf_counter() - t0)
-    del llm
-    return out
+def measure_llama(ref: LlamaDecode, long_ids: list[int]) -> dict:
+    """prefill: one eval of the long prompt; decode: ref's first measurement."""
+    return {"prefill_tok_s": ref.prefill_tok_s(long_ids), "decode_tok_s": ref()}
 
 
-def measure_local(path: Path, tokens: int, short_ids: list[int]) -> dict:
+# llama.cpp's decode measured beside one of ours (LlamaDecode), or None
+Beside = Callable[[], float] | None
+
+
+def measure_local(path: Path, tokens: int, short_ids: list[int], beside: Beside = None) -> dict:
     from common.sampling import SamplingParams
     from deploy.engine_local import LocalEngine
 
     engine = LocalEngine.open(path)
     engine.generate(short_ids, SamplingParams(), max_tokens=2)  # warm-up
     g = engine.generate(short_ids, SamplingParams(), max_tokens=tokens)
-    return {"decode_tok_s": g.decode_tok_s, "tokens": len(g.token_ids), "prefill_tok_s": g.prefill_tok_s}
+    del engine  # its weights' pages, before llama.cpp's run beside it
+    return {"decode_tok_s": g.decode_tok_s, "tokens": len(g.token_ids), "prefill_tok_s": g.prefill_tok_s,
+            "llama_decode_tok_s": beside() if beside else None}
 
 
 def _stats(cluster, r) -> dict:
@@ -399,7 +424,7 @@ def measure_long_prompts(gen, texts: dict[int, str]) -> dict[int, dict]:
 
 
 def measure_cluster(model: str | None, args, tokens: int, long_text: str, concurrency: list[int],
-                    long_texts: dict[int, str] | None = None) -> dict:
+                    long_texts: dict[int, str] | None = None, beside: Beside = None) -> dict:
     from deploy import servers
 
     cluster, running = start_cluster(model, args, args.budget_bytes, "resident", args.draft_model)
@@ -420,6 +445,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
         out["decode_tokens"] = body["usage"]["completion_tokens"]
         out["hops"] = body["timings"].get("hops")
         generated += body["usage"]["completion_tokens"]
+        out["llama_decode_tok_s"] = beside() if beside else None
         r2_1, w_1 = _counters(cluster, running, "r2_bytes_read"), _counters(cluster, running, "warden_bytes")
         out["r2_bytes_per_token"] = per_token(r2_0, r2_1, generated)
         out["warden_bytes_per_token"] = per_token(w_0, w_1, generated)
@@ -438,7 +464,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
         out["ttft_prompt_tokens"] = body["usage"]["prompt_tokens"]
 
         sources = ["off", "prompt_lookup"] + (["draft_model"] if args.draft_model else [])
-        out["speculation"] = measure_speculation(url, tokens, sources, args.spec_repeats)
+        out["speculation"] = measure_speculation(url, tokens, sources, args.spec_repeats, beside)
 
         out["aggregate"] = {}
         for c in concurrency:
@@ -475,19 +501,22 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
     return out
 
 
-def measure_speculation(url: str, tokens: int, sources: list[str], repeats: int) -> dict:
+def measure_speculation(url: str, tokens: int, sources: list[str], repeats: int, beside: Beside = None) -> dict:
     """"<kind>/<source>" -> the best decode tok/s of `repeats` greedy runs, the speculation record,
-    and whether the tokens equal speculation off's."""
+    whether the tokens equal speculation off's, and the best of llama.cpp's decodes measured right
+    after each run (beside)."""
     out: dict = {}
     for kind, body in SPEC_PROMPTS.items():
         plain = None
         for src in sources:
-            best = None
+            best, llama = None, []
             for _ in range(max(1, repeats)):
                 progress(f"speculation: {kind} prompt, {src}, {tokens} tokens")
                 r = http_json("POST", url, {**body, "max_tokens": tokens, "temperature": 0, "speculation": src})
                 if best is None or (r["timings"]["decode_tok_s"] or 0) > (best["timings"]["decode_tok_s"] or 0):
                     best = r
+                if beside:
+                    llama.append(beside())
             if src == "off":
                 plain = best["tokens"]
             s = best["timings"]["speculation"]
@@ -496,11 +525,18 @@ def measure_speculation(url: str, tokens: int, sources: list[str], repeats: int)
                                     "acceptance": s["acceptance"], "tokens_per_trip": s["tokens_per_trip"],
                                     "drafted": s["drafted"], "accepted": s["accepted"],
                                     "same_tokens_as_off": None if plain is None else best["tokens"] == plain,
-                                    "shard_sampling": best["timings"].get("shard_sampling")}
+                                    "shard_sampling": best["timings"].get("shard_sampling"),
+                                    "llama_decode_tok_s": max(llama) if llama else None}
     return out
 
 
 SOURCE_NAMES = {"off": "speculation off", "prompt_lookup": "prompt lookup", "draft_model": "draft model"}
+
+
+def beside_or(m: dict, llama_decode: float | None) -> float | None:
+    """The llama.cpp decode measured beside a figure (m's llama_decode_tok_s), else the run's first."""
+    b = m.get("llama_decode_tok_s")
+    return llama_decode if b is None else b
 
 
 def speculation_figures(spec: dict, llama_decode: float | None) -> list[Figure]:
@@ -508,7 +544,7 @@ def speculation_figures(spec: dict, llama_decode: float | None) -> list[Figure]:
     for key, m in spec.items():
         kind, src = key.split("/")
         label = f"{kind} prompt, {SOURCE_NAMES.get(src, src)}"
-        figs.append(Figure(f"decode, {label}", m["decode_tok_s"], llama_decode, "tok/s"))
+        figs.append(Figure(f"decode, {label}", m["decode_tok_s"], beside_or(m, llama_decode), "tok/s"))
         if src in ("off", "draft_model") and m.get("ttft_ms") is not None:
             # the draft model reads the prompt too (while the target does): its cost shows here
             figs.append(Figure(f"ttft, {label}", m["ttft_ms"], None, "ms"))
@@ -524,9 +560,10 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
     cl, ll, fluid = cl or {}, ll or {}, fluid or {}
     long_ns = sorted(set(cl.get("long_prompts", {})) | set(ll.get("long_prefill_tok_s", {})))
     figs = [
-        Figure("decode", cl.get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"),
+        Figure("decode", cl.get("decode_tok_s"), beside_or(cl, ll.get("decode_tok_s")), "tok/s"),
         Figure("prefill", cl.get("prefill_tok_s"), ll.get("prefill_tok_s"), "tok/s"),
-        Figure("single-process decode", (local or {}).get("decode_tok_s"), ll.get("decode_tok_s"), "tok/s"),
+        Figure("single-process decode", (local or {}).get("decode_tok_s"), beside_or(local or {}, ll.get("decode_tok_s")),
+               "tok/s"),
         # issue 7: the cluster's decode overhead against the single process (goal: >= 0.85)
         Figure("cluster / single-process decode", ratio(cl.get("decode_tok_s"), (local or {}).get("decode_tok_s")),
                None, "x"),
@@ -580,7 +617,7 @@ def run(args: argparse.Namespace) -> int:
     long_ns = [int(n) for n in args.long_prompts.split(",") if n.strip()]
     long_sets = {n: long_prompt_ids(tok, n) for n in long_ns}
 
-    ll = None
+    ll = ref = None
     if not args.no_llama:
         try:
             import llama_cpp  # noqa: F401
@@ -588,27 +625,41 @@ def run(args: argparse.Namespace) -> int:
             progress("llama-cpp-python is not installed: llama.cpp column left empty")
         else:
             progress(f"llama.cpp: prefill {len(long_ids)} tokens, decode {args.tokens} tokens, {args.threads} threads")
-            ll = measure_llama(gguf, args.threads, args.tokens, short_ids, long_ids)
+            ref = LlamaDecode(gguf, args.threads, args.tokens, short_ids, len(long_ids) + 16)
+            ll = measure_llama(ref, long_ids)
             ll["long_prefill_tok_s"] = {}
             for n, ids in long_sets.items():
                 progress(f"llama.cpp: prefill of a {n}-token prompt")
                 ll["long_prefill_tok_s"][n] = measure_llama_prefill(gguf, args.threads, ids)
+
+    def beside() -> float:
+        progress(f"llama.cpp beside it: decode {args.tokens} tokens")
+        return ref()
+
+    paired = beside if ref is not None and not args.llama_once else None
     progress(f"single process: decode {args.tokens} tokens")
-    local = measure_local(knot, args.tokens, short_ids)
+    local = measure_local(knot, args.tokens, short_ids, paired)
     cl = fluid = None
     if not args.no_cluster:
         cl = measure_cluster(args.model, args, args.tokens, long_text, concurrency,
-                             {n: tok.decode(ids) for n, ids in long_sets.items()})
+                             {n: tok.decode(ids) for n, ids in long_sets.items()}, paired)
         if not args.no_fluid:
             fluid = measure_fluid(args.fluid_model or args.model, args)
             if args.fluid_model:
                 fluid["model"] = Path(args.fluid_model).name
 
+    if ref is not None:
+        ll["decode_runs"] = list(ref.runs)
+        ref.close()
     figures = build_figures(cl, local, ll, concurrency, fluid, args.fluid_budget_bytes)
     print(f"knot bench: {model} ({gguf.name}), {args.tokens} tokens, prompt {len(long_ids)} tokens, "
           f"llama.cpp {args.threads} threads, stations --profile resident (layers + {args.budget_bytes:,} B; "
           f"fluid run: --profile worker, {args.fluid_budget_bytes:,} B)")
     print(render_table(figures))
+    runs = (ll or {}).get("decode_runs") or []
+    if len(runs) > 1:
+        print(f"\nllama.cpp decode, measured {len(runs)} times (at the start, then right after each decode figure of "
+              f"ours, whose ratio is against it): {min(runs):.2f} to {max(runs):.2f} tok/s")
     if cl:
         print(f"\nprefill prompt: {cl.get('prefill_prompt_tokens')} tokens; ttft prompt: "
               f"{cl.get('ttft_prompt_tokens')} tokens; decode run: {cl.get('decode_tokens')} tokens")

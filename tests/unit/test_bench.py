@@ -120,3 +120,25 @@ def test_long_prompt_ids_are_exactly_n():
 
     for n in (1, 100, 3000):
         assert len(long_prompt_ids(TOK, n)) == n
+
+
+def test_each_decode_figure_is_set_against_the_llama_decode_measured_beside_it():
+    """knot bench measures llama.cpp's decode again right after each decode figure of ours; a ratio
+    is against that measurement, and falls back to the run's first only where none was taken."""
+    spec = {"code/off": {"decode_tok_s": 8.0, "acceptance": None, "tokens_per_trip": 1.0, "llama_decode_tok_s": 8.0},
+            "code/draft_model": {"decode_tok_s": 11.0, "acceptance": 0.9, "tokens_per_trip": 6.0,
+                                 "llama_decode_tok_s": 10.0},
+            "chat/off": {"decode_tok_s": 9.0, "acceptance": None, "tokens_per_trip": 1.0, "llama_decode_tok_s": None}}
+    cl = {"decode_tok_s": 7.0, "llama_decode_tok_s": 7.5, "speculation": spec}
+    local = {"decode_tok_s": 12.0, "llama_decode_tok_s": 11.0}
+    by = {f.name: f for f in build_figures(cl, local, {"decode_tok_s": 9.5}, [], None, 1)}
+    assert by["decode"].llama == 7.5
+    assert by["single-process decode"].llama == 11.0
+    assert ratio(by["decode, code prompt, draft model"].ours, by["decode, code prompt, draft model"].llama) == 1.1
+    assert by["decode, code prompt, speculation off"].llama == 8.0
+    assert by["decode, chat prompt, speculation off"].llama == 9.5  # none beside it: the run's first
+    assert by["prefill"].llama is None  # --llama-once or not, prefill is measured once
+    # --llama-once: no measurement beside any figure, every ratio against the first
+    once = {f.name: f for f in build_figures({"decode_tok_s": 7.0}, {"decode_tok_s": 12.0}, {"decode_tok_s": 9.5},
+                                             [], None, 1)}
+    assert once["decode"].llama == once["single-process decode"].llama == 9.5
