@@ -96,10 +96,19 @@ class AttentionKernel:
         rounded once (q and k f16 numbers, so every product is exact);
     values(p (n_kv, R, S) f32, v (S, n_kv, hd), out (n_kv, R, hd) f64) -> out, += f16(p) @ v
         summed in float64;
-    cache_dtype: the KV cache's storage type it reads best (common.kvcache.default_kv_dtype)."""
+    cache_dtype: the KV cache's storage type it reads best (common.kvcache.default_kv_dtype);
+    row_scores, row_values (or None): a sequence's T new rows, each over the keys its decode step saw
+    (common.models.qwen2.attend_sequence), in two calls around numpy's exp and sums:
+    row_scores(q (T, n_head, hd) f32, k (S, n_kv, hd), q_pos (T,), k_pos (S,), scale) -> p, row t's
+        (n_head, n_t) scores (n_t = S - T + 1 + t keys; f16(q)·k, times scale, -inf where
+        k_pos > q_pos, less the row's max) packed one row after another, float32;
+    row_values(p, sums (T, n_head) f64, v (S, n_kv, hd)) -> (T, n_head * hd) f32: each row of p
+        times float32(1 / its sum), rounded to f16, @ v summed in float64."""
     scores: Callable[[np.ndarray, np.ndarray], np.ndarray | None]
     values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]
     cache_dtype: np.dtype = np.dtype(np.float32)
+    row_scores: Callable[..., np.ndarray | None] | None = None
+    row_values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None] | None = None
 
 
 _ATTENTION: list[AttentionKernel | None] = [None]

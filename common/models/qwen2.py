@@ -284,12 +284,41 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
     EXACT_ROWS rows appended to a cache that held some already (a verify trip: S > T), row t is
     computed alone over the cache as its decode step saw it (the first S - T + 1 + t entries): the
     same bits as decoding the rows one by one. A prompt's first chunk keeps one product, as the
-    llama.cpp oracle tests measured it (docs/fidelity.md)."""
+    llama.cpp oracle tests measured it (docs/fidelity.md). Where the attention kernel has row calls,
+    the rows (a decode step's one included) go through them: the same bits, two calls for them all
+    (_attend_rows)."""
     T, S = q.shape[0], k.shape[0]
     if not 1 < T <= EXACT_ROWS or S == T:  # a prompt's first chunk was never decoded: one product
-        return attention(q, k, v, q_pos, k_pos)
+        out = _attend_rows(q, k, v, q_pos, k_pos) if T == 1 else None
+        return attention(q, k, v, q_pos, k_pos) if out is None else out
+    out = _attend_rows(q, k, v, q_pos, k_pos)
+    if out is not None:
+        return out
     return np.concatenate([attention(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
                                      k_pos[:S - T + 1 + t]) for t in range(T)])
+
+
+def _attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray | None:
+    """attend_sequence's rows in the attention kernel's row calls, or None where it has none (or
+    declines, or a row's keys pass one tile): the bits of attention() of each row alone, with
+    numpy's exp and float64 sums of softmax_ between the two calls. Why: a decode row's attention
+    was ~40 numpy calls, ~0.1 ms each layer and row of the 0.5B, more than its products took."""
+    kern = get_attention_kernel()
+    T, n_head, hd = q.shape
+    S = k.shape[0]
+    if kern is None or kern.row_scores is None or S > attn_tile_keys(n_head, 1):
+        return None
+    p = kern.row_scores(q, k, q_pos, k_pos, float(np.float32(1.0 / np.sqrt(np.float32(hd)))))  # as _scores
+    if p is None:
+        return None
+    np.exp(p, out=p)
+    sums = np.empty((T, n_head), np.float64)
+    a = 0
+    for t in range(T):  # each row's sums over its own (n_head, n_t) block, as softmax_ sums it alone
+        n_t = S - T + 1 + t
+        sums[t] = p[a:a + n_head * n_t].reshape(n_head, n_t).sum(axis=-1, dtype=np.float64)
+        a += n_head * n_t
+    return kern.row_values(p, sums, v)
 
 
 def _f64_slices(x: np.ndarray, rows: int):

@@ -123,7 +123,30 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
                              v.dtype == np.float16)
         return out  # (n_kv, R, hd) f64, += f16(p) @ v
 
-    return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16))
+    def row_scores(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, scale: float) -> np.ndarray | None:
+        T, n_head, hd = q.shape
+        S, n_kv = k.shape[:2]
+        if not takes(q, k) or q.dtype != np.float32 or k.shape[2] != hd or n_head % n_kv or not 1 <= T <= S:
+            return None
+        p = np.empty(n_head * (T * (S - T + 1) + T * (T - 1) // 2), np.float32)  # row t: (n_head, S - T + 1 + t)
+        _qmatmul.attn_rows_scores(np.ascontiguousarray(q), np.ascontiguousarray(k),
+                                  np.ascontiguousarray(q_pos, np.int64), np.ascontiguousarray(k_pos, np.int64), p,
+                                  n_kv, n_head, T, S, hd, scale, simd, parallel, k.dtype == np.float16)
+        return p
+
+    def row_values(p: np.ndarray, sums: np.ndarray, v: np.ndarray) -> np.ndarray | None:
+        T, n_head = sums.shape
+        S, n_kv, hd = v.shape
+        if (not takes(v, v) or p.dtype != np.float32 or not p.flags.c_contiguous or sums.dtype != np.float64
+                or n_head % n_kv):  # p is written in place
+            return None
+        out = np.empty((T, n_head * hd), np.float32)
+        _qmatmul.attn_rows_values(p, np.ascontiguousarray(sums), np.ascontiguousarray(v), out, n_kv, n_head, T, S, hd,
+                                  simd, parallel, v.dtype == np.float16)
+        return out
+
+    return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16),
+                           row_scores=row_scores, row_values=row_values)
 
 
 def isas() -> list[str]:

@@ -357,6 +357,126 @@ static PyObject *attn_call(PyObject *args, PyObject *kw, int values) {
 static PyObject *py_attn_scores(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return attn_call(args, kw, 0); }
 static PyObject *py_attn_values(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return attn_call(args, kw, 1); }
 
+/* A sequence's T new rows, each alone over the keys its decode step saw: row t over keys
+ * [0, S - T + 1 + t) (common/models/qwen2.py attend_sequence). The numbers are attention()'s of
+ * each row on its own (one tile), with its two products in the same kernels: the scores, scaled,
+ * masked (k_pos > q_pos: -inf) and less their row's max, go packed into p, row t's (n_head, n_t)
+ * block at rows_offset(t); numpy's exp and float64 sums run on them there (the caller), then each
+ * row is scaled by 1 / its sum, rounded to f16 and weighs the values. A task is one row and one kv
+ * head, its g query heads 16 at a time. */
+typedef struct {
+    const isa_kernels *isa;
+    const float *q;          /* (T, n_head, hd) */
+    kv_ptr kv;               /* k or v, (S, n_kv, hd) */
+    const int64_t *q_pos, *k_pos;
+    float *p;                /* packed scores, then weights */
+    const double *sums;      /* (T, n_head) */
+    float *out;              /* (T, n_head * hd) */
+    int T, S, n_kv, g, hd;
+    float scale;
+} rows_ctx;
+
+#define ROWS_HEADS 16  /* query heads per kernel call (its stack buffers) */
+
+static inline int rows_keys(const rows_ctx *c, int t) { return c->S - c->T + 1 + t; }
+
+static inline size_t rows_offset(const rows_ctx *c, int t) {  /* n_head * (n_0 + ... + n_{t-1}) */
+    return (size_t)c->n_kv * c->g * ((size_t)t * (size_t)(c->S - c->T + 1) + (size_t)t * (size_t)(t - 1) / 2);
+}
+
+static void rows_scores_task(void *vctx, int task) {
+    const rows_ctx *c = vctx;
+    const int t = task / c->n_kv, h = task % c->n_kv, n = rows_keys(c, t), hd = c->hd;
+    const int n_head = c->n_kv * c->g;
+    const size_t ks = (size_t)c->n_kv * hd;
+    float qf[ROWS_HEADS * ATTN_MAX_HD];
+    for (int i0 = 0; i0 < c->g; i0 += ROWS_HEADS) {
+        const int ni = c->g - i0 < ROWS_HEADS ? c->g - i0 : ROWS_HEADS;
+        const int head0 = h * c->g + i0;
+        for (int i = 0; i < ni * hd; i++)  /* q rounded to f16, as attention()'s to_f16 */
+            qf[i] = round_f16(c->q[((size_t)t * n_head + head0) * hd + i]);
+        float *s0 = c->p + rows_offset(c, t) + (size_t)head0 * n;
+        c->isa->attn_scores(qf, ni, kv_add(c->kv, (size_t)h * hd), ks, n, hd, s0, (size_t)n);
+        for (int i = 0; i < ni; i++) {
+            float *s = s0 + (size_t)i * n;
+            float m = -INFINITY;
+            int nan = 0;
+            for (int j = 0; j < n; j++) {  /* _scores: scale, then the mask; softmax_: the max */
+                s[j] = c->k_pos[j] > c->q_pos[t] ? -INFINITY : s[j] * c->scale;
+                if (s[j] != s[j]) nan = 1;
+                else if (s[j] > m) m = s[j];
+            }
+            if (nan) m = NAN;  /* numpy's max propagates NaN */
+            for (int j = 0; j < n; j++) s[j] = s[j] - m;
+        }
+    }
+}
+
+static void rows_values_task(void *vctx, int task) {
+    const rows_ctx *c = vctx;
+    const int t = task / c->n_kv, h = task % c->n_kv, n = rows_keys(c, t), hd = c->hd;
+    const int n_head = c->n_kv * c->g;
+    double o[ROWS_HEADS * ATTN_MAX_HD];
+    for (int i0 = 0; i0 < c->g; i0 += ROWS_HEADS) {
+        const int ni = c->g - i0 < ROWS_HEADS ? c->g - i0 : ROWS_HEADS;
+        const int head0 = h * c->g + i0;
+        float *p0 = c->p + rows_offset(c, t) + (size_t)head0 * n;
+        for (int i = 0; i < ni; i++) {  /* softmax_: x *= float32(1 / sum) */
+            const float r = (float)(1.0 / c->sums[(size_t)t * n_head + head0 + i]);
+            float *pr = p0 + (size_t)i * n;
+            for (int j = 0; j < n; j++) pr[j] = pr[j] * r;
+        }
+        memset(o, 0, sizeof(double) * (size_t)ni * hd);
+        c->isa->attn_values(p0, (size_t)n, ni, kv_add(c->kv, (size_t)h * hd), (size_t)c->n_kv * hd, n, hd, o);
+        float *dst = c->out + ((size_t)t * n_head + head0) * hd;
+        for (int i = 0; i < ni * hd; i++) dst[i] = (float)o[i];
+    }
+}
+
+static PyObject *py_attn_rows(PyObject *self, PyObject *args, PyObject *kw, int values) {
+    (void)self;
+    static char *kwlist[2][15] = {
+        {"q", "k", "q_pos", "k_pos", "p", "n_kv", "n_head", "T", "S", "hd", "scale", "simd", "parallel", "kv_f16", NULL},
+        {"p", "sums", "v", "out", "n_kv", "n_head", "T", "S", "hd", "simd", "parallel", "kv_f16", NULL}};
+    int n_kv, n_head, T, S, hd, simd = 1, parallel = 1, kv_f16 = 0;
+    double scale = 1.0;
+    PyObject *objs[5] = {NULL};
+    int ok = values
+        ? PyArg_ParseTupleAndKeywords(args, kw, "OOOOiiiii|ppp", kwlist[1], &objs[0], &objs[1], &objs[2], &objs[3],
+                                      &n_kv, &n_head, &T, &S, &hd, &simd, &parallel, &kv_f16)
+        : PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiid|ppp", kwlist[0], &objs[0], &objs[1], &objs[2], &objs[3],
+                                      &objs[4], &n_kv, &n_head, &T, &S, &hd, &scale, &simd, &parallel, &kv_f16);
+    if (!ok) return NULL;
+    if (!attn_shape_ok(n_kv, T, S, hd)) return NULL;
+    if (T < 1 || S < T || n_head < n_kv || n_head % n_kv)
+        return PyErr_Format(PyExc_ValueError, "attention rows: bad shape T=%d S=%d n_head=%d n_kv=%d (1 <= T <= S, "
+                            "n_head a multiple of n_kv)", T, S, n_head, n_kv);
+    rows_ctx c = {simd ? isa_current : &ISA_SCALAR, NULL, {NULL, kv_f16}, NULL, NULL, NULL, NULL, NULL,
+                  T, S, n_kv, n_head / n_kv, hd, (float)scale};
+    const Py_ssize_t packed = (Py_ssize_t)rows_offset(&c, T) * 4;
+    const Py_ssize_t kv_bytes = (Py_ssize_t)S * n_kv * hd * (kv_f16 ? 2 : 4);
+    static const char *const names[2][5] = {{"q", "k", "q_pos", "k_pos", "p"}, {"p", "sums", "v", "out", ""}};
+    static const int writable[2][5] = {{0, 0, 0, 0, 1}, {1, 0, 0, 1, 0}};
+    const Py_ssize_t expect[2][5] = {
+        {(Py_ssize_t)T * n_head * hd * 4, kv_bytes, (Py_ssize_t)T * 8, (Py_ssize_t)S * 8, packed},
+        {packed, (Py_ssize_t)T * n_head * 8, kv_bytes, (Py_ssize_t)T * n_head * hd * 4, 0}};
+    const int nbuf = values ? 4 : 5;
+    Py_buffer b[5];
+    if (attn_buffers(objs, b, names[values], writable[values], expect[values], nbuf)) return NULL;
+    if (values) { c.p = b[0].buf; c.sums = b[1].buf; c.kv.p = b[2].buf; c.out = b[3].buf; }
+    else { c.q = b[0].buf; c.kv.p = b[1].buf; c.q_pos = b[2].buf; c.k_pos = b[3].buf; c.p = b[4].buf; }
+    const double work = (double)rows_offset(&c, T) * hd;  /* multiply-adds of each product */
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(values ? rows_values_task : rows_scores_task, &c, T * n_kv, parallel && work >= ATTN_PARALLEL_MIN);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < nbuf; i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attn_rows_scores(PyObject *self, PyObject *args, PyObject *kw) { return py_attn_rows(self, args, kw, 0); }
+static PyObject *py_attn_rows_values(PyObject *self, PyObject *args, PyObject *kw) { return py_attn_rows(self, args, kw, 1); }
+
+
 /* quantize(x float32 (T, ne0) buffer, T, ne0, k) -> (qs bytes, d bytes float32, bsums bytes int16 | None) */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     (void)self;
@@ -434,6 +554,13 @@ static PyMethodDef methods[] = {
     {"attn_values", (PyCFunction)(void (*)(void))py_attn_values, METH_VARARGS | METH_KEYWORDS,
      "attn_values(p, v, out, n_kv, R, S, hd, simd=True, parallel=True, kv_f16=False): out (n_kv, R, hd) f64 += f16(p) (n_kv, R, S) "
      "@ v (S, n_kv, hd)"},
+    {"attn_rows_scores", (PyCFunction)(void (*)(void))py_attn_rows_scores, METH_VARARGS | METH_KEYWORDS,
+     "attn_rows_scores(q, k, q_pos, k_pos, p, n_kv, n_head, T, S, hd, scale, simd=True, parallel=True, kv_f16=False): "
+     "row t of q (T, n_head, hd) over keys [0, S - T + 1 + t) of k (S, n_kv, hd): p, packed, = its scaled, masked "
+     "scores less their max"},
+    {"attn_rows_values", (PyCFunction)(void (*)(void))py_attn_rows_values, METH_VARARGS | METH_KEYWORDS,
+     "attn_rows_values(p, sums, v, out, n_kv, n_head, T, S, hd, simd=True, parallel=True, kv_f16=False): "
+     "out (T, n_head * hd) f32 = f16(p / sums) @ v, p as attn_rows_scores packed it, after exp"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): threads per matmul, caller included"},
     {"get_threads", py_get_threads, METH_NOARGS, "threads per matmul, caller included"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): the kernels matmul(simd=True) runs, one of ISAS"},

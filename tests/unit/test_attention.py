@@ -317,3 +317,37 @@ def test_the_cache_stores_float16_where_the_kernels_read_it_and_float32_on_numpy
         kv16 = KVCache(2, 64)
         assert kv16.dtype == np.float16 and kv16.token_bytes() == 2 * 2 * 64 * 2 + 8
         assert KVCache(2, 64, dtype=np.float32).dtype == np.float32  # an explicit type is kept
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd):
+    """attend_sequence's rows through the kernel's two row calls (scores, then numpy's exp and sums,
+    then the values) are attention() of each row alone, bit for bit: decode steps (T = 1) and verify
+    trips, float16 and float32 caches, keys masked by position, more query heads per kv head than
+    a call takes (17 > 16), and hd 16, which the AVX-512 values kernel leaves to the reference."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    kern = kernels.make_attention_kernel(simd=simd)
+    mm.register_attention_kernel(kern)
+    rng = np.random.default_rng(7)
+    for case in range(60):
+        n_kv, g, hd = int(rng.choice([1, 2, 4])), int(rng.choice([1, 6, 7, 17])), int(rng.choice([16, 64, 128]))
+        T = int(rng.integers(1, 10))
+        S = T + int(rng.integers(0 if T == 1 else 1, 200))
+        dtype = np.float16 if case % 2 else np.float32
+        q = (rng.standard_normal((T, n_kv * g, hd)) * rng.choice([0.1, 1.0, 5.0])).astype(np.float32)
+        k = qwen2.to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32)).astype(dtype)
+        v = qwen2.to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32)).astype(dtype)
+        k_pos = np.arange(S, dtype=np.int64) if case % 3 else rng.permutation(S).astype(np.int64)
+        q_pos = k_pos[S - T:].copy() if case % 5 else rng.integers(0, S, T).astype(np.int64)
+        got = qwen2._attend_rows(q, k, v, q_pos, k_pos)
+        assert got is not None and got.shape == (T, n_kv * g * hd)
+        want = np.concatenate([qwen2.attention(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
+                                               k_pos[:S - T + 1 + t]) for t in range(T)])
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"case {case}")
+    # past one tile of a decode row's keys, attention() goes tile by tile: the row calls decline
+    S = qwen2.attn_tile_keys(2, 1) + 1
+    q, k, v = qkv(1, S, n_head=2, n_kv=1)
+    assert qwen2._attend_rows(q, k, v, np.array([S - 1]), np.arange(S)) is None
+    mm.register_attention_kernel(None)
+    assert qwen2._attend_rows(q[:, :, :16], k[:8], v[:8], np.array([7]), np.arange(8)) is None  # numpy: no row calls
