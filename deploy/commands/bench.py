@@ -214,9 +214,9 @@ def long_prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 class LlamaDecode:
-    """llama.cpp's decode on a model opened once: each call times `tokens` greedy tokens after
-    short_ids (the eval loop) and returns tok/s, so it can be measured again beside each of our
-    decode figures. runs: every measurement, in order."""
+    """llama.cpp on a model opened once. Each call times its decode, `tokens` greedy tokens after
+    short_ids (the eval loop), and returns tok/s, so that it can be measured again beside each of
+    our decode figures (runs: every measurement, in order); prefill_tok_s times one prompt's eval."""
 
     def __init__(self, gguf: Path, threads: int, tokens: int, short_ids: list[int], n_ctx: int):
         from deploy.llamacpp import open_llama
