@@ -476,7 +476,6 @@ static PyObject *py_attn_rows(PyObject *self, PyObject *args, PyObject *kw, int 
 static PyObject *py_attn_rows_scores(PyObject *self, PyObject *args, PyObject *kw) { return py_attn_rows(self, args, kw, 0); }
 static PyObject *py_attn_rows_values(PyObject *self, PyObject *args, PyObject *kw) { return py_attn_rows(self, args, kw, 1); }
 
-
 /* quantize(x float32 (T, ne0) buffer, T, ne0, k) -> (qs bytes, d bytes float32, bsums bytes int16 | None) */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     (void)self;
