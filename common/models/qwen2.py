@@ -288,12 +288,12 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
     the rows (a decode step's one included) go through them: the same bits, two calls for them all
     (_attend_rows)."""
     T, S = q.shape[0], k.shape[0]
-    if not 1 < T <= EXACT_ROWS or S == T:  # a prompt's first chunk was never decoded: one product
-        out = _attend_rows(q, k, v, q_pos, k_pos) if T == 1 else None
-        return attention(q, k, v, q_pos, k_pos) if out is None else out
-    out = _attend_rows(q, k, v, q_pos, k_pos)
+    by_row = T == 1 or (T <= EXACT_ROWS and S != T)  # a decode step, or a verify trip's rows
+    out = _attend_rows(q, k, v, q_pos, k_pos) if by_row else None
     if out is not None:
         return out
+    if T == 1 or not by_row:  # one row, or a prompt's first chunk (never decoded): one product
+        return attention(q, k, v, q_pos, k_pos)
     return np.concatenate([attention(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
                                      k_pos[:S - T + 1 + t]) for t in range(T)])
 
@@ -308,7 +308,7 @@ def _attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     S = k.shape[0]
     if kern is None or kern.row_scores is None or S > attn_tile_keys(n_head, 1):
         return None
-    p = kern.row_scores(q, k, q_pos, k_pos, float(np.float32(1.0 / np.sqrt(np.float32(hd)))))  # as _scores
+    p = kern.row_scores(q, k, q_pos, k_pos, float(score_scale(hd)))
     if p is None:
         return None
     np.exp(p, out=p)
@@ -334,6 +334,12 @@ def _f64_slices(x: np.ndarray, rows: int):
         yield a, xf
 
 
+def score_scale(hd: int) -> np.float32:
+    """What every score is multiplied by, 1 / sqrt(hd) in float32 (llama.cpp's kq_scale): _scores
+    and the kernel's row calls (_attend_rows) take it from here."""
+    return np.float32(1.0 / np.sqrt(np.float32(hd)))
+
+
 def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, kern=None) -> np.ndarray:
     """Scaled, masked scores of one tile: qg (n_kv, g, T, hd) f64 (f16 numbers; float32 for the
     kernel kern), k (t, n_kv, hd) -> (n_kv, g, T, t) f32. Each score is a float64 sum of exact
@@ -348,7 +354,7 @@ def _scores(qg: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
         for a, kf in _f64_slices(k, n_kv * g * T):
             s[..., a:a + kf.shape[1]] = np.matmul(qd, kf.transpose(0, 2, 1)[:, None])  # (n_kv, g, T, hd) @ (n_kv, 1, hd, c)
     # ref: ggml_soft_max_ext(kq, mask, scale): scale first, then add the mask, then softmax.
-    s *= np.float32(1.0 / np.sqrt(np.float32(hd)))
+    s *= score_scale(hd)
     masked = k_pos[None, :] > q_pos[:, None]                    # (T, t)
     if masked.any():  # in place, broadcast over the heads (boolean indexing would build index arrays)
         np.copyto(s, np.float32(-np.inf), where=masked)
