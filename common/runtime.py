@@ -346,7 +346,7 @@ def raise_for_status(resp: Response, what: str) -> Response:
     try:
         detail = resp.json().get("message", "")
     except (ValueError, AttributeError):
-        detail = resp.body[:200].decode("utf-8", "replace")
+        detail = bytes(resp.body[:200]).decode("utf-8", "replace")  # a large body is a memoryview
     cls = next((c for c in _BY_STATUS if c.status == resp.status), BadGateway)
     if resp.status >= 500:
         cls = BadGateway

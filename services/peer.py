@@ -34,7 +34,7 @@ class PeerError(BadGateway):
         except ValueError:
             body = None
         if not isinstance(body, dict):
-            body = {"message": resp.body[:200].decode("utf-8", "replace")}
+            body = {"message": bytes(resp.body[:200]).decode("utf-8", "replace")}  # a memoryview if large
         return cls(path, resp.status, str(body.get("error", "")), str(body.get("message", "")))
 
 

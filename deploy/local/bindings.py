@@ -246,6 +246,7 @@ async def http_fetch(session: aiohttp.ClientSession, url: str, request: Request,
 BUFFER_BODY_BYTES = 1 << 20
 _RECV_BYTES = 1 << 18
 _MAX_HEAD_BYTES = 64 << 10
+_JOIN_BODY_BYTES = 64 << 10  # a request body up to this size goes out in one send with its head
 
 
 class _Malformed(Exception):
@@ -254,21 +255,26 @@ class _Malformed(Exception):
 
 class Connections:
     """buffered_fetch's idle HTTP/1.1 connections, by (host, port), kept alive between calls: a fluid
-    7B station makes ~330 calls per forward to its LayerWarden, and a fresh connection per call
-    would cost a connect each and leave a closed socket in TIME_WAIT each."""
+    7B station makes ~330 calls per forward to its LayerWarden, and a coordinator ten per token to
+    its stations and shards; a fresh connection per call would cost a connect each and leave a
+    closed socket in TIME_WAIT each.
 
-    def __init__(self, max_idle_per_peer: int = 4, shm: ReplyReader | None = None):
-        self.max_idle_per_peer = max_idle_per_peer
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+    A connection idle for max_idle_s is closed rather than reused: our hosts' aiohttp servers close
+    theirs after 75 s idle (keepalive_timeout), and a call sent just as the peer closes it is lost
+    (a service call is not sent again: buffered_fetch's replay_stale)."""
+
+    def __init__(self, max_idle_per_peer: int = 4, shm: ReplyReader | None = None, max_idle_s: float = 30.0):
+        self.max_idle_per_peer, self.max_idle_s = max_idle_per_peer, max_idle_s
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self.opened = 0  # connections made
         self.shm = shm  # large replies read from shared memory where the peer writes them there
 
     def take(self, peer: tuple[str, int]) -> socket.socket | None:
-        """An idle connection to peer that is still open and quiet, or None."""
+        """An idle connection to peer that is still open, quiet and not idle too long, or None."""
         idle = self._idle.get(peer, [])
         while idle:
-            sock = idle.pop()
-            if _quiet(sock):
+            sock, since = idle.pop()
+            if time.monotonic() - since < self.max_idle_s and _quiet(sock):
                 return sock
             sock.close()
         return None
@@ -276,13 +282,13 @@ class Connections:
     def give(self, peer: tuple[str, int], sock: socket.socket) -> None:
         idle = self._idle.setdefault(peer, [])
         if len(idle) < self.max_idle_per_peer:
-            idle.append(sock)
+            idle.append((sock, time.monotonic()))
         else:
             sock.close()
 
     def close(self) -> None:
         for idle in self._idle.values():
-            for sock in idle:
+            for sock, _ in idle:
                 sock.close()
         self._idle.clear()
         if self.shm is not None:
@@ -307,7 +313,7 @@ class _Stale(Exception):
 
 async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
                          extra_headers: dict[str, str] | None = None, signer: Signer | None = None,
-                         connections: Connections | None = None) -> Response:
+                         connections: Connections | None = None, replay_stale: bool = True) -> Response:
     """One HTTP/1.1 call, the reply's body received straight into one buffer; on a connection kept
     alive in `connections` (else its own, closed after the reply).
 
@@ -317,8 +323,14 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     (benchmarks/warden_transfer.py: "client a bare socket, one buffer"). The same errors as
     http_fetch: ServiceUnavailable when the peer cannot be reached, GatewayTimeout past timeout_s,
     BadGateway for a reply that is not HTTP/1.1 with a Content-Length, a chunked body, or one that
-    ends at the close. A kept-alive connection the peer closed meanwhile is replaced once: the
-    calls that go through here (a Durable Object's reads and invalidations) may be sent again."""
+    ends at the close. A kept-alive connection the peer closed meanwhile is replaced once where
+    replay_stale: a Durable Object's reads and invalidations may be sent again. A service's call
+    (a station's forward appends to its KV cache) is not: ServiceUnavailable, as aiohttp's client
+    gives for a POST on such a connection.
+
+    Why services come here too: a coordinator makes ten calls per decode step, on the token's path
+    between its hops, and this client costs its caller ~0.6x aiohttp's CPU per small call
+    (benchmarks/hop_client.py: 422 against 710 us on a 2 GHz Xeon)."""
     target, headers = _outgoing(url, request, extra_headers, signer)
     if target.scheme != "http" or target.host is None:
         raise ValueError(f"buffered_fetch: {url}: plain http:// only")
@@ -331,7 +343,9 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
             *([] if connections is not None else ["Connection: close"]), f"Content-Length: {len(body)}",
             *(f"{k}: {v}" for k, v in headers.items()), *([f"{SHM_HEADER}: {shm.offer}"] if shm is not None else []),
             *([f"{PID_NS_HEADER}: {shm.pid_ns}"] if shm is not None and shm.pid_ns is not None else [])]
-    message = "\r\n".join(head).encode("utf-8") + b"\r\n\r\n" + body  # header octets as aiohttp sends them
+    message = "\r\n".join(head).encode("utf-8") + b"\r\n\r\n"  # header octets as aiohttp sends them
+    if len(body) <= _JOIN_BODY_BYTES:  # one send; a prefill chunk's hidden states (MBs) are not copied
+        message, body = message + body, b""
     peer = (target.host, target.port)
     loop = asyncio.get_running_loop()
     sock = None
@@ -346,11 +360,13 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
                         connections.opened += 1
                 try:
                     await loop.sock_sendall(sock, message)
+                    if body:
+                        await loop.sock_sendall(sock, body)
                     status, reply_headers, body_out, keep = await _read_reply(loop, sock)
                 except (_Stale, ConnectionResetError, BrokenPipeError) as e:
                     sock.close()
                     sock = None
-                    if reused:
+                    if reused and replay_stale:
                         continue  # the peer closed it while it was idle: once more, on a new one
                     raise ServiceUnavailable(f"{request.method} {url}: connection lost: "
                                              f"{e or type(e).__name__}") from None
@@ -473,15 +489,27 @@ def _path_and_query(url: str) -> str:
 
 
 class HttpService:
-    """Service binding: the request goes to base_url with the caller's path and query."""
+    """Service binding: the request goes to base_url with the caller's path and query. Over plain
+    http (the cluster's own hops) on kept-alive connections through buffered_fetch, never sent
+    twice; over https through aiohttp."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, signer: Signer | None = None):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, signer: Signer | None = None,
+                 max_idle_per_peer: int = 16):
         self.base_url = base_url.rstrip("/")
         self._session, self._timeout_s, self._signer = session, timeout_s, signer
+        # a coordinator's concurrent generations each hold one while their call is out
+        self._connections = Connections(max_idle_per_peer) if self.base_url.startswith("http://") else None
 
     async def fetch(self, request: Request) -> Response:
-        return await http_fetch(self._session, self.base_url + _path_and_query(request.url), request,
-                                self._timeout_s, signer=self._signer)
+        url = self.base_url + _path_and_query(request.url)
+        if self._connections is not None:
+            return await buffered_fetch(url, request, self._timeout_s, signer=self._signer,
+                                        connections=self._connections, replay_stale=False)
+        return await http_fetch(self._session, url, request, self._timeout_s, signer=self._signer)
+
+    async def close(self) -> None:
+        if self._connections is not None:
+            self._connections.close()
 
     async def ping(self) -> None:
         resp = await http_fetch(self._session, self.base_url + "/healthz", Request("GET", "/healthz"),

@@ -42,6 +42,18 @@ async def host():
     await runner.cleanup()
 
 
+def answering_once(served: list):
+    """A peer that answers one request per connection, then closes it (as a server does past its
+    keep-alive timeout, or a restarted one); each request it reads is appended to `served`."""
+    async def once(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        served.append(1)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+    return once
+
+
 async def test_a_large_reply_arrives_whole_in_one_read_only_buffer_and_a_small_one_as_bytes(host):
     r = await buffered_fetch(host + "/big", Request("GET", "/big"), 30, signer=Signer(SECRET))
     assert r.status == 200 and isinstance(r.body, memoryview) and r.body.readonly and r.body == BIG
@@ -112,18 +124,9 @@ async def test_connections_are_kept_alive_and_a_closed_one_is_replaced(host, mon
     finally:
         conns.close()
 
-    # a peer that answers once per connection, then closes it (as a server does past its keep-alive
-    # timeout, or a restarted one): the next call finds the connection dead and makes a new one
+    # a peer that closes each connection after one answer: the next call finds it dead and makes a new one
     served = []
-
-    async def once(reader, writer):
-        await reader.readuntil(b"\r\n\r\n")
-        served.append(1)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(once, "127.0.0.1", 0)
+    server = await asyncio.start_server(answering_once(served), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
     conns = Connections()
     try:
@@ -145,3 +148,57 @@ async def test_connections_are_kept_alive_and_a_closed_one_is_replaced(host, mon
         conns.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_service_binding_keeps_its_connections_and_never_sends_a_call_twice(host, monkeypatch):
+    """HttpService (a coordinator's hops to its stations and shards) over plain http: kept-alive
+    connections through buffered_fetch. A connection the peer closed unnoticed fails the call with
+    ServiceUnavailable rather than sending it again: a station's forward appends to its KV cache."""
+    from deploy.local.bindings import HttpService
+
+    svc = HttpService(None, host, 30, Signer(SECRET))  # no aiohttp session is touched over http
+    try:
+        for i in range(3):
+            r = await svc.fetch(Request("POST", f"https://peer/forward?i={i}", {}, b"frame %d" % i))
+            assert r.status == 200 and r.json() == {"path": "/forward", "query": f"i={i}", "body": f"frame {i}"}
+        assert svc._connections.opened == 1, "three calls, one connection"
+    finally:
+        await svc.close()
+
+    served = []
+    server = await asyncio.start_server(answering_once(served), "127.0.0.1", 0)
+    peer = server.sockets[0].getsockname()[:2]
+    svc = HttpService(None, f"http://{peer[0]}:{peer[1]}", 5)
+    try:
+        sock = socket.create_connection(peer)
+        sock.setblocking(False)
+        sock.shutdown(socket.SHUT_WR)  # the peer reads EOF at once, answers nothing and closes
+        await asyncio.sleep(0.1)
+        svc._connections.give(peer, sock)
+        monkeypatch.setattr(bindings, "_quiet", lambda s: True)  # as if its close had not arrived yet
+        with pytest.raises(ServiceUnavailable, match="connection lost"):
+            await svc.fetch(Request("POST", "/forward", {}, b"frame"))
+        assert served == [] and svc._connections.opened == 0, "the call was not sent again on a new connection"
+        r = await svc.fetch(Request("POST", "/forward", {}, b"frame"))  # the next call: a new connection
+        assert r.status == 200 and r.body == b"ok" and served == [1] and svc._connections.opened == 1
+    finally:
+        await svc.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_connection_idle_past_max_idle_s_is_closed_not_reused(host, monkeypatch):
+    from deploy.local.bindings import Connections
+
+    now = [1000.0]
+    monkeypatch.setattr(bindings.time, "monotonic", lambda: now[0])
+    conns = Connections(max_idle_s=30.0)
+    try:
+        for dt in (0.0, 29.0, 31.0):  # reused after 29 s idle; after 31 s a new one
+            now[0] += dt
+            r = await buffered_fetch(host + "/echo", Request("GET", "/echo"), 30, signer=Signer(SECRET),
+                                     connections=conns)
+            assert r.status == 200
+        assert conns.opened == 2
+    finally:
+        conns.close()
