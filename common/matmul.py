@@ -103,12 +103,17 @@ class AttentionKernel:
         (n_head, n_t) scores (n_t = S - T + 1 + t keys; f16(q)·k, times scale, -inf where
         k_pos > q_pos, less the row's max) packed one row after another, float32;
     row_values(p, sums (T, n_head) f64, v (S, n_kv, hd)) -> (T, n_head * hd) f32: each row of p
-        times float32(1 / its sum), rounded to f16, @ v summed in float64."""
+        times float32(1 / its sum), rounded to f16, @ v summed in float64;
+    rope_qkv (or None): q, k and v after their products, in place, the bits of
+        common.models.qwen2's numpy:
+    rope_qkv(q (N, n_head * hd), k, v (N, n_kv * hd), bq, bk, bv, cos, sin (N, hd/2), n_head, n_kv)
+        -> (rope(q + bq), f16(rope(k + bk)), f16(v + bv)) as (N, heads, hd) views, float32."""
     scores: Callable[[np.ndarray, np.ndarray], np.ndarray | None]
     values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]
     cache_dtype: np.dtype = np.dtype(np.float32)
     row_scores: Callable[..., np.ndarray | None] | None = None
     row_values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None] | None = None
+    rope_qkv: Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray] | None] | None = None
 
 
 _ATTENTION: list[AttentionKernel | None] = [None]

@@ -145,8 +145,20 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
                                   simd, parallel, v.dtype == np.float16)
         return out
 
+    def rope_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, bq: np.ndarray, bk: np.ndarray, bv: np.ndarray,
+                 cos: np.ndarray, sin: np.ndarray, n_head: int, n_kv: int) -> tuple[np.ndarray, ...] | None:
+        N, hd = q.shape[0], cos.shape[-1] * 2
+        arrays = (q, k, v, bq, bk, bv, cos, sin)
+        if (any(a.dtype != np.float32 or not a.flags.c_contiguous for a in arrays)
+                or not all(a.flags.writeable for a in (q, k, v))  # written in place
+                or q.shape != (N, n_head * hd) or k.shape != (N, n_kv * hd) or v.shape != (N, n_kv * hd)
+                or cos.shape != (N, hd // 2) or sin.shape != (N, hd // 2)):
+            return None
+        _qmatmul.rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd)  # sizes checked there
+        return q.reshape(N, n_head, hd), k.reshape(N, n_kv, hd), v.reshape(N, n_kv, hd)
+
     return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16),
-                           row_scores=row_scores, row_values=row_values)
+                           row_scores=row_scores, row_values=row_values, rope_qkv=rope_qkv)
 
 
 def isas() -> list[str]:

@@ -476,6 +476,60 @@ static PyObject *py_attn_rows(PyObject *self, PyObject *args, PyObject *kw, int 
 static PyObject *py_attn_rows_scores(PyObject *self, PyObject *args, PyObject *kw) { return py_attn_rows(self, args, kw, 0); }
 static PyObject *py_attn_rows_values(PyObject *self, PyObject *args, PyObject *kw) { return py_attn_rows(self, args, kw, 1); }
 
+/* ------------------------------------------------------------------ q, k and v after their products */
+
+/* x (N, nh * hd) in place: x + b, then (rope) NeoX RoPE of each head's pairs (i, i + hd/2) by row t's
+ * cos and sin (N, hd/2), then (f16) each value rounded to f16. The float32 operations of
+ * common.models.qwen2's numpy (x0*c - x1*s, x0*s + x1*c, each product rounded: -ffp-contract=off)
+ * in its order, so the bits are numpy's. */
+static void qkv_rows(float *x, const float *b, const float *cs, const float *sn, int N, int nh, int hd,
+                     int rope, int f16) {
+    const int half = hd / 2, w = nh * hd;
+    for (int t = 0; t < N; t++) {
+        float *row = x + (size_t)t * w;
+        for (int j = 0; j < w; j++) row[j] = row[j] + b[j];
+        if (rope) {
+            const float *c = cs + (size_t)t * half, *s = sn + (size_t)t * half;
+            for (int h = 0; h < nh; h++) {
+                float *x0 = row + (size_t)h * hd, *x1 = x0 + half;
+                for (int i = 0; i < half; i++) {
+                    const float a = x0[i], e = x1[i];
+                    const float ac = a * c[i], es = e * s[i], as = a * s[i], ec = e * c[i];
+                    x0[i] = ac - es;
+                    x1[i] = as + ec;
+                }
+            }
+        }
+        if (f16)
+            for (int j = 0; j < w; j++) row[j] = round_f16(row[j]);
+    }
+}
+
+/* rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd): in place, float32,
+ * q (N, n_head * hd) = rope(q + bq); k (N, n_kv * hd) = f16(rope(k + bk)); v = f16(v + bv) */
+static PyObject *py_rope_qkv(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[8];
+    int N, n_head, n_kv, hd;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOiiii", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &objs[7], &N, &n_head, &n_kv, &hd))
+        return NULL;
+    if (N < 0 || n_head < 1 || n_kv < 1 || hd < 2 || hd % 2)
+        return PyErr_Format(PyExc_ValueError, "rope_qkv: bad shape N=%d n_head=%d n_kv=%d hd=%d (hd even)",
+                            N, n_head, n_kv, hd);
+    static const char *const names[8] = {"q", "k", "v", "bq", "bk", "bv", "cos", "sin"};
+    static const int writable[8] = {1, 1, 1, 0, 0, 0, 0, 0};
+    const Py_ssize_t qb = (Py_ssize_t)n_head * hd * 4, kb = (Py_ssize_t)n_kv * hd * 4, cb = (Py_ssize_t)N * (hd / 2) * 4;
+    const Py_ssize_t expect[8] = {N * qb, N * kb, N * kb, qb, kb, kb, cb, cb};
+    Py_buffer b[8];
+    if (attn_buffers(objs, b, names, writable, expect, 8)) return NULL;
+    qkv_rows(b[0].buf, b[3].buf, b[6].buf, b[7].buf, N, n_head, hd, 1, 0);
+    qkv_rows(b[1].buf, b[4].buf, b[6].buf, b[7].buf, N, n_kv, hd, 1, 1);
+    qkv_rows(b[2].buf, b[5].buf, NULL, NULL, N, n_kv, hd, 0, 1);
+    for (int i = 0; i < 8; i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
 /* quantize(x float32 (T, ne0) buffer, T, ne0, k) -> (qs bytes, d bytes float32, bsums bytes int16 | None) */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     (void)self;
@@ -560,6 +614,9 @@ static PyMethodDef methods[] = {
     {"attn_rows_values", (PyCFunction)(void (*)(void))py_attn_rows_values, METH_VARARGS | METH_KEYWORDS,
      "attn_rows_values(p, sums, v, out, n_kv, n_head, T, S, hd, simd=True, parallel=True, kv_f16=False): "
      "out (T, n_head * hd) f32 = f16(p / sums) @ v, p as attn_rows_scores packed it, after exp"},
+    {"rope_qkv", py_rope_qkv, METH_VARARGS,
+     "rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd): in place, q = rope(q + bq), "
+     "k = f16(rope(k + bk)), v = f16(v + bv), float32"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): threads per matmul, caller included"},
     {"get_threads", py_get_threads, METH_NOARGS, "threads per matmul, caller included"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): the kernels matmul(simd=True) runs, one of ISAS"},

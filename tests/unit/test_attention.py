@@ -351,3 +351,39 @@ def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd):
     assert qwen2._attend_rows(q, k, v, np.array([S - 1]), np.arange(S)) is None
     mm.register_attention_kernel(None)
     assert qwen2._attend_rows(q[:, :, :16], k[:8], v[:8], np.array([7]), np.arange(8)) is None  # numpy: no row calls
+
+
+def test_the_kernels_rope_qkv_gives_numpys_bits():
+    """q, k and v after their products (biases, RoPE, k and v rounded to f16) in one C call are
+    numpy's float32 operations bit for bit: decode rows and prefill chunks, any positions, values
+    that round to f16 subnormals, to zero and past 65504 to inf, and signed zeros. The kernel writes
+    q, k and v in place; it declines (None) arrays of another dtype or layout, and numpy serves."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    kern = kernels.make_attention_kernel()
+    rng = np.random.default_rng(11)
+    for case in range(40):
+        n_kv, g, hd = int(rng.choice([1, 2, 4])), int(rng.choice([1, 6, 7])), int(rng.choice([2, 16, 64, 128]))
+        cfg = qwen2.Qwen2Config(n_layer=1, dim=n_kv * g * hd, ffn_dim=8, n_head=n_kv * g, n_kv_head=n_kv,
+                                rope_base=float(rng.choice([1e4, 1e6])), norm_eps=1e-6, context_length=1 << 15,
+                                vocab_size=8)
+        N = int(rng.choice([1, 2, 9, 70]))
+        scale = rng.choice([1e-6, 1.0, 40.0, 3e4])  # f16 subnormals and zeros ... past 65504: inf
+        q, k, v = ((rng.standard_normal((N, h * hd)) * scale).astype(np.float32)
+                   for h in (cfg.n_head, n_kv, n_kv))
+        k[0, 0], v[0, -1] = -0.0, -1e-9  # a negative zero stays one; a tiny negative rounds to -0
+        bq, bk, bv = ((rng.standard_normal(h * hd) * scale).astype(np.float32) for h in (cfg.n_head, n_kv, n_kv))
+        positions = rng.integers(0, 30000, N) if case % 2 else np.arange(100, 100 + N)
+        cos, sin = qwen2.rope_cos_sin(positions, hd, cfg.rope_base)
+        mm.register_attention_kernel(None)
+        want = qwen2.qkv_after_products(cfg, q.copy(), k.copy(), v.copy(), bq, bk, bv, cos, sin)
+        got = kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv)
+        assert got is not None
+        for name, a, b in zip("qkv", got, want):
+            assert a.shape == b.shape, (name, a.shape, b.shape)
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"case {case}, {name}")
+        assert np.shares_memory(got[0], q) and np.shares_memory(got[2], v), "written in place"
+    assert kern.rope_qkv(q.astype(np.float64), k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
+    assert kern.rope_qkv(q[:, ::-1], k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
+    q.flags.writeable = False
+    assert kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
