@@ -424,8 +424,8 @@ def qkv_after_products(cfg: Qwen2Config, q: np.ndarray, k: np.ndarray, v: np.nda
                        sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q (N, n_head * hd), k and v (N, n_kv * hd) as their products left them, the biases, cos and sin
     (N, hd/2) -> q with RoPE (N, n_head, hd); k with RoPE and v, f16 numbers as llama.cpp's cache
-    (N, n_kv, hd). The kernels' rope_qkv does it in place in one call, with the same bits; numpy's
-    ~35 calls on a decode step's small rows took 49 us a layer."""
+    (N, n_kv, hd). q, k and v are consumed: the kernels' rope_qkv writes them in place, in one call,
+    with numpy's bits; numpy's ~35 calls on a decode step's small rows took 49 us a layer."""
     kern = get_attention_kernel()
     if kern is not None and kern.rope_qkv is not None:
         out = kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, cfg.n_kv_head)

@@ -152,7 +152,8 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
         if (any(a.dtype != np.float32 or not a.flags.c_contiguous for a in arrays)
                 or not all(a.flags.writeable for a in (q, k, v))  # written in place
                 or q.shape != (N, n_head * hd) or k.shape != (N, n_kv * hd) or v.shape != (N, n_kv * hd)
-                or cos.shape != (N, hd // 2) or sin.shape != (N, hd // 2)):
+                or cos.shape != (N, hd // 2) or sin.shape != (N, hd // 2)
+                or np.may_share_memory(q, k) or np.may_share_memory(q, v) or np.may_share_memory(k, v)):
             return None
         _qmatmul.rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd)  # sizes checked there
         return q.reshape(N, n_head, hd), k.reshape(N, n_kv, hd), v.reshape(N, n_kv, hd)

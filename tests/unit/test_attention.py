@@ -385,5 +385,6 @@ def test_the_kernels_rope_qkv_gives_numpys_bits():
         assert np.shares_memory(got[0], q) and np.shares_memory(got[2], v), "written in place"
     assert kern.rope_qkv(q.astype(np.float64), k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
     assert kern.rope_qkv(q[:, ::-1], k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
+    assert kern.rope_qkv(q, k, k, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None  # k and v one buffer
     q.flags.writeable = False
     assert kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
