@@ -263,8 +263,9 @@ class Connections:
     theirs after 75 s idle (keepalive_timeout), and a call sent just as the peer closes it is lost
     (a service call is not sent again: buffered_fetch's replay_stale)."""
 
-    def __init__(self, max_idle_per_peer: int = 4, shm: ReplyReader | None = None, max_idle_s: float = 30.0):
-        self.max_idle_per_peer, self.max_idle_s = max_idle_per_peer, max_idle_s
+    def __init__(self, max_idle_per_peer: int = 4, shm: ReplyReader | None = None, max_idle_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_idle_per_peer, self.max_idle_s, self._clock = max_idle_per_peer, max_idle_s, clock
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self.opened = 0  # connections made
         self.shm = shm  # large replies read from shared memory where the peer writes them there
@@ -274,7 +275,7 @@ class Connections:
         idle = self._idle.get(peer, [])
         while idle:
             sock, since = idle.pop()
-            if time.monotonic() - since < self.max_idle_s and _quiet(sock):
+            if self._clock() - since < self.max_idle_s and _quiet(sock):
                 return sock
             sock.close()
         return None
@@ -282,7 +283,7 @@ class Connections:
     def give(self, peer: tuple[str, int], sock: socket.socket) -> None:
         idle = self._idle.setdefault(peer, [])
         if len(idle) < self.max_idle_per_peer:
-            idle.append((sock, time.monotonic()))
+            idle.append((sock, self._clock()))
         else:
             sock.close()
 

@@ -187,12 +187,11 @@ async def test_a_service_binding_keeps_its_connections_and_never_sends_a_call_tw
         await server.wait_closed()
 
 
-async def test_a_connection_idle_past_max_idle_s_is_closed_not_reused(host, monkeypatch):
+async def test_a_connection_idle_past_max_idle_s_is_closed_not_reused(host):
     from deploy.local.bindings import Connections
 
     now = [1000.0]
-    monkeypatch.setattr(bindings.time, "monotonic", lambda: now[0])
-    conns = Connections(max_idle_s=30.0)
+    conns = Connections(max_idle_s=30.0, clock=lambda: now[0])
     try:
         for dt in (0.0, 29.0, 31.0):  # reused after 29 s idle; after 31 s a new one
             now[0] += dt
