@@ -371,8 +371,9 @@ def test_the_kernels_rope_qkv_gives_numpys_bits():
         scale = rng.choice([1e-6, 1.0, 40.0, 3e4])  # f16 subnormals and zeros ... past 65504: inf
         q, k, v = ((rng.standard_normal((N, h * hd)) * scale).astype(np.float32)
                    for h in (cfg.n_head, n_kv, n_kv))
-        k[0, 0], v[0, -1] = -0.0, -1e-9  # a negative zero stays one; a tiny negative rounds to -0
         bq, bk, bv = ((rng.standard_normal(h * hd) * scale).astype(np.float32) for h in (cfg.n_head, n_kv, n_kv))
+        k[0, 0] = bk[0] = v[0, 0] = bv[0] = -0.0  # signed zeros through the bias (and RoPE)
+        v[0, -1], bv[-1] = -1e-9, -0.0           # below half f16's least subnormal: rounds to -0
         positions = rng.integers(0, 30000, N) if case % 2 else np.arange(100, 100 + N)
         cos, sin = qwen2.rope_cos_sin(positions, hd, cfg.rope_base)
         mm.register_attention_kernel(None)
@@ -383,6 +384,8 @@ def test_the_kernels_rope_qkv_gives_numpys_bits():
             assert a.shape == b.shape, (name, a.shape, b.shape)
             np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"case {case}, {name}")
         assert np.shares_memory(got[0], q) and np.shares_memory(got[2], v), "written in place"
+        assert [float(got[2].reshape(N, -1)[0, j]) for j in (0, -1)] == [0.0, 0.0]
+        assert np.signbit(got[2].reshape(N, -1)[0, [0, -1]]).all(), "-0 + -0 and f16(-1e-9) are -0"
     assert kern.rope_qkv(q.astype(np.float64), k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
     assert kern.rope_qkv(q[:, ::-1], k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
     assert kern.rope_qkv(q, k, k, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None  # k and v one buffer
