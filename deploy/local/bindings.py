@@ -494,12 +494,11 @@ class HttpService:
     http (the cluster's own hops) on kept-alive connections through buffered_fetch, never sent
     twice; over https through aiohttp."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, signer: Signer | None = None,
-                 max_idle_per_peer: int = 16):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, signer: Signer | None = None):
         self.base_url = base_url.rstrip("/")
         self._session, self._timeout_s, self._signer = session, timeout_s, signer
-        # a coordinator's concurrent generations each hold one while their call is out
-        self._connections = Connections(max_idle_per_peer) if self.base_url.startswith("http://") else None
+        # up to 16 kept per peer: a coordinator's concurrent generations each hold one while their call is out
+        self._connections = Connections(16) if self.base_url.startswith("http://") else None
 
     async def fetch(self, request: Request) -> Response:
         url = self.base_url + _path_and_query(request.url)
