@@ -68,17 +68,14 @@ def main() -> None:
     p.add_argument("--no-llama", action="store_true", help="bandwidth and bytes only")
     args = p.parse_args()
 
-    from gguf import GGUFReader
-
     from deploy import models
+    from deploy.gguf_import import read_gguf
 
     gguf = models.fetch(args.model or models.DEFAULT_MODEL)
     if gguf.suffix != ".gguf":
         sys.exit(f"{gguf} is not a GGUF: the tensor table comes from one")
-    reader = GGUFReader(gguf)
-    by_type = decode_bytes([(t.name, t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors])
+    by_type = decode_bytes([(t.name, t.ggml_type, t.length) for t in read_gguf(gguf).tensors])
     per_token = sum(by_type.values())
-    del reader
 
     llama = None
     if not args.no_llama:
