@@ -107,13 +107,16 @@ class AttentionKernel:
     rope_qkv (or None): q, k and v after their products, in place, the bits of
         common.models.qwen2's numpy:
     rope_qkv(q (N, n_head * hd), k, v (N, n_kv * hd), bq, bk, bv, cos, sin (N, hd/2), n_head, n_kv)
-        -> (rope(q + bq), f16(rope(k + bk)), f16(v + bv)) as (N, heads, hd) views, float32."""
+        -> (rope(q + bq), f16(rope(k + bk)), f16(v + bv)) as (N, heads, hd) views, float32;
+    rmsnorm (or None): rmsnorm(x (T, d) f32, weight (d,) f32, eps) -> (T, d) f32, a new array with
+        the bits of common.models.qwen2.rmsnorm's numpy (its float64 pairwise sum included)."""
     scores: Callable[[np.ndarray, np.ndarray], np.ndarray | None]
     values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]
     cache_dtype: np.dtype = np.dtype(np.float32)
     row_scores: Callable[..., np.ndarray | None] | None = None
     row_values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None] | None = None
     rope_qkv: Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray] | None] | None = None
+    rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray | None] | None = None
 
 
 _ATTENTION: list[AttentionKernel | None] = [None]

@@ -113,7 +113,16 @@ def _vec(t: QTensor) -> np.ndarray:
 # ---------------------------------------------------------------------------- math
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x (T, d) f32 -> (T, d) f32: x * (1/sqrt(mean(x^2) + eps)) * weight."""
+    """x (T, d) f32 -> (T, d) f32: x * (1/sqrt(mean(x^2) + eps)) * weight.
+
+    In the attention kernel's rmsnorm where there is one: the same bits in one call. Why: in the
+    decode loop these ~8 numpy calls took 62-80 us a layer against 12 us alone, each paying for the
+    code and data that the weight product before it had evicted (docs/performance.md)."""
+    kern = get_attention_kernel()
+    if kern is not None and kern.rmsnorm is not None:
+        out = kern.rmsnorm(x, weight, eps)
+        if out is not None:
+            return out
     # ref: ggml-cpu ops.cpp ggml_compute_forward_rms_norm_f32: the sum of squares is in
     # double, the scale in float, then ggml_mul by the weight as a separate op.
     mean = (np.square(x.astype(np.float64)).sum(axis=-1, keepdims=True) / x.shape[-1])

@@ -158,8 +158,16 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
         _qmatmul.rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd)  # sizes checked there
         return q.reshape(N, n_head, hd), k.reshape(N, n_kv, hd), v.reshape(N, n_kv, hd)
 
+    def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray | None:
+        if (x.dtype != np.float32 or weight.dtype != np.float32 or x.ndim != 2 or weight.shape != (x.shape[1],)
+                or not x.flags.c_contiguous or not weight.flags.c_contiguous):
+            return None
+        out = np.empty(x.shape, np.float32)
+        _qmatmul.rms_norm(x, weight, out, x.shape[0], x.shape[1], float(eps))  # (T, d) -> (T, d)
+        return out
+
     return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16),
-                           row_scores=row_scores, row_values=row_values, rope_qkv=rope_qkv)
+                           row_scores=row_scores, row_values=row_values, rope_qkv=rope_qkv, rmsnorm=rmsnorm)
 
 
 def isas() -> list[str]:

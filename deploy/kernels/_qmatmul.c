@@ -25,6 +25,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -530,6 +531,79 @@ static PyObject *py_rope_qkv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ rmsnorm */
+
+/* The sum of x[i]^2 over a row in numpy's order: its float64 add.reduce of a contiguous run is a
+ * pairwise sum, 8 accumulators up to 128 values, halves (at a multiple of 8) above that
+ * (numpy/_core/src/umath/loops_utils.h.src, pairwise_sum). A float32 squared in float64 is exact,
+ * so squaring as it sums gives np.square(x.astype(np.float64)).sum(axis=-1)'s bits. */
+static double pairwise_sum_sq(const float *x, Py_ssize_t n) {
+    if (n < 8) {
+        double res = 0.;
+        for (Py_ssize_t i = 0; i < n; i++) res += (double)x[i] * (double)x[i];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int j = 0; j < 8; j++) r[j] = (double)x[j] * (double)x[j];
+        Py_ssize_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += (double)x[i + j] * (double)x[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += (double)x[i] * (double)x[i];
+        return res;
+    }
+    Py_ssize_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum_sq(x, n2) + pairwise_sum_sq(x + n2, n - n2);
+}
+
+/* x (T, d) -> out (T, d), common.models.qwen2.rmsnorm's float operations in its order: the mean of
+ * squares in float64, rounded to float32, + eps, sqrt and 1 / it in float32, then (x * scale) * w. */
+static void rms_rows(const float *x, const float *w, float *out, Py_ssize_t T, Py_ssize_t d, float eps) {
+    for (Py_ssize_t t = 0; t < T; t++, x += d, out += d) {
+        const double mean = pairwise_sum_sq(x, d) / (double)d;
+        const float scale = 1.0f / sqrtf((float)mean + eps);
+        for (Py_ssize_t i = 0; i < d; i++) out[i] = (x[i] * scale) * w[i];
+    }
+}
+
+/* sum_sq(x): pairwise_sum_sq of a float32 buffer, so that tests can check its order directly
+ * (rms_norm's float32 result rarely shows a different order of the float64 sum) */
+static PyObject *py_sum_sq(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo;
+    if (!PyArg_ParseTuple(args, "O", &xo)) return NULL;
+    Py_buffer xb;
+    if (get_buf(xo, &xb, 0, "x")) return NULL;
+    if (xb.len % 4) {
+        PyBuffer_Release(&xb);
+        return PyErr_Format(PyExc_ValueError, "sum_sq: x holds %zd bytes, not float32 values", xb.len);
+    }
+    const double s = pairwise_sum_sq(xb.buf, xb.len / 4);
+    PyBuffer_Release(&xb);
+    return PyFloat_FromDouble(s);
+}
+
+/* rms_norm(x, w, out, T, d, eps): x (T, d), w (d,), out (T, d), float32 buffers */
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[3];
+    Py_ssize_t T, d;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOOnnd", &objs[0], &objs[1], &objs[2], &T, &d, &eps)) return NULL;
+    if (T < 0 || d < 1) return PyErr_Format(PyExc_ValueError, "rms_norm: bad shape T=%zd d=%zd", T, d);
+    static const char *const names[3] = {"x", "w", "out"};
+    static const int writable[3] = {0, 0, 1};
+    const Py_ssize_t expect[3] = {T * d * 4, d * 4, T * d * 4};
+    Py_buffer b[3];
+    if (attn_buffers(objs, b, names, writable, expect, 3)) return NULL;
+    const float e = (float)eps;  /* np.float32(eps) */
+    rms_rows(b[0].buf, b[1].buf, b[2].buf, T, d, e);
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
 /* quantize(x float32 (T, ne0) buffer, T, ne0, k) -> (qs bytes, d bytes float32, bsums bytes int16 | None) */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     (void)self;
@@ -617,6 +691,9 @@ static PyMethodDef methods[] = {
     {"rope_qkv", py_rope_qkv, METH_VARARGS,
      "rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd): in place, q = rope(q + bq), "
      "k = f16(rope(k + bk)), v = f16(v + bv), float32"},
+    {"sum_sq", py_sum_sq, METH_VARARGS, "sum_sq(x): float64 sum of a float32 buffer's squares, in numpy's pairwise order"},
+    {"rms_norm", py_rms_norm, METH_VARARGS,
+     "rms_norm(x, w, out, T, d, eps): out = common.models.qwen2.rmsnorm(x, w, eps), float32, numpy's bits"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): threads per matmul, caller included"},
     {"get_threads", py_get_threads, METH_NOARGS, "threads per matmul, caller included"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): the kernels matmul(simd=True) runs, one of ISAS"},

@@ -4,6 +4,7 @@ by the tile instead of by the prompt. The properties hold on both paths of atten
 float64 matmuls (what Workers run) and the C kernels (deploy/kernels/attn.h), which compute the same numbers."""
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 
 import numpy as np
@@ -391,3 +392,45 @@ def test_the_kernels_rope_qkv_gives_numpys_bits():
     assert kern.rope_qkv(q, k, k, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None  # k and v one buffer
     q.flags.writeable = False
     assert kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
+
+
+def test_the_kernels_rmsnorm_gives_numpys_bits():
+    """rmsnorm in one C call is numpy's: the float64 sum of squares in numpy's pairwise order (8
+    accumulators up to 128 values, halves above: row lengths on each side of those bounds; checked
+    on the sum itself, since the float32 result rarely shows the order), then the float32 scale and
+    products; rows of tiny, huge, zero and mixed-scale values, and an inf, whose row numpy turns to
+    NaN and 0 (the same NaN bits). It declines (None) float64, 1-D, strided or mismatched input, and
+    numpy serves."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    kern = kernels.make_attention_kernel()
+    rng = np.random.default_rng(12)
+    lengths = [1, 7, 8, 9, 15, 16, 64, 127, 128, 129, 136, 255, 256, 257, 896, 1000, 1536, 3584, 4864, 8960]
+    for case, d in enumerate(lengths * 2):
+        T = int(rng.choice([1, 2, 9, 33]))
+        x = rng.standard_normal((T, d)) * rng.choice([1e-20, 1e-3, 1.0, 1e3, 1e18], size=(T, 1))
+        if d > 1:
+            x[:, : d // 2] *= 1e6  # a row's halves at different scales: the order of the sum shows
+        x = x.astype(np.float32)
+        x[0] = 0.0 if case % 5 == 0 else x[0]  # all zeros: the scale is 1 / sqrt(eps)
+        if case % 7 == 3:
+            x[-1, -1] = np.inf
+        w = (rng.standard_normal(d) * 2).astype(np.float32)
+        eps = float(rng.choice([1e-6, 1e-5]))
+        mm.register_attention_kernel(None)
+        with np.errstate(over="ignore", invalid="ignore"):  # the inf's row: inf * 0
+            want = qwen2.rmsnorm(x, w, eps)
+        got = kern.rmsnorm(x, w, eps)
+        assert got is not None and got.shape == want.shape == (T, d) and got.dtype == np.float32
+        for row in x:
+            assert kernels._qmatmul.sum_sq(row) == float(np.square(row.astype(np.float64)).sum()), (case, d)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"case {case}, d={d}")
+    calls = []
+    mm.register_attention_kernel(dataclasses.replace(kern, rmsnorm=lambda *a: calls.append(a) or kern.rmsnorm(*a)))
+    np.testing.assert_array_equal(qwen2.rmsnorm(x, w, eps).view(np.uint32), want.view(np.uint32))
+    assert len(calls) == 1, "qwen2.rmsnorm goes through the registered kernel"
+    assert kern.rmsnorm(x.astype(np.float64), w, 1e-6) is None
+    assert kern.rmsnorm(x[0], w, 1e-6) is None
+    assert kern.rmsnorm(x[:, ::-1], w, 1e-6) is None
+    assert kern.rmsnorm(x, w[:-1], 1e-6) is None
+    assert kern.rmsnorm(x, w.astype(np.float64), 1e-6) is None
