@@ -412,7 +412,8 @@ def test_the_kernels_rmsnorm_gives_numpys_bits():
         if d > 1:
             x[:, : d // 2] *= 1e6  # a row's halves at different scales: the order of the sum shows
         x = x.astype(np.float32)
-        x[0] = 0.0 if case % 5 == 0 else x[0]  # all zeros: the scale is 1 / sqrt(eps)
+        if case % 5 == 0:
+            x[0] = 0.0  # all zeros: the scale is 1 / sqrt(eps)
         if case % 7 == 3:
             x[-1, -1] = np.inf
         w = (rng.standard_normal(d) * 2).astype(np.float32)
