@@ -104,6 +104,8 @@ class AttentionKernel:
         k_pos > q_pos, less the row's max) packed one row after another, float32;
     row_values(p, sums (T, n_head) f64, v (S, n_kv, hd)) -> (T, n_head * hd) f32: each row of p
         times float32(1 / its sum), rounded to f16, @ v summed in float64;
+    row_sums (or None): row_sums(p, T, S, n_head) -> sums (T, n_head) f64 of p after numpy's exp,
+        the bits of numpy's float64 sum of each row's (n_head, n_t) block (None: numpy sums them);
     rope_qkv (or None): q, k and v after their products, in place, the bits of
         common.models.qwen2's numpy:
     rope_qkv(q (N, n_head * hd), k, v (N, n_kv * hd), bq, bk, bv, cos, sin (N, hd/2), n_head, n_kv)
@@ -116,6 +118,7 @@ class AttentionKernel:
     row_scores: Callable[..., np.ndarray | None] | None = None
     row_values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None] | None = None
     rope_qkv: Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray] | None] | None = None
+    row_sums: Callable[[np.ndarray, int, int, int], np.ndarray | None] | None = None
     rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray | None] | None = None
 
 

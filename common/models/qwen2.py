@@ -321,12 +321,14 @@ def _attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     if p is None:
         return None
     np.exp(p, out=p)
-    sums = np.empty((T, n_head), np.float64)
-    a = 0
-    for t in range(T):  # each row's sums over its own (n_head, n_t) block, as softmax_ sums it alone
-        n_t = S - T + 1 + t
-        sums[t] = p[a:a + n_head * n_t].reshape(n_head, n_t).sum(axis=-1, dtype=np.float64)
-        a += n_head * n_t
+    sums = kern.row_sums(p, T, S, n_head) if kern.row_sums is not None else None
+    if sums is None:
+        sums = np.empty((T, n_head), np.float64)
+        a = 0
+        for t in range(T):  # each row's sums over its own (n_head, n_t) block, as softmax_ sums it alone
+            n_t = S - T + 1 + t
+            sums[t] = p[a:a + n_head * n_t].reshape(n_head, n_t).sum(axis=-1, dtype=np.float64)
+            a += n_head * n_t
     return kern.row_values(p, sums, v)
 
 

@@ -93,6 +93,9 @@ def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Ker
 # what the attention kernels take (attn.h): float32 or float16 caches, head dims a multiple of 16 up to 256
 ATTN_HEAD_DIMS = range(16, 257, 16)
 ATTN_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+# The longest row whose float64 sum the kernels give numpy's bits for: numpy casts a float32 row to
+# float64 in buffers of this many values (NPY_BUFSIZE) and sums a longer row buffer by buffer.
+ROW_SUMS_MAX = 8192
 
 
 def make_attention_kernel(simd: bool = True, parallel: bool = True) -> AttentionKernel:
@@ -158,6 +161,13 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
         _qmatmul.rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd)  # sizes checked there
         return q.reshape(N, n_head, hd), k.reshape(N, n_kv, hd), v.reshape(N, n_kv, hd)
 
+    def row_sums(p: np.ndarray, T: int, S: int, n_head: int) -> np.ndarray | None:
+        if p.dtype != np.float32 or p.ndim != 1 or not p.flags.c_contiguous or S > ROW_SUMS_MAX:
+            return None
+        sums = np.empty((T, n_head), np.float64)
+        _qmatmul.attn_row_sums(p, sums, T, S, n_head)  # p's length checked there
+        return sums
+
     def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray | None:
         if (x.dtype != np.float32 or weight.dtype != np.float32 or x.ndim != 2 or weight.shape != (x.shape[1],)
                 or not x.flags.c_contiguous or not weight.flags.c_contiguous):
@@ -167,7 +177,8 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
         return out
 
     return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16),
-                           row_scores=row_scores, row_values=row_values, rope_qkv=rope_qkv, rmsnorm=rmsnorm)
+                           row_scores=row_scores, row_values=row_values, rope_qkv=rope_qkv, row_sums=row_sums,
+                           rmsnorm=rmsnorm)
 
 
 def isas() -> list[str]:

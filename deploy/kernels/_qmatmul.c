@@ -537,26 +537,33 @@ static PyObject *py_rope_qkv(PyObject *self, PyObject *args) {
  * pairwise sum, 8 accumulators up to 128 values, halves (at a multiple of 8) above that
  * (numpy/_core/src/umath/loops_utils.h.src, pairwise_sum). A float32 squared in float64 is exact,
  * so squaring as it sums gives np.square(x.astype(np.float64)).sum(axis=-1)'s bits. */
-static double pairwise_sum_sq(const float *x, Py_ssize_t n) {
-    if (n < 8) {
-        double res = 0.;
-        for (Py_ssize_t i = 0; i < n; i++) res += (double)x[i] * (double)x[i];
-        return res;
-    }
-    if (n <= 128) {
-        double r[8];
-        for (int j = 0; j < 8; j++) r[j] = (double)x[j] * (double)x[j];
-        Py_ssize_t i;
-        for (i = 8; i < n - (n % 8); i += 8)
-            for (int j = 0; j < 8; j++) r[j] += (double)x[i + j] * (double)x[i + j];
-        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++) res += (double)x[i] * (double)x[i];
-        return res;
-    }
-    Py_ssize_t n2 = n / 2;
-    n2 -= n2 % 8;
-    return pairwise_sum_sq(x, n2) + pairwise_sum_sq(x + n2, n - n2);
+#define PAIRWISE_SUM(name, TERM)                                                                   \
+static double name(const float *x, Py_ssize_t n) {                                                 \
+    if (n < 8) {                                                                                   \
+        double res = 0.;                                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) res += TERM(x[i]);                                      \
+        return res;                                                                                \
+    }                                                                                              \
+    if (n <= 128) {                                                                                \
+        double r[8];                                                                               \
+        for (int j = 0; j < 8; j++) r[j] = TERM(x[j]);                                             \
+        Py_ssize_t i;                                                                              \
+        for (i = 8; i < n - (n % 8); i += 8)                                                       \
+            for (int j = 0; j < 8; j++) r[j] += TERM(x[i + j]);                                    \
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));          \
+        for (; i < n; i++) res += TERM(x[i]);                                                      \
+        return res;                                                                                \
+    }                                                                                              \
+    Py_ssize_t n2 = n / 2;                                                                         \
+    n2 -= n2 % 8;                                                                                  \
+    return name(x, n2) + name(x + n2, n - n2);                                                     \
 }
+#define SQUARE_F64(v) ((double)(v) * (double)(v))
+#define AS_F64(v) ((double)(v))
+PAIRWISE_SUM(pairwise_sum_sq, SQUARE_F64)
+/* numpy's x.sum(dtype=np.float64) of a float32 row in its casting buffer (8,192 values, NPY_BUFSIZE):
+ * the same pairwise order, over the values cast to float64 */
+PAIRWISE_SUM(pairwise_sum_f64, AS_F64)
 
 /* x (T, d) -> out (T, d), common.models.qwen2.rmsnorm's float operations in its order: the mean of
  * squares in float64, rounded to float32, + eps, sqrt and 1 / it in float32, then (x * scale) * w. */
@@ -601,6 +608,34 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     const float e = (float)eps;  /* np.float32(eps) */
     rms_rows(b[0].buf, b[1].buf, b[2].buf, T, d, e);
     for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
+/* attn_row_sums(p, sums, T, S, n_head): the float64 sums of attn_rows_scores' packed rows (after the
+ * caller's exp), row t's n_head blocks of n_t = S - T + 1 + t values each: sums (T, n_head) f64 =
+ * each block's pairwise_sum_f64, numpy's p_t.reshape(n_head, n_t).sum(axis=-1, dtype=np.float64)
+ * for blocks up to its 8,192-value buffer (the caller sums longer ones in numpy) */
+static PyObject *py_attn_row_sums(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[2];
+    int T, S, n_head;
+    if (!PyArg_ParseTuple(args, "OOiii", &objs[0], &objs[1], &T, &S, &n_head)) return NULL;
+    if (T < 1 || S < T || n_head < 1)
+        return PyErr_Format(PyExc_ValueError, "attn_row_sums: bad shape T=%d S=%d n_head=%d (1 <= T <= S)", T, S, n_head);
+    const Py_ssize_t base = (Py_ssize_t)(S - T + 1);
+    const Py_ssize_t packed = (Py_ssize_t)n_head * ((Py_ssize_t)T * base + (Py_ssize_t)T * (T - 1) / 2);
+    static const char *const names[2] = {"p", "sums"};
+    static const int writable[2] = {0, 1};
+    const Py_ssize_t expect[2] = {packed * 4, (Py_ssize_t)T * n_head * 8};
+    Py_buffer b[2];
+    if (attn_buffers(objs, b, names, writable, expect, 2)) return NULL;
+    const float *p = b[0].buf;
+    double *sums = b[1].buf;
+    for (int t = 0; t < T; t++) {
+        const Py_ssize_t n_t = base + t;
+        for (int h = 0; h < n_head; h++, p += n_t) sums[(size_t)t * n_head + h] = pairwise_sum_f64(p, n_t);
+    }
+    for (int i = 0; i < 2; i++) PyBuffer_Release(&b[i]);
     Py_RETURN_NONE;
 }
 
@@ -691,6 +726,8 @@ static PyMethodDef methods[] = {
     {"rope_qkv", py_rope_qkv, METH_VARARGS,
      "rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd): in place, q = rope(q + bq), "
      "k = f16(rope(k + bk)), v = f16(v + bv), float32"},
+    {"attn_row_sums", py_attn_row_sums, METH_VARARGS,
+     "attn_row_sums(p, sums, T, S, n_head): each packed row block's float64 sum, numpy's pairwise order"},
     {"sum_sq", py_sum_sq, METH_VARARGS, "sum_sq(x): float64 sum of a float32 buffer's squares, in numpy's pairwise order"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, w, out, T, d, eps): out = common.models.qwen2.rmsnorm(x, w, eps), float32, numpy's bits"},

@@ -435,3 +435,53 @@ def test_the_kernels_rmsnorm_gives_numpys_bits():
     assert kern.rmsnorm(x[:, ::-1], w, 1e-6) is None
     assert kern.rmsnorm(x, w[:-1], 1e-6) is None
     assert kern.rmsnorm(x, w.astype(np.float64), 1e-6) is None
+
+
+def test_the_kernels_row_sums_give_numpys_bits():
+    """The float64 sums between attention's two row calls (each row's (n_head, n_t) block after
+    numpy's exp) in one C call are numpy's, in its pairwise order: a decode row and verify trips'
+    rows, blocks of 1 to 8,192 values (numpy's casting buffer). Longer rows, which numpy sums buffer
+    by buffer, and arrays of another dtype or shape are declined (None), and numpy sums them."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    kern = kernels.make_attention_kernel()
+    rng = np.random.default_rng(13)
+    for case, (T, S) in enumerate([(1, 1), (1, 7), (1, 129), (1, 210), (3, 9), (9, 300), (33, 1000), (1, 4097),
+                                   (2, 8192), (1, kernels.ROW_SUMS_MAX)]):
+        n_head = int(rng.choice([1, 2, 14]))
+        n = n_head * (T * (S - T + 1) + T * (T - 1) // 2)
+        p = np.exp((rng.standard_normal(n) * rng.choice([0.5, 4.0, 20.0])).astype(np.float32))
+        want = np.empty((T, n_head), np.float64)
+        a = 0
+        for t in range(T):  # qwen2._attend_rows' numpy sums
+            n_t = S - T + 1 + t
+            want[t] = p[a:a + n_head * n_t].reshape(n_head, n_t).sum(axis=-1, dtype=np.float64)
+            a += n_head * n_t
+        got = kern.row_sums(p, T, S, n_head)
+        assert got is not None and got.shape == (T, n_head)
+        np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64), err_msg=f"case {case}, T={T} S={S}")
+    assert kern.row_sums(p.astype(np.float64), T, S, n_head) is None
+    assert kern.row_sums(p.reshape(T, -1), T, S, n_head) is None
+    big = np.ones(kernels.ROW_SUMS_MAX + 1, np.float32)
+    assert kern.row_sums(big, 1, kernels.ROW_SUMS_MAX + 1, 1) is None  # numpy sums it in two buffers
+    with pytest.raises(ValueError, match="bytes, expected"):
+        kernels._qmatmul.attn_row_sums(p[:-1], np.empty((T, n_head)), T, S, n_head)
+
+
+def test_attention_rows_take_the_kernels_row_sums():
+    """_attend_rows sums through the kernel's row_sums where it has one, with the same output as
+    numpy's sums: a decode row and a verify trip over an f16 cache."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    kern = kernels.make_attention_kernel()
+    q, k, v = qkv(T=5, S=40, n_head=14, n_kv=2, hd=64, seed=4)
+    k, v = qwen2.to_f16(k).astype(np.float16), qwen2.to_f16(v).astype(np.float16)
+    for T in (1, 5):
+        q_pos, k_pos = np.arange(40 - T, 40), np.arange(40)
+        mm.register_attention_kernel(dataclasses.replace(kern, row_sums=None))
+        want = qwen2._attend_rows(q[:T], k, v, q_pos, k_pos)
+        calls = []
+        mm.register_attention_kernel(dataclasses.replace(kern, row_sums=lambda *a: calls.append(a) or kern.row_sums(*a)))
+        got = qwen2._attend_rows(q[:T], k, v, q_pos, k_pos)
+        assert want is not None and len(calls) == 1
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
