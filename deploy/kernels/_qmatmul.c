@@ -622,17 +622,17 @@ static PyObject *py_attn_row_sums(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOiii", &objs[0], &objs[1], &T, &S, &n_head)) return NULL;
     if (T < 1 || S < T || n_head < 1)
         return PyErr_Format(PyExc_ValueError, "attn_row_sums: bad shape T=%d S=%d n_head=%d (1 <= T <= S)", T, S, n_head);
-    const Py_ssize_t base = (Py_ssize_t)(S - T + 1);
-    const Py_ssize_t packed = (Py_ssize_t)n_head * ((Py_ssize_t)T * base + (Py_ssize_t)T * (T - 1) / 2);
+    /* only the packed layout of attn_rows_scores' p: rows_offset and rows_keys read n_kv * g = n_head */
+    const rows_ctx c = {.T = T, .S = S, .n_kv = 1, .g = n_head};
     static const char *const names[2] = {"p", "sums"};
     static const int writable[2] = {0, 1};
-    const Py_ssize_t expect[2] = {packed * 4, (Py_ssize_t)T * n_head * 8};
+    const Py_ssize_t expect[2] = {(Py_ssize_t)rows_offset(&c, T) * 4, (Py_ssize_t)T * n_head * 8};
     Py_buffer b[2];
     if (attn_buffers(objs, b, names, writable, expect, 2)) return NULL;
     const float *p = b[0].buf;
     double *sums = b[1].buf;
     for (int t = 0; t < T; t++) {
-        const Py_ssize_t n_t = base + t;
+        const int n_t = rows_keys(&c, t);
         for (int h = 0; h < n_head; h++, p += n_t) sums[(size_t)t * n_head + h] = pairwise_sum_f64(p, n_t);
     }
     for (int i = 0; i < 2; i++) PyBuffer_Release(&b[i]);
