@@ -319,7 +319,12 @@ static float dot_q4_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
         const __m128i sc128 = _mm256_castsi256_si128(sm);
         const __m256i scales = _mm256_inserti128_si256(_mm256_castsi128_si256(sc128), sc128, 1);
         const uint8_t *qs = w + 16;
-        __m256i sumi = _mm256_setzero_si256();
+        /* Two integer chains, the low and the high nibbles', summed once per super-block: the lanes
+         * are exact integers, so the bits are the same. Why: one chain of 8 dependent vpdpwssd per
+         * super-block bound the one-token kernel on an AMD EPYC (Zen 4) core, where two threads
+         * compute it slower than they read it (the 1.5B's 56 ffn_gate/up from DRAM, 2 threads,
+         * interleaved pairs: 13.5-15.2 against 13.8-17.2 ms, faster in 3 of 4; docs/performance.md). */
+        __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
         for (int j = 0; j < QK_K / 64; j++) {
             const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j]));
             const __m256i scale_h = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j + 1]));
@@ -328,10 +333,10 @@ static float dot_q4_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
             const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
             const __m256i yl = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
             const __m256i yh = _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32));
-            sumi = scaled_add(sumi, scale_l, _mm256_maddubs_epi16(ql, yl));
-            sumi = scaled_add(sumi, scale_h, _mm256_maddubs_epi16(qh, yh));
+            sl = scaled_add(sl, scale_l, _mm256_maddubs_epi16(ql, yl));
+            sh = scaled_add(sh, scale_h, _mm256_maddubs_epi16(qh, yh));
         }
-        acc = lanes_acc(acc, sumi, ad[b] * f16_to_f32(rd16(w)));
+        acc = lanes_acc(acc, _mm256_add_epi32(sl, sh), ad[b] * f16_to_f32(rd16(w)));
     }
     return hsum8_ps(acc) - hsum4_ps(accm);
 }
@@ -362,6 +367,7 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
         const __m256i corr = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales),
                                                _mm256_loadu_si256((const __m256i *)bs));
         __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+        __m256i s2 = _mm256_setzero_si256();  /* a second integer chain, as dot_q4_K_avx2's */
         for (int h = 0; h < 2; h++) {
             const __m256i b1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             const __m256i b2 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -381,12 +387,12 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
             __m256i p3 = _mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *)(y + 96)));
 #define Q6_SCALE(k) _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)Q6_K_SHUFFLE[4 * h + (k)])))
             sumi = scaled_add(sumi, Q6_SCALE(0), p0);
-            sumi = scaled_add(sumi, Q6_SCALE(1), p1);
+            s2 = scaled_add(s2, Q6_SCALE(1), p1);
             sumi = scaled_add(sumi, Q6_SCALE(2), p2);
-            sumi = scaled_add(sumi, Q6_SCALE(3), p3);
+            s2 = scaled_add(s2, Q6_SCALE(3), p3);
 #undef Q6_SCALE
         }
-        acc = lanes_acc(acc, sumi, ad[b] * f16_to_f32(rd16(w + 208)));
+        acc = lanes_acc(acc, _mm256_add_epi32(sumi, s2), ad[b] * f16_to_f32(rd16(w + 208)));
     }
     return hsum8_ps(acc);
 }
