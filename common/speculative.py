@@ -326,25 +326,27 @@ class DraftLength:
     rejection (the heuristic of Hugging Face's assisted generation: +2 / -1; half after a draft of
     which nothing was accepted), and none for a while after such drafts in a row (MAX_COOLDOWN).
 
-    With a TripCost, also none for a while where drafting trips give their tokens slower than plain
-    trips do: a running mean (TripCost.WEIGHT for the newest) of each drafting trip's seconds,
-    drafting included, over the tokens it decided. After the first trip in a row that leaves that
-    mean slower, the next trip drafts nothing, after the second the next 2, then 4, ... (at most
-    MAX_COOLDOWN); a trip that brings it under ends the back-off. The plain trips meanwhile keep the
+    With a TripCost, also none for a while after drafting trips that gave their tokens slower than
+    plain trips do (a trip's seconds, drafting included, over the tokens it decided), where the
+    drafting trips so far do too: a running mean of that figure (TripCost.WEIGHT for the newest).
+    After the first such trip in a row the next trip drafts nothing, after the second the next 2,
+    then 4, ... (at most MAX_COOLDOWN); a trip that paid ends it. The plain trips meanwhile keep the
     TripCost current. Until the TripCost has seen a plain trip, the coming trip is one (a probe).
 
-    Why the mean, not each trip alone: one trip whose drafts went wrong early is slow however well
-    drafting pays. The 1.5B's code prompt with the 0.5B drafting (93% accepted) ran four trips of 9
-    tokens at ~40 ms a token, then one of 6 at ~63 ms against a plain trip's ~59 (2026-12-04, AMD
-    EPYC): judged alone, that one trip cost the next its drafts, and the same 48 tokens took 6 to 9
-    trips from run to run as the clock fell either side of the line."""
+    Why the mean as well: one trip whose drafts went wrong early is slow however well drafting
+    pays. The 1.5B's code prompt with the 0.5B drafting (93% accepted) ran four trips of 9 tokens
+    at ~40 ms a token, then one of 6 at ~63 ms against a plain trip's ~59 (2026-12-04, AMD EPYC):
+    judged alone, that one trip cost the next its drafts, and the same 48 tokens took 6 to 9 trips
+    from run to run as the clock fell either side of the line. Why not the mean alone: it remembers
+    the slow trips before a code edit's answer starts copying the prompt, and kept prompt lookup
+    backing off through the copy (0.5B: 2.2 tokens a trip against 5.9)."""
 
     def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None):
         self.max_draft = max_draft
         self.k = max_draft if start is None else min(start, max_draft)
         self.cost = cost
         self.failures = 0  # drafts in a row of which nothing was accepted
-        self.slow = 0      # drafting trips in a row after which the mean below is slower than a plain trip
+        self.slow = 0      # drafting trips in a row slower per token than a plain trip, the mean below too
         self.drafting_s: float | None = None  # drafting trips' seconds per decided token, a running mean
         self.cooldown = 0  # trips left that draft nothing
         self.skipped = 0   # trips that drafted nothing because of the back-off
@@ -379,7 +381,7 @@ class DraftLength:
         per_token = seconds / (accepted + 1)
         m = self.drafting_s
         self.drafting_s = per_token if m is None else m + TripCost.WEIGHT * (per_token - m)
-        if self.drafting_s > self.cost.plain_s:  # drafting trips' tokens come slower than plain trips give them
+        if per_token > self.cost.plain_s and self.drafting_s > self.cost.plain_s:  # slower than plain trips
             self.slow += 1
             self.cooldown = max(self.cooldown, min(1 << (self.slow - 1), MAX_COOLDOWN))
         else:
