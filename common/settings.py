@@ -173,8 +173,9 @@ SETTINGS: tuple[Setting, ...] = (
        "auto (for greedy requests the draft model where there is a DRAFTER whose budget holds the prompt, else "
        "prompt lookup; off for sampled ones), off, prompt_lookup, draft_model",
        choices=("auto", "off", "prompt_lookup", "draft_model")),
-    _s("SPEC_MAX_DRAFT", "int", "8", "coordinator", "tokens drafted per trip at most (a request's max_draft "
-       f"may ask for fewer or more, up to {MAX_DRAFT})", minimum=1, maximum=MAX_DRAFT),
+    _s("SPEC_MAX_DRAFT", "int", None, "coordinator compose", "tokens drafted per trip at most (unset: 8 for prompt "
+       f"lookup, 6 for the draft model; a request's max_draft may ask for fewer or more, up to {MAX_DRAFT})",
+       minimum=1, maximum=MAX_DRAFT),
     _s("EMBED_ROW_CACHE_BYTES", "int", str(4 * MiB), "coordinator compose",
        "embedding rows the coordinator keeps from the shards' replies, so a decode step whose tokens are all "
        "there skips the embed hop (0: off)", minimum=0),

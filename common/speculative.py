@@ -48,6 +48,20 @@ MAX_DRAFT = 32  # tokens one trip may verify besides the last one
 # greedy outputs through the drafter (0.5B, a verify row at 0.3 of a trip) gave code 0.93 ->
 # 0.94, chat 0.93 -> 1.12, code edit 1.90 -> 2.14 times the decode without speculation.
 NGRAM_MAX, NGRAM_MIN = 3, 2
+# Tokens drafted per trip at most, by source, where neither SPEC_MAX_DRAFT nor the request says.
+# Why fewer for the draft model: its drafts cost a forward each in series, and a verify trip's rows
+# past the kernels' pass of 8 cost a whole pass more. The 1.5B cluster's drafted prompts, 6 against
+# 8, seven interleaved rounds on an AMD EPYC (2026-12-04): code 17.2-29.6 (median 27.6, 29.0 in
+# two sweeps) against 17.3-27.4 tok/s (25.6, 27.1), ahead in 6 of 7; chat ahead in 5 of 7 (medians
+# 17.5 and 20.4 against 17.1 and 19.5); an Intel machine's sweep also had 6 ahead of 8 (12.2 and
+# 9.56 against 9.60 and 9.51). Prompt lookup's drafts cost only their verify rows, and a code
+# edit's long copies pay for 8 (the 0.5B: 74.8-88.6 tok/s at 8, 73.4-84.6 at 6; docs/performance.md).
+DEFAULT_MAX_DRAFT = {"prompt_lookup": 8, "draft_model": 6}
+
+
+def default_max_draft(source: str) -> int:
+    """The most tokens a trip drafts from `source` when nobody chose (DEFAULT_MAX_DRAFT; 8 otherwise)."""
+    return DEFAULT_MAX_DRAFT.get(source, 8)
 
 
 @dataclass(frozen=True)

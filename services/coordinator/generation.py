@@ -30,7 +30,7 @@ from common.models import ModelConfig
 from common import wire
 from common.runtime import HttpError, ServiceUnavailable
 from common.shard_sampling import RowSummary, decide
-from common.speculative import Drafter, PromptLookup, SpeculationParams, TripCost
+from common.speculative import Drafter, PromptLookup, SpeculationParams, TripCost, default_max_draft
 from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
 from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
@@ -343,7 +343,7 @@ class Coordinator:
             raise InvalidParam(f"speculation source 'draft_model': the prompt is {n_prompt} tokens, and the drafter's "
                                f"MEMORY_BUDGET_BYTES holds the KV cache of {d.max_context_tokens}, no room to draft after "
                                f"it (use prompt_lookup, or raise the drafter's budget)", "speculation")
-        max_draft = g.speculation.max_draft or self.settings.max_draft
+        max_draft = g.speculation.max_draft or self.settings.max_draft or default_max_draft(source)
         return SpeculationParams(source, max_draft)
 
     def drafter(self, gen: Generation) -> Drafter | None:

@@ -78,7 +78,7 @@ class CoordinatorSettings:
     retry_after_s: int
     model_name: str | None  # None: KNOT_KEY without ".knot"
     speculation: str = default("SPECULATION", "coordinator")  # for requests that do not choose
-    max_draft: int = default("SPEC_MAX_DRAFT", "coordinator")
+    max_draft: int | None = default("SPEC_MAX_DRAFT", "coordinator")  # None: by source (default_max_draft)
     sample_top: int = default("SHARD_SAMPLE_TOP", "coordinator")  # 0: the shards send full slices
     row_cache_bytes: int = default("EMBED_ROW_CACHE_BYTES", "coordinator")  # 0: every embed is a hop
 

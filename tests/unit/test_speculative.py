@@ -516,10 +516,24 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
     c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=other_tiny.model.path)
     local = LocalEngine.open(tiny_knot, draft=other_tiny)
     ids = local.tokenizer.encode(CODE)
+    # Unset SPEC_MAX_DRAFT drafts by source (6 from the draft model, 8 by prompt lookup); set, it
+    # applies to both; a request's max_draft wins over either.
+    from services.coordinator.handler import coordinator_for
+    from services.coordinator.params import parse_generate
+    co = await coordinator_for(c.coordinator.env)
+    chosen = {(src, md): co.speculation(parse_generate({"prompt": "x", "speculation": src if md is None else
+                                                        {"source": src, "max_draft": md}}), 1).max_draft
+              for src in ("draft_model", "prompt_lookup") for md in (None, 3)}
+    assert chosen == {("draft_model", None): 6, ("prompt_lookup", None): 8, ("draft_model", 3): 3,
+                      ("prompt_lookup", 3): 3}
+    with monkeypatch.context() as m:
+        m.setattr(co, "settings", __import__("dataclasses").replace(co.settings, max_draft=5))
+        assert [co.speculation(parse_generate({"prompt": "x", "speculation": s}), 1).max_draft
+                for s in ("draft_model", "prompt_lookup")] == [5, 5]
     for sampling in ({}, dict(temperature=0.9, top_k=40, seed=7)):
         r = (await c.generate(prompt=CODE, max_tokens=24, speculation="draft_model", **sampling)).json()
         want = local.generate(ids, SamplingParams(**sampling), max_tokens=24,
-                              speculation=SpeculationParams("draft_model", 8))
+                              speculation=SpeculationParams("draft_model", 6))
         assert r["tokens"] == want.token_ids, sampling
         s = r["timings"]["speculation"]
         assert (s["source"], s["drafted"], s["accepted"], s["trips"]) == \
