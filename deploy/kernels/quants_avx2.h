@@ -36,6 +36,12 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
  * 1.51 -> 1.15-1.20x, 3 rows 2.14 -> 1.35x; with 8 per pass, 8 and 9 rows cost 7-8% less than
  * in passes of 4 (9 rows 350-355 -> 327-332 ms), 5 rows the same. */
 #define DOTN_INLINE static inline __attribute__((always_inline))
+/* Integer chains per token in dotn_body_q4_K: 2 up to 4 tokens with VNNI, else 1. The lanes are
+ * exact integers, so the bits do not depend on it. Why: with one chain of 8 dependent vpdpwssd a
+ * super-block per token, 2 tokens cost 1.84x one on a Zen 4 core, in cache; with two, 1.68-1.71x
+ * (docs/performance.md). 4 tokens and more did not move, nor did Q6_K's 2. Without VNNI the chain is
+ * a 1-cycle vpaddd, and there are only 16 registers. */
+#define DOTN_CHAINS(N) (HAVE_VNNI && (N) <= 4 ? 2 : 1)
 #if HAVE_VNNI  /* the AVX-512 build: 32 vector registers hold 8 tokens' accumulators */
 #define DOTN_ISA 8
 #define DOTN_ENTRY(name)                                                                           \
@@ -409,8 +415,8 @@ DOTN_INLINE void dotn_body_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const 
         const float wd = f16_to_f32(rd16(w)), wdmin = f16_to_f32(rd16(w + 2));
         const __m128i sc128 = _mm256_castsi256_si128(sm);
         const __m256i scales = _mm256_inserti128_si256(_mm256_castsi128_si256(sc128), sc128, 1);
-        __m256i sumi[DOTN_ISA];
-        for (int i = 0; i < N; i++) sumi[i] = _mm256_setzero_si256();
+        __m256i sumi[DOTN_ISA], sumh[DOTN_ISA];
+        for (int i = 0; i < N; i++) sumi[i] = sumh[i] = _mm256_setzero_si256();
         for (int j = 0; j < QK_K / 64; j++) {
             const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j]));
             const __m256i scale_h = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j + 1]));
@@ -420,9 +426,13 @@ DOTN_INLINE void dotn_body_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const 
             for (int i = 0; i < N; i++) {
                 const int8_t *q = tk.q + i * tk.q_stride + (size_t)b * QK_K + 64 * j;
                 sumi[i] = scaled_add(sumi[i], scale_l, _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)q)));
-                sumi[i] = scaled_add(sumi[i], scale_h, _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(q + 32))));
+                const __m256i ph = _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(q + 32)));
+                if (DOTN_CHAINS(N) == 2) sumh[i] = scaled_add(sumh[i], scale_h, ph);
+                else sumi[i] = scaled_add(sumi[i], scale_h, ph);
             }
         }
+        if (DOTN_CHAINS(N) == 2)
+            for (int i = 0; i < N; i++) sumi[i] = _mm256_add_epi32(sumi[i], sumh[i]);
         for (int i = 0; i < N; i++) {
             const int16_t *bs = (const int16_t *)tk.aux + i * tk.aux_stride + (size_t)b * (QK_K / 16);
             const float ad = tk.d[b + i * tk.d_stride];
