@@ -18,7 +18,7 @@ import errno
 import struct
 from pathlib import Path
 
-CPUINFO = Path("/proc/cpuinfo")
+from deploy.machine import CPUINFO, cpu_flags
 
 # seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h)
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
@@ -33,10 +33,7 @@ _amx_denied = False
 
 
 def cpu_has_amx(cpuinfo: Path = CPUINFO) -> bool:
-    try:
-        return " amx_tile" in cpuinfo.read_text()
-    except OSError:
-        return False
+    return "amx_tile" in cpu_flags(cpuinfo)
 
 
 def amx_filter() -> bytes:

@@ -38,6 +38,11 @@ measurement beside its figure (best against best for the speculation rows' repea
 speed drifts by a quarter within minutes, a ratio against one measurement at the start moved with
 the drift. --llama-once measures it once, at the start.
 
+The machine (deploy.machine: the CPU, its family and model, the vector features the kernels and
+llama.cpp choose by, the CPUs this process may use, memory, the kernel, and the matmul kernels
+chosen) is printed first and above the table, and written to --json as "machine": a ratio belongs
+to the machine it was measured on.
+
 Benchmarks are records, never tests: nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -597,8 +602,10 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy import models
+    from deploy import machine, models
 
+    host = machine.describe()
+    progress(f"machine: {machine.one_line(host)}")
     concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     model = args.model or models.DEFAULT_MODEL
     progress(f"model {model}: fetching / encoding if needed")
@@ -655,6 +662,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"knot bench: {model} ({gguf.name}), {args.tokens} tokens, prompt {len(long_ids)} tokens, "
           f"llama.cpp {args.threads} threads, stations --profile resident (layers + {args.budget_bytes:,} B; "
           f"fluid run: --profile worker, {args.fluid_budget_bytes:,} B)")
+    print(f"machine: {machine.one_line(host)}")
     print(render_table(figures))
     runs = (ll or {}).get("decode_runs") or []
     if len(runs) > 1:
@@ -677,6 +685,6 @@ def run(args: argparse.Namespace) -> int:
         for line in describe_fluid(fluid["rates"], fluid["copy_gb_s"]):
             print(f"fluid {line}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cluster": cl, "fluid": fluid, "local": local, "llama": ll},
+        Path(args.json).write_text(json.dumps({"machine": host, "cluster": cl, "fluid": fluid, "local": local, "llama": ll},
                                               indent=1, default=str))
     return 0
