@@ -50,6 +50,12 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
         return set()
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform has one): the kernels'
+    default thread count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def mem_total_bytes(meminfo: Path = MEMINFO) -> int | None:
     try:
         for line in meminfo.read_text().splitlines():
@@ -66,14 +72,14 @@ def describe(cpuinfo: Path = CPUINFO, meminfo: Path = MEMINFO) -> dict:
     try:
         cpu = parse_cpuinfo(cpuinfo.read_text())
     except OSError:
-        cpu = {"model_name": None, "family": None, "model": None, "flags": set()}
+        cpu = parse_cpuinfo("")
     from deploy import kernels
 
     return {
         "cpu": cpu["model_name"] or platform.processor() or platform.machine(),
         "family": cpu["family"], "model": cpu["model"],
         "features": [name for flag, name in FEATURES if flag in cpu["flags"]],
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus": usable_cpus(),
         "mem_total_bytes": mem_total_bytes(meminfo),
         "system": f"{platform.system()} {platform.release()}",
         "kernels": kernels.describe(),

@@ -25,6 +25,7 @@ import numpy as np
 from common import settings
 from common.matmul import AttentionKernel, Kernel, register_attention_kernel, register_kernel
 from common.quant import QTensor
+from deploy.machine import usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def threads_from_env(env: Mapping[str, str]) -> int:
     """KNOT_THREADS, default: the CPUs this process may run on (ConfigError, a ValueError, when invalid)."""
     n = settings.read(env, THREADS_ENV, "kernels")
     if n is None:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return usable_cpus()
     return n
 
 
