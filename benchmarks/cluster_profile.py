@@ -12,6 +12,10 @@ service), then:
              every thread, from /proc/<pid>/task/*/stat) and their sum
     fanout   posts one (1, dim) hidden state to every shard's /logits at once, --reps times, and
              prints when the replies arrive (median over the reps, sorted)
+    floor    the LM-head hop against its floor: a greedy /sample to every shard at once, as a decode
+             step's, interleaved with the same posts to as many bare aiohttp processes, each holding
+             its shard's slice of the head and doing nothing but its product (no signature, envelope,
+             batcher or summary): when the replies arrive, each way (median over the reps, sorted)
     prefill  one ~700-token prompt: prompt tokens over the time to first token
     rss      each service's peak RSS (VmHWM) so far
     long     one prompt of --long-tokens tokens (bench's repeated Python functions) as ids to
@@ -27,7 +31,7 @@ service), then:
              mean time of a decode forward over its layers, so the hop's HTTP share shows
 
     python benchmarks/cluster_profile.py [--model NAME|PATH] [--budget-bytes N] [--tokens N]
-        [--reps N] [--long-tokens N] [--compare-tokens N] [--only hops,cpu,fanout,direct,prefill,rss,long,huge,station]
+        [--reps N] [--long-tokens N] [--compare-tokens N] [--only hops,cpu,fanout,floor,direct,prefill,rss,long,huge,station]
 
 Extra variables in the environment reach every service (the launcher passes them on), so the
 same run can compare settings, e.g. KNOT_SPIN_US=0 or KNOT_ACCESS_LOG=all.
@@ -42,12 +46,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from common import wire  # noqa: E402
+from common import settings, wire  # noqa: E402
 from common.models import model_for  # noqa: E402
 import deploy.kernels  # noqa: E402
 from deploy import launcher, models, servers  # noqa: E402
@@ -183,6 +188,120 @@ def fanout(running: dict, dim: int, reps: int) -> None:
     arrivals = asyncio.run(_fanout([running[n].url for n in shards], dim, reps))
     print(f"fanout: {len(shards)} shards' /logits replies arrive at (ms, median of {reps}): "
           + ", ".join(f"{a:.1f}" for a in arrivals))
+
+
+def _bare_head(port: int, knot: str, head: str, rows: tuple[int, int], threads: int) -> None:
+    """A bare aiohttp server (a spawned process) whose POST answers 300 bytes after the product of
+    the hidden state in its first dim * 4 bytes with rows [a, b) of the head: a shard's work and
+    HTTP, without the rest of the stack."""
+    from aiohttp import web
+
+    from common.matmul import matmul
+    from common.quant import QTensor
+
+    deploy.kernels.install(threads)
+    full = open_model(knot).tensor(head)  # GGUF shape (dim, n_vocab)
+    dim, n = full.shape
+    data = full.data.reshape(n, -1)[rows[0]:rows[1]].copy()  # (b - a, row bytes): a shard keeps its rows
+    w = QTensor(f"{head}[{rows[0]}:{rows[1]}]", full.ggml_type, (dim, rows[1] - rows[0]), data.reshape(-1))
+
+    async def sample(request: web.Request) -> web.Response:
+        body = await request.read()
+        x = np.frombuffer(body, np.float32, dim).reshape(1, dim)  # (1, dim)
+        best = int(matmul(x, w).argmax())  # (1, b - a) -> the slice's greedy candidate
+        return web.Response(body=best.to_bytes(4, "little") * 75, content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_post("/sample", sample)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+async def _arrivals(targets: list[tuple[int, Callable[[], bytes]]], reps: int) -> np.ndarray:
+    """POST to every (port, make the whole request) at once on kept-alive sockets, reps times (each
+    request made before the clock starts) -> the replies' arrival times in ms (median over the
+    reps, sorted)."""
+    conns = [await asyncio.open_connection("127.0.0.1", port) for port, _ in targets]
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: bytes, t0: float) -> float:
+        writer.write(message)
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+        if not head.startswith("http/1.1 200"):
+            raise RuntimeError(f"floor: {head.splitlines()[0]}")
+        await reader.readexactly(int(head.split("content-length:")[1].split("\r\n")[0]))
+        return time.perf_counter() - t0
+
+    rows = []
+    for i in range(reps + 5):  # the first 5 warm up
+        messages = [make() for _, make in targets]
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(one(r, w, m, t0) for (r, w), m in zip(conns, messages)))
+        if i >= 5:
+            rows.append(sorted(got))
+    for _, w in conns:
+        w.close()
+    return np.median(np.array(rows), axis=0) * 1e3
+
+
+def _listening(port: int, timeout_s: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"floor: nothing listens on port {port} after {timeout_s:g} s") from None
+            time.sleep(0.2)
+
+
+def floor(running: dict, knot: str, dim: int, reps: int) -> None:
+    import multiprocessing
+    from urllib.parse import urlparse
+
+    shards = sorted((n for n in running if n.startswith("shard-")), key=lambda n: int(n.split("-")[1]))
+    stats = {n: get(running[n].url + "/stats") for n in shards}
+    head = stats[shards[0]]["head"]
+    h = (np.random.default_rng(0).standard_normal((1, dim)) * 0.1).astype(np.float32)  # (1, dim)
+    sample = wire.encode_sample_request(wire.SampleSpec(top=1, temperature=0.0, key=0, lse=False),
+                                        wire.Envelope("profile-floor", "logits", 5, 6, h))
+
+    def maker(url: str, body: bytes, content_type: str, signed: bool) -> Callable[[], bytes]:
+        def make() -> bytes:  # signed afresh each time: a verifier refuses a nonce twice
+            u = urlparse(url)
+            lines = [f"POST {u.path} HTTP/1.1", f"Host: {u.netloc}", f"Content-Length: {len(body)}",
+                     f"Content-Type: {content_type}",
+                     *(f"{k}: {v}" for k, v in (_signed("POST", url, body) if signed else {}).items())]
+            return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
+        return make
+
+    ports = servers.free_ports(len(shards))
+    spawn = multiprocessing.get_context("spawn")
+    threads = int(os.environ.get("KNOT_SHARD_THREADS") or settings.default("KNOT_SHARD_THREADS", "compose"))
+    bare = [spawn.Process(target=_bare_head, daemon=True,
+                          args=(port, str(knot), head, (stats[n]["vocab_start"], stats[n]["vocab_end"]), threads))
+            for port, n in zip(ports, shards)]
+    for p in bare:
+        p.start()
+    try:
+        for port in ports:
+            _listening(port, 120)
+        real = [(urlparse(running[n].url).port,
+                 maker(running[n].url + "/sample", sample, wire.ENVELOPE_CONTENT_TYPE, True)) for n in shards]
+        base = [(port, maker(f"http://127.0.0.1:{port}/sample", h.tobytes(), "application/octet-stream", False))
+                for port in ports]
+        for _ in range(2):  # interleaved: the machine's speed drifts
+            got = asyncio.run(_arrivals(real, reps))
+            print(f"floor: {len(shards)} shards' greedy /sample replies arrive at (ms, median of {reps}): "
+                  + ", ".join(f"{a:.1f}" for a in got))
+            got = asyncio.run(_arrivals(base, reps))
+            print(f"       {len(shards)} bare aiohttp processes, the same products: "
+                  + ", ".join(f"{a:.1f}" for a in got))
+    finally:
+        for p in bare:
+            p.terminate()
+            p.join(5)
 
 
 def prefill(gen: str) -> None:
@@ -351,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                 cpu(running, gen, args.tokens)
             elif part == "fanout":
                 fanout(running, dim, args.reps)
+            elif part == "floor":
+                floor(running, knot, dim, args.reps)
             elif part == "direct":
                 direct(running, dim, args.reps)
             elif part == "prefill":
