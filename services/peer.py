@@ -40,11 +40,13 @@ class PeerError(BadGateway):
 
 async def call(binding: Any, request: Request, timeout_s: float | None) -> Response:
     """The peer's 2xx reply; PeerError for any other status. timeout_s None: no timeout."""
-    resp = await asyncio.wait_for(binding.fetch(request), timeout_s)
-    # Before Python 3.12, wait_for returns the reply when the caller's cancellation lands just as the
-    # call completes, and the cancellation is lost: a request whose client hung up then generated to
-    # the end with its slot taken (tests/unit/test_pipeline.py, a client that hangs up). A task with
-    # a cancellation pending stops here instead.
+    # asyncio.timeout, not wait_for: in Python 3.11 wait_for runs the call as a task of its own,
+    # a task and two turns of the loop more per call, and a coordinator makes ten calls a token.
+    async with asyncio.timeout(timeout_s):
+        resp = await binding.fetch(request)
+    # A cancellation that lands just as the call completes must not be lost (Python 3.11's wait_for
+    # dropped it: a request whose client hung up then generated to the end with its slot taken,
+    # tests/unit/test_pipeline.py, a client that hangs up). A task with one pending stops here.
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError(f"{request.path}: cancelled as the call completed")
