@@ -278,7 +278,7 @@ def floor(running: dict, knot: str, dim: int, reps: int) -> None:
 
     ports = servers.free_ports(len(shards))
     spawn = multiprocessing.get_context("spawn")
-    threads = int(os.environ.get("KNOT_SHARD_THREADS") or settings.default("KNOT_SHARD_THREADS", "compose"))
+    threads = settings.read(os.environ, "KNOT_SHARD_THREADS", "compose")  # a shard's KNOT_THREADS, as the launcher sets it
     bare = [spawn.Process(target=_bare_head, daemon=True,
                           args=(port, str(knot), head, (stats[n]["vocab_start"], stats[n]["vocab_end"]), threads))
             for port, n in zip(ports, shards)]
