@@ -42,6 +42,10 @@ async def call(binding: Any, request: Request, timeout_s: float | None) -> Respo
     """The peer's 2xx reply; PeerError for any other status. timeout_s None: no timeout."""
     # asyncio.timeout, not wait_for: in Python 3.11 wait_for runs the call as a task of its own,
     # a task and two turns of the loop more per call, and a coordinator makes ten calls a token.
+    if timeout_s is not None and timeout_s <= 0:
+        # wait_for never started such a call; under asyncio.timeout its request would go out
+        # (the first send does not suspend) before the timeout lands: refuse it here instead.
+        raise TimeoutError(f"{request.path}: no time left for the call (timeout {timeout_s:g} s)")
     async with asyncio.timeout(timeout_s):
         resp = await binding.fetch(request)
     # A cancellation that lands just as the call completes must not be lost (Python 3.11's wait_for
