@@ -242,23 +242,18 @@ async def _arrivals(targets: list[tuple[int, Callable[[], bytes]]], reps: int) -
     return np.median(np.array(rows), axis=0) * 1e3
 
 
-def _listening(port: int, timeout_s: float) -> None:
-    import socket
-
+def _listening(port: int, proc, timeout_s: float) -> None:
+    """Until proc (a bare head's process) listens on port; RuntimeError if it dies or is slow."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"floor: nothing listens on port {port} after {timeout_s:g} s") from None
-            time.sleep(0.2)
+    while servers.port_is_free(port):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"floor: the bare head process for port {port} "
+                               f"{'exited' if not proc.is_alive() else f'is not listening after {timeout_s:g} s'}")
+        time.sleep(0.2)
 
 
 def floor(running: dict, knot: str, dim: int, reps: int) -> None:
     import multiprocessing
-    from urllib.parse import urlparse
 
     shards = sorted((n for n in running if n.startswith("shard-")), key=lambda n: int(n.split("-")[1]))
     stats = {n: get(running[n].url + "/stats") for n in shards}
@@ -267,14 +262,15 @@ def floor(running: dict, knot: str, dim: int, reps: int) -> None:
     sample = wire.encode_sample_request(wire.SampleSpec(top=1, temperature=0.0, key=0, lse=False),
                                         wire.Envelope("profile-floor", "logits", 5, 6, h))
 
-    def maker(url: str, body: bytes, content_type: str, signed: bool) -> Callable[[], bytes]:
+    def maker(port: int, body: bytes, content_type: str, signed: bool) -> tuple[int, Callable[[], bytes]]:
+        url = f"http://127.0.0.1:{port}/sample"
+        head = ["POST /sample HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Length: {len(body)}",
+                f"Content-Type: {content_type}"]
+
         def make() -> bytes:  # signed afresh each time: a verifier refuses a nonce twice
-            u = urlparse(url)
-            lines = [f"POST {u.path} HTTP/1.1", f"Host: {u.netloc}", f"Content-Length: {len(body)}",
-                     f"Content-Type: {content_type}",
-                     *(f"{k}: {v}" for k, v in (_signed("POST", url, body) if signed else {}).items())]
+            lines = head + [f"{k}: {v}" for k, v in (_signed("POST", url, body) if signed else {}).items()]
             return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
-        return make
+        return port, make
 
     ports = servers.free_ports(len(shards))
     spawn = multiprocessing.get_context("spawn")
@@ -285,12 +281,10 @@ def floor(running: dict, knot: str, dim: int, reps: int) -> None:
     for p in bare:
         p.start()
     try:
-        for port in ports:
-            _listening(port, 120)
-        real = [(urlparse(running[n].url).port,
-                 maker(running[n].url + "/sample", sample, wire.ENVELOPE_CONTENT_TYPE, True)) for n in shards]
-        base = [(port, maker(f"http://127.0.0.1:{port}/sample", h.tobytes(), "application/octet-stream", False))
-                for port in ports]
+        for port, p in zip(ports, bare):
+            _listening(port, p, 120)
+        real = [maker(running[n].port, sample, wire.ENVELOPE_CONTENT_TYPE, True) for n in shards]
+        base = [maker(port, h.tobytes(), "application/octet-stream", False) for port in ports]
         for _ in range(2):  # interleaved: the machine's speed drifts
             got = asyncio.run(_arrivals(real, reps))
             print(f"floor: {len(shards)} shards' greedy /sample replies arrive at (ms, median of {reps}): "
