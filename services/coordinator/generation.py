@@ -351,7 +351,7 @@ class Coordinator:
         if not sp.on:
             return None
         if sp.source == "draft_model":
-            return RemoteDraftModel(self.drafter_client)
+            return RemoteDraftModel(self.drafter_client, self.metrics.observe_hop)
         return PromptLookup(sp.ngram_max, sp.ngram_min)
 
     def _context_note(self) -> str:

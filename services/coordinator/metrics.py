@@ -148,7 +148,7 @@ class CoordinatorMetrics:
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "between two consecutive sampled tokens",
                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.hops = Histogram(f"{PREFIX}_hop_latency_seconds", "one hop of the pipeline (embed, station_i, logits)",
+        self.hops = Histogram(f"{PREFIX}_hop_latency_seconds", "one hop of the pipeline (embed, station_i, logits; draft: a call to the drafter)",
                               ["hop"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "time a request waited for a generation slot",
                                     buckets=LATENCY_BUCKETS_S, registry=r)

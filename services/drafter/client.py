@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -74,8 +75,9 @@ class RemoteDraftModel:
     max_context_tokens), and past it the trips draft nothing: what is generated does not depend on
     the drafts, and a /draft the drafter cannot hold would be its 413, failing the request."""
 
-    def __init__(self, client: DrafterClient):
+    def __init__(self, client: DrafterClient, observe: Callable[[str, float], None] | None = None):
         self.client = client
+        self.observe = observe  # (hop name, s): the coordinator's hop histogram, as its Hops report there
         self.outgrown = False  # the sequence outgrew the drafter's limit (logged once)
 
     def prime(self, gen, prompt: list[int]) -> asyncio.Task:
@@ -99,5 +101,10 @@ class RemoteDraftModel:
                     log.info("request %s: %d tokens outgrow the drafter's %d; no more drafts", gen.request_id,
                              len(context), limit)
                 return Draft([], None)
+        t0 = time.perf_counter()
         tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
+        s = time.perf_counter() - t0  # the "draft" hop: in /generate's timings.hops beside the stations'
+        gen.hop_ms.setdefault("draft", []).append(s * 1e3)
+        if self.observe is not None:
+            self.observe("draft", s)
         return Draft(tokens, None if scores is None else [softmax(z) for z in scores])

@@ -538,6 +538,10 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
         s = r["timings"]["speculation"]
         assert (s["source"], s["drafted"], s["accepted"], s["trips"]) == \
             ("draft_model", want.drafted, want.accepted, want.trips)
+        # each drafting trip's call to the drafter is timed as a hop of its own, beside the stations'
+        assert 0 < r["timings"]["hops"]["draft"]["calls"] <= s["trips"], r["timings"]["hops"]
+    metrics = (await c.coordinator.fetch(Request("GET", "/metrics"))).text()
+    assert 'knot_hop_latency_seconds_count{hop="draft"}' in metrics
     await c.drain()
     drafter = c.coordinator.env.DRAFTER
     stats = (await drafter.fetch(Request("GET", "/stats"))).json()
