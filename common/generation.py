@@ -52,6 +52,7 @@ class Generation:
     drafted: int = field(default=0, compare=False)  # draft tokens verified
     accepted: int = field(default=0, compare=False)  # ... and accepted
     backed_off: int = field(default=0, compare=False)  # trips that drafted nothing after drafts that all failed
+    drafter_error: str | None = field(default=None, compare=False)  # the drafter's fault, after which none were drafted
     cached: int = field(default=0, compare=False)  # positions the engine's KV caches hold (rejected drafts too)
     t0: float = field(default=0.0, compare=False)  # clock (s) at the start,
     t_first: float = field(default=0.0, compare=False)  # once the prompt's logits were in,
@@ -83,7 +84,8 @@ class Generation:
         return {"source": self.speculation.source if self.speculation.on else "off", "trips": self.trips,
                 "drafted": self.drafted, "accepted": self.accepted, "backed_off": self.backed_off,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
-                "tokens_per_trip": round(self.decode_steps / self.trips, 4) if self.trips else None}
+                "tokens_per_trip": round(self.decode_steps / self.trips, 4) if self.trips else None,
+                "drafter_error": self.drafter_error}
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
@@ -185,7 +187,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                     break
             else:
                 if primed is not None:
-                    await primed  # a failed prime fails the request, as a failed proposal would
+                    await primed  # a prime that raises fails the request (the drafter service's notes its faults instead)
                     primed = None
                 decided = await _trip(engine, gen, sampler, history, drafter, draft_len, cost, clock)
                 continue

@@ -179,7 +179,7 @@ async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> 
     binding = read(env, "DRAFTER", "coordinator")
     if binding is None:
         return None
-    client = DrafterClient(binding, settings.station_timeout_s)
+    client = DrafterClient(binding, settings.station_timeout_s, vocab_size=vocab_size)
     try:
         stats = await client.stats()
     except HttpError as e:

@@ -166,6 +166,8 @@ class CoordinatorMetrics:
                                   "drafts before them all failed or gave their tokens slower than plain trips "
                                   "(common/speculative.DraftLength), by source",
                                   ["source"], registry=r)
+        self.drafter_faults = Counter(f"{PREFIX}_spec_drafter_faults", "generations that went on without drafts "
+                                      "after the drafter failed them (their tokens are the same)", registry=r)
         self.tokens_per_trip = Histogram(f"{PREFIX}_tokens_per_trip", "a generation's tokens per decode trip",
                                          buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16, 33), registry=r)
         self.replays = Counter(f"{PREFIX}_session_replays", "prompts replayed after a station lost a KV session",
@@ -198,6 +200,8 @@ class CoordinatorMetrics:
             self.accepted.labels(gen.speculation.source).inc(gen.accepted)
         if gen.backed_off:
             self.backed_off.labels(gen.speculation.source).inc(gen.backed_off)
+        if gen.drafter_error is not None:
+            self.drafter_faults.inc()
 
     def note_row_cache(self, pipeline) -> None:
         """The serving pipeline's row cache (services/coordinator/pipeline.py Pipeline.rows)."""

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common import wire
-from common.runtime import BadGateway, Request
+from common.runtime import BadGateway, HttpError, Request
 from common.sampling import softmax
 from common.speculative import Draft, draft_key
 from services.drafter.handler import SAMPLING_FIELDS
@@ -23,9 +23,10 @@ PRIME_CHUNK_TOKENS = 2048  # prompt tokens the drafter reads per /prime call
 
 
 class DrafterClient:
-    def __init__(self, binding: Any, timeout_s: float, max_context_tokens: int | None = None):
+    def __init__(self, binding: Any, timeout_s: float, max_context_tokens: int | None = None, *, vocab_size: int):
         self.binding, self.timeout_s = binding, timeout_s
         self.max_context_tokens = max_context_tokens  # the longest sequence it drafts for (its /stats)
+        self.vocab_size = vocab_size  # the served model's, which the drafter's shares (checked at boot)
 
     async def draft(self, request_id: str, context: list[int], k: int, sampling, key: int
                     ) -> tuple[list[int], np.ndarray | None]:
@@ -41,10 +42,24 @@ class DrafterClient:
         tokens = envs[0].array
         if envs[0].mode != "draft" or tokens.dtype != np.int32 or tokens.ndim != 1 or len(tokens) > k:
             raise BadGateway(f"/draft: ids {tokens.dtype} {tokens.shape}, expected int32 (<= {k},)")
+        # Why: the target checks each draft's choice, not its id. Under the sampled accept/reject
+        # rule a negative id indexes numpy from the end (p[-5]), so it could be accepted and served.
+        if len(tokens) and not (0 <= int(tokens.min()) and int(tokens.max()) < self.vocab_size):
+            raise BadGateway(f"/draft: ids outside the vocabulary [0, {self.vocab_size}): "
+                             f"{tokens[(tokens < 0) | (tokens >= self.vocab_size)][:4].tolist()}")
         scores = envs[1].array if len(envs) > 1 else None
-        if (scores is None) != sampling.greedy or (scores is not None and scores.shape[0] != len(tokens)):
+        want = (len(tokens), self.vocab_size)
+        if (scores is None) != sampling.greedy or (scores is not None and scores.shape != want):
             raise BadGateway(f"/draft: scores {None if scores is None else scores.shape} for {len(tokens)} ids "
-                             f"of a {'greedy' if sampling.greedy else 'sampled'} request")
+                             f"of a {'greedy' if sampling.greedy else 'sampled'} request, expected "
+                             f"{'none' if sampling.greedy else want}")
+        if scores is not None:
+            # -inf is a filtered token's score (probability 0); NaN or +inf would make the draft
+            # distribution, and the residual drawn from on a rejection, NaN.
+            if np.isnan(scores).any() or np.isposinf(scores).any():
+                raise BadGateway("/draft: scores hold NaN or +inf")
+            if not np.isfinite(scores).any(axis=-1).all():
+                raise BadGateway("/draft: a row of scores has no finite score")
         return tokens.tolist(), scores
 
     async def prime(self, request_id: str, context: list[int]) -> int:
@@ -73,7 +88,12 @@ class RemoteDraftModel:
 
     Drafts are cut to end at the longest sequence the drafter's KV budget holds (the client's
     max_context_tokens), and past it the trips draft nothing: what is generated does not depend on
-    the drafts, and a /draft the drafter cannot hold would be its 413, failing the request."""
+    the drafts, and a /draft the drafter cannot hold would be its 413, failing the request.
+
+    A drafter fault (unreachable, timed out, an error or a malformed reply) does not fail the
+    request either: that generation drafts no more, and says so (timings.speculation.drafter_error,
+    a warning, knot_spec_drafter_faults_total). Its tokens are the same: greedy, every token is the
+    target's argmax; sampled, each is drawn from the target's distribution with or without a draft."""
 
     def __init__(self, client: DrafterClient, observe: Callable[[str, float], None] | None = None):
         self.client = client
@@ -82,16 +102,27 @@ class RemoteDraftModel:
 
     def prime(self, gen, prompt: list[int]) -> asyncio.Task:
         """The Primes protocol: the drafter reads the prompt while the stations do (a task, started now)."""
-        return asyncio.ensure_future(self._prime(gen.request_id, list(prompt)))  # a copy: the caller's grows
+        return asyncio.ensure_future(self._prime(gen, list(prompt)))  # a copy: the caller's grows
 
-    async def _prime(self, request_id: str, prompt: list[int]) -> None:
+    async def _prime(self, gen, prompt: list[int]) -> None:
         # In calls of PRIME_CHUNK_TOKENS more each (the drafter keeps what it read): each call is
         # bounded in time, as a station's prefill chunk is, and other generations' drafts are
         # served between them. A call sends the whole prefix, whose head the drafter matches.
-        for end in range(min(PRIME_CHUNK_TOKENS, len(prompt)), len(prompt) + PRIME_CHUNK_TOKENS, PRIME_CHUNK_TOKENS):
-            await self.client.prime(request_id, prompt[:min(end, len(prompt))])
+        try:
+            for end in range(min(PRIME_CHUNK_TOKENS, len(prompt)), len(prompt) + PRIME_CHUNK_TOKENS,
+                             PRIME_CHUNK_TOKENS):
+                await self.client.prime(gen.request_id, prompt[:min(end, len(prompt))])
+        except (HttpError, TimeoutError) as e:
+            self._fault(gen, "/prime", e)
+
+    def _fault(self, gen, what: str, e: BaseException) -> None:
+        gen.drafter_error = f"{what}: {type(e).__name__}: {e}"
+        log.warning("request %s: the drafter failed (%s); the generation goes on without drafts, with the "
+                    "same tokens", gen.request_id, gen.drafter_error)
 
     async def propose(self, gen, context: list[int], k: int) -> Draft:
+        if gen.drafter_error is not None:
+            return Draft([], None)
         limit = self.client.max_context_tokens
         if limit is not None:
             k = min(k, limit - len(context) + 1)  # the drafter's cache holds context + k - 1
@@ -102,7 +133,11 @@ class RemoteDraftModel:
                              len(context), limit)
                 return Draft([], None)
         t0 = time.perf_counter()
-        tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
+        try:
+            tokens, scores = await self.client.draft(gen.request_id, context, k, gen.sampling, draft_key(gen))
+        except (HttpError, TimeoutError) as e:
+            self._fault(gen, "/draft", e)
+            return Draft([], None)
         s = time.perf_counter() - t0  # the "draft" hop: in /generate's timings.hops beside the stations'
         gen.hop_ms.setdefault("draft", []).append(s * 1e3)
         if self.observe is not None:

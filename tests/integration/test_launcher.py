@@ -1,6 +1,8 @@
 """`knot cluster up|status|down` end to end: its processes are the default layout's (docker-compose.yml's)."""
 import asyncio
 import json
+import os
+import signal
 import stat
 import subprocess
 import sys
@@ -126,5 +128,14 @@ def test_cluster_with_a_drafter_reads_the_prompt_ahead_and_changes_no_token(tmp_
             time.sleep(0.1)
         assert stats["primes"] == 1 and stats["primed_tokens"] == len(runs[None]["prompt_tokens"]), stats
         assert stats["sessions"] == 0, f"not released within 10 s of the response: {stats}"
+        # The drafter killed: the next generation goes on without it, with the same tokens, and says so.
+        cluster = launcher.Cluster(run_dir)
+        row = next(r for r in cluster.status() if r["name"] == "drafter")
+        os.kill(row["pid"], signal.SIGKILL)
+        code, _, raw = http("POST", url + "/generate", body, timeout_s=120)
+        assert code == 200, raw
+        r = json.loads(raw)
+        assert r["tokens"] == runs["off"]["tokens"], r
+        assert r["timings"]["speculation"]["drafter_error"] and r["timings"]["speculation"]["drafted"] == 0, r
     finally:
         assert knot_cli(run_dir, "down").returncode == 0

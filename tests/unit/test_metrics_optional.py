@@ -44,7 +44,7 @@ async def test_metrics_count_nothing_and_exposition_names_the_package(metrics_wi
         source = "prompt_lookup"
 
     class Gen:  # a finished speculative generation (common.generation.Generation's fields)
-        trips, decode_steps, drafted, accepted, backed_off, speculation = 3, 7, 6, 4, 2, Spec()
+        trips, decode_steps, drafted, accepted, backed_off, speculation, drafter_error = 3, 7, 6, 4, 2, Spec(), "x"
 
     m.observe_speculation(Gen())  # every instrument it touches counts nothing
     await m.gather([], [])

@@ -568,6 +568,52 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
     await c.drain()
 
 
+@pytest.mark.parametrize("fault", ["prime down", "draft down", "draft timeout", "draft out of vocabulary"])
+async def test_a_drafter_fault_leaves_the_generation_without_drafts_and_the_same_tokens(tiny_knot, other_tiny,
+                                                                                          tmp_path, fault):
+    """The drafter only speeds a generation up: when it fails one (unreachable, timed out, a reply
+    outside the vocabulary), that generation goes on without drafts and gives the same tokens,
+    greedy and sampled, and says so (timings.speculation.drafter_error, the metrics). The next
+    generation asks the drafter again."""
+    from common.runtime import Response, ServiceUnavailable
+
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=other_tiny.model.path)
+    binding = c.coordinator.env.DRAFTER
+    real_fetch = binding.fetch
+    path, how = {"prime down": ("/prime", "down"), "draft down": ("/draft", "down"),
+                 "draft timeout": ("/draft", "slow"), "draft out of vocabulary": ("/draft", "bad")}[fault]
+    failing = True
+
+    async def fetch(request):
+        if failing and request.path.endswith(path):
+            if how == "down":
+                raise ServiceUnavailable(f"POST {request.path}: connection refused")
+            if how == "slow":
+                raise TimeoutError(f"{request.path}: no answer")
+            envs = [wire.Envelope("r", "draft", 0, 1, np.asarray([-5], np.int32))]
+            return Response(200, {"Content-Type": wire.ENVELOPE_CONTENT_TYPE}, wire.encode_envelopes(envs))
+        return await real_fetch(request)
+
+    binding.fetch = fetch
+    for sampling in ({}, dict(temperature=0.9, top_k=40, seed=7)):
+        off = (await c.generate(prompt=CODE, max_tokens=16, speculation="off", **sampling)).json()
+        r = await c.generate(prompt=CODE, max_tokens=16, speculation="draft_model", **sampling)
+        assert r.status == 200, r.body
+        r = r.json()
+        assert r["tokens"] == off["tokens"], (fault, sampling)
+        s = r["timings"]["speculation"]
+        assert s["drafted"] == 0 and path in s["drafter_error"], s
+        if how == "bad":
+            assert "outside the vocabulary" in s["drafter_error"], s
+    metrics = (await c.coordinator.fetch(Request("GET", "/metrics"))).text()
+    assert "knot_spec_drafter_faults_total 2.0" in metrics, [m for m in metrics.splitlines() if "fault" in m]
+    failing = False
+    r = (await c.generate(prompt=CODE, max_tokens=16, speculation="draft_model")).json()
+    s = r["timings"]["speculation"]
+    assert s["drafted"] > 0 and s["drafter_error"] is None, s
+    await c.drain()
+
+
 async def test_cluster_drafts_only_as_far_as_the_drafters_kv_budget_holds(tiny_knot, other_tiny, tmp_path,
                                                                               monkeypatch):
     """The drafter's MEMORY_BUDGET_BYTES covers its sessions' KV caches, and its /stats says the
