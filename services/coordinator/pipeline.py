@@ -329,6 +329,18 @@ class Pipeline:
         out = await self.until_up(self.station_state[i], call, self.station_timeout_s,
                                   f"station {i} {mode} at {position}", lambda t: st.forward(frame, t))
         call.hops.add(f"station_{i}", t0)
+        # Why: a station stacks several requests' decode frames and splits the rows back. A reply
+        # that is not this frame's rows would be computed on as if it were: other tokens, a 200.
+        # The exit station sends a prefill's last row only (its logits are all a prompt needs).
+        rows = 1 if mode == "prefill" and i == len(self.stations) - 1 else h.shape[0]
+        got = (out.request_id, out.mode, out.position, out.seq_len)
+        if got != (frame.request_id, mode, frame.position, frame.seq_len):
+            raise BadGateway(f"station {i} {mode} reply: for {out.request_id!r} {out.mode} positions "
+                             f"[{out.position}, {out.seq_len}), the frame was {call.rid!r} {mode} positions "
+                             f"[{frame.position}, {frame.seq_len})")
+        if out.array.dtype != np.float32 or out.array.shape != (rows, self.dim):
+            raise BadGateway(f"station {i} {mode} reply: {out.array.dtype} shape {out.array.shape}, expected "
+                             f"float32 shape {(rows, self.dim)}")
         return out.array
 
     async def prefill(self, call: Call, ids: list[int], chunks: list[tuple[int, int]]) -> np.ndarray:

@@ -237,6 +237,48 @@ async def test_a_dead_station_is_a_503_and_then_known_at_once(tiny_knot, tmp_pat
     await c.drain()
 
 
+class Tampering:
+    """A station binding whose /forward replies are changed by `tamper` (an Envelope -> an Envelope)."""
+
+    def __init__(self, inner, tamper):
+        self.inner, self.tamper = inner, tamper
+
+    async def fetch(self, request):
+        resp = await self.inner.fetch(request)
+        if not request.path.endswith("/forward") or not resp.ok:
+            return resp
+        env = self.tamper(wire.decode_envelope(resp.body))
+        return Response(200, dict(resp.headers), wire.encode_envelope(env))
+
+
+@pytest.mark.parametrize("station", [0, 1])
+@pytest.mark.parametrize("tamper, needle", [
+    (lambda e: wire.Envelope("another-request", e.mode, e.position, e.seq_len, e.array), "another-request"),
+    (lambda e: wire.Envelope(e.request_id, e.mode, e.position + 1, e.seq_len + 1, e.array), "positions"),
+    (lambda e: wire.Envelope(e.request_id, e.mode, e.position, e.seq_len, e.array[:, :-1]), "shape"),
+    (lambda e: wire.Envelope(e.request_id, e.mode, e.position, e.seq_len, np.concatenate([e.array, e.array])),
+     "shape"),
+    (lambda e: wire.Envelope(e.request_id, e.mode, e.position, e.seq_len, e.array.astype(np.float64)), "float64"),
+], ids=["request id", "positions", "width", "rows", "dtype"])
+async def test_a_station_reply_for_other_rows_is_a_502_never_tokens(tiny_knot, tmp_path, station, tamper, needle):
+    """Why: a station batches the decode frames of several requests and splits the rows back; a reply
+    that is not the rows asked for (another request's, other positions, another shape) would be
+    computed on as if it were, and give other tokens with a 200. The coordinator checks each reply
+    against its frame, and such a reply fails the request, naming the station."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    from services.coordinator import handler as co
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)
+    st = booted.pipeline.stations[station]
+    st.binding = Tampering(st.binding, tamper)
+    r = await c.generate(prompt=PROMPT, max_tokens=4)
+    assert r.status == 502, r.body
+    msg = r.json()["message"]
+    assert f"station {station}" in msg and needle in msg, msg
+    co._booted.clear()
+    await c.drain()
+
+
 async def test_station_restart_mid_generation_replays(tiny_knot, tmp_path, engine):
     c = await build_cluster(tiny_knot, tmp_path, 2, 2)
     exit_station = c.stations[1]

@@ -16,8 +16,10 @@ DIM = 4
 
 
 class FakeStation:
-    def __init__(self, i: int, log: list, delay_s: float = 0.02, fail_at: int | None = None):
-        self.i, self.log, self.delay_s, self.fail_at = i, log, delay_s, fail_at
+    """exit: the last station, which sends a prefill's last row only (as services/station does)."""
+
+    def __init__(self, i: int, log: list, delay_s: float = 0.02, fail_at: int | None = None, exit: bool = False):
+        self.i, self.log, self.delay_s, self.fail_at, self.exit = i, log, delay_s, fail_at, exit
 
     async def fetch(self, request: Request) -> Response:
         env = wire.decode_envelope(request.body)
@@ -27,7 +29,8 @@ class FakeStation:
         self.log.append(("start", self.i, env.position))
         await asyncio.sleep(self.delay_s)
         self.log.append(("end", self.i, env.position))
-        out = wire.Envelope(env.request_id, env.mode, env.position, env.seq_len, env.array + 1)
+        rows = env.array[-1:] if self.exit and env.mode == "prefill" else env.array
+        out = wire.Envelope(env.request_id, env.mode, env.position, env.seq_len, rows + 1)
         return Response.from_bytes(wire.encode_envelope(out), wire.ENVELOPE_CONTENT_TYPE)
 
 
@@ -45,11 +48,11 @@ def pipeline(stations) -> Pipeline:
 
 async def test_chunks_overlap_across_stations_and_stay_in_order_per_station():
     log: list = []
-    p = pipeline([FakeStation(0, log), FakeStation(1, log)])
+    p = pipeline([FakeStation(0, log), FakeStation(1, log, exit=True)])
     ids = list(range(12))
     chunks = [(0, 4), (4, 8), (8, 12)]
     h = await p.prefill(Call("r"), ids, chunks)
-    np.testing.assert_array_equal(h, np.repeat(np.arange(8, 12, dtype=np.float32)[:, None], DIM, 1) + 2)
+    np.testing.assert_array_equal(h, np.full((1, DIM), 11 + 2, np.float32))  # the last chunk's last row
     for i in (0, 1):
         assert [pos for ev, st, pos in log if st == i and ev == "start"] == [0, 4, 8], "in order per station"
     # the rotation: station 0 starts chunk k+1 before station 1 has finished chunk k
@@ -63,7 +66,7 @@ async def test_chunks_overlap_across_stations_and_stay_in_order_per_station():
 
 async def test_a_failed_chunk_cancels_the_rest_instead_of_hanging():
     log: list = []
-    p = pipeline([FakeStation(0, log), FakeStation(1, log, fail_at=4)])
+    p = pipeline([FakeStation(0, log), FakeStation(1, log, fail_at=4, exit=True)])
     before = asyncio.all_tasks()
     with pytest.raises(Conflict, match="station failed on this chunk"):
         await asyncio.wait_for(p.prefill(Call("r"), list(range(12)), [(0, 4), (4, 8), (8, 12)]), 2.0)
