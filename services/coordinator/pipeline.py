@@ -105,6 +105,17 @@ class Call:
         return min(hop_timeout_s, left)
 
 
+def not_for(reply: wire.Envelope, frame: wire.Envelope, mode: str) -> str | None:
+    """What makes reply not the answer to frame (another request, mode or positions), or None.
+    Why: stations and shards stack several requests' frames into one computation and split the
+    rows back by request; a reply for other rows would be computed on as if it were ours."""
+    if (reply.request_id, reply.mode, reply.position, reply.seq_len) == (frame.request_id, mode, frame.position,
+                                                                          frame.seq_len):
+        return None
+    return (f"for {reply.request_id!r} {reply.mode} positions [{reply.position}, {reply.seq_len}), the frame was "
+            f"{frame.request_id!r} {mode} positions [{frame.position}, {frame.seq_len})")
+
+
 def unavailable(e: BaseException) -> bool:
     """A failure that a restart cures: unreachable, timed out, or a peer that answered it is not ready
     (502/503/504). A peer's 500 or 4xx is a bug, not an outage: it fails the request as it is."""
@@ -235,9 +246,13 @@ class Pipeline:
         ok = np.zeros(len(ids), bool)  # the owner answered: the row is the token's
         for k, res in zip(owners, results):
             spec = self.shards[k][0]
-            if not isinstance(res, BaseException) and res.array.shape != got.shape:
-                res = BadGateway(f"shard {spec.index} embed: shape {res.array.shape}, expected {got.shape}")
-                self._refuse(res, call)
+            if not isinstance(res, BaseException):
+                bad = not_for(res, frame, "embed") or (None if res.array.dtype == np.float32 and res.array.shape ==
+                                                       got.shape else f"{res.array.dtype} shape {res.array.shape}, "
+                                                                      f"expected float32 shape {got.shape}")
+                if bad is not None:
+                    res = BadGateway(f"shard {spec.index} embed reply: {bad}")
+                    self._refuse(res, call)
             if isinstance(res, BaseException):
                 self._degrade(spec, "embed", res, call.degraded)
                 continue  # its tokens stay zero: wrong, but local (seed section 3), and reported
@@ -265,9 +280,14 @@ class Pipeline:
         ok = 0
         for (spec, _), res in zip(self.shards, results):
             want = (h.shape[0], spec.n_rows)
-            if not isinstance(res, BaseException) and res.array.shape != want:
-                res = BadGateway(f"shard {spec.index} logits: shape {res.array.shape}, expected {want}")
-                self._refuse(res, call)
+            if not isinstance(res, BaseException):
+                a = res.array
+                bad = not_for(res, frame, "logits") or (
+                    f"{a.dtype} shape {a.shape}, expected float32 shape {want}" if a.dtype != np.float32 or
+                    a.shape != want else None) or (None if np.isfinite(a).all() else "non-finite logits")
+                if bad is not None:
+                    res = BadGateway(f"shard {spec.index} logits reply: {bad}")
+                    self._refuse(res, call)
             if isinstance(res, BaseException):
                 self._degrade(spec, "logits", res, call.degraded)  # its slice stays -inf: never sampled
                 continue
@@ -290,7 +310,8 @@ class Pipeline:
         for (spec_s, _), res in zip(self.shards, results):
             if not isinstance(res, BaseException):
                 sl = SliceSummary(spec_s.vocab_start, spec_s.vocab_end, *(e.array for e in res))
-                bad = sl.check(h.shape[0], spec.lse)
+                bad = next((b for e in res if (b := not_for(e, frame, "sample")) is not None), None) or \
+                    sl.check(h.shape[0], spec.lse)
                 if bad is None:
                     slices.append(sl)
                     continue
@@ -333,11 +354,8 @@ class Pipeline:
         # that is not this frame's rows would be computed on as if it were: other tokens, a 200.
         # The exit station sends a prefill's last row only (its logits are all a prompt needs).
         rows = 1 if mode == "prefill" and i == len(self.stations) - 1 else h.shape[0]
-        got = (out.request_id, out.mode, out.position, out.seq_len)
-        if got != (frame.request_id, mode, frame.position, frame.seq_len):
-            raise BadGateway(f"station {i} {mode} reply: for {out.request_id!r} {out.mode} positions "
-                             f"[{out.position}, {out.seq_len}), the frame was {call.rid!r} {mode} positions "
-                             f"[{frame.position}, {frame.seq_len})")
+        if (bad := not_for(out, frame, mode)) is not None:
+            raise BadGateway(f"station {i} {mode} reply: {bad}")
         if out.array.dtype != np.float32 or out.array.shape != (rows, self.dim):
             raise BadGateway(f"station {i} {mode} reply: {out.array.dtype} shape {out.array.shape}, expected "
                              f"float32 shape {(rows, self.dim)}")

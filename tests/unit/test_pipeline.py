@@ -238,17 +238,17 @@ async def test_a_dead_station_is_a_503_and_then_known_at_once(tiny_knot, tmp_pat
 
 
 class Tampering:
-    """A station binding whose /forward replies are changed by `tamper` (an Envelope -> an Envelope)."""
+    """A peer binding whose replies to `path` are changed by `tamper`, each envelope (Envelope -> Envelope)."""
 
-    def __init__(self, inner, tamper):
-        self.inner, self.tamper = inner, tamper
+    def __init__(self, inner, tamper, path: str = "/forward"):
+        self.inner, self.tamper, self.path = inner, tamper, path
 
     async def fetch(self, request):
         resp = await self.inner.fetch(request)
-        if not request.path.endswith("/forward") or not resp.ok:
+        if not request.path.endswith(self.path) or not resp.ok:
             return resp
-        env = self.tamper(wire.decode_envelope(resp.body))
-        return Response(200, dict(resp.headers), wire.encode_envelope(env))
+        envs = [self.tamper(e) for e in wire.decode_envelopes(resp.body)]
+        return Response(200, dict(resp.headers), wire.encode_envelopes(envs))
 
 
 @pytest.mark.parametrize("station", [0, 1])
@@ -275,6 +275,36 @@ async def test_a_station_reply_for_other_rows_is_a_502_never_tokens(tiny_knot, t
     assert r.status == 502, r.body
     msg = r.json()["message"]
     assert f"station {station}" in msg and needle in msg, msg
+    co._booted.clear()
+    await c.drain()
+
+
+@pytest.mark.parametrize("path, tamper, needle", [
+    ("/embed", lambda e: wire.Envelope("another-request", e.mode, e.position, e.seq_len, e.array), "another-request"),
+    ("/embed", lambda e: wire.Envelope(e.request_id, e.mode, e.position, e.seq_len, e.array.astype(np.float64)),
+     "float64"),
+    ("/sample", lambda e: wire.Envelope(e.request_id, e.mode, e.position + 1, e.seq_len + 1, e.array), "positions"),
+    ("/sample", lambda e: wire.Envelope("another-request", e.mode, e.position, e.seq_len, e.array), "another-request"),
+    ("/logits", lambda e: wire.Envelope("another-request", e.mode, e.position, e.seq_len, e.array), "another-request"),
+    ("/logits", lambda e: wire.Envelope(e.request_id, e.mode, e.position, e.seq_len, e.array * np.nan),
+     "non-finite logits"),
+], ids=["embed request id", "embed dtype", "sample positions", "sample request id", "logits request id",
+        "logits NaN"])
+async def test_a_shard_reply_for_other_rows_is_a_502_never_tokens(tiny_knot, tmp_path, path, tamper, needle):
+    """Shards stack the LM-head calls of several requests as stations stack frames: a reply for
+    another request or other positions, or full logits that are not finite, fails the request and
+    names the shard (SHARD_SAMPLE_TOP=0 makes the shards send full slices, the /logits path)."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2, coordinator_vars={"SHARD_SAMPLE_TOP": "0"} if
+                            path == "/logits" else None)
+    from services.coordinator import handler as co
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)
+    spec, client = booted.pipeline.shards[0]
+    client.binding = Tampering(client.binding, tamper, path)
+    r = await c.generate(prompt=PROMPT, max_tokens=4, speculation="off")
+    assert r.status == 502, r.body
+    msg = r.json()["message"]
+    assert f"shard {spec.index}" in msg and needle in msg, msg
     co._booted.clear()
     await c.drain()
 
