@@ -60,6 +60,10 @@ class DrafterClient:
                 raise BadGateway("/draft: scores hold NaN or +inf")
             if not np.isfinite(scores).any(axis=-1).all():
                 raise BadGateway("/draft: a row of scores has no finite score")
+            # A draft its own scores rule out (-inf: q(d) = 0) would pass the accept rule u * q(d) < p(d)
+            # whenever the target allows d at all: the output would lean towards what the drafter sent.
+            if not np.isfinite(scores[np.arange(len(tokens)), tokens]).all():
+                raise BadGateway("/draft: a drafted id has no probability under the scores it was drawn from")
         return tokens.tolist(), scores
 
     async def prime(self, request_id: str, context: list[int]) -> int:
@@ -88,7 +92,7 @@ class RemoteDraftModel:
 
     Drafts are cut to end at the longest sequence the drafter's KV budget holds (the client's
     max_context_tokens), and past it the trips draft nothing: what is generated does not depend on
-    the drafts, and a /draft the drafter cannot hold would be its 413, failing the request.
+    the drafts, and a /draft the drafter cannot hold would be its 413.
 
     A drafter fault (unreachable, timed out, an error or a malformed reply) does not fail the
     request either: that generation drafts no more, and says so (timings.speculation.drafter_error,

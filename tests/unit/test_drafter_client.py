@@ -4,7 +4,8 @@ vocabulary, or scores that are not a distribution over it, is a BadGateway that 
 Why: the target verifies every draft, but not every draft's id. Under the sampled accept/reject
 rule a negative id indexes numpy from the end (p[-5] is the probability of the vocabulary's
 fifth-last token), so a drafted -5 could be accepted and served as a token; a NaN in the scores
-turns the residual distribution into NaN."""
+turns the residual distribution into NaN; a draft its own scores give no probability (q(d) = 0)
+passes the accept rule u * q(d) < p(d) whenever the target allows it at all."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,8 +41,8 @@ async def test_good_drafts_pass():
     assert ids == [4, VOCAB - 1] and scores is None
     z = np.zeros((2, VOCAB), np.float32)
     z[:, 10:] = -np.inf  # filtered out by top-k or top-p: a -inf score is a zero probability
-    ids, scores = await client(Drafter([4, 11], z)).draft("r", [1, 2, 3], 2, SAMPLED, 7)
-    assert ids == [4, 11] and scores.shape == (2, VOCAB)
+    ids, scores = await client(Drafter([4, 9], z)).draft("r", [1, 2, 3], 2, SAMPLED, 7)
+    assert ids == [4, 9] and scores.shape == (2, VOCAB)
 
 
 @pytest.mark.parametrize("ids", [[-5], [3, VOCAB], [2**31 - 1]])
@@ -56,6 +57,7 @@ async def test_a_draft_id_outside_the_vocabulary_is_refused(ids, sampling):
     (lambda z: z.__setitem__((0, 3), np.nan), "NaN or \\+inf"),
     (lambda z: z.__setitem__((1, 0), np.inf), "NaN or \\+inf"),
     (lambda z: z.__setitem__(1, -np.inf), "no finite score"),
+    (lambda z: z.__setitem__((1, 2), -np.inf), "no probability under the scores"),  # id 2 drafted at row 1
 ])
 async def test_scores_that_are_not_a_distribution_are_refused(bad, needle):
     z = np.zeros((2, VOCAB), np.float32)
