@@ -25,7 +25,8 @@ Measures (issue 7's benchmark):
                                       (accepted / drafted), tokens per trip, and whether the tokens
                                       equal speculation off's; best of --spec-repeats runs each; the
                                       time to first token with speculation off and with the draft
-                                      model (which reads the prompt too, beside the stations)
+                                      model (which reads the prompt too, beside the stations), and
+                                      the draft model's share of decode time spent drafting
     long prompts (--long-prompts)     optional: prefill tok/s of prompts of N tokens (e.g. 2048,8192,30000)
                                       through the cluster (POST /generate, 1 token: N over the time to
                                       first token) and through llama.cpp (one eval of the N tokens, in its
@@ -531,11 +532,18 @@ def measure_speculation(url: str, tokens: int, sources: list[str], repeats: int,
                                     "drafted": s["drafted"], "accepted": s["accepted"],
                                     "same_tokens_as_off": None if plain is None else best["tokens"] == plain,
                                     "shard_sampling": best["timings"].get("shard_sampling"),
+                                    "draft_share": draft_share(best["timings"]),
                                     "llama_decode_tok_s": max(llama) if llama else None}
     return out
 
 
 SOURCE_NAMES = {"off": "speculation off", "prompt_lookup": "prompt lookup", "draft_model": "draft model"}
+
+
+def draft_share(timings: dict) -> float | None:
+    """The share of decode time spent in the drafter's calls (timings.hops.draft), None without any."""
+    draft_ms, decode_ms = timings.get("hops", {}).get("draft", {}).get("total_ms"), timings.get("decode_ms")
+    return draft_ms / decode_ms if draft_ms is not None and decode_ms else None
 
 
 def beside_or(m: dict, llama_decode: float | None) -> float | None:
@@ -557,6 +565,8 @@ def speculation_figures(spec: dict, llama_decode: float | None) -> list[Figure]:
             figs.append(Figure(f"acceptance, {label}", m["acceptance"], None, "%"))
             tpt = m["tokens_per_trip"]
             figs.append(Figure(f"tokens per trip, {label}", None if tpt is None else round(tpt, 2), None, ""))
+        if src == "draft_model":  # the rest of a trip is its verify through the stations and shards
+            figs.append(Figure(f"drafting share of decode, {label}", m.get("draft_share"), None, "%"))
     return figs
 
 

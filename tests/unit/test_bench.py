@@ -1,8 +1,8 @@
 """`knot bench`'s table: ratios and formatting, no servers."""
 from __future__ import annotations
 
-from deploy.commands.bench import (Figure, build_figures, copy_gb_s, describe_fluid, fluid_rates, format_value,
-                                   per_token, ratio, render_table, speculation_figures)
+from deploy.commands.bench import (Figure, build_figures, copy_gb_s, describe_fluid, draft_share, fluid_rates,
+                                   format_value, per_token, ratio, render_table, speculation_figures)
 
 
 def test_ratio_is_ours_over_llama_and_missing_sides_give_none():
@@ -91,7 +91,8 @@ def test_fluid_rates_are_bytes_over_the_layer_loops_time_against_the_copy_speed(
 def test_speculation_rows_carry_the_llama_decode_and_the_acceptance():
     spec = {"code/off": {"decode_tok_s": 20.0, "acceptance": None, "tokens_per_trip": 1.0},
             "code/prompt_lookup": {"decode_tok_s": 40.0, "acceptance": 0.75, "tokens_per_trip": 2.345},
-            "code/draft_model": {"decode_tok_s": 60.0, "acceptance": 0.9, "tokens_per_trip": 7.0, "ttft_ms": 900.0}}
+            "code/draft_model": {"decode_tok_s": 60.0, "acceptance": 0.9, "tokens_per_trip": 7.0, "ttft_ms": 900.0,
+                                 "draft_share": draft_share({"decode_ms": 800.0, "hops": {"draft": {"total_ms": 360.0}}})}}
     by = {f.name: f for f in speculation_figures(spec, 50.0)}
     assert ratio(by["decode, code prompt, speculation off"].ours, by["decode, code prompt, speculation off"].llama) == 0.4
     assert by["decode, code prompt, prompt lookup"].llama == 50.0
@@ -101,6 +102,10 @@ def test_speculation_rows_carry_the_llama_decode_and_the_acceptance():
     # the draft model's prompt read shows in its time to first token; the off row has none recorded here
     assert by["ttft, code prompt, draft model"].ours == 900.0 and "ttft, code prompt, speculation off" not in by
     assert "ttft, code prompt, prompt lookup" not in by
+    # how much of a drafted decode the drafter's calls took (timings.hops.draft over decode_ms)
+    assert format_value(by["drafting share of decode, code prompt, draft model"].ours, "%") == "45%"
+    assert "drafting share of decode, code prompt, prompt lookup" not in by
+    assert draft_share({"decode_ms": 800.0, "hops": {"station_0": {"total_ms": 1.0}}}) is None
     figs = build_figures({"speculation": spec}, None, {"decode_tok_s": 50.0}, [], None, 1)
     assert "decode, code prompt, prompt lookup" in [f.name for f in figs]
 
