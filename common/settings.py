@@ -150,6 +150,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("SHARD_TIMEOUT_S", "float", "30", "coordinator", "timeout of one shard call (a late shard has failed)",
        positive=True),
     _s("STATION_TIMEOUT_S", "float", "300", "coordinator", "timeout of one station forward", positive=True),
+    _s("DRAFTER_TIMEOUT_S", "float", "60", "coordinator", "timeout of one call to the drafter (a /draft, or a /prime "
+       "of up to 1,024 prompt tokens); a longer one is a drafter fault: that generation goes on without drafts, "
+       "with the same tokens, and for this long after a fault auto leaves the draft model out", positive=True),
     _s("PEER_WAIT_S", "float", "15", "coordinator compose",
        "how long requests wait for a station or shard that is unreachable or not ready to come back (a restart), "
        "counted from when it went down; past it they get 503 with Retry-After at once (0: never wait)", minimum=0),

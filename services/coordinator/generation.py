@@ -326,7 +326,8 @@ class Coordinator:
         """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is, for
         greedy requests (whose output speculation does not change), the draft model where the
         cluster has a drafter whose KV budget holds the prompt (drafts stop where the sequence
-        outgrows it: RemoteDraftModel), else prompt lookup; off for sampled ones. Why the draft model first:
+        outgrows it: RemoteDraftModel) and that has not failed a generation within
+        DRAFTER_TIMEOUT_S, else prompt lookup; off for sampled ones. Why the draft model first:
         knot bench, 1.5B drafted by the 0.5B, 2026-12-02 00:33, decode against prompt lookup: code
         16.0 against 10.2 tok/s, code edit 16.3 against 15.5, chat 11.1 against 11.8
         (docs/performance.md)."""
@@ -334,8 +335,9 @@ class Coordinator:
         d = self.drafter_client
         # the prompt, and a token more (None: a drafter that states no limit)
         holds = d is not None and (d.max_context_tokens is None or n_prompt < d.max_context_tokens)
-        if source == "auto":
-            source = "off" if not g.sampling.greedy else "draft_model" if holds else "prompt_lookup"
+        if source == "auto":  # not a drafter that failed a generation just now (DrafterClient.cooling)
+            source = "off" if not g.sampling.greedy else "draft_model" if holds and not d.cooling() else \
+                "prompt_lookup"
         if source == "draft_model" and d is None:
             raise InvalidParam("speculation source 'draft_model': this coordinator has no draft model (DRAFTER)",
                                "speculation")

@@ -81,6 +81,7 @@ class CoordinatorSettings:
     max_draft: int | None = default("SPEC_MAX_DRAFT", "coordinator")  # None: by source (default_max_draft)
     sample_top: int = default("SHARD_SAMPLE_TOP", "coordinator")  # 0: the shards send full slices
     row_cache_bytes: int = default("EMBED_ROW_CACHE_BYTES", "coordinator")  # 0: every embed is a hop
+    drafter_timeout_s: float = default("DRAFTER_TIMEOUT_S", "coordinator")  # and auto's wait after a drafter fault
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
@@ -98,7 +99,8 @@ class CoordinatorSettings:
         return cls(get("KNOT_KEY"), stations, tuple(shards), get("SHARD_TIMEOUT_S"), get("STATION_TIMEOUT_S"),
                    get("PEER_WAIT_S"), get("REQUEST_TIMEOUT_S"), get("SHARD_FAILURE"),
                    get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"), get("RETRY_AFTER_S"), get("MODEL_NAME"),
-                   get("SPECULATION"), get("SPEC_MAX_DRAFT"), get("SHARD_SAMPLE_TOP"), get("EMBED_ROW_CACHE_BYTES"))
+                   get("SPECULATION"), get("SPEC_MAX_DRAFT"), get("SHARD_SAMPLE_TOP"), get("EMBED_ROW_CACHE_BYTES"),
+                   get("DRAFTER_TIMEOUT_S"))
 
     @property
     def model_id(self) -> str:
@@ -179,7 +181,7 @@ async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> 
     binding = read(env, "DRAFTER", "coordinator")
     if binding is None:
         return None
-    client = DrafterClient(binding, settings.station_timeout_s, vocab_size=vocab_size)
+    client = DrafterClient(binding, settings.drafter_timeout_s, vocab_size=vocab_size)
     try:
         stats = await client.stats()
     except HttpError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -19,14 +20,20 @@ from services.peer import PEER_URL, call, get_json
 
 log = logging.getLogger(__name__)
 
-PRIME_CHUNK_TOKENS = 2048  # prompt tokens the drafter reads per /prime call
+PRIME_CHUNK_TOKENS = 1024  # prompt tokens the drafter reads per /prime call (each within DRAFTER_TIMEOUT_S)
 
 
 class DrafterClient:
     def __init__(self, binding: Any, timeout_s: float, max_context_tokens: int | None = None, *, vocab_size: int):
-        self.binding, self.timeout_s = binding, timeout_s
+        self.binding, self.timeout_s = binding, timeout_s  # DRAFTER_TIMEOUT_S
         self.max_context_tokens = max_context_tokens  # the longest sequence it drafts for (its /stats)
         self.vocab_size = vocab_size  # the served model's, which the drafter's shares (checked at boot)
+        self.faulted_at = -math.inf  # time.monotonic() of its last fault (RemoteDraftModel)
+
+    def cooling(self) -> bool:
+        """It failed a generation within the last timeout_s: `auto` leaves it out meanwhile, so a hung
+        drafter costs one generation its timeout, not every generation (a dead one is restarted)."""
+        return time.monotonic() - self.faulted_at < self.timeout_s
 
     async def draft(self, request_id: str, context: list[int], k: int, sampling, key: int
                     ) -> tuple[list[int], np.ndarray | None]:
@@ -120,6 +127,7 @@ class RemoteDraftModel:
             self._fault(gen, "/prime", e)
 
     def _fault(self, gen, what: str, e: BaseException) -> None:
+        self.client.faulted_at = time.monotonic()
         gen.drafter_error = f"{what}: {type(e).__name__}: {e}"
         log.warning("request %s: the drafter failed (%s); the generation goes on without drafts, with the "
                     "same tokens", gen.request_id, gen.drafter_error)

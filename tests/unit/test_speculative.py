@@ -614,6 +614,45 @@ async def test_a_drafter_fault_leaves_the_generation_without_drafts_and_the_same
     await c.drain()
 
 
+async def test_a_hung_drafter_costs_one_generation_its_timeout_and_auto_leaves_it_out_meanwhile(
+        tiny_knot, other_tiny, tmp_path):
+    """A drafter that hangs: a generation waits DRAFTER_TIMEOUT_S for it at most, then goes on
+    without drafts and the same tokens. For DRAFTER_TIMEOUT_S after that fault, auto picks prompt
+    lookup (a hung drafter would otherwise cost every generation its timeout); then the draft model
+    again, once the drafter answers."""
+    import asyncio
+    import time
+
+    timeout_s = 0.5
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=other_tiny.model.path,
+                            coordinator_vars={"DRAFTER_TIMEOUT_S": str(timeout_s)})
+    binding = c.coordinator.env.DRAFTER
+    real_fetch, hung = binding.fetch, True
+
+    async def fetch(request):
+        if hung and request.path.endswith("/draft"):
+            await asyncio.sleep(30)
+        return await real_fetch(request)
+
+    binding.fetch = fetch
+    off = (await c.generate(prompt=CODE, max_tokens=16, speculation="off")).json()
+    t0 = time.monotonic()
+    r = (await c.generate(prompt=CODE, max_tokens=16)).json()  # auto: the draft model
+    assert time.monotonic() - t0 < 10 * timeout_s + 5, "waited past the drafter's timeout"
+    s = r["timings"]["speculation"]
+    assert r["tokens"] == off["tokens"] and s["source"] == "draft_model", s
+    assert s["drafted"] == 0 and "/draft: TimeoutError" in s["drafter_error"], s
+    r = (await c.generate(prompt=CODE, max_tokens=16)).json()  # within the timeout of the fault
+    assert r["timings"]["speculation"]["source"] == "prompt_lookup" and r["tokens"] == off["tokens"], r["timings"]
+    hung = False
+    await asyncio.sleep(timeout_s)
+    r = (await c.generate(prompt=CODE, max_tokens=16)).json()
+    s = r["timings"]["speculation"]
+    assert s["source"] == "draft_model" and s["drafted"] > 0 and s["drafter_error"] is None, s
+    assert r["tokens"] == off["tokens"]
+    await c.drain()
+
+
 async def test_cluster_drafts_only_as_far_as_the_drafters_kv_budget_holds(tiny_knot, other_tiny, tmp_path,
                                                                               monkeypatch):
     """The drafter's MEMORY_BUDGET_BYTES covers its sessions' KV caches, and its /stats says the
