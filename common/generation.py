@@ -52,7 +52,7 @@ class Generation:
     drafted: int = field(default=0, compare=False)  # draft tokens verified
     accepted: int = field(default=0, compare=False)  # ... and accepted
     backed_off: int = field(default=0, compare=False)  # trips that drafted nothing after drafts that all failed
-    drafter_error: str | None = field(default=None, compare=False)  # the drafter's fault, after which none were drafted
+    drafter_error: str | None = field(default=None, compare=False)  # the drafter's fault; no drafts after it
     cached: int = field(default=0, compare=False)  # positions the engine's KV caches hold (rejected drafts too)
     t0: float = field(default=0.0, compare=False)  # clock (s) at the start,
     t_first: float = field(default=0.0, compare=False)  # once the prompt's logits were in,
@@ -187,7 +187,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
                     break
             else:
                 if primed is not None:
-                    await primed  # a prime that raises fails the request (the drafter service's notes its faults instead)
+                    await primed  # one that raises fails the request (RemoteDraftModel's notes a drafter fault instead)
                     primed = None
                 decided = await _trip(engine, gen, sampler, history, drafter, draft_len, cost, clock)
                 continue

@@ -148,8 +148,8 @@ class CoordinatorMetrics:
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "between two consecutive sampled tokens",
                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.hops = Histogram(f"{PREFIX}_hop_latency_seconds", "one hop of the pipeline (embed, station_i, logits; draft: a call to the drafter)",
-                              ["hop"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.hops = Histogram(f"{PREFIX}_hop_latency_seconds", "one hop of the pipeline (embed, station_i, logits; "
+                              "draft: a call to the drafter)", ["hop"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "time a request waited for a generation slot",
                                     buckets=LATENCY_BUCKETS_S, registry=r)
         self.degradations = Counter(f"{PREFIX}_shard_degradations", "shard failures merged as zeros / -inf",
@@ -190,6 +190,8 @@ class CoordinatorMetrics:
 
     def observe_speculation(self, gen) -> None:
         """A finished generation's decode trips, and its drafts by source (common.generation.Generation)."""
+        if gen.drafter_error is not None:  # a fault at /prime may end a generation before any trip
+            self.drafter_faults.inc()
         if not gen.trips:
             return
         self.trips.inc(gen.trips)
@@ -200,8 +202,6 @@ class CoordinatorMetrics:
             self.accepted.labels(gen.speculation.source).inc(gen.accepted)
         if gen.backed_off:
             self.backed_off.labels(gen.speculation.source).inc(gen.backed_off)
-        if gen.drafter_error is not None:
-            self.drafter_faults.inc()
 
     def note_row_cache(self, pipeline) -> None:
         """The serving pipeline's row cache (services/coordinator/pipeline.py Pipeline.rows)."""
