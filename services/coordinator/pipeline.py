@@ -116,6 +116,13 @@ def not_for(reply: wire.Envelope, frame: wire.Envelope, mode: str) -> str | None
             f"{frame.request_id!r} {mode} positions [{frame.position}, {frame.seq_len})")
 
 
+def misfit(reply: wire.Envelope, frame: wire.Envelope, mode: str, shape: tuple[int, ...]) -> str | None:
+    """not_for, and then what makes reply's array not float32 of this shape, or None."""
+    a = reply.array
+    return not_for(reply, frame, mode) or (None if a.dtype == np.float32 and a.shape == shape else
+                                           f"{a.dtype} shape {a.shape}, expected float32 shape {shape}")
+
+
 def unavailable(e: BaseException) -> bool:
     """A failure that a restart cures: unreachable, timed out, or a peer that answered it is not ready
     (502/503/504). A peer's 500 or 4xx is a bug, not an outage: it fails the request as it is."""
@@ -247,10 +254,7 @@ class Pipeline:
         for k, res in zip(owners, results):
             spec = self.shards[k][0]
             if not isinstance(res, BaseException):
-                bad = not_for(res, frame, "embed") or (None if res.array.dtype == np.float32 and res.array.shape ==
-                                                       got.shape else f"{res.array.dtype} shape {res.array.shape}, "
-                                                                      f"expected float32 shape {got.shape}")
-                if bad is not None:
+                if (bad := misfit(res, frame, "embed", got.shape)) is not None:
                     res = BadGateway(f"shard {spec.index} embed reply: {bad}")
                     self._refuse(res, call)
             if isinstance(res, BaseException):
@@ -281,10 +285,8 @@ class Pipeline:
         for (spec, _), res in zip(self.shards, results):
             want = (h.shape[0], spec.n_rows)
             if not isinstance(res, BaseException):
-                a = res.array
-                bad = not_for(res, frame, "logits") or (
-                    f"{a.dtype} shape {a.shape}, expected float32 shape {want}" if a.dtype != np.float32 or
-                    a.shape != want else None) or (None if np.isfinite(a).all() else "non-finite logits")
+                bad = misfit(res, frame, "logits", want) or (None if np.isfinite(res.array).all() else
+                                                             "non-finite logits")
                 if bad is not None:
                     res = BadGateway(f"shard {spec.index} logits reply: {bad}")
                     self._refuse(res, call)
@@ -354,11 +356,8 @@ class Pipeline:
         # that is not this frame's rows would be computed on as if it were: other tokens, a 200.
         # The exit station sends a prefill's last row only (its logits are all a prompt needs).
         rows = 1 if mode == "prefill" and i == len(self.stations) - 1 else h.shape[0]
-        if (bad := not_for(out, frame, mode)) is not None:
+        if (bad := misfit(out, frame, mode, (rows, self.dim))) is not None:
             raise BadGateway(f"station {i} {mode} reply: {bad}")
-        if out.array.dtype != np.float32 or out.array.shape != (rows, self.dim):
-            raise BadGateway(f"station {i} {mode} reply: {out.array.dtype} shape {out.array.shape}, expected "
-                             f"float32 shape {(rows, self.dim)}")
         return out.array
 
     async def prefill(self, call: Call, ids: list[int], chunks: list[tuple[int, int]]) -> np.ndarray:

@@ -14,6 +14,7 @@ from common import wire
 from common.runtime import BadGateway, HttpError, Request
 from common.sampling import softmax
 from common.speculative import Draft, draft_key
+from services.coordinator.pipeline import Hops
 from services.drafter.handler import SAMPLING_FIELDS
 from services.peer import PEER_URL, call, get_json
 
@@ -150,8 +151,5 @@ class RemoteDraftModel:
         except (HttpError, TimeoutError) as e:
             self._fault(gen, "/draft", e)
             return Draft([], None)
-        s = time.perf_counter() - t0  # the "draft" hop: in /generate's timings.hops beside the stations'
-        gen.hop_ms.setdefault("draft", []).append(s * 1e3)
-        if self.observe is not None:
-            self.observe("draft", s)
+        Hops(gen.hop_ms, self.observe).add("draft", t0)  # in /generate's timings.hops beside the stations'
         return Draft(tokens, None if scores is None else [softmax(z) for z in scores])
