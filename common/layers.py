@@ -83,10 +83,15 @@ def forward_range(model: Model, x: np.ndarray, layer_start: int, layer_end: int,
 
 def forward_tokens(model: Model, tokens: Sequence[int], kv: KVCache, start_pos: int,
                    load_phase: Callable[[int, str], PhaseWeights], tensor: Callable[[str], QTensor],
-                   head: QTensor, all_logits: bool = False) -> np.ndarray:
+                   head: QTensor, all_logits: bool = False,
+                   vocab_runs: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
     """The whole model, weights at hand: tokens at positions [start_pos, start_pos + T) -> logits
     (T, vocab) f32 with all_logits, else (1, vocab) of the last. tensor(name) gives the embedding
-    table and the output norm, head the LM head (output.weight, or the tied embedding)."""
+    table and the output norm, head the LM head (output.weight, or the tied embedding).
+
+    vocab_runs: the id ranges [a, b) the head scores (a draft model's: common.speculative.
+    draft_vocab_runs); the other ids' logits are -inf, so nothing samples them. Each scored logit
+    is the bits of the whole head's."""
     tokens = np.asarray(tokens, dtype=np.int64)
     emb = tensor(model.TOKEN_EMBD)
     # One slice covers the whole vocabulary here, so an id outside it is an error, not the
@@ -100,4 +105,9 @@ def forward_tokens(model: Model, tokens: Sequence[int], kv: KVCache, start_pos: 
     if not all_logits:
         h = h[-1:]                                                       # (1, dim)
     h = model.final_norm(h, tensor(model.OUTPUT_NORM))
-    return model.lm_head(h, head)                                        # (T|1, vocab)
+    if vocab_runs is None:
+        return model.lm_head(h, head)                                    # (T|1, vocab)
+    out = np.full((h.shape[0], head.n_rows), -np.inf, dtype=np.float32)  # (T|1, vocab)
+    for a, b in vocab_runs:
+        out[:, a:b] = model.lm_head(h, head.rows(a, b))                  # (T|1, b - a)
+    return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from common.runtime import ServiceUnavailable
-from common.speculative import MAX_DRAFT
+from common.speculative import DRAFT_HEAD_IDS, MAX_DRAFT
 from common.wire import MAX_SAMPLE_TOP
 
 READERS = {
@@ -185,6 +185,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("SHARD_SAMPLE_TOP", "int", "64", "coordinator compose", "sampling on the shards: candidates per row each shard "
        "sends with its max and log-sum-exp, from which the tokens are decided exactly; 0: full slices of logits",
        minimum=0, maximum=MAX_SAMPLE_TOP),
+    # ------------------------------------------------------------ drafter
+    _s("DRAFT_HEAD_IDS", "int", str(DRAFT_HEAD_IDS), "drafter compose", "the draft model's LM head scores only the ids "
+       "below this and the special tokens, and never drafts the others (a token among them costs one rejected "
+       "draft, never another output); Qwen2's ids from 100,000 up are CJK and other scripts' words, a third of "
+       "the head's bytes; 0: every id", minimum=0),
     # ------------------------------------------------------------ station
     _s("SPECIALIZATION_START_LAYER", "int", REQUIRED, "station", "first layer of the station", minimum=0),
     _s("SPECIALIZATION_END_LAYER", "int", REQUIRED, "station", "end of the station's layers (exclusive)",

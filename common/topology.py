@@ -233,7 +233,8 @@ class ClusterLayout:
                 "KNOT_MODEL": Knob("KNOT_DRAFT_MODEL", draft_source), "KNOT_KEY": draft_knot_key},
                 (bucket,), depends_on={"minio": "healthy"}))
             services.append(Service("drafter", "drafter", "services.drafter", {
-                "KNOT_KEY": draft_knot_key, "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "drafter")},
+                "KNOT_KEY": draft_knot_key, "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "drafter"),
+                "DRAFT_HEAD_IDS": Knob("DRAFT_HEAD_IDS")},
                 (bucket,), depends_on={"init-draft": "completed"}))
             peers.append(("DRAFTER", "drafter"))
         services.append(Service("coordinator", "coordinator", "services.coordinator", {

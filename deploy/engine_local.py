@@ -23,7 +23,8 @@ from common.matmul import get_kernel
 from common.models import model_for
 from common.quant import QTensor
 from common.sampling import SamplingParams
-from common.speculative import Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost
+from common.speculative import (DRAFT_HEAD_IDS, Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost,
+                                draft_vocab_runs)
 from common.sync import iterate_sync
 from common.tokenizer import Tokenizer
 
@@ -46,18 +47,24 @@ def _mem_available_bytes() -> int | None:
 class LocalEngine:
     def __init__(self, model, *, cache_f32: bool | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=None,
-                 draft: "LocalEngine | None" = None):
+                 draft: "LocalEngine | None" = None, draft_head_ids: int = DRAFT_HEAD_IDS):
         """model: a deploy.knotfile.LocalModel. cache_f32=None: cache when the float32 weights
         fit in cache_budget_bytes and in half the available memory. draft: a smaller model of the
-        same vocabulary that drafts for this one (speculation source "draft_model"). An
-        architecture the model registry does not know raises common.models.UnknownArchitecture."""
+        same vocabulary that drafts for this one (speculation source "draft_model"), its head
+        scoring the ids below draft_head_ids and the special tokens (as the drafter's DRAFT_HEAD_IDS;
+        0: every id). An architecture the model registry does not know raises
+        common.models.UnknownArchitecture."""
         self.model = model
         self.trip_cost = TripCost()  # its plain trips' time, shared by its generations (speculation's back-off)
         self.draft = None
         if draft is not None:
             if draft.cfg.vocab_size != model_for(model.header).cfg.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) is not this model's")
-            self.draft = DraftModel(draft.forward, draft.new_kv)  # the last row's logits: all it uses
+            runs = None
+            if 0 < draft_head_ids < draft.cfg.vocab_size:
+                runs = draft_vocab_runs(draft.cfg.vocab_size, draft_head_ids, draft.tokenizer.special_ids)
+            # the last row's logits: all it uses
+            self.draft = DraftModel(lambda t, kv, p: draft.forward(t, kv, p, vocab_runs=runs), draft.new_kv)
         self.arch = model_for(model.header)
         self.cfg = self.arch.cfg
         self.head_name = self.arch.head_tensor(model.has_tensor)
@@ -121,10 +128,11 @@ class LocalEngine:
         return self.arch.new_kv(self.kv_dtype)
 
     def forward(self, tokens: Sequence[int], kv: KVCache, start_pos: int,
-                all_logits: bool = False) -> np.ndarray:
-        """One chunk at positions [start_pos, start_pos + T) -> logits (T or 1, vocab) f32."""
+                all_logits: bool = False, vocab_runs: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
+        """One chunk at positions [start_pos, start_pos + T) -> logits (T or 1, vocab) f32; with
+        vocab_runs only those ids' are scored, the others' are -inf (common.layers.forward_tokens)."""
         return forward_tokens(self.arch, tokens, kv, start_pos, self.load_phase, self.model.tensor,
-                              self.weight(self.head_name), all_logits)
+                              self.weight(self.head_name), all_logits, vocab_runs)
 
     def prefill(self, tokens: Sequence[int], kv: KVCache, start_pos: int = 0,
                 chunk_size: int = PREFILL_CHUNK_TOKENS, all_logits: bool = False) -> np.ndarray:

@@ -11,7 +11,8 @@ speculative decoding (common/speculative.py, DraftModel).
     POST /release/<rid>      drop a request's KV cache
     GET  /stats
 
-Env: KNOT_KEY (the draft model's .knot), MEMORY_BUDGET_BYTES (default 1 GiB: the whole model, one
+Env: KNOT_KEY (the draft model's .knot), DRAFT_HEAD_IDS (the ids its LM head scores: those below,
+and the special tokens; common/speculative.py), MEMORY_BUDGET_BYTES (default 1 GiB: the whole model, one
 forward's work and the sessions' KV caches; /stats max_context_tokens is the longest sequence whose
 cache it holds, and the coordinator drafts with it only for sequences that fit); binding KNOT_BUCKET.
 
@@ -32,13 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import wire
+from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
 from common.kvcache import PREFILL_CHUNK_TOKENS
 from common.layers import forward_tokens
 from common.quant import QTensor
 from common.runtime import BadRequest, Env, NotFound, Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
 from common.settings import read
-from common.speculative import MAX_DRAFT, DraftModel
+from common.speculative import DRAFT_HEAD_IDS, MAX_DRAFT, DraftModel, draft_vocab_runs
+from common.tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
 from services.boot import BootCache
 from services.knot_source import KnotSource
 from services.offload import off_loop
@@ -56,10 +59,12 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 class DrafterSettings:
     knot_key: str
     budget_bytes: int
+    head_ids: int = DRAFT_HEAD_IDS
 
     @classmethod
     def from_env(cls, env: Env) -> "DrafterSettings":
-        return cls(read(env, "KNOT_KEY", "drafter"), read(env, "MEMORY_BUDGET_BYTES", "drafter"))
+        return cls(read(env, "KNOT_KEY", "drafter"), read(env, "MEMORY_BUDGET_BYTES", "drafter"),
+                   read(env, "DRAFT_HEAD_IDS", "drafter"))
 
 
 class Drafter:
@@ -99,13 +104,18 @@ class Drafter:
         def load_phase(layer: int, phase: str) -> dict[str, QTensor]:
             return {n: self.tensors[n] for n in self.model.phase_tensors(layer, phase) if n in self.tensors}
 
+        cfg = self.model.cfg
+        self.vocab_runs = draft_vocab_runs(cfg.vocab_size, self.settings.head_ids, await self._special_ids(header))
+        self.head_ids = cfg.vocab_size if self.vocab_runs is None else sum(b - a for a, b in self.vocab_runs)
+
         def forward(tokens: list[int], kv, pos: int) -> np.ndarray:  # -> (1, vocab): the last row only
-            return forward_tokens(self.model, tokens, kv, pos, load_phase, self.tensors.__getitem__, head)
+            return forward_tokens(self.model, tokens, kv, pos, load_phase, self.tensors.__getitem__, head,
+                                  vocab_runs=self.vocab_runs)
 
         # What the budget leaves for the sessions' KV caches, beside the tensors and one forward's
         # work: a prefill chunk's activations at the context's length, and the last row's scores
         # with the sampler's copies of them.
-        cfg, n_layer = self.model.cfg, self.model.cfg.n_layer
+        n_layer = cfg.n_layer
         work = self.model.activation_bytes(PREFILL_CHUNK_TOKENS, cfg.context_length) + 8 * 4 * cfg.vocab_size
         kv_budget = self.settings.budget_bytes - header.payload_nbytes - work
         bound = self.model.new_kv().nbytes_bound
@@ -118,6 +128,17 @@ class Drafter:
                 f"draft model {self.settings.knot_key!r}: MEMORY_BUDGET_BYTES={self.settings.budget_bytes} leaves "
                 f"{max(kv_budget, 0)} bytes for KV caches beside {header.payload_nbytes} bytes of tensors and "
                 f"{work} of work, room for {self.max_context_tokens} tokens (at least {need} are needed)")
+
+    async def _special_ids(self, header) -> list[int]:
+        """The draft model's special tokens (control and user-defined: an end of text, code infill's
+        markers), which its head scores whatever DRAFT_HEAD_IDS leaves out."""
+        if TOKENIZER_BLOB not in header.blobs:
+            log.warning("draft model %r has no tokenizer: its head scores ids below DRAFT_HEAD_IDS=%d only, "
+                        "special tokens included", self.settings.knot_key, self.settings.head_ids)
+            return []
+        blob = await self.source.read_tensor(TOKENIZER_BLOB)  # checked against the knot's crc32
+        types = decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding).get("token_types") or []
+        return [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
 
     def _evicted(self, request_id: str) -> None:
         log.warning("draft session %s dropped: the sessions' KV caches would exceed the %d bytes that "
@@ -151,7 +172,7 @@ class Drafter:
                 "sessions_evicted": dm.sessions_evicted,
                 "drafts": self.drafts, "drafted_tokens": self.drafted, "forwards": self.draft_model.forwards,
                 "primes": self.primes, "primed_tokens": self.primed_tokens,
-                "vocab_size": self.model.cfg.vocab_size, **self.source.stats()}
+                "vocab_size": self.model.cfg.vocab_size, "head_ids": self.head_ids, **self.source.stats()}
 
 
 def _request_context(body, vocab_size: int) -> tuple[str, list[int]]:
@@ -192,10 +213,11 @@ async def drafter_for(env: Env) -> Drafter:
     async def boot() -> Drafter:
         d = Drafter(settings, KnotSource(env.KNOT_BUCKET, settings.knot_key))
         await d.boot()
-        log.info("drafter booted: %s, %d tensors", settings.knot_key, len(d.tensors))
+        log.info("drafter booted: %s, %d tensors, its head scoring %d of %d ids", settings.knot_key,
+                 len(d.tensors), d.head_ids, d.model.cfg.vocab_size)
         return d
 
-    return await _booted.get(f"{settings.knot_key}|{settings.budget_bytes}", boot)
+    return await _booted.get(f"{settings.knot_key}|{settings.budget_bytes}|{settings.head_ids}", boot)
 
 
 async def ready(env: Env) -> None:

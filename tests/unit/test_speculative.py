@@ -9,8 +9,8 @@ from common import wire
 from common.generation import Generation
 from common.runtime import Request
 from common.sampling import Sampler, SamplingParams
-from common.speculative import (MAX_COOLDOWN, Draft, DraftLength, PromptLookup, SpeculationParams, TripCost, lookup,
-                                verify)
+from common.speculative import (MAX_COOLDOWN, Draft, DraftLength, PromptLookup, SpeculationParams, TripCost,
+                                draft_vocab_runs, lookup, verify)
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
 
@@ -351,13 +351,41 @@ def test_greedy_draft_model_changes_nothing(tiny_knot, other_tiny):
     e = LocalEngine.open(tiny_knot, draft=other_tiny)
     good = LocalEngine.open(tiny_knot, draft=LocalEngine.open(tiny_knot))  # a perfect draft
     good.draft.confidence = 0.0  # the tiny model doubts all its guesses: draft them anyway
+    # the perfect draft's head scoring ids below 200 and the specials: it cannot draft the rest
+    narrow = LocalEngine.open(tiny_knot, draft=LocalEngine.open(tiny_knot), draft_head_ids=200)
+    narrow.draft.confidence = 0.0
     ids = e.tokenizer.encode(CODE)
     plain = e.generate(ids, max_tokens=30)
-    for engine in (e, good):
-        spec = engine.generate(ids, max_tokens=30, speculation=SpeculationParams("draft_model", 4))
-        assert spec.token_ids == plain.token_ids and spec.drafted > 0
+    records = {}
+    for name, engine in (("poor", e), ("narrow", narrow), ("perfect", good)):
+        spec = records[name] = engine.generate(ids, max_tokens=30, speculation=SpeculationParams("draft_model", 4))
+        assert spec.token_ids == plain.token_ids and spec.drafted > 0, name
     assert spec.accepted == spec.drafted and spec.trips < spec.decode_steps / 2, "the perfect draft is always right"
+    outside = [t for t in plain.token_ids if 200 <= t < 267]  # neither below 200 nor special
+    assert outside and records["narrow"].accepted < records["narrow"].drafted, \
+        (outside, "the narrow head misses exactly those: a rejected draft each, the same tokens")
     assert e.draft.sessions == {}, "the draft model's caches are released with the generation"
+
+
+def test_draft_vocab_runs_are_the_ids_below_and_the_specials_above():
+    assert draft_vocab_runs(300, 200, [5, 269, 267, 268, 290, 400]) == [(0, 200), (267, 270), (290, 291)]
+    assert draft_vocab_runs(300, 200, [200, 201]) == [(0, 202)] and draft_vocab_runs(300, 200, []) == [(0, 200)]
+    assert draft_vocab_runs(300, 0, [267]) is None and draft_vocab_runs(300, 300, [7]) is None
+
+
+def test_a_draft_head_over_some_ids_gives_their_logits_bit_for_bit_and_minus_inf_elsewhere(engine):
+    ids = engine.tokenizer.encode(CODE)
+    vocab = engine.cfg.vocab_size
+    runs = draft_vocab_runs(vocab, 200, engine.tokenizer.special_ids)
+    assert runs == [(0, 200), (vocab - 3, vocab)], "the tiny tokenizer's three specials come last"
+    full = engine.forward(ids, engine.new_kv(), 0, all_logits=True)                    # (T, vocab)
+    part = engine.forward(ids, engine.new_kv(), 0, all_logits=True, vocab_runs=runs)   # (T, vocab)
+    scored = np.zeros(vocab, dtype=bool)
+    for a, b in runs:
+        scored[a:b] = True
+    assert part.shape == full.shape and part.dtype == np.float32
+    assert np.array_equal(part[:, scored], full[:, scored]), "the scored ids' logits are the whole head's bits"
+    assert np.isneginf(part[:, ~scored]).all(), "the others can never be drafted"
 
 
 # Sampled: the standard rule keeps the target's distribution. The tiny model draws its first three
@@ -456,24 +484,35 @@ def test_draft_model_keeps_its_kv_caches_within_the_budget(tiny_knot):
         spec.DraftModel(e.forward, e.new_kv, kv_budget_bytes=budget)
 
 
-def test_sampled_draft_model_keeps_the_distribution(tiny_knot):
+@pytest.mark.parametrize("narrow", [False, True])
+def test_sampled_draft_model_keeps_the_distribution(tiny_knot, narrow):
+    """narrow: the draft's head leaves out the token the target likes best after its likeliest
+    first one (a draft head over some ids, DRAFT_HEAD_IDS), so q is 0 there and that token comes
+    from the residual only."""
     from common.speculative import DraftModel
 
     e = LocalEngine.open(tiny_knot)
-    e.draft = DraftModel(lambda t, kv, p: 3.0 * e.forward(t, kv, p, all_logits=True), e.new_kv)
     ids = e.tokenizer.encode("the def the")
     params = lambda seed: SamplingParams(temperature=1.0, top_k=3, seed=seed)  # noqa: E731
 
-    def step(prefix, scale=1.0):  # the distribution of the next token after ids + prefix
-        kv = e.new_kv()
-        return Sampler(params(0)).probs(scale * e.prefill(ids + prefix, kv), ids + prefix)
+    def step(prefix, forward=None):  # the distribution of the next token after ids + prefix
+        logits = e.prefill(ids + prefix, e.new_kv()) if forward is None else forward(ids + prefix, e.new_kv(), 0)[-1]
+        return Sampler(params(0)).probs(logits, ids + prefix)
+
+    runs = None
+    if narrow:
+        p1 = step([])
+        left_out = int(np.argmax(step([int(np.argmax(p1))])))
+        runs = [(0, left_out), (left_out + 1, e.cfg.vocab_size)]
+    draft = lambda t, kv, p: 3.0 * e.forward(t, kv, p, all_logits=True, vocab_runs=runs)  # noqa: E731
+    e.draft = DraftModel(draft, e.new_kv)
 
     p, q = {}, {}  # sequence of 3 -> probability under the target; with t2, t3 from the draft
     p1 = step([])
     for a in map(int, np.flatnonzero(p1)):
-        p2, q2 = step([a]), step([a], 3.0)
+        p2, q2 = step([a]), step([a], draft)
         for b in map(int, np.flatnonzero(p2)):
-            p3, q3 = step([a, b]), step([a, b], 3.0)
+            p3, q3 = step([a, b]), step([a, b], draft)
             for c in map(int, np.flatnonzero(p3)):
                 p[(a, b, c)] = p1[a] * p2[b] * p3[c]
                 q[(a, b, c)] = p1[a] * q2[b] * q3[c]
@@ -492,6 +531,9 @@ def test_sampled_draft_model_keeps_the_distribution(tiny_knot):
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     assert chi2 < CHI2_26_P001, f"chi-square {chi2:.1f} over 26 degrees of freedom"
     assert 0.3 < accepted / drafted < 0.95, (accepted, drafted, "both branches of the rule ran")
+    if narrow:  # the draft cannot propose the left-out token, yet it comes out as often as p says
+        unproposed = [k for k in keys if q[k] == 0]
+        assert unproposed and sum(counts.get(k, 0) for k in unproposed) > 0, unproposed
     # The test's power: drafts accepted unchecked would give q's counts, whose expected statistic is
     # N * sum (q - p)^2 / p (+ 26) -- far beyond the threshold.
     noncentral = N_SAMPLES * sum((q[k] - p[k]) ** 2 / p[k] for k in keys)
@@ -565,6 +607,32 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
     for sampling, source in (({}, "draft_model"), (dict(temperature=0.9, seed=7), "off")):  # auto, with a drafter
         r = (await c.generate(prompt=CODE, max_tokens=4, **sampling)).json()
         assert r["timings"]["speculation"]["source"] == source, sampling
+    await c.drain()
+
+
+async def test_the_drafters_head_scores_the_ids_of_draft_head_ids_as_the_single_process_does(tiny_knot, tmp_path,
+                                                                                              monkeypatch):
+    """DRAFT_HEAD_IDS=200: the drafter's head scores ids below 200 and the three specials, drafts
+    none of the others, and drafts as the in-process draft model with draft_head_ids=200 does."""
+    monkeypatch.setattr(TripCost, "observe_plain", lambda self, seconds: setattr(self, "plain_s", float("inf")))
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=tiny_knot, drafter_vars={"DRAFT_HEAD_IDS": "200"})
+    local = LocalEngine.open(tiny_knot, draft=LocalEngine.open(tiny_knot), draft_head_ids=200)
+    ids = local.tokenizer.encode(CODE)
+    for sampling in ({}, dict(temperature=0.9, top_k=40, seed=7)):
+        r = (await c.generate(prompt=CODE, max_tokens=24, speculation="draft_model", **sampling)).json()
+        want = local.generate(ids, SamplingParams(**sampling), max_tokens=24,
+                              speculation=SpeculationParams("draft_model", 6))
+        s = r["timings"]["speculation"]
+        assert (r["tokens"], s["drafted"], s["accepted"], s["trips"]) == \
+            (want.token_ids, want.drafted, want.accepted, want.trips), sampling
+    drafter = c.coordinator.env.DRAFTER
+    vocab = local.cfg.vocab_size
+    assert (await drafter.fetch(Request("GET", "/stats"))).json()["head_ids"] == 200 + 3
+    body = {"request_id": "narrow", "context": ids, "k": 8, "key": 3, "sampling": {"temperature": 1.5}}
+    r = await drafter.fetch(Request("POST", "/draft", {}, __import__("json").dumps(body).encode()))
+    drafts, scores = (e.array for e in wire.decode_envelopes(r.body))
+    assert len(drafts) and all(t < 200 or t >= vocab - 3 for t in drafts.tolist()), drafts
+    assert np.isneginf(scores[:, 200:vocab - 3]).all() and np.isfinite(scores[:, :200]).all()
     await c.drain()
 
 
