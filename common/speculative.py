@@ -160,7 +160,9 @@ DRAFT_CONFIDENCE = 0.4
 def top_probability(z: np.ndarray) -> float:
     """The probability of the likeliest token of softmax(z), z (vocab,) scores (-inf: excluded)."""
     m = float(np.max(z))
-    return 1.0 / float(np.exp(z - m, dtype=np.float64).sum())
+    # exp in float32 (numpy's SIMD loop), summed in float64: 145 us over the 0.5B's vocabulary
+    # against 362 with exp in float64, once a drafted token; the stop needs no more precision
+    return 1.0 / float(np.exp(z - m).sum(dtype=np.float64))
 
 
 # A draft model's LM head scores only the ids below this, and the special tokens (an end of text, a
