@@ -168,7 +168,7 @@ def top_probability(z: np.ndarray) -> float:
 # A draft model's LM head scores only the ids below this, and the special tokens (an end of text, a
 # chat turn's end, code infill's markers); it never drafts the others, so a token among them costs
 # the trip where the target emits it one rejected draft, and changes no output. Why: the head is
-# the draft model's biggest product. The 0.5B's is 145 MB of Q8_0 beside ~160 MB of layers, and
+# the draft model's biggest product. The 0.5B's is 145 MB of Q8_0 beside 246 MB of layers, and
 # Qwen2's ids from 100,000 up (a third of its rows) are CJK and other scripts' words, 0.01% of the
 # tokens of this repository's Python and 0.02% of its docs. Scoring rows [0, 100000) and the
 # specials took the 0.5B's head product from 4.3 to 2.3 ms and its drafted token from 16.0-17.0 to
