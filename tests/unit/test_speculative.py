@@ -424,9 +424,10 @@ def test_draft_model_reads_a_prompt_ahead_in_chunks_and_then_drafts_the_same(tin
     assert rows == [(1, 1)] * 4, "the first draft fed the one new token, then drafted"
 
 
-def test_draft_model_stops_at_the_first_token_it_doubts(tiny_knot):
-    """DRAFT_CONFIDENCE: drafts end before the first token (after the first) whose probability under
-    the draft model is below the threshold; the cache keeps exactly the drafts it was fed."""
+def test_draft_model_stops_where_it_doubts_the_chain(tiny_knot):
+    """DRAFT_CONFIDENCE: drafts end before the first token (after the first) at which the product of
+    the drafts' probabilities under the draft model falls below the threshold; the cache keeps
+    exactly the drafts it was fed."""
     import common.speculative as spec
 
     e = LocalEngine.open(tiny_knot)
@@ -441,8 +442,10 @@ def test_draft_model_stops_at_the_first_token_it_doubts(tiny_knot):
     free = spec.DraftModel(forward, e.new_kv, confidence=0.0).draft("a", ctx, 6, SamplingParams(), 0)[0]
     p = seen[:]  # the draft model's confidence in each of the six drafts
     assert len(free) == 6 and len(p) == 6
-    cut = sorted(p[1:])[2]  # a threshold some later draft falls below
-    first_doubt = next(i for i in range(1, 6) if p[i] < cut)
+    chain = np.cumprod(p)  # in the first i + 1 drafts together
+    cut = sorted(chain[1:])[2]  # a threshold the chain falls below, after some drafts
+    first_doubt = next(i for i in range(1, 6) if chain[i] < cut)
+    assert min(p[1:]) >= cut, (p, cut, "each draft alone passes the threshold: only the chain's product stops them")
     dm = spec.DraftModel(forward, e.new_kv, confidence=cut)
     got, _ = dm.draft("b", ctx, 6, SamplingParams(), 0)
     assert got == free[:first_doubt], (p, cut)
