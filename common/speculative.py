@@ -154,13 +154,14 @@ def lookup(context: Sequence[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min
 # its verify row only if every draft before it is accepted too, which is what the product
 # estimates. The rule reads only the draft model's own distribution, so the accept/reject rule
 # (verify) still keeps the target's. Why the product, not each draft's own probability (Hugging
-# Face's assistant_confidence_threshold, 0.4, which this used before): replaying the 1.5B's greedy
-# tokens against the 0.5B's drafts from every position, with a trip cost model (a plain trip 54 ms,
-# a verify row 14, a drafted token 15: the 1.5B cluster's, docs/performance.md), eight HumanEval
-# prompts and five chats of 64 tokens each, none of them the bench's, gave code 1.350 -> 1.424 and
-# chat 1.098 -> 1.104 times the plain decode; the bench's prompts code 1.39 -> 1.47, chat 1.27 ->
-# 1.28, code edit 1.52 -> 1.58. With other costs (rows 10-18 ms, drafts 12-18) code gained 4.6-6.0%;
-# chat lost 2.3% where drafts are cheapest and gained up to 3% elsewhere.
+# Face's assistant_confidence_threshold, 0.4, which this used before): benchmarks/draft_replay.py
+# replays the 1.5B's greedy tokens against the 0.5B's drafts from every position, with a trip cost
+# model (a plain trip 54 ms, a verify row 14, a drafted token 15: the 1.5B cluster's). On eight
+# HumanEval-style prompts and five chats, 64 tokens each, none of them the bench's, code went from
+# 1.350 to 1.424 times the plain decode and chat from 1.098 to 1.104; on the bench's prompts code
+# 1.39 -> 1.47, chat 1.09 -> 1.19, code edit 1.52 -> 1.62. With other costs (rows 10-18 ms, drafts
+# 12-18) code gained 4.6-6.0%; chat lost 2.3% where drafts are cheapest and gained up to 2.9%
+# elsewhere (docs/performance.md).
 DRAFT_CONFIDENCE = 0.4
 
 
