@@ -15,8 +15,9 @@ HumanEval-style prompts (tests/tokenizer_corpus.py) and five chats the bench doe
 
 The rules: `each T` stops before the first draft (after the first) whose own top probability is
 below T (Hugging Face's assistant_confidence_threshold); `product T` stops once the product of the
-drafts' top probabilities falls below T (common/speculative.py, DRAFT_CONFIDENCE). The drafts do
-not depend on the rule, only where they stop, so one pass of the draft model serves every rule.
+drafts' top probabilities falls below T (common/speculative.py, DRAFT_CONFIDENCE); `copying` adds
+the greedy draft model's copies of the context (COPY_NGRAM). The drafts do not depend on the rule,
+only where they stop, so one pass of the draft model serves every rule.
 Nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+
+from common.speculative import DRAFT_CONFIDENCE  # noqa: E402
 
 HELD_CHATS = ["What is the difference between a process and a thread? Answer in two paragraphs.",
               "Write a short email asking a colleague to review my pull request by Friday.",
@@ -53,19 +56,31 @@ def kept(probs: Sequence[float], rule: str, threshold: float) -> int:
     return len(probs)
 
 
-def replay(target: Sequence[int], chains: Sequence[Chain], rule: str, threshold: float,
-           cost: tuple[float, float, float], max_draft: int) -> tuple[float, int, int, int]:
-    """target's tokens, chains[n] the drafts after its first n -> (ms, drafted, accepted, trips)."""
+def replay(prompt: Sequence[int], target: Sequence[int], chains: Sequence[Chain], rule: str, threshold: float,
+           cost: tuple[float, float, float], max_draft: int, copy: bool = False) -> tuple[float, int, int, int]:
+    """The target's tokens after prompt, chains[n] the drafts after its first n -> (ms, drafted,
+    accepted, trips). copy: where the context's last COPY_NGRAM tokens occurred before, max_draft
+    tokens followed them, and the model's first draft is the first of those, the trip drafts them
+    (one forward); the drafter then catches up on the tokens it did not feed, at half a forward."""
+    from common.speculative import COPY_NGRAM, lookup
+
     plain, row, draft = cost
     n = ms = drafted = accepted = trips = 0
+    behind = False
     while n < len(target):
         chain = chains[n][:max_draft]
-        k = kept([p for _, p in chain], rule, threshold)
+        copied = lookup(list(prompt) + list(target[:n]), max_draft, ngram_min=COPY_NGRAM) if copy else []
+        if len(copied) == max_draft and chain and copied[0] == chain[0][0]:
+            drafts, forwards = copied, 1
+        else:
+            k = kept([p for _, p in chain], rule, threshold)
+            drafts, forwards = [t for t, _ in chain[:k]], k + (k < len(chain))
         a = 0
-        while a < k and n + a < len(target) and chain[a][0] == target[n + a]:
+        while a < len(drafts) and n + a < len(target) and drafts[a] == target[n + a]:
             a += 1
-        ms += plain + row * k + draft * (k + (k < len(chain)))
-        drafted, accepted, trips = drafted + k, accepted + a, trips + 1
+        ms += plain + row * len(drafts) + draft * (forwards + 0.5 * behind)
+        behind = drafts is copied and a > 0
+        drafted, accepted, trips = drafted + len(drafts), accepted + a, trips + 1
         n += a + 1
     return ms, drafted, accepted, trips
 
@@ -86,7 +101,8 @@ def prompt_set(name: str, tok) -> list[tuple[str, list[int]]]:
 
 
 def record(target_name: str, draft_name: str, prompts: str, tokens: int, max_draft: int) -> dict[str, tuple]:
-    """kind -> (the target's greedy tokens, the draft model's chain from each position)."""
+    """kind -> (the prompt's ids, the target's greedy tokens, the draft model's chain from each
+    position)."""
     from common.sampling import SamplingParams
     from common.speculative import DRAFT_HEAD_IDS, draft_vocab_runs
     from deploy import models
@@ -116,7 +132,7 @@ def record(target_name: str, draft_name: str, prompts: str, tokens: int, max_dra
                 if i + 1 < max_draft:
                     logits = dr.forward([t], kv, len(ctx) + i, vocab_runs=runs)[-1]
             chains.append(chain)
-        data[kind] = (out, chains)
+        data[kind] = (ids, out, chains)
         print(f"{kind}: the draft model's chains", file=sys.stderr, flush=True)
     return data
 
@@ -149,16 +165,16 @@ def main(argv: list[str] | None = None) -> None:
         heads = (list(data) if each else []) + [f"all {g}" for g in groups]
         print("| rule | " + " | ".join(heads) + " |")
         print("|---" * (len(heads) + 1) + "|")
-        for rule, thr in RULES:
+        for rule, thr, copy in [(r, t, False) for r, t in RULES] + [("product", DRAFT_CONFIDENCE, True)]:
             cells, totals = [], {g: [0.0, 0.0] for g in groups}  # group -> [plain ms, ms]
-            for kind, (out, chains) in data.items():
-                ms, drafted, accepted, trips = replay(out, chains, rule, thr, cost, args.max_draft)
+            for kind, (ids, out, chains) in data.items():
+                ms, drafted, accepted, trips = replay(ids, out, chains, rule, thr, cost, args.max_draft, copy)
                 if each:
                     cells.append(f"{cost[0] * len(out) / ms:.2f} ({accepted}/{drafted}, {trips})")
                 t = totals[kind.split()[0]]
                 t[0], t[1] = t[0] + cost[0] * len(out), t[1] + ms
             cells += [f"{a / b:.3f}" for a, b in totals.values()]
-            print(f"| {rule} {thr} | " + " | ".join(cells) + " |")
+            print(f"| {rule} {thr}{', copying' if copy else ''} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ class Drafter:
                 "kv_budget_bytes": dm.kv_budget_bytes, "max_context_tokens": self.max_context_tokens,
                 "sessions_evicted": dm.sessions_evicted,
                 "drafts": self.drafts, "drafted_tokens": self.drafted, "forwards": self.draft_model.forwards,
+                "copied_drafts": self.draft_model.copies,
                 "primes": self.primes, "primed_tokens": self.primed_tokens,
                 "vocab_size": self.model.cfg.vocab_size, "head_ids": self.head_ids, **self.source.stats()}
 

@@ -455,6 +455,38 @@ def test_draft_model_stops_where_it_doubts_the_chain(tiny_knot):
         free[:1], "the first draft is always made"
 
 
+def test_a_greedy_draft_model_copies_the_context_where_its_first_draft_agrees(tiny_knot):
+    """COPY_NGRAM: where the context's last 3 tokens occurred before, k tokens followed them, and the
+    draft model's first draft is the first of those, a greedy trip drafts them, at one forward. A
+    shorter copy, a first draft that disagrees, a sampled request, or copy_ngram=None drafts from
+    the model."""
+    import common.speculative as spec
+
+    e = LocalEngine.open(tiny_knot)
+    best, calls = [40], []
+
+    def forward(tokens, kv, pos):  # a draft model whose every guess is best[0]
+        calls.append(len(tokens))
+        out = np.zeros((1, e.cfg.vocab_size), dtype=np.float32)
+        out[0, best[0]] = 10.0
+        return out
+
+    ctx = [1, 2, 3, 40, 41, 42, 43, 44, 9, 1, 2, 3]  # 1 2 3 was followed by 40 41 42 43 44
+    dm = spec.DraftModel(forward, e.new_kv, confidence=0.0)
+    assert dm.draft("a", ctx, 4, SamplingParams(), 0) == ([40, 41, 42, 43], None)
+    assert calls == [len(ctx)] and dm.copies == 1, "the prompt's forward gave the first draft; no more"
+    assert dm.sessions["a"][1] == ctx, "the copies were not fed"
+    best[0], calls[:] = 7, []
+    assert dm.draft("a", ctx, 4, SamplingParams(), 0) == ([7, 7, 7, 7], None) and calls == [1, 1, 1, 1]
+    best[0] = 40
+    # a cycle: 1 2 3 last occurred 4 tokens back, too few for 6 drafts, so the model drafts them
+    assert dm.draft("c", [1, 2, 3, 40, 1, 2, 3], 6, SamplingParams(), 0) == ([40] * 6, None) and dm.copies == 1
+    tokens, scores = dm.draft("a", ctx, 4, SamplingParams(temperature=1.0, seed=3), 1)
+    assert scores is not None and len(scores) == len(tokens) == 4 and dm.copies == 1, "sampled: the model's draws"
+    off = spec.DraftModel(forward, e.new_kv, confidence=0.0, copy_ngram=None)
+    assert off.draft("b", ctx, 4, SamplingParams(), 0) == ([40] * 4, None) and off.copies == 0
+
+
 def test_draft_model_keeps_its_kv_caches_within_the_budget(tiny_knot):
     """With a KV budget, the least recently used sessions go before one grows past it; a dropped
     session drafts the same again from its context, and a sequence that cannot fit alone is a 413."""
