@@ -219,8 +219,10 @@ class DraftModel:
     forward(tokens, kv, start_pos) -> logits (1 or T, vocab) whose last row follows the last token:
     only that row is used, so a forward need not compute the LM head for the others (for a 150-token
     prompt the 0.5B's head over every row took 0.8 s of 2.2). Greedy requests draft the argmax
-    (point masses), or copy the context where it agrees (COPY_NGRAM); sampled ones draw from the sampler's distribution with the DRAFT noise stream
-    and report it (Draft.q), which the accept/reject rule needs.
+    (point masses), or copy the context where it agrees (COPY_NGRAM); sampled ones draw from the
+    sampler's distribution with the DRAFT noise stream and report it (Draft.q), which the
+    accept/reject rule needs. Drafts stop where the chain's probability falls below confidence
+    (DRAFT_CONFIDENCE).
 
     kv_budget_bytes, with kv_bound(n) (the most an n-token sequence's cache may hold, growth
     included: KVCache.nbytes_bound), bounds the sessions' caches together: before a session grows,

@@ -12,9 +12,10 @@ speculative decoding (common/speculative.py, DraftModel).
     GET  /stats
 
 Env: KNOT_KEY (the draft model's .knot), DRAFT_HEAD_IDS (the ids its LM head scores: those below,
-and the special tokens; common/speculative.py), MEMORY_BUDGET_BYTES (default 1 GiB: the whole model, one
-forward's work and the sessions' KV caches; /stats max_context_tokens is the longest sequence whose
-cache it holds, and the coordinator drafts with it only for sequences that fit); binding KNOT_BUCKET.
+and the special tokens; common/speculative.py), MEMORY_BUDGET_BYTES (default 1 GiB: the whole
+model, one forward's work and the sessions' KV caches; /stats max_context_tokens is the longest
+sequence whose cache it holds, and the coordinator drafts with it only for sequences that fit);
+binding KNOT_BUCKET.
 
 Why a service of its own rather than a model inside the coordinator: the coordinator is a Worker
 that must stay small and keep serving every request from one event loop, while a draft model holds
@@ -105,7 +106,8 @@ class Drafter:
             return {n: self.tensors[n] for n in self.model.phase_tensors(layer, phase) if n in self.tensors}
 
         cfg = self.model.cfg
-        self.vocab_runs = draft_vocab_runs(cfg.vocab_size, self.settings.head_ids, await self._special_ids(header))
+        specials = await self._special_ids(header) if 0 < self.settings.head_ids < cfg.vocab_size else []
+        self.vocab_runs = draft_vocab_runs(cfg.vocab_size, self.settings.head_ids, specials)
         self.head_ids = cfg.vocab_size if self.vocab_runs is None else sum(b - a for a, b in self.vocab_runs)
 
         def forward(tokens: list[int], kv, pos: int) -> np.ndarray:  # -> (1, vocab): the last row only
@@ -133,8 +135,8 @@ class Drafter:
         """The draft model's special tokens (control and user-defined: an end of text, code infill's
         markers), which its head scores whatever DRAFT_HEAD_IDS leaves out."""
         if TOKENIZER_BLOB not in header.blobs:
-            log.warning("draft model %r has no tokenizer: its head scores ids below DRAFT_HEAD_IDS=%d only, "
-                        "special tokens included", self.settings.knot_key, self.settings.head_ids)
+            log.warning("draft model %r has no tokenizer, so no special tokens are known: its head scores "
+                        "only the ids below DRAFT_HEAD_IDS=%d", self.settings.knot_key, self.settings.head_ids)
             return []
         blob = await self.source.read_tensor(TOKENIZER_BLOB)  # checked against the knot's crc32
         types = decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding).get("token_types") or []
