@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from common.speculative import DRAFT_CONFIDENCE  # noqa: E402
+from common.speculative import COPY_NGRAM, DRAFT_CONFIDENCE, lookup  # noqa: E402
 
 HELD_CHATS = ["What is the difference between a process and a thread? Answer in two paragraphs.",
               "Write a short email asking a colleague to review my pull request by Friday.",
@@ -62,8 +62,6 @@ def replay(prompt: Sequence[int], target: Sequence[int], chains: Sequence[Chain]
     accepted, trips). copy: where the context's last COPY_NGRAM tokens occurred before, max_draft
     tokens followed them, and the model's first draft is the first of those, the trip drafts them
     (one forward); the drafter then catches up on the tokens it did not feed, at half a forward."""
-    from common.speculative import COPY_NGRAM, lookup
-
     plain, row, draft = cost
     n = ms = drafted = accepted = trips = 0
     behind = False
