@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from common.speculative import COPY_NGRAM, DRAFT_CONFIDENCE, lookup  # noqa: E402
+from common.speculative import COPY_NGRAM, DRAFT_CONFIDENCE, lookup, top_probability  # noqa: E402
 
 HELD_CHATS = ["What is the difference between a process and a thread? Answer in two paragraphs.",
               "Write a short email asking a colleague to review my pull request by Friday.",
@@ -123,10 +123,8 @@ def record(target_name: str, draft_name: str, prompts: str, tokens: int, max_dra
             kv.truncate(len(ctx) - 1)
             logits, chain = dr.forward([ctx[-1]], kv, len(ctx) - 1, vocab_runs=runs)[-1], []
             for i in range(max_draft):
-                z = logits.astype(np.float64)
-                p = np.exp(z - z.max())
-                t = int(np.argmax(z))
-                chain.append((t, float(p[t] / p.sum())))
+                t = int(np.argmax(logits))
+                chain.append((t, top_probability(logits)))  # as DraftModel's stop rule reads it
                 if i + 1 < max_draft:
                     logits = dr.forward([t], kv, len(ctx) + i, vocab_runs=runs)[-1]
             chains.append(chain)

@@ -87,6 +87,12 @@ def bytes_to_unicode() -> dict[int, str]:
 _BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
 
 
+def special_ids(token_types: Sequence[int]) -> set[int]:
+    """The ids of control and user-defined tokens (an end of text, a chat turn's markers, code
+    infill's): what "special" means for encoding, decoding and a draft model's head."""
+    return {i for i, t in enumerate(token_types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
@@ -110,7 +116,7 @@ class Tokenizer:
         self.eos_id = data.get("eos_token_id")
         self.add_bos = bool(data.get("add_bos_token", False))
         self.chat_template: str | None = data.get("chat_template")
-        self.special_ids = {i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+        self.special_ids = special_ids(types)
         self.control_ids = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
         self.eog_ids = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i in self.control_ids}
         if self.eos_id is not None:

@@ -26,7 +26,7 @@ from common.sampling import SamplingParams
 from common.speculative import (DRAFT_HEAD_IDS, Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost,
                                 draft_vocab_runs)
 from common.sync import iterate_sync
-from common.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer, special_ids
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class LocalEngine:
                 raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) is not this model's")
             runs = None
             if 0 < draft_head_ids < draft.cfg.vocab_size:
-                runs = draft_vocab_runs(draft.cfg.vocab_size, draft_head_ids, draft.tokenizer.special_ids)
+                types = draft.model.tokenizer_data().get("token_types") or []  # not a whole Tokenizer
+                runs = draft_vocab_runs(draft.cfg.vocab_size, draft_head_ids, special_ids(types))
             # the last row's logits: all it uses
             self.draft = DraftModel(lambda t, kv, p: draft.forward(t, kv, p, vocab_runs=runs), draft.new_kv)
         self.arch = model_for(model.header)

@@ -42,7 +42,7 @@ from common.runtime import BadRequest, Env, NotFound, Request, Response, Service
 from common.sampling import SamplingParams
 from common.settings import read
 from common.speculative import DRAFT_HEAD_IDS, MAX_DRAFT, DraftModel, draft_vocab_runs
-from common.tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
+from common.tokenizer import special_ids
 from services.boot import BootCache
 from services.knot_source import KnotSource
 from services.offload import off_loop
@@ -106,7 +106,7 @@ class Drafter:
             return {n: self.tensors[n] for n in self.model.phase_tensors(layer, phase) if n in self.tensors}
 
         cfg = self.model.cfg
-        specials = await self._special_ids(header) if 0 < self.settings.head_ids < cfg.vocab_size else []
+        specials = await self._special_ids(header) if 0 < self.settings.head_ids < cfg.vocab_size else set()
         self.vocab_runs = draft_vocab_runs(cfg.vocab_size, self.settings.head_ids, specials)
         self.head_ids = cfg.vocab_size if self.vocab_runs is None else sum(b - a for a, b in self.vocab_runs)
 
@@ -131,16 +131,15 @@ class Drafter:
                 f"{max(kv_budget, 0)} bytes for KV caches beside {header.payload_nbytes} bytes of tensors and "
                 f"{work} of work, room for {self.max_context_tokens} tokens (at least {need} are needed)")
 
-    async def _special_ids(self, header) -> list[int]:
+    async def _special_ids(self, header) -> set[int]:
         """The draft model's special tokens (control and user-defined: an end of text, code infill's
         markers), which its head scores whatever DRAFT_HEAD_IDS leaves out."""
         if TOKENIZER_BLOB not in header.blobs:
             log.warning("draft model %r has no tokenizer, so no special tokens are known: its head scores "
                         "only the ids below DRAFT_HEAD_IDS=%d", self.settings.knot_key, self.settings.head_ids)
-            return []
+            return set()
         blob = await self.source.read_tensor(TOKENIZER_BLOB)  # checked against the knot's crc32
-        types = decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding).get("token_types") or []
-        return [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        return special_ids(decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding).get("token_types") or [])
 
     def _evicted(self, request_id: str) -> None:
         log.warning("draft session %s dropped: the sessions' KV caches would exceed the %d bytes that "
