@@ -14,6 +14,7 @@ A batch of sequences runs as one: x holds their rows back to back, seqs[i] = (kv
 from __future__ import annotations
 
 import inspect
+from types import MappingProxyType
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
@@ -79,6 +80,23 @@ def forward_range(model: Model, x: np.ndarray, layer_start: int, layer_end: int,
     positions (T,) are the absolute positions of x's rows; kv is the sequence's cache."""
     seqs = [(kv, np.asarray(positions, dtype=np.int64))]
     return run_sync(run_layers(model, x, layer_start, layer_end, seqs, _Functions(model, load_phase, release)))
+
+
+def phase_loader(model: Model, get: Callable[[str], QTensor | None]) -> Callable[[int, str], PhaseWeights]:
+    """load_phase over weights that stay at hand (the single process's, a drafter's): each (layer,
+    phase)'s read-only mapping is built once, from get(name) (None: absent, left out so that the
+    phase raises MissingTensorError naming it). Why: building it afresh took a dict, a list of names
+    and their lookups per phase, four phases a layer, in every forward."""
+    built: dict[tuple[int, str], PhaseWeights] = {}
+
+    def load_phase(layer: int, phase: str) -> PhaseWeights:
+        w = built.get((layer, phase))
+        if w is None:
+            named = ((n, get(n)) for n in model.phase_tensors(layer, phase))
+            w = built[layer, phase] = MappingProxyType({n: t for n, t in named if t is not None})
+        return w
+
+    return load_phase
 
 
 def forward_tokens(model: Model, tokens: Sequence[int], kv: KVCache, start_pos: int,

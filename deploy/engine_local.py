@@ -18,9 +18,9 @@ import numpy as np
 
 from common.generation import Generation, generate_events
 from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
-from common.layers import forward_tokens
+from common.layers import forward_tokens, phase_loader
 from common.matmul import get_kernel
-from common.models import model_for
+from common.models import PhaseWeights, model_for
 from common.quant import QTensor
 from common.sampling import SamplingParams
 from common.speculative import (DRAFT_HEAD_IDS, Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost,
@@ -72,6 +72,7 @@ class LocalEngine:
         self.kv_dtype = kv_dtype
         self._tokenizer: Tokenizer | None = None
         self._weights: dict[str, QTensor] = {}
+        self._load_phase = phase_loader(self.arch, lambda n: self.weight(n) if self.model.has_tensor(n) else None)
         self._sessions: dict[str, KVCache] = {}  # request id -> its KV cache, while it generates
         f32_bytes = self.matmul_weights_f32_bytes()
         if cache_f32 is None:
@@ -119,9 +120,8 @@ class LocalEngine:
         self._weights[name] = w
         return w
 
-    def load_phase(self, layer: int, phase: str) -> dict[str, QTensor]:
-        # Absent tensors are left out so that the phase raises MissingTensorError naming them.
-        return {n: self.weight(n) for n in self.arch.phase_tensors(layer, phase) if self.model.has_tensor(n)}
+    def load_phase(self, layer: int, phase: str) -> PhaseWeights:
+        return self._load_phase(layer, phase)
 
     # ------------------------------------------------------------------ forward
 

@@ -36,7 +36,7 @@ import numpy as np
 from common import wire
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
 from common.kvcache import PREFILL_CHUNK_TOKENS
-from common.layers import forward_tokens
+from common.layers import forward_tokens, phase_loader
 from common.quant import QTensor
 from common.runtime import BadRequest, Env, NotFound, Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
@@ -102,8 +102,7 @@ class Drafter:
             self.tensors[name] = QTensor(name, e.ggml_type, tuple(e.shape), payload[start - a:end - a])
         head = self.tensors[self.model.head_tensor(lambda n: n in self.tensors)]
 
-        def load_phase(layer: int, phase: str) -> dict[str, QTensor]:
-            return {n: self.tensors[n] for n in self.model.phase_tensors(layer, phase) if n in self.tensors}
+        load_phase = phase_loader(self.model, self.tensors.get)
 
         cfg = self.model.cfg
         specials = await self._special_ids(header) if 0 < self.settings.head_ids < cfg.vocab_size else set()
