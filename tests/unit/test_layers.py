@@ -131,6 +131,34 @@ def test_done_runs_for_a_failed_phase_and_the_range_is_checked(engine):
         layers.steps(engine.arch, 1, 3)
 
 
+def test_phase_loader_builds_each_phase_once_read_only_and_leaves_out_absent_tensors(engine):
+    asked = []
+
+    def get(name):
+        asked.append(name)
+        return None if name == "blk.1.ffn_up.weight" else engine.weight(name)
+
+    load = layers.phase_loader(engine.arch, get)
+    w = load(0, "attn")
+    assert sorted(w) == sorted(engine.arch.phase_tensors(0, "attn"))
+    assert all(w[n] is engine.weight(n) for n in w)
+    n_asked = len(asked)
+    assert load(0, "attn") is w and len(asked) == n_asked, "built once, then the same mapping"
+    with pytest.raises(TypeError):
+        w["blk.0.attn_q.weight"] = None  # read-only: a phase cannot change what the next forward reads
+    assert "blk.1.ffn_up.weight" not in load(1, "ffn_up")
+    x, seqs = batch(engine, [(0, 2)])
+    with pytest.raises(MissingTensorError, match="phase ffn_up of layer 1: missing tensor blk.1.ffn_up.weight"):
+        layers.forward_range(engine.arch, x, 0, 2, load, seqs[0][0], seqs[0][1])
+    # the single process's own loader gives the loop the same bits as fresh mappings per phase
+    fresh = lambda layer, phase: {n: engine.weight(n) for n in engine.arch.phase_tensors(layer, phase)}  # noqa: E731
+    x, seqs = batch(engine, [(3, 4)])
+    (kv, pos), = seqs
+    kv2 = copy_seqs(seqs)[0][0]
+    np.testing.assert_array_equal(layers.forward_range(engine.arch, x, 0, 2, engine.load_phase, kv, pos),
+                                  layers.forward_range(engine.arch, x.copy(), 0, 2, fresh, kv2, pos))
+
+
 def test_run_sync_refuses_code_that_needs_an_event_loop(engine):
     x, seqs = batch(engine, [(0, 1)])
     w = AsyncWeights(engine)
