@@ -2,10 +2,13 @@
 are the full-logit sampler's, for the same seed, row by row and through the in-process cluster."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from common import wire
+from common.generation import token_logprobs
 from common.runtime import Request
 from common.sampling import Sampler, SamplingParams, top_indices
 from common.shard_sampling import LSE, SliceSummary, decide, merge, row_history, summarize
@@ -154,9 +157,24 @@ async def test_cluster_shard_sampling_gives_the_single_process_tokens(tiny_knot,
             assert ss["summaries"] + ss["full_slices"] == r["timings"]["speculation"]["trips"] + 1
     stats = [(await s.fetch(Request("GET", "/stats"))).json() for s in c.shards]
     assert all(s["sample_calls"] > 0 for s in stats)
-    # logprobs: the same tokens and top alternatives as the single process
-    r = (await c.generate(prompt=prompt, max_tokens=8, logprobs=3, temperature=0.9, seed=2)).json()
-    assert r["tokens"] == engine.generate(ids, SamplingParams(temperature=0.9, seed=2), max_tokens=8).token_ids
+    # logprobs (the OpenAI endpoints', which /generate does not serve; chat's entries carry each
+    # token's bytes): the single process's tokens, and each one's logprob and top 3 as the full
+    # logits give them
+    messages = [{"role": "user", "content": prompt}]
+    body = {"messages": messages, "max_tokens": 8, "logprobs": True, "top_logprobs": 3, "temperature": 0.9, "seed": 2}
+    r = (await c.coordinator.fetch(Request("POST", "https://coordinator/v1/chat/completions",
+                                           {"Content-Type": "application/json"}, json.dumps(body).encode()))).json()
+    chat_ids = engine.tokenizer.encode_chat(messages)
+    want = engine.generate(chat_ids, SamplingParams(temperature=0.9, seed=2), max_tokens=8).token_ids
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(want) > 0
+    rows = engine.forward(chat_ids + want[:-1], engine.new_kv(), 0, all_logits=True)[len(chat_ids) - 1:]  # (len(want), vocab)
+    tb = engine.tokenizer.token_bytes
+    for t, row, got in zip(want, rows, content):
+        ref = token_logprobs(row, t, 3)
+        assert got["bytes"] == list(tb(t)) and got["logprob"] == pytest.approx(ref.logprob, abs=1e-5)
+        assert [e["bytes"] for e in got["top_logprobs"]] == [list(tb(i)) for i, _ in ref.top]
+        assert [e["logprob"] for e in got["top_logprobs"]] == pytest.approx([v for _, v in ref.top], abs=1e-5)
     await c.drain()
 
 
