@@ -112,7 +112,7 @@ def cpu(running: dict, gen: str, tokens: int) -> None:
     procs = {n: r.pid for n, r in running.items() if r.kind == "process" and servers.pid_alive(r.pid)}
     before = {n: cpu_seconds(p) for n, p in procs.items()}
     t0 = time.perf_counter()
-    b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "speculation": "off"})
+    b = post(gen, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "speculation": "off"})
     wall = time.perf_counter() - t0
     n = b["usage"]["completion_tokens"]
     per = {k: (cpu_seconds(p) - before[k]) / n * 1e3 for k, p in procs.items()}

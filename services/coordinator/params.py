@@ -130,9 +130,26 @@ def check_messages(messages: Any, param: str = "messages") -> list[dict]:
     return messages
 
 
+# What POST /generate reads. Why it refuses the rest, unlike the OpenAI endpoints (which ignore
+# fields such as `user`, as OpenAI's clients send them): this endpoint is the project's own, and a
+# misspelt field ("max_token", "temprature") or one only the OpenAI endpoints serve ("logprobs")
+# would otherwise be dropped in silence, and the reply would answer another request.
+GENERATE_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+                   "speculation", "shard_failure")
+OPENAI_ONLY = {"logprobs": "/v1/completions or /v1/chat/completions", "top_logprobs": "/v1/chat/completions",
+               "stream": "/v1/completions or /v1/chat/completions", "model": "/v1/completions or /v1/chat/completions"}
+
+
 def parse_generate(body: Any) -> GenerateRequest:
     if not isinstance(body, dict):
         raise InvalidParam("the body must be a JSON object")
+    unknown = [k for k in body if k not in GENERATE_FIELDS]
+    if unknown:
+        k = unknown[0]
+        where = f"; {k!r} is served by {OPENAI_ONLY[k]}" if k in OPENAI_ONLY else ""
+        raise InvalidParam(f"POST /generate does not take {', '.join(map(repr, unknown))}{where} "
+                           f"(its fields: {', '.join(GENERATE_FIELDS)})", k)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidParam('give exactly one of "prompt" (a string) or "messages" (a list of {role, content})')

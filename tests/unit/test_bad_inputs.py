@@ -83,6 +83,22 @@ async def test_deeply_nested_json_is_a_400(cluster, path):
     assert await baseline(cluster)
 
 
+@pytest.mark.parametrize("extra,named,hint", [
+    ({"max_token": 2}, "max_token", None),                     # a typo would have generated 128 tokens
+    ({"temprature": 0.7, "seed": 1}, "temprature", None),      # ... greedily
+    ({"logprobs": 3}, "logprobs", "/v1/completions"),          # only the OpenAI endpoints serve it
+    ({"stream": True}, "stream", "/v1/chat/completions"),
+])
+async def test_generate_refuses_fields_it_does_not_read(cluster, extra, named, hint):
+    r = await post_raw(cluster, "/generate", dumps({"prompt": PROMPT, "max_tokens": 4, **extra}))
+    assert r.status == 400, (r.status, r.body)
+    assert f"does not take {named!r}" in r.text() and "max_tokens" in r.text()  # what it does take
+    assert hint is None or hint in r.text()
+    # the OpenAI endpoints ignore fields they do not know, as OpenAI's clients expect (docs/api.md)
+    r = await post_raw(cluster, "/v1/completions", dumps({"prompt": PROMPT, "max_tokens": 2, "user": "u1", "max_token": 3}))
+    assert r.status == 200, (r.status, r.body)
+
+
 async def test_cluster_gives_the_baseline_after_bad_inputs(cluster):
     want = await baseline(cluster)
     for extra, _ in SAMPLING_CASES:

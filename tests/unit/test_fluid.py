@@ -34,7 +34,7 @@ async def _run(tiny_knot, tmp_path, prefetch: str, monkeypatch):
                             station_budget_bytes=PREFETCH_BUDGET_BYTES, station_vars={"PREFETCH": prefetch})
     tokens = []
     for prompt in ("the def", "def the quick"):
-        r = await c.generate(prompt=prompt, max_tokens=8, ignore_eos=True)
+        r = await c.generate(prompt=prompt, max_tokens=8)
         assert r.status == 200, r.body
         tokens.append(r.json()["tokens"])
     stats = (await c.stations[0].fetch(Request("GET", "https://station/stats"))).json()
@@ -124,7 +124,7 @@ async def test_a_plan_that_says_prefetch_is_one_a_decode_with_a_session_can_keep
     for budget in range(1_300_000, 3_300_000, 50_000):
         c = await build_cluster(tiny_knot, tmp_path / str(budget), n_stations=1, n_shards=2,
                                 station_budget_bytes=budget)
-        r = await c.generate(prompt="the def", max_tokens=6, ignore_eos=True)
+        r = await c.generate(prompt="the def", max_tokens=6)
         if r.status == 400 and (b"no room for a completion" in r.body or b"whose KV cache" in r.body):
             await c.drain()
             continue  # below the least budget that holds this generation's session
