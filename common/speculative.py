@@ -195,11 +195,17 @@ def top_probability(z: np.ndarray) -> float:
 DRAFT_HEAD_IDS = 100_000
 
 
+def narrows_head(vocab_size: int, below: int) -> bool:
+    """Whether DRAFT_HEAD_IDS=below leaves ids out of the head (0, or the whole vocabulary: none);
+    where it does not, the caller need not read the special ids at all."""
+    return 0 < below < vocab_size
+
+
 def draft_vocab_runs(vocab_size: int, below: int, special_ids: Iterable[int]) -> list[tuple[int, int]] | None:
     """The id ranges [a, b) a draft model's head scores: [0, below) and the special ids at or above
     it, in runs of consecutive ids (Qwen2's 22 specials are one run) -> sorted, disjoint runs, or
-    None (the whole head) where below is 0 or covers the vocabulary."""
-    if below <= 0 or below >= vocab_size:
+    None (the whole head) where below does not narrow it (narrows_head)."""
+    if not narrows_head(vocab_size, below):
         return None
     runs = [[0, below]]
     for i in sorted({int(i) for i in special_ids if below <= int(i) < vocab_size}):

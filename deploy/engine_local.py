@@ -24,7 +24,7 @@ from common.models import PhaseWeights, model_for
 from common.quant import QTensor
 from common.sampling import SamplingParams
 from common.speculative import (DRAFT_HEAD_IDS, Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost,
-                                draft_vocab_runs)
+                                draft_vocab_runs, narrows_head)
 from common.sync import iterate_sync
 from common.tokenizer import Tokenizer, special_ids
 
@@ -61,7 +61,7 @@ class LocalEngine:
             if draft.cfg.vocab_size != model_for(model.header).cfg.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) is not this model's")
             runs = None
-            if 0 < draft_head_ids < draft.cfg.vocab_size:
+            if narrows_head(draft.cfg.vocab_size, draft_head_ids):
                 types = draft.model.tokenizer_data().get("token_types") or []  # not a whole Tokenizer
                 runs = draft_vocab_runs(draft.cfg.vocab_size, draft_head_ids, special_ids(types))
             # the last row's logits: all it uses

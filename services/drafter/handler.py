@@ -41,7 +41,7 @@ from common.quant import QTensor
 from common.runtime import BadRequest, Env, NotFound, Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
 from common.settings import read
-from common.speculative import DRAFT_HEAD_IDS, MAX_DRAFT, DraftModel, draft_vocab_runs
+from common.speculative import DRAFT_HEAD_IDS, MAX_DRAFT, DraftModel, draft_vocab_runs, narrows_head
 from common.tokenizer import special_ids
 from services.boot import BootCache
 from services.knot_source import KnotSource
@@ -105,7 +105,7 @@ class Drafter:
         load_phase = phase_loader(self.model, self.tensors.get)
 
         cfg = self.model.cfg
-        specials = await self._special_ids(header) if 0 < self.settings.head_ids < cfg.vocab_size else set()
+        specials = await self._special_ids(header) if narrows_head(cfg.vocab_size, self.settings.head_ids) else set()
         self.vocab_runs = draft_vocab_runs(cfg.vocab_size, self.settings.head_ids, specials)
         self.head_ids = cfg.vocab_size if self.vocab_runs is None else sum(b - a for a, b in self.vocab_runs)
 

@@ -95,7 +95,8 @@ async def test_generate_refuses_fields_it_does_not_read(cluster, extra, named, h
     assert f"does not take {named!r}" in r.text() and "max_tokens" in r.text()  # what it does take
     assert hint is None or hint in r.text()
     # the OpenAI endpoints ignore fields they do not know, as OpenAI's clients expect (docs/api.md)
-    r = await post_raw(cluster, "/v1/completions", dumps({"prompt": PROMPT, "max_tokens": 2, "user": "u1", "max_token": 3}))
+    body = {"prompt": PROMPT, "max_tokens": 2, "user": "u1", "max_token": 3}
+    r = await post_raw(cluster, "/v1/completions", dumps(body))
     assert r.status == 200, (r.status, r.body)
 
 

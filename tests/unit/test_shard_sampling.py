@@ -168,7 +168,8 @@ async def test_cluster_shard_sampling_gives_the_single_process_tokens(tiny_knot,
     want = engine.generate(chat_ids, SamplingParams(temperature=0.9, seed=2), max_tokens=8).token_ids
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == len(want) > 0
-    rows = engine.forward(chat_ids + want[:-1], engine.new_kv(), 0, all_logits=True)[len(chat_ids) - 1:]  # (len(want), vocab)
+    # the logits after the prompt and each token but the last: (len(want), vocab)
+    rows = engine.forward(chat_ids + want[:-1], engine.new_kv(), 0, all_logits=True)[len(chat_ids) - 1:]
     tb = engine.tokenizer.token_bytes
     for t, row, got in zip(want, rows, content):
         ref = token_logprobs(row, t, 3)
