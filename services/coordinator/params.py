@@ -59,6 +59,12 @@ def number(body: dict, name: str, default: Any, lo: float | None = None, hi: flo
     return v
 
 
+# Stop strings are matched on the coordinator's one event loop at every token, for every request at
+# once: a few well-formed ones are what clients send (OpenAI takes 4), and a megabyte of them is not.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+
+
 def stop_strings(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -67,6 +73,12 @@ def stop_strings(body: dict) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise InvalidParam("stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidParam(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    for s in stop:
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidParam(f"a stop string takes at most {MAX_STOP_CHARS} characters, got one of {len(s)}",
+                               "stop")
     return tuple(stop)
 
 

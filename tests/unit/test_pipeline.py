@@ -404,7 +404,8 @@ async def test_generate_validation(tiny_knot, tmp_path):
              ({"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
              ({"prompt": "x", "temperature": -1}, "temperature must be >= 0"),
              ({"prompt": "x", "max_tokens": 10**6}, "exceeds the context length"),
-             ({"prompt": "x", "stop": [1]}, "stop must be")]
+             ({"prompt": "x", "stop": [1]}, "stop must be"),
+             ({"prompt": "x", "stop": ["\n"] * 17}, "stop takes at most 16 strings")]
     for body, needle in cases:
         r = await c.generate(**body)
         assert r.status == 400 and needle in r.json()["message"], (body, r.body)
