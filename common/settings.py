@@ -12,6 +12,7 @@ file's substitutions, ... (READERS). `read` refuses a reader the table does not 
 """
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -399,6 +400,21 @@ def read(env: Mapping[str, Any] | Any, name: str, reader: str) -> Any:
 def check(env: Mapping[str, Any] | Any, reader: str) -> dict[str, Any]:
     """Every setting `reader` reads, parsed (the host's start-up check); the first problem raises."""
     return {s.name: read(env, s.name, reader) for s in SETTINGS if reader in s.readers and "<i>" not in s.name}
+
+
+def unknown_knot_names(env: Mapping[str, Any]) -> list[tuple[str, str | None]]:
+    """Variables in `env` named KNOT_* that the table does not declare, each with the declared name
+    it most likely misspells (or None). Why: every KNOT_* variable has a default, so a typo such as
+    KNOT_PROFLE=device would otherwise run the default in silence."""
+    declared = [s.name for s in SETTINGS if s.name.startswith("KNOT_")]
+    unknown = []
+    for name in sorted(n for n in env if n.startswith("KNOT_")):
+        try:
+            lookup(name)
+        except KeyError:
+            close = difflib.get_close_matches(name, declared, n=1, cutoff=0.8)
+            unknown.append((name, close[0] if close else None))
+    return unknown
 
 
 def markdown() -> str:

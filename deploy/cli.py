@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+
+from common import settings
 
 # Order is the order shown by `knot --help`.
 COMMAND_MODULES = (
@@ -27,6 +30,9 @@ COMMAND_MODULES = (
     "deploy.commands.synth",
     "deploy.commands.deploy",
 )
+
+
+log = logging.getLogger("knot")
 
 
 class CommandError(Exception):
@@ -58,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for name, guess in settings.unknown_knot_names(os.environ):
+        log.warning("%s is set but is not a setting%s, so it is ignored (docs/configuration.md lists them)",
+                    name, f" (did you mean {guess}?)" if guess else "")
     from deploy import kernels
 
     kernels.install()  # quantized matmul kernels when the C extension is built; numpy otherwise

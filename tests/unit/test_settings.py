@@ -94,6 +94,20 @@ def test_a_misconfigured_service_fails_at_start_naming_the_variable(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+def test_a_misspelt_knot_variable_is_named_with_its_likely_setting():
+    env = {"KNOT_PROFLE": "device", "KNOT_THREADS": "2", "KNOT_NO_SUCH_THING": "1", "STATION_7": "x",
+           "PROFLE": "device", "KNOT_KEY": "k.knot"}
+    assert settings.unknown_knot_names(env) == [("KNOT_NO_SUCH_THING", None), ("KNOT_PROFLE", "KNOT_PROFILE")]
+    assert settings.unknown_knot_names({"KNOT_THREADS": "2"}) == []
+    # Every `knot` command says so once at its start, and goes on: the variable is ignored, not fatal.
+    p = subprocess.run([sys.executable, "-m", "deploy.cli", "settings"], cwd=ROOT, capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "KNOT_PROFLE": "device", "KNOT_KERNELS": "off"}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert ("KNOT_PROFLE is set but is not a setting (did you mean KNOT_PROFILE?), so it is ignored "
+            "(docs/configuration.md lists them)") in p.stderr
+    assert p.stdout == CONFIG_DOC.read_text()
+
+
 @pytest.mark.parametrize("counts", [(2, 8), (1, 1), (3, 3)])
 def test_every_variable_a_deployment_sets_is_declared_for_its_readers(counts):
     """docker-compose.yml (the layout's rendering) sets only declared variables, each for a reader of
