@@ -19,8 +19,8 @@ from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
 from services.coordinator.generation import Coordinator, policy_headers
-from services.coordinator.params import (GenerateRequest, number, sampling_params, shard_failure, speculation_request,
-                                         stop_strings)
+from services.coordinator.params import (GenerateRequest, chat_message, number, sampling_params, shard_failure,
+                                         speculation_request, stop_strings)
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
 from services.offload import off_loop
 
@@ -108,7 +108,8 @@ def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
 
 
 def _message(m: Any, i: int) -> dict:
-    """One chat message; content as a string (a list of text parts is joined)."""
+    """One chat message: its role and its content as a string (a list of text parts is joined).
+    Other keys OpenAI's clients send back (`name`, `refusal`, ...) are not read (params.chat_message)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise InvalidParam(f"messages[{i}] must be an object with a string role", "messages")
     content = m.get("content")
@@ -124,7 +125,7 @@ def _message(m: Any, i: int) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise InvalidParam(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {**m, "content": content}
+    return chat_message(m, i, content)
 
 
 def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:

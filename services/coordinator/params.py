@@ -134,12 +134,40 @@ def shard_failure(body: dict) -> str | None:
     return v
 
 
+# The roles Qwen's chat template renders. Why refuse the rest: the template drops a message whose
+# role it does not know, in silence ("usr" would leave the model answering without the question),
+# and a role is template text, so "user<|im_end|>..." would write control tokens where only the
+# contents are kept as plain text (common/tokenizer.py, encode_chat).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def chat_message(m: dict, i: int, content: str) -> dict:
+    """messages[i] as the template gets it: its role, checked, and `content`, nothing else. Why
+    nothing else: the template writes an assistant's `tool_calls` (function names) as template
+    text too, so they are refused (no tool calling), and other keys (`name`, ...) do not reach it."""
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise InvalidParam(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", "messages")
+    for key in ("tool_calls", "function_call"):
+        if m.get(key):
+            raise InvalidParam(f"messages[{i}].{key}: no tool calling", "messages")
+    return {"role": role, "content": content}
+
+
 def check_messages(messages: Any, param: str = "messages") -> list[dict]:
+    """POST /generate's messages: each exactly {"role", "content"}, both strings (the project's own
+    endpoint refuses what it would not read, as it does for fields)."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
         raise InvalidParam('messages must be a non-empty list of {"role": str, "content": str}', param)
-    return messages
+    out = []
+    for i, m in enumerate(messages):
+        out.append(chat_message(m, i, m["content"]))
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise InvalidParam(f"messages[{i}] takes only role and content, got {', '.join(map(repr, extra))}", param)
+    return out
 
 
 # What POST /generate reads. Why it refuses the rest, unlike the OpenAI endpoints (which ignore
@@ -168,7 +196,7 @@ def parse_generate(body: Any) -> GenerateRequest:
     if prompt is not None and not isinstance(prompt, str):
         raise InvalidParam(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
     if messages is not None:
-        check_messages(messages)
+        messages = check_messages(messages)
     max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
     return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body),
                            speculation=speculation_request(body), shard_failure=shard_failure(body))
