@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "enum",
+PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "difflib", "enum",
                "functools", "hashlib", "heapq", "hmac", "inspect", "itertools", "json", "math", "operator", "re",
                "string", "struct", "types", "typing", "unicodedata", "urllib", "zlib"}
 HANDLER_RUNTIME = {"asyncio", "contextvars", "logging", "time", "uuid"}  # Python Workers have these too
