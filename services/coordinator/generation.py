@@ -396,7 +396,7 @@ class Coordinator:
             raise
         finally:
             ctx.wait_until(self.pipeline.release(gen.request_id))  # free the stations' KV caches, however we ended
-            if gen.speculation.source == "draft_model":
+            if gen.speculation.source == "draft_model" and self.drafter_client.checked:  # (else it holds nothing)
                 ctx.wait_until(self._release_draft(gen.request_id))
             self._count(gen, outcome or "cancelled")
 

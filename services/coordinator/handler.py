@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
-from common.runtime import BadGateway, Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
+from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
 from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
@@ -177,23 +177,21 @@ async def _check_stations(stations: list[StationClient], n_layers: int) -> list[
 
 
 async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> DrafterClient | None:
-    """The DRAFTER binding's client, once its model's vocabulary is known to be ours; None when unbound."""
+    """The DRAFTER binding's client; None when unbound. A drafter of another vocabulary is a
+    TopologyError, as a misconfigured station is. One that does not answer (down, still booting, or
+    refusing a corrupt model) does not stop the coordinator's boot: the drafter only speeds
+    generations up. The first generation that drafts checks it again (RemoteDraftModel); if that
+    fails, the generation goes without drafts and `auto` leaves the drafter out for
+    DRAFTER_TIMEOUT_S (DrafterClient.cooling)."""
     binding = read(env, "DRAFTER", "coordinator")
     if binding is None:
         return None
     client = DrafterClient(binding, settings.drafter_timeout_s, vocab_size=vocab_size)
     try:
-        stats = await client.stats()
-    except HttpError as e:
-        raise ServiceUnavailable(f"drafter {e}") from None
-    theirs, longest = stats.get("vocab_size"), stats.get("max_context_tokens")
-    for name, v in (("vocab_size", theirs), ("max_context_tokens", longest)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise BadGateway(f"drafter /stats: {name} {v!r}, expected a positive integer")
-    if theirs != vocab_size:
-        raise TopologyError(f"the drafter's model has a vocabulary of {theirs} tokens, the served model "
-                            f"{vocab_size}: a draft model must share the tokenizer")
-    client.max_context_tokens = longest
+        await client.check()
+    except (HttpError, TimeoutError) as e:  # not a fault yet (cooling): it may still be booting
+        log.warning("the drafter did not answer /stats (%s: %s): the first generation that drafts asks it again, "
+                    "and goes without drafts if it still does not", type(e).__name__, e)
     return client
 
 

@@ -14,6 +14,7 @@ from common import wire
 from common.runtime import BadGateway, HttpError, Request
 from common.sampling import softmax
 from common.speculative import Draft, draft_key
+from common.topology import TopologyError
 from services.coordinator.pipeline import Hops
 from services.drafter.handler import SAMPLING_FIELDS
 from services.peer import PEER_URL, call, get_json
@@ -30,6 +31,7 @@ class DrafterClient:
         self.max_context_tokens = max_context_tokens  # the longest sequence it drafts for (its /stats)
         self.vocab_size = vocab_size  # the served model's, which the drafter's shares (checked at boot)
         self.faulted_at = -math.inf  # time.monotonic() of its last fault (RemoteDraftModel)
+        self.checked = False  # its /stats confirmed its vocabulary and gave max_context_tokens (check())
 
     def cooling(self) -> bool:
         """It failed a generation within the last timeout_s: `auto` leaves it out meanwhile, so a hung
@@ -94,6 +96,20 @@ class DrafterClient:
     async def stats(self, timeout_s: float | None = None) -> dict:
         return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)
 
+    async def check(self) -> None:
+        """Ask /stats before the first draft: the drafter's model must share the served model's
+        vocabulary (TopologyError), and the longest sequence its budget holds becomes
+        max_context_tokens. HttpError or TimeoutError when it does not answer well."""
+        stats = await self.stats()
+        theirs, longest = stats.get("vocab_size"), stats.get("max_context_tokens")
+        for name, v in (("vocab_size", theirs), ("max_context_tokens", longest)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise BadGateway(f"drafter /stats: {name} {v!r}, expected a positive integer")
+        if theirs != self.vocab_size:
+            raise TopologyError(f"the drafter's model has a vocabulary of {theirs} tokens, the served model "
+                                f"{self.vocab_size}: a draft model must share the tokenizer")
+        self.max_context_tokens, self.checked = longest, True
+
 
 class RemoteDraftModel:
     """The Drafter and Primes protocols (common.speculative) over the drafter service.
@@ -105,7 +121,9 @@ class RemoteDraftModel:
     A drafter fault (unreachable, timed out, an error or a malformed reply) does not fail the
     request either: that generation drafts no more, and says so (timings.speculation.drafter_error,
     a warning, knot_spec_drafter_faults_total). Its tokens are the same: greedy, every token is the
-    target's argmax; sampled, each is drawn from the target's distribution with or without a draft."""
+    target's argmax; sampled, each is drawn from the target's distribution with or without a draft.
+    A drafter the coordinator could not check at its boot is checked (DrafterClient.check) by the
+    first generation that drafts with it; until it passes, nothing is sent to it but /stats."""
 
     def __init__(self, client: DrafterClient, observe: Callable[[str, float], None] | None = None):
         self.client = client
@@ -120,12 +138,25 @@ class RemoteDraftModel:
         # In calls of PRIME_CHUNK_TOKENS more each (the drafter keeps what it read): each call is
         # bounded in time, as a station's prefill chunk is, and other generations' drafts are
         # served between them. A call sends the whole prefix, whose head the drafter matches.
+        if not await self._checked(gen):
+            return
         try:
             for end in range(min(PRIME_CHUNK_TOKENS, len(prompt)), len(prompt) + PRIME_CHUNK_TOKENS,
                              PRIME_CHUNK_TOKENS):
                 await self.client.prime(gen.request_id, prompt[:min(end, len(prompt))])
         except (HttpError, TimeoutError) as e:
             self._fault(gen, "/prime", e)
+
+    async def _checked(self, gen) -> bool:
+        if gen.drafter_error is not None:
+            return False
+        if not self.client.checked:
+            try:
+                await self.client.check()
+            except (HttpError, TimeoutError, TopologyError) as e:
+                self._fault(gen, "/stats", e)
+                return False
+        return True
 
     def _fault(self, gen, what: str, e: BaseException) -> None:
         self.client.faulted_at = time.monotonic()
@@ -134,7 +165,7 @@ class RemoteDraftModel:
                     "same tokens", gen.request_id, gen.drafter_error)
 
     async def propose(self, gen, context: list[int], k: int) -> Draft:
-        if gen.drafter_error is not None:
+        if not await self._checked(gen):
             return Draft([], None)
         limit = self.client.max_context_tokens
         if limit is not None:

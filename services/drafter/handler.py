@@ -99,7 +99,11 @@ class Drafter:
         payload.flags.writeable = False  # as the read's bytes were: nothing may change weights in place
         for name, e in header.tensors.items():
             start, end = header.tensor_range(name)
-            self.tensors[name] = QTensor(name, e.ggml_type, tuple(e.shape), payload[start - a:end - a])
+            data = payload[start - a:end - a]
+            # The bucket is not trusted: a flipped byte in the draft model would not change a served
+            # token (the target checks every draft) but would make its drafts worthless in silence.
+            self.source.verify(name, data)
+            self.tensors[name] = QTensor(name, e.ggml_type, tuple(e.shape), data)
         head = self.tensors[self.model.head_tensor(lambda n: n in self.tensors)]
 
         load_phase = phase_loader(self.model, self.tensors.get)

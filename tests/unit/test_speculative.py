@@ -717,6 +717,70 @@ async def test_a_drafter_fault_leaves_the_generation_without_drafts_and_the_same
     await c.drain()
 
 
+async def test_a_drafter_refuses_to_boot_on_a_corrupt_tensor_and_generations_go_on_without_it(tiny_knot, other_tiny,
+                                                                                              tmp_path):
+    """The bucket is not trusted: one flipped byte in the draft model's weights would change no
+    served token (the target checks each draft) but would make every draft worthless in silence.
+    The drafter checks each tensor's crc32 at boot, as stations and shards do on their reads."""
+    from deploy.knotfile import open_model
+
+    header = open_model(other_tiny.model.path).header
+    name = next(n for n in header.tensors if ".ffn_down." in n)
+    start, end = header.tensor_range(name)
+    data = bytearray(other_tiny.model.path.read_bytes())
+    data[(start + end) // 2] ^= 0x10
+    corrupt = tmp_path / "draft-corrupt.knot"
+    corrupt.write_bytes(bytes(data))
+    c = await build_cluster(tiny_knot, tmp_path, 1, 2, draft_knot=corrupt)
+    r = await c.coordinator.env.DRAFTER.fetch(Request("GET", "/stats"))
+    assert r.status == 503 and f"tensor {name}: crc32" in r.json()["message"], r.body
+    # The coordinator boots without it (it used to refuse to boot, taking the cluster down with the
+    # drafter): auto goes without the draft model, and a request for it goes without drafts.
+    off = await c.generate(prompt=CODE, max_tokens=8, speculation="off")
+    assert off.status == 200, off.body
+    for source in ("draft_model", "prompt_lookup"):  # auto tries it, then leaves it out for DRAFTER_TIMEOUT_S
+        auto = (await c.generate(prompt=CODE, max_tokens=8)).json()
+        assert auto["tokens"] == off.json()["tokens"] and auto["timings"]["speculation"]["source"] == source
+    r = await c.generate(prompt=CODE, max_tokens=8, speculation="draft_model")
+    assert r.status == 200, r.body
+    s = r.json()["timings"]["speculation"]
+    assert r.json()["tokens"] == off.json()["tokens"] and s["drafted"] == 0, s
+    assert "/stats" in s["drafter_error"] and "crc32" in s["drafter_error"], s
+    await c.drain()
+
+
+async def test_a_drafter_down_at_the_coordinators_boot_is_checked_again_and_then_drafts(tiny_knot, other_tiny,
+                                                                                       tmp_path):
+    """The drafter only speeds generations up: one that is down when the coordinator boots leaves it
+    serving without drafts, and the first generation that drafts once it answers checks it (its
+    vocabulary, its limit) and drafts. Before the check nothing but /stats is sent to it."""
+    from common.runtime import ServiceUnavailable
+
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3, draft_knot=other_tiny.model.path)
+    binding = c.coordinator.env.DRAFTER
+    real_fetch, down, paths = binding.fetch, True, []
+
+    async def fetch(request):
+        paths.append(request.path)
+        if down:
+            raise ServiceUnavailable(f"GET {request.path}: connection refused")
+        return await real_fetch(request)
+
+    binding.fetch = fetch
+    off = (await c.generate(prompt=CODE, max_tokens=16, speculation="off")).json()
+    assert paths == ["/stats"]  # the boot asked, and went on
+    r = (await c.generate(prompt=CODE, max_tokens=16, speculation="draft_model")).json()
+    assert r["tokens"] == off["tokens"] and "/stats" in r["timings"]["speculation"]["drafter_error"]
+    await c.drain()
+    assert set(paths) == {"/stats"}
+    down = False
+    r = (await c.generate(prompt=CODE, max_tokens=16, speculation="draft_model")).json()
+    s = r["timings"]["speculation"]
+    assert r["tokens"] == off["tokens"] and s["drafted"] > 0 and s["drafter_error"] is None, s
+    assert c.coordinator.env.DRAFTER is binding and "/draft" in paths
+    await c.drain()
+
+
 async def test_a_hung_drafter_costs_one_generation_its_timeout_and_auto_leaves_it_out_meanwhile(
         tiny_knot, other_tiny, tmp_path):
     """A drafter that hangs: a generation waits DRAFTER_TIMEOUT_S for it at most, then goes on
