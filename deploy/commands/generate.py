@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from common.sampling import SamplingParams
+
 NAME = "generate"
 HELP = ("generate text from a .gguf or .knot (or a named model) in one process; "
         "greedy by default (--temperature 0), so the output is reproducible")
@@ -14,7 +16,7 @@ HELP = ("generate text from a .gguf or .knot (or a named model) in one process; 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="path to a .gguf or .knot, or a model name known to `knot fetch-model`")
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128; fewer where the context ends first)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy, the default: deterministic and comparable with llama.cpp")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -36,11 +38,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not keep float32 copies of the weights (slower, less memory)")
 
 
+# The API's field -> this command's flag, where they are spelt differently
+FLAGS = {"repetition_penalty": "--repeat-penalty"}
+
+
+def checked_request(args: argparse.Namespace) -> tuple[SamplingParams, int, tuple[str, ...]]:
+    """The sampling flags, --max-tokens and --stop, through the API's own checks (the same ranges
+    and messages as a 400 of the coordinator's), so a value the API refuses is not run here."""
+    from services.coordinator.errors import InvalidParam
+    from services.coordinator.params import number, sampling_params, stop_strings
+
+    body = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+            "repetition_penalty": args.repeat_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty, "seed": args.seed, "max_tokens": args.max_tokens,
+            "stop": args.stop}
+    try:
+        return (sampling_params(body), number(body, "max_tokens", 128, lo=1, integer=True), stop_strings(body))
+    except InvalidParam as e:
+        flag = FLAGS.get(e.param or "", f"--{(e.param or '').replace('_', '-')}")
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from common.sampling import SamplingParams
     from deploy.engine_local import LocalEngine
     from deploy.models import model_path
 
+    params, max_tokens, stop = checked_request(args)
     t0 = time.perf_counter()
     engine = LocalEngine.open(model_path(args.model), cache_f32=False if args.no_weight_cache else None)
     tok = engine.tokenizer
@@ -53,17 +76,17 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + body_ids
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
-    params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed)
+    room = engine.cfg.context_length - len(prompt_ids)
+    if room <= 0:
+        raise ValueError(f"the prompt is {len(prompt_ids)} tokens and the context length "
+                           f"{engine.cfg.context_length}: no room for a completion; shorten the prompt")
     load_s = time.perf_counter() - t0
 
     def on_text(s: str) -> None:
         sys.stdout.write(s)
         sys.stdout.flush()
 
-    gen = engine.generate(prompt_ids, params, max_tokens=args.max_tokens, stop=args.stop,
+    gen = engine.generate(prompt_ids, params, max_tokens=max_tokens, stop=stop,
                           on_text=None if args.json else on_text)
     if args.json:
         print(json.dumps({

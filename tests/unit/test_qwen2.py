@@ -440,6 +440,30 @@ def test_generate_stops_at_stop_string_and_streams(tiny_gguf):
     assert cut.text == text[:text.find(stop)] == "".join(pieces)
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--max-tokens", "0"], "--max-tokens: max_tokens must be >= 1, got 0"),
+    (["--temperature", "-1"], "--temperature: temperature must be >= 0, got -1.0"),
+    (["--top-p", "2"], "--top-p: top_p must be <= 1, got 2.0"),
+    (["--repeat-penalty", "0"], "--repeat-penalty: repetition_penalty must be >="),
+    (["--stop", "x" * 1025], "--stop: a stop string takes at most 1024 characters"),
+])
+def test_cli_generate_refuses_what_the_api_refuses(tiny_gguf, capsys, flags, needle):
+    # It printed nothing for --max-tokens 0 and ran --top-p 2 as if it were 1.
+    from deploy.cli import main
+
+    assert main(["generate", str(tiny_gguf), GOLDEN_PROMPT, *flags]) == 1
+    assert f"knot generate: error: {needle}" in capsys.readouterr().err
+
+
+def test_cli_generate_refuses_a_prompt_that_fills_the_context(tiny_gguf, capsys):
+    from deploy.cli import main
+    from deploy.engine_local import LocalEngine
+
+    n_ctx = LocalEngine.open(tiny_gguf).cfg.context_length
+    assert main(["generate", str(tiny_gguf), "the " * n_ctx]) == 1
+    assert f"tokens and the context length {n_ctx}: no room for a completion" in capsys.readouterr().err
+
+
 def test_cli_generate_json(tiny_gguf, capsys, numpy_matmul, monkeypatch):
     monkeypatch.setenv("KNOT_KERNELS", "off")  # the golden ids are the numpy reference path's
     from deploy.cli import main
