@@ -29,7 +29,7 @@ class DrafterClient:
     def __init__(self, binding: Any, timeout_s: float, max_context_tokens: int | None = None, *, vocab_size: int):
         self.binding, self.timeout_s = binding, timeout_s  # DRAFTER_TIMEOUT_S
         self.max_context_tokens = max_context_tokens  # the longest sequence it drafts for (its /stats)
-        self.vocab_size = vocab_size  # the served model's, which the drafter's shares (checked at boot)
+        self.vocab_size = vocab_size  # the served model's, which the drafter's must share (check())
         self.faulted_at = -math.inf  # time.monotonic() of its last fault (RemoteDraftModel)
         self.checked = False  # its /stats confirmed its vocabulary and gave max_context_tokens (check())
 
