@@ -159,20 +159,37 @@ def progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, refused before anything starts (a bench of --tokens 0 ran the
+    cluster up and llama.cpp first, then ended in a traceback)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (empty: none)."""
+    return [positive_int(c.strip()) for c in text.split(",") if c.strip()]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name known to `knot fetch-model`, or a .gguf path "
                    "(default: the project's default model)")
-    p.add_argument("--tokens", type=int, default=64, metavar="N", help="tokens generated per decode run (default 64)")
-    p.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
+    p.add_argument("--tokens", type=positive_int, default=64, metavar="N", help="tokens generated per decode run (default 64)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=512, metavar="N",
                    help="prompt length of the prefill figure (default 512)")
-    p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrent request counts (default 1,4,8)")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2, like the kernels)")
-    p.add_argument("--budget-bytes", type=int, default=RESIDENT_BUDGET_BYTES,
+    p.add_argument("--concurrency", type=positive_ints, default="1,4,8", help="comma-separated concurrent request counts (default 1,4,8)")
+    p.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads (default 2, like the kernels)")
+    p.add_argument("--budget-bytes", type=positive_int, default=RESIDENT_BUDGET_BYTES,
                    help="STATION_MEMORY_BUDGET_BYTES of the main cluster run, which runs `--profile resident` "
                    "(each station's budget: its layers + this; default 128 MiB)")
-    p.add_argument("--fluid-budget-bytes", type=int, default=FLUID_BUDGET_BYTES,
+    p.add_argument("--fluid-budget-bytes", type=positive_int, default=FLUID_BUDGET_BYTES,
                    help="STATION_MEMORY_BUDGET_BYTES of the fluid run, `--profile worker` (default 128 MiB)")
-    p.add_argument("--fluid-tokens", type=int, default=16, metavar="N",
+    p.add_argument("--fluid-tokens", type=positive_int, default=16, metavar="N",
                    help="tokens generated in the fluid run (default 16)")
     p.add_argument("--no-fluid", action="store_true", help="skip the fluid run")
     p.add_argument("--fluid-model", default=None, metavar="MODEL",
@@ -187,10 +204,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cluster", action="store_true", help="skip the cluster (single process and llama.cpp only)")
     p.add_argument("--draft-model", default=None, help="also run the cluster with this draft model (name or "
                    "path, same vocabulary) and measure the speculation source draft_model")
-    p.add_argument("--spec-repeats", type=int, default=2, metavar="N",
+    p.add_argument("--spec-repeats", type=positive_int, default=2, metavar="N",
                    help="runs of each speculation measurement; the best is reported (default 2)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the raw measurements to FILE")
-    p.add_argument("--long-prompts", default="", metavar="N,N",
+    p.add_argument("--long-prompts", type=positive_ints, default="", metavar="N,N",
                    help="also measure the prefill of prompts of these token counts, e.g. 2048,8192,30000 "
                         "(the cluster's stations need the budget for their KV caches)")
 
@@ -616,7 +633,7 @@ def run(args: argparse.Namespace) -> int:
 
     host = machine.describe()
     progress(f"machine: {machine.one_line(host)}")
-    concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    concurrency = args.concurrency
     model = args.model or models.DEFAULT_MODEL
     progress(f"model {model}: fetching / encoding if needed")
     knot = models.ensure_knot(model)
@@ -631,7 +648,7 @@ def run(args: argparse.Namespace) -> int:
     short_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(SHORT_PROMPT)
     long_ids = long_prompt_ids(tok, args.prompt_tokens)
     long_text = tok.decode(long_ids)
-    long_ns = [int(n) for n in args.long_prompts.split(",") if n.strip()]
+    long_ns = args.long_prompts
     long_sets = {n: long_prompt_ids(tok, n) for n in long_ns}
 
     ll = ref = None

@@ -1,6 +1,8 @@
 """`knot bench`'s table: ratios and formatting, no servers."""
 from __future__ import annotations
 
+import pytest
+
 from deploy.commands.bench import (Figure, build_figures, copy_gb_s, describe_fluid, draft_share, fluid_rates,
                                    format_value, per_token, ratio, render_table, speculation_figures)
 
@@ -147,3 +149,21 @@ def test_each_decode_figure_is_set_against_the_llama_decode_measured_beside_it()
     once = {f.name: f for f in build_figures({"decode_tok_s": 7.0}, {"decode_tok_s": 12.0}, {"decode_tok_s": 9.5},
                                              [], None, 1)}
     assert once["decode"].llama == once["single-process decode"].llama == 9.5
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tokens", "0"], "--tokens: expected an integer >= 1, got 0"),
+    (["--spec-repeats", "-1"], "--spec-repeats: expected an integer >= 1, got -1"),
+    (["--concurrency", "1,0"], "--concurrency: expected an integer >= 1, got 0"),
+    (["--long-prompts", "2048,x"], "--long-prompts: expected an integer, got 'x'"),
+])
+def test_bench_refuses_bad_counts_before_it_starts_anything(argv, needle, capsys):
+    # --tokens 0 started the cluster and llama.cpp, then ended in a traceback on the coordinator's 400.
+    from deploy.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "--concurrency", "", "--long-prompts", "2048, 8192"])
+    assert args.concurrency == [] and args.long_prompts == [2048, 8192] and args.tokens == 64
+    assert build_parser().parse_args(["bench"]).concurrency == [1, 4, 8]
