@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from deploy.models import model_path
 
     params, max_tokens, stop = checked_request(args)
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat's system message: add --chat (without it the prompt is plain text)")
     t0 = time.perf_counter()
     engine = LocalEngine.open(model_path(args.model), cache_f32=False if args.no_weight_cache else None)
     tok = engine.tokenizer

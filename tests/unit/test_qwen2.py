@@ -446,6 +446,7 @@ def test_generate_stops_at_stop_string_and_streams(tiny_gguf):
     (["--top-p", "2"], "--top-p: top_p must be <= 1, got 2.0"),
     (["--repeat-penalty", "0"], "--repeat-penalty: repetition_penalty must be >="),
     (["--stop", "x" * 1025], "--stop: a stop string takes at most 1024 characters"),
+    (["--system", "be brief"], "--system is a chat's system message: add --chat"),  # it was ignored
 ])
 def test_cli_generate_refuses_what_the_api_refuses(tiny_gguf, capsys, flags, needle):
     # It printed nothing for --max-tokens 0 and ran --top-p 2 as if it were 1.
