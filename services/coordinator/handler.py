@@ -187,8 +187,8 @@ async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> 
     if binding is None:
         return None
     client = DrafterClient(binding, settings.drafter_timeout_s, vocab_size=vocab_size)
-    try:
-        await client.check()
+    try:  # a hung drafter holds the boot no longer than a peer that is down holds a request
+        await client.check(min(settings.drafter_timeout_s, settings.peer_wait_s))
     except (HttpError, TimeoutError) as e:  # not a fault yet (cooling): it may still be booting
         log.warning("the drafter did not answer /stats (%s: %s): the first generation that drafts asks it again, "
                     "and goes without drafts if it still does not", type(e).__name__, e)

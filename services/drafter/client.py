@@ -96,11 +96,11 @@ class DrafterClient:
     async def stats(self, timeout_s: float | None = None) -> dict:
         return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)
 
-    async def check(self) -> None:
+    async def check(self, timeout_s: float | None = None) -> None:
         """Ask /stats before the first draft: the drafter's model must share the served model's
         vocabulary (TopologyError), and the longest sequence its budget holds becomes
         max_context_tokens. HttpError or TimeoutError when it does not answer well."""
-        stats = await self.stats()
+        stats = await self.stats(timeout_s)
         theirs, longest = stats.get("vocab_size"), stats.get("max_context_tokens")
         for name, v in (("vocab_size", theirs), ("max_context_tokens", longest)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

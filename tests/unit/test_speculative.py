@@ -781,6 +781,24 @@ async def test_a_drafter_down_at_the_coordinators_boot_is_checked_again_and_then
     await c.drain()
 
 
+async def test_a_hung_drafter_holds_the_coordinators_boot_no_longer_than_peer_wait_s(tiny_knot, other_tiny, tmp_path):
+    import asyncio
+    import time
+
+    c = await build_cluster(tiny_knot, tmp_path, 1, 2, draft_knot=other_tiny.model.path,
+                            coordinator_vars={"PEER_WAIT_S": "0.3", "DRAFTER_TIMEOUT_S": "30"})
+
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    c.coordinator.env.DRAFTER.fetch = hang
+    t0 = time.monotonic()
+    r = await c.generate(prompt=CODE, max_tokens=4, speculation="off")
+    assert r.status == 200, r.body
+    assert time.monotonic() - t0 < 20  # the boot waited PEER_WAIT_S for /stats, not DRAFTER_TIMEOUT_S
+    await c.drain()
+
+
 async def test_a_hung_drafter_costs_one_generation_its_timeout_and_auto_leaves_it_out_meanwhile(
         tiny_knot, other_tiny, tmp_path):
     """A drafter that hangs: a generation waits DRAFTER_TIMEOUT_S for it at most, then goes on
