@@ -179,10 +179,12 @@ def positive_ints(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name known to `knot fetch-model`, or a .gguf path "
                    "(default: the project's default model)")
-    p.add_argument("--tokens", type=positive_int, default=64, metavar="N", help="tokens generated per decode run (default 64)")
+    p.add_argument("--tokens", type=positive_int, default=64, metavar="N",
+                   help="tokens generated per decode run (default 64)")
     p.add_argument("--prompt-tokens", type=positive_int, default=512, metavar="N",
                    help="prompt length of the prefill figure (default 512)")
-    p.add_argument("--concurrency", type=positive_ints, default="1,4,8", help="comma-separated concurrent request counts (default 1,4,8)")
+    p.add_argument("--concurrency", type=positive_ints, default="1,4,8",
+                   help="comma-separated concurrent request counts (default 1,4,8)")
     p.add_argument("--threads", type=positive_int, default=2, help="llama.cpp threads (default 2, like the kernels)")
     p.add_argument("--budget-bytes", type=positive_int, default=RESIDENT_BUDGET_BYTES,
                    help="STATION_MEMORY_BUDGET_BYTES of the main cluster run, which runs `--profile resident` "

@@ -16,7 +16,8 @@ HELP = ("generate text from a .gguf or .knot (or a named model) in one process; 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="path to a .gguf or .knot, or a model name known to `knot fetch-model`")
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128; fewer where the context ends first)")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                   help="tokens to generate (default 128; fewer where the context ends first)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy, the default: deterministic and comparable with llama.cpp")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -78,10 +79,9 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + body_ids
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
-    room = engine.cfg.context_length - len(prompt_ids)
-    if room <= 0:
+    if len(prompt_ids) >= engine.cfg.context_length:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens and the context length "
-                           f"{engine.cfg.context_length}: no room for a completion; shorten the prompt")
+                         f"{engine.cfg.context_length}: no room for a completion; shorten the prompt")
     load_s = time.perf_counter() - t0
 
     def on_text(s: str) -> None:

