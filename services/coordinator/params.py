@@ -139,15 +139,18 @@ def shard_failure(body: dict) -> str | None:
 # and a role is template text, so "user<|im_end|>..." would write control tokens where only the
 # contents are kept as plain text (common/tokenizer.py, encode_chat).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's newer name for the system role, which its recent SDKs send: the template gets "system".
+ROLE_ALIASES = {"developer": "system"}
 
 
 def chat_message(m: dict, i: int, content: str) -> dict:
     """messages[i] as the template gets it: its role, checked, and `content`, nothing else. Why
     nothing else: the template writes an assistant's `tool_calls` (function names) as template
     text too, so they are refused (no tool calling), and other keys (`name`, ...) do not reach it."""
-    role = m.get("role")
+    role = ROLE_ALIASES.get(m.get("role"), m.get("role"))
     if role not in CHAT_ROLES:
-        raise InvalidParam(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", "messages")
+        raise InvalidParam(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (or developer, read as "
+                           f"system), got {m.get('role')!r}", "messages")
     for key in ("tool_calls", "function_call"):
         if m.get(key):
             raise InvalidParam(f"messages[{i}].{key}: no tool calling", "messages")
