@@ -54,7 +54,8 @@ def checked_request(args: argparse.Namespace) -> tuple[SamplingParams, int, tupl
             "frequency_penalty": args.frequency_penalty, "seed": args.seed, "max_tokens": args.max_tokens,
             "stop": args.stop}
     try:
-        return (sampling_params(body), number(body, "max_tokens", 128, lo=1, integer=True), stop_strings(body))
+        # (no default: the flag always has a value, 128 as the API's DEFAULT_MAX_TOKENS)
+        return (sampling_params(body), number(body, "max_tokens", None, lo=1, integer=True), stop_strings(body))
     except InvalidParam as e:
         flag = FLAGS.get(e.param or "", f"--{(e.param or '').replace('_', '-')}")
         raise ValueError(f"{flag}: {e}") from None
