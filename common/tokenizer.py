@@ -45,8 +45,19 @@ PY_PRE_PATTERNS = {"qwen2": QWEN2_PATTERN}
 # GGUF tokenizer.ggml.token_type values (gguf-py TokenType / llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
-# Besides eos, these end a generation when present (ref: llama-vocab.cpp special_eog_ids).
-_EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# Besides eos, these end a generation when present (ref: llama-vocab.cpp special_eog_ids), if the
+# GGUF types them control. The last three are Qwen2.5-Coder's fill-in-the-middle padding and its
+# repository and file separators: llama.cpp ends a generation at each (its fim_pad, fim_rep and
+# fim_sep), and past one the model starts another file, whose text skip_special would glue on.
+# Not copied from llama.cpp: it also ends at "</s>" and re-types it control, where Qwen's vocabulary
+# holds it as a normal token that text never becomes (the pre-tokenizer splits "</s>" into "</",
+# "s", ">"; llama.cpp's special=True makes it 1 token); an HTML answer would stop at its first
+# strikethrough (docs/fidelity.md). tests/oracle/test_llamacpp.py checks the set against llama.cpp's.
+_EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
+              "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+# Fill-in-the-middle markers by role (Qwen2.5-Coder's spelling; ref: llama-vocab.cpp fim_pre/suf/mid).
+# The prompt is prefix-suffix-middle: <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>.
+FIM_TEXTS = {"prefix": "<|fim_prefix|>", "suffix": "<|fim_suffix|>", "middle": "<|fim_middle|>"}
 
 
 class TokenizerError(ValueError):
@@ -121,6 +132,10 @@ class Tokenizer:
         self.eog_ids = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i in self.control_ids}
         if self.eos_id is not None:
             self.eog_ids.add(int(self.eos_id))
+        control_id = {tokens[i]: i for i in self.control_ids}
+        # role -> id of the fill-in-the-middle markers; None: the model has not all three
+        fim = {role: control_id.get(text) for role, text in FIM_TEXTS.items()}
+        self.fim_ids: dict[str, int] | None = fim if None not in fim.values() else None
         if backend is None:
             backend = "tokenizers" if HFTokenizer is not None else "python"
         if backend not in BACKENDS:
@@ -293,6 +308,24 @@ class Tokenizer:
         ids += encode(text, False)
         if max_tokens is not None and len(ids) > max_tokens:
             raise TooManyTokens(len(ids), max_tokens)
+        return ids
+
+    def encode_fim(self, prefix: str, suffix: str, max_tokens: int | None = None) -> list[int]:
+        """Fill in the middle: the ids of <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>,
+        the model then writing what goes between prefix and suffix. Both texts are plain text (no
+        control tokens: code quoting "<|fim_suffix|>" stays code), as llama.cpp's server encodes
+        its infill's. With max_tokens, TooManyTokens as soon as the whole is certainly longer."""
+        if self.fim_ids is None:
+            raise TokenizerError("this model has no fill-in-the-middle tokens (" + ", ".join(FIM_TEXTS.values()) + ")")
+        left = None if max_tokens is None else max_tokens - 3  # ids the two texts may take
+        ids = [self.fim_ids["prefix"]]
+        for text, marker in ((prefix, "suffix"), (suffix, "middle")):
+            try:
+                part = self.encode(text, False) if left is None else self.encode_bounded(text, left, False)
+            except TooManyTokens as e:  # counted against the whole prompt, markers included
+                raise TooManyTokens(len(ids) + e.n_tokens + 1, max_tokens) from None
+            ids += [*part, self.fim_ids[marker]]
+            left = None if left is None else left - len(part)
         return ids
 
     def _split_specials(self, text: str) -> list[str]:

@@ -14,6 +14,7 @@ from common.tokenizer import bytes_to_unicode
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIM_SPECIALS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -45,8 +46,9 @@ def random_k_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], rng) ->
     return blocks.reshape(n_rows, ne0 // block_elems * block_bytes)
 
 
-def tiny_tokenizer() -> dict:
-    """256 byte tokens, a few merges, then the special tokens (ids 256+len(merges)...)."""
+def tiny_tokenizer(fim: bool = False) -> dict:
+    """256 byte tokens, a few merges, then the special tokens (ids 256+len(merges)...); with fim,
+    Qwen2.5-Coder's fill-in-the-middle markers after them."""
     b2u = bytes_to_unicode()
     tokens = [b2u[b] for b in range(256)]
     merges = []
@@ -55,7 +57,7 @@ def tiny_tokenizer() -> dict:
         merges.append(f"{a} {b}")
         tokens.append(a + b)
     types = [TokenType.NORMAL] * len(tokens)
-    for s in SPECIALS:
+    for s in SPECIALS + (FIM_SPECIALS if fim else []):
         tokens.append(s)
         types.append(TokenType.CONTROL)
     return {"tokens": tokens, "merges": merges, "types": types}
@@ -77,6 +79,7 @@ class TinySpec:
     # name suffix -> type override, e.g. {"ffn_down.weight": Q6_K}
     overrides: dict = field(default_factory=dict)
     seed: int = 0
+    fim: bool = False  # the tokenizer also has the fill-in-the-middle markers (after the three specials)
 
 
 def tensor_plan(spec: TinySpec, vocab: int) -> list[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
@@ -116,8 +119,9 @@ def tensor_plan(spec: TinySpec, vocab: int) -> list[tuple[str, tuple[int, ...], 
 def write_tiny_gguf(path: str | Path, spec: TinySpec | None = None) -> Path:
     spec = spec or TinySpec()
     path = Path(path)
-    tok = tiny_tokenizer()
+    tok = tiny_tokenizer(spec.fim)
     vocab = len(tok["tokens"])
+    eot, im_end = tok["tokens"].index("<|endoftext|>"), tok["tokens"].index("<|im_end|>")
     rng = np.random.default_rng(spec.seed)
     w = GGUFWriter(str(path), spec.arch)
     w.add_name(f"tiny-{spec.arch}")
@@ -134,9 +138,9 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec | None = None) -> Path:
     w.add_token_list(tok["tokens"])
     w.add_token_merges(tok["merges"])
     w.add_token_types(tok["types"])
-    w.add_bos_token_id(vocab - 3)
-    w.add_eos_token_id(vocab - 1)
-    w.add_pad_token_id(vocab - 3)
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(im_end)
+    w.add_pad_token_id(eot)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     for name, shape, qtype in tensor_plan(spec, vocab):

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampler (same seed, same output)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message")
+    p.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: write what goes between the prompt and TEXT (the model's "
+                        "<|fim_prefix|>, <|fim_suffix|> and <|fim_middle|>; both texts stay plain text)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable); TEXT is not printed")
     p.add_argument("--json", action="store_true",
@@ -62,12 +65,15 @@ def checked_request(args: argparse.Namespace) -> tuple[SamplingParams, int, tupl
 
 
 def run(args: argparse.Namespace) -> int:
+    from common.tokenizer import TokenizerError
     from deploy.engine_local import LocalEngine
     from deploy.models import model_path
 
     params, max_tokens, stop = checked_request(args)
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat's system message: add --chat (without it the prompt is plain text)")
+    if args.suffix is not None and args.chat:
+        raise ValueError("--suffix fills in the middle of a plain-text prompt: drop --chat")
     t0 = time.perf_counter()
     engine = LocalEngine.open(model_path(args.model), cache_f32=False if args.no_weight_cache else None)
     tok = engine.tokenizer
@@ -75,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.prompt}]
         body_ids = tok.encode_chat(messages, add_generation_prompt=True)  # contents stay text
+    elif args.suffix is not None:
+        try:
+            body_ids = tok.encode_fim(args.prompt, args.suffix)
+        except TokenizerError as e:
+            raise ValueError(f"--suffix: {e}") from None
     else:
         body_ids = tok.encode(args.prompt)
     prompt_ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + body_ids

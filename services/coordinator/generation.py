@@ -292,7 +292,7 @@ class Coordinator:
                                    "prompt")
         else:
             param = "prompt" if g.messages is None else "messages"
-            texts = [g.prompt or ""] if g.messages is None else [m.get("content") for m in g.messages]
+            texts = [g.prompt or "", g.suffix or ""] if g.messages is None else [m.get("content") for m in g.messages]
             n_chars = sum(len(t) for t in texts if isinstance(t, str))
             # No token stands for more than max_token_bytes bytes, and a character is at least one.
             least = -(-n_chars // tok.max_token_bytes)
@@ -302,11 +302,15 @@ class Coordinator:
             try:
                 if g.messages is not None:
                     prompt_ids = tok.encode_chat(g.messages, max_tokens=ctx_len - 1)
+                elif g.suffix is not None:
+                    prompt_ids = tok.encode_fim(g.prompt or "", g.suffix, max_tokens=ctx_len - 1)
                 else:
                     prompt_ids = tok.encode_bounded(g.prompt or "", ctx_len - 1)
             except TooManyTokens as e:
                 raise self._too_long(f"the prompt is more than {e.max_tokens} tokens", param) from None
             except (TokenizerError, jinja2.TemplateError) as e:
+                if g.suffix is not None:  # the model has no fill-in-the-middle tokens
+                    raise InvalidParam(f"suffix: {e}", "suffix") from None
                 raise InvalidParam(f"messages: the chat template refused them: {e}", "messages") from None
         if not prompt_ids:
             raise InvalidParam("the prompt encodes to no tokens", param)

@@ -19,8 +19,8 @@ from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
 from services.coordinator.generation import Coordinator, policy_headers
-from services.coordinator.params import (GenerateRequest, chat_message, number, sampling_params, shard_failure,
-                                         speculation_request, stop_strings)
+from services.coordinator.params import (GenerateRequest, chat_message, fim_suffix, number, sampling_params,
+                                         shard_failure, speculation_request, stop_strings)
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
 from services.offload import off_loop
 
@@ -96,14 +96,13 @@ def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
     elif not isinstance(prompt, str):
         raise InvalidParam(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
     _unsupported(body, "echo", "the prompt is not echoed")
-    _unsupported(body, "suffix", "no fill-in-the-middle suffix")
     best_of = number(body, "best_of", 1, integer=True)
     if best_of != 1:
         raise InvalidParam(f"best_of={best_of} is not supported (only 1)", "best_of")
     logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
     max_tokens = number(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, integer=True)
     g = GenerateRequest(prompt, None, max_tokens, sampling_params(body), stop_strings(body), prompt_ids, logprobs,
-                        speculation_request(body), shard_failure(body))
+                        speculation_request(body), shard_failure(body), fim_suffix(body, prompt is not None))
     return g, opts
 
 

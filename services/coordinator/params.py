@@ -35,6 +35,7 @@ class GenerateRequest:
     logprobs: int | None = None  # alternatives reported per token; None: no logprobs at all
     speculation: SpeculationRequest = field(default_factory=SpeculationRequest)
     shard_failure: str | None = None  # "fail" | "degrade"; None: the cluster's SHARD_FAILURE
+    suffix: str | None = None  # fill in the middle: the text after the one to write (prompt is before it)
 
 
 def number(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None,
@@ -122,6 +123,21 @@ def speculation_request(body: dict) -> SpeculationRequest:
     return SpeculationRequest(source, max_draft)
 
 
+def fim_suffix(body: dict, text_prompt: bool) -> str | None:
+    """body["suffix"]: fill in the middle, between the prompt and this text (absent or null: a plain
+    completion). It needs a prompt as text; the coordinator refuses it for a model without the
+    fill-in-the-middle tokens."""
+    v = body.get("suffix")
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise InvalidParam(f"suffix must be a string, got {type(v).__name__}", "suffix")
+    if not text_prompt:
+        raise InvalidParam("suffix needs a prompt given as text (fill in the middle between prompt and suffix)",
+                           "suffix")
+    return v
+
+
 SHARD_FAILURE_POLICIES = ("fail", "degrade")  # services/coordinator/pipeline.py says what each does
 
 
@@ -179,7 +195,7 @@ def check_messages(messages: Any, param: str = "messages") -> list[dict]:
 # would otherwise be dropped in silence, and the reply would answer another request.
 GENERATE_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-                   "speculation", "shard_failure")
+                   "speculation", "shard_failure", "suffix")
 OPENAI_ONLY = {"logprobs": "/v1/completions or /v1/chat/completions", "top_logprobs": "/v1/chat/completions",
                "stream": "/v1/completions or /v1/chat/completions", "model": "/v1/completions or /v1/chat/completions"}
 
@@ -202,4 +218,5 @@ def parse_generate(body: Any) -> GenerateRequest:
         messages = check_messages(messages)
     max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
     return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body),
-                           speculation=speculation_request(body), shard_failure=shard_failure(body))
+                           speculation=speculation_request(body), shard_failure=shard_failure(body),
+                           suffix=fim_suffix(body, prompt is not None))

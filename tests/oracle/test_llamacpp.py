@@ -48,6 +48,9 @@ PROMPTS = [
     ("chat-math", "What is 17 * 23? Answer with just the number.", True),
 ]
 
+# Qwen2.5-Coder's fill-in-the-middle prompt; PROMPTS' "fim" is one, so greedy FIM is compared too
+FIM_MARKED = "<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+
 TRICKY_STRINGS = [
     "Hello world", "  leading and trailing  ", "tabs\tand\nnewlines\r\n\r\nCRLF", " \n \n\n   \t\t  x",
     "12345678901234567890", "3.14159e-10 + 0x1F - 1_000_000", "don't I'll we've THEY'RE she'S",
@@ -206,6 +209,28 @@ def test_tokenizer_ids_equal_llamacpp(pair):
     for s in TRICKY_STRINGS + [p[1] for p in PROMPTS]:
         assert engine.tokenizer.encode(s) == llm.tokenize(s.encode("utf-8"), add_bos=False, special=True), repr(s)
         assert engine.tokenizer.decode(engine.tokenizer.encode(s)) == s
+
+
+def test_end_of_generation_and_fim_tokens_equal_llamacpp(pair):
+    """Where a generation ends, and the fill-in-the-middle prompt, as llama.cpp reads the model.
+    One documented difference (common/tokenizer.py, _EOG_TEXTS; docs/fidelity.md): llama.cpp also
+    ends at "</s>", a normal token of Qwen's vocabulary that it re-types control."""
+    llama_cpp = _import_llama()
+    _, llm, engine = pair
+    tok = engine.tokenizer
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    llama_eog = {i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    text_eog = {i for i in llama_eog if tok.tokens[i] == "</s>" and i not in tok.control_ids}
+    assert len(text_eog) == 1 and tok.eog_ids == llama_eog - text_eog
+    assert tok.fim_ids == {"prefix": llama_cpp.llama_vocab_fim_pre(vocab), "suffix": llama_cpp.llama_vocab_fim_suf(vocab),
+                           "middle": llama_cpp.llama_vocab_fim_mid(vocab)}
+    for prefix, suffix in [("def add(a, b):\n    ", "\n    return result"), ("", "x = 1\n"), ("import os\n", ""),
+                           ('  s = """', '"""\n')]:
+        marked = FIM_MARKED.format(prefix=prefix, suffix=suffix).encode()
+        assert tok.encode_fim(prefix, suffix) == llm.tokenize(marked, add_bos=False, special=True), (prefix, suffix)
+    # a prefix quoting a marker: llama.cpp's infill encodes its texts with parse_special off, as we do
+    quoted = 'm = "<|fim_middle|>"'
+    assert tok.encode_fim(quoted, "")[1:-2] == llm.tokenize(quoted.encode(), add_bos=False, special=False)
 
 
 def test_last_prompt_argmax_equal(results):

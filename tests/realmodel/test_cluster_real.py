@@ -67,6 +67,14 @@ def test_cluster_equals_knot_generate_and_respects_the_budget(real_cluster, reco
             assert body["prompt_tokens"] == want.prompt_ids
             assert body["tokens"] == want.token_ids, (prompt, sampling, body["text"], want.text)
             assert body["degraded_shards"] == []
+    # fill in the middle: the prompt before, the suffix after
+    fim = {"prompt": "def mean(xs):\n    ", "suffix": "\n    return total / len(xs)\n"}
+    status, _, raw = http("POST", url + "/generate", {**fim, "max_tokens": MAX_TOKENS}, timeout_s=900)
+    assert status == 200, raw
+    body = json.loads(raw)
+    want = engine.generate(engine.tokenizer.encode_fim(fim["prompt"], fim["suffix"]), SamplingParams(),
+                           max_tokens=MAX_TOKENS)
+    assert body["prompt_tokens"] == want.prompt_ids and body["tokens"] == want.token_ids, (body["text"], want.text)
     report = {}
     for st in ("station-0", "station-1"):
         s = stats(cluster, running[st])

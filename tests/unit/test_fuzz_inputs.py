@@ -62,6 +62,7 @@ OPTIONAL = {
     "model": mostly(st.text(max_size=10)),
     "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
     "echo": json_values,
+    "suffix": mostly(st.text(max_size=5)),
     "logit_bias": json_values,
 }
 PROMPTS = {

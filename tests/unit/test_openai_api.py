@@ -203,6 +203,11 @@ async def test_models(cluster):
      "context_length_exceeded", "context length"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", None,
      ">= 1"),
+    # the tiny model has no fill-in-the-middle tokens
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", None, "no fill-in-the-middle tokens"),
+    ("/v1/completions", {"prompt": "x", "suffix": ""}, "suffix", None, "no fill-in-the-middle tokens"),
+    ("/v1/completions", {"prompt": "x", "suffix": 3}, "suffix", None, "suffix must be a string"),
+    ("/v1/completions", {"prompt": [1, 2], "suffix": "y"}, "suffix", None, "prompt given as text"),
 ])
 async def test_errors_in_openai_shape(cluster, path, body, param, code, needle):
     r = await post(cluster, path, body)
@@ -211,6 +216,48 @@ async def test_errors_in_openai_shape(cluster, path, body, param, code, needle):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
     assert needle in err["message"], err
+
+
+@pytest.fixture(scope="module")
+def fim_knot(tmp_path_factory):
+    """The tiny model with Qwen2.5-Coder's fill-in-the-middle markers in its vocabulary."""
+    from deploy.encoder import encode
+    from tests.synth import TinySpec, write_tiny_gguf
+
+    d = tmp_path_factory.mktemp("fim")
+    encode(write_tiny_gguf(d / "fim.gguf", TinySpec(fim=True)), d / "fim.knot", progress=False)
+    return d / "fim.knot"
+
+
+async def test_fill_in_the_middle(fim_knot, tmp_path):
+    """suffix: the engine's tokens on <|fim_prefix|>prompt<|fim_suffix|>suffix<|fim_middle|>, the two
+    texts as plain text, on /v1/completions (whole and streamed) and /generate alike."""
+    engine = LocalEngine.open(fim_knot)
+    tok = engine.tokenizer
+    prefix, suffix = "def the<|fim_middle|>", " in the"  # a quoted marker stays text
+    ids = tok.encode_fim(prefix, suffix)
+    assert ids == [tok.fim_ids["prefix"], *tok.encode(prefix, special=False), tok.fim_ids["suffix"],
+                   *tok.encode(suffix, special=False), tok.fim_ids["middle"]]
+    want = reference(engine, ids, 8)
+    c = await build_cluster(fim_knot, tmp_path, 2, 4)
+    try:
+        body = (await post(c, "/v1/completions", {"prompt": prefix, "suffix": suffix, "max_tokens": 8})).json()
+        assert body["choices"][0]["text"] == want.text and body["usage"]["prompt_tokens"] == len(ids), body
+        gen = (await c.generate(prompt=prefix, suffix=suffix, max_tokens=8)).json()
+        assert gen["tokens"] == want.token_ids and gen["text"] == want.text
+        events = await read_sse(await post(c, "/v1/completions", {"prompt": prefix, "suffix": suffix,
+                                                                  "max_tokens": 8, "stream": True}))
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want.text
+        # without suffix: the plain completion of the same text, with its marker as a control token
+        plain = (await c.generate(prompt=prefix, max_tokens=8)).json()
+        assert plain["tokens"] == reference(engine, tok.encode(prefix), 8).token_ids
+        # the suffix counts against the context; and /generate's messages take no suffix
+        r = await post(c, "/v1/completions", {"prompt": "x", "suffix": "the " * 300})
+        assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.body
+        r = await c.generate(messages=[{"role": "user", "content": "x"}], suffix="y")
+        assert r.status == 400 and "prompt given as text" in r.json()["message"], r.body
+    finally:
+        await c.drain()
 
 
 async def test_unknown_route_and_method(cluster):

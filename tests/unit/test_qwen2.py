@@ -447,6 +447,8 @@ def test_generate_stops_at_stop_string_and_streams(tiny_gguf):
     (["--repeat-penalty", "0"], "--repeat-penalty: repetition_penalty must be >="),
     (["--stop", "x" * 1025], "--stop: a stop string takes at most 1024 characters"),
     (["--system", "be brief"], "--system is a chat's system message: add --chat"),  # it was ignored
+    (["--suffix", "x", "--chat"], "--suffix fills in the middle of a plain-text prompt: drop --chat"),
+    (["--suffix", "x"], "--suffix: this model has no fill-in-the-middle tokens"),
 ])
 def test_cli_generate_refuses_what_the_api_refuses(tiny_gguf, capsys, flags, needle):
     # It printed nothing for --max-tokens 0 and ran --top-p 2 as if it were 1.
@@ -463,6 +465,21 @@ def test_cli_generate_refuses_a_prompt_that_fills_the_context(tiny_gguf, capsys)
     n_ctx = LocalEngine.open(tiny_gguf).cfg.context_length
     assert main(["generate", str(tiny_gguf), "the " * n_ctx]) == 1
     assert f"tokens and the context length {n_ctx}: no room for a completion" in capsys.readouterr().err
+
+
+def test_cli_generate_fills_in_the_middle(tmp_path, capsys):
+    from common.sampling import SamplingParams
+    from deploy.cli import main
+    from deploy.engine_local import LocalEngine
+    from tests.synth import TinySpec, write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "fim.gguf", TinySpec(fim=True))
+    assert main(["generate", str(gguf), "def the", "--suffix", " in", "--max-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    eng = LocalEngine.open(gguf)
+    ids = eng.tokenizer.encode_fim("def the", " in")
+    assert out["prompt_token_ids"] == ids and out["token_ids"] == eng.generate(ids, SamplingParams(),
+                                                                                max_tokens=6).token_ids
 
 
 def test_cli_generate_json(tiny_gguf, capsys, numpy_matmul, monkeypatch):

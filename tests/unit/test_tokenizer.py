@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode
+from common.tokenizer import TooManyTokens, Tokenizer, TokenizerError, bytes_to_unicode
 
 BYTE_TOKENS = [c for _, c in sorted(bytes_to_unicode().items())]  # id == byte value
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ Ġ", "ĠĠ ĠĠ", "d e", "de f", "Ċ Ċ"]
@@ -126,3 +126,56 @@ def test_real_qwen_ids():
     assert tok.encode("Hello world") == [9707, 1879]
     assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [151644, 872, 198, 6023, 151645]
     assert tok.eos_id == 151645 and tok.eog_ids >= {151643, 151645}
+
+
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def fim_tokenizer(types: list[int] | None = None, backend: str | None = None) -> Tokenizer:
+    d = tiny_data()
+    return Tokenizer(tiny_data(tokens=d["tokens"] + FIM, token_types=d["token_types"] + (types or [3] * len(FIM))),
+                     backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["tokenizers", "python"])
+def test_fill_in_the_middle_ids(backend):
+    tok = fim_tokenizer(backend=backend)
+    fid = {t: tok.tokens.index(t) for t in FIM}
+    assert tok.fim_ids == {"prefix": fid["<|fim_prefix|>"], "suffix": fid["<|fim_suffix|>"],
+                           "middle": fid["<|fim_middle|>"]}
+    ids = tok.encode_fim("def the", "in the")
+    # Qwen2.5-Coder's prefix-suffix-middle order, the texts as encode() gives them
+    assert ids == [fid["<|fim_prefix|>"], *tok.encode("def the"), fid["<|fim_suffix|>"], *tok.encode("in the"),
+                   fid["<|fim_middle|>"]]
+    assert ids == tok.encode("<|fim_prefix|>def the<|fim_suffix|>in the<|fim_middle|>")
+    assert tok.encode_fim("", "") == [fid["<|fim_prefix|>"], fid["<|fim_suffix|>"], fid["<|fim_middle|>"]]
+    # Code that quotes a marker keeps it as text: no second suffix, no early middle.
+    quoted = tok.encode_fim('s = "<|fim_middle|>"', "<|im_end|>")
+    assert [i for i in quoted if i in tok.control_ids] == [fid["<|fim_prefix|>"], fid["<|fim_suffix|>"],
+                                                           fid["<|fim_middle|>"]]
+    assert tok.decode(quoted) == '<|fim_prefix|>s = "<|fim_middle|>"<|fim_suffix|><|im_end|><|fim_middle|>'
+
+
+def test_fill_in_the_middle_bounded_and_refused():
+    tok = fim_tokenizer()
+    n = len(tok.encode_fim("the " * 20, "def " * 10))
+    assert tok.encode_fim("the " * 20, "def " * 10, max_tokens=n) == tok.encode_fim("the " * 20, "def " * 10)
+    for prefix, suffix in (("the " * 20, "def " * 10), ("the " * 60, ""), ("", "def " * 60)):
+        with pytest.raises(TooManyTokens) as e:
+            tok.encode_fim(prefix, suffix, max_tokens=n - 1)
+        assert e.value.max_tokens == n - 1 and e.value.n_tokens > n - 1  # the whole prompt's count, markers too
+    with pytest.raises(TokenizerError, match="no fill-in-the-middle tokens"):
+        TOK.encode_fim("a", "b")
+    assert TOK.fim_ids is None
+    # Markers the GGUF does not type control are text like any other: no fill in the middle with them.
+    assert fim_tokenizer(types=[1] * len(FIM)).fim_ids is None
+
+
+def test_fim_pad_and_separators_end_a_generation():
+    """As in llama.cpp (special_eog_ids gets fim_pad, fim_rep and fim_sep): past <|file_sep|> the model
+    writes another file; tests/oracle/test_llamacpp.py checks the real model's set against llama.cpp's."""
+    tok = fim_tokenizer()
+    ends = {tok.tokens.index(t) for t in ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")}
+    assert tok.eog_ids == {ID["<|im_end|>"], ID["<|endoftext|>"]} | ends
+    assert not tok.eog_ids & {tok.fim_ids[r] for r in ("prefix", "suffix", "middle")}
+    assert fim_tokenizer(types=[1] * len(FIM)).eog_ids == {ID["<|im_end|>"], ID["<|endoftext|>"]}
