@@ -1,9 +1,9 @@
 """logits -> token id.
 
 The chain is llama.cpp's default order (common/sampling.cpp, without the samplers we lack):
-    penalties -> top_k -> top_p -> min_p -> temperature -> dist
+    logit bias -> penalties -> top_k -> top_p -> min_p -> temperature -> dist
 so top_p and min_p see temperature-1 probabilities, as in llama.cpp. temperature == 0 is
-greedy: penalties, then argmax (lowest id on ties), and no random draw.
+greedy: bias and penalties, then argmax (lowest id on ties), and no random draw.
 
 The draw is the Gumbel-max trick: the token is argmax(z + g) over the kept tokens, where z are
 the logits after the chain (already divided by the temperature) and g is Gumbel noise, so
@@ -19,6 +19,7 @@ position, id) (SplitMix64, below), never a generator's running state. Hence
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -37,10 +38,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # subtracted per occurrence in the window
     penalty_last_n: int = 64          # window of history the penalties look at; 0: off, -1: all
     seed: int | None = None           # None: fresh entropy each Sampler
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, added to its logit), ids ascending; first in the chain
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p or self.min_p < 0 or self.repetition_penalty <= 0:
             raise ValueError(f"invalid sampling params: {self}")
+        ids = [i for i, _ in self.logit_bias]
+        if ids != sorted(set(ids)) or any(i < 0 or not math.isfinite(b) for i, b in self.logit_bias):
+            raise ValueError(f"invalid logit_bias (ascending distinct ids >= 0, finite biases): {self.logit_bias}")
 
     @property
     def greedy(self) -> bool:
@@ -58,6 +63,17 @@ def penalty_window(history: Sequence[int], p: SamplingParams) -> Counter:
         return Counter()
     window = history if p.penalty_last_n < 0 else history[-p.penalty_last_n:]
     return Counter(int(t) for t in window)
+
+
+def apply_logit_bias(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """(vocab,) logits + p.logit_bias, on a copy (the same array when there is none)."""
+    # ref: llama-sampling.cpp llama_sampler_logit_bias_apply (added, before every other sampler)
+    if not p.logit_bias:
+        return logits
+    out = logits.copy()
+    ids = np.fromiter((i for i, _ in p.logit_bias), np.intp, len(p.logit_bias))
+    out[ids] += np.fromiter((b for _, b in p.logit_bias), np.float32, len(p.logit_bias))
+    return out
 
 
 def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParams,
@@ -200,7 +216,7 @@ class Sampler:
         """logits (vocab,) -> what the draw sees: the chain above, -inf outside the kept set, divided by T.
         Greedy: the penalized logits."""
         p = self.params
-        x = apply_penalties(np.asarray(logits, dtype=np.float32), history, p)
+        x = apply_penalties(apply_logit_bias(np.asarray(logits, dtype=np.float32), p), history, p)
         if p.greedy:
             return x
         return scale(min_p(top_p(top_k(x, p.top_k), p.top_p), p.min_p), p.temperature)

@@ -171,6 +171,8 @@ def merge(slices: Sequence[SliceSummary], vocab_size: int, position: int) -> lis
 
 def decide(row: RowSummary, p: SamplingParams, key: int) -> int | None:
     """The token common.sampling.Sampler takes from the whole row, or None when the summaries cannot say."""
+    if p.logit_bias:  # the slices' summaries are of unbiased logits: a biased id may be missing from them
+        return None
     if p.greedy:
         return int(row.ids[0])
     n = None  # kept: the first n merged candidates; None: the whole row

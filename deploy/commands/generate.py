@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="seed of the sampler (same seed, same output)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit before sampling (repeatable; -100 all but bans it)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message")
     p.add_argument("--suffix", default=None, metavar="TEXT",
@@ -55,7 +57,15 @@ def checked_request(args: argparse.Namespace) -> tuple[SamplingParams, int, tupl
     body = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
             "repetition_penalty": args.repeat_penalty, "presence_penalty": args.presence_penalty,
             "frequency_penalty": args.frequency_penalty, "seed": args.seed, "max_tokens": args.max_tokens,
-            "stop": args.stop}
+            "stop": args.stop, "logit_bias": {}}
+    for item in args.logit_bias:
+        tid, sep, bias = (part.strip() for part in item.partition("="))
+        if tid in body["logit_bias"]:
+            raise ValueError(f"--logit-bias: token {tid} is given twice")
+        try:
+            body["logit_bias"][tid] = float(bias) if sep else None
+        except ValueError:
+            body["logit_bias"][tid] = bias  # not a number: the check below names it
     try:
         # (no default: the flag always has a value, 128 as the API's DEFAULT_MAX_TOKENS)
         return (sampling_params(body), number(body, "max_tokens", None, lo=1, integer=True), stop_strings(body))
@@ -94,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     if len(prompt_ids) >= engine.cfg.context_length:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens and the context length "
                          f"{engine.cfg.context_length}: no room for a completion; shorten the prompt")
+    outside = [t for t, _ in params.logit_bias if t >= engine.cfg.vocab_size]
+    if outside:
+        raise ValueError(f"--logit-bias: token {outside[0]} is outside the vocabulary [0, {engine.cfg.vocab_size})")
     load_s = time.perf_counter() - t0
 
     def on_text(s: str) -> None:

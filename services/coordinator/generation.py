@@ -161,9 +161,10 @@ class ClusterEngine:
     def _sample_spec(self, gen: Generation, seq: list[int], n_rows: int) -> wire.SampleSpec | None:
         """What the shards send of each row, or None where the sampler needs the full slices: a sampled
         draft model's accept/reject rule (the whole distribution), logprobs of raw logits under
-        penalties (the shards send penalized ones), more candidates than a shard may send."""
+        penalties (the shards send penalized ones), more candidates than a shard may send, a logit
+        bias (the coordinator applies it, so the wire to the shards stays as it is)."""
         p = gen.sampling
-        if self.sample_top == 0 or (gen.speculation.source == "draft_model" and not p.greedy):
+        if self.sample_top == 0 or (gen.speculation.source == "draft_model" and not p.greedy) or p.logit_bias:
             return None
         if gen.logprobs is not None and p.penalized:
             return None
@@ -282,6 +283,10 @@ class Coordinator:
         (tokenizing), so the handlers run it off the event loop; it never tokenizes more than the
         context holds."""
         tok, ctx_len = self.tokenizer, self.context_tokens
+        outside = [t for t, _ in g.sampling.logit_bias if t >= self.cfg.vocab_size]
+        if outside:
+            raise InvalidParam(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.cfg.vocab_size})",
+                               "logit_bias")
         if g.prompt_ids is not None:
             prompt_ids, param = list(g.prompt_ids), "prompt"
             if len(prompt_ids) >= ctx_len:

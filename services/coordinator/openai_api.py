@@ -70,7 +70,6 @@ def _common(body: dict, chat: bool) -> Options:
     if n != 1:
         raise InvalidParam(f"n={n} is not supported: only n=1 (one choice per request); send {n} requests "
                            f"instead", "n")
-    _unsupported(body, "logit_bias", "no logit bias")
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):

@@ -102,7 +102,37 @@ def sampling_params(body: dict) -> SamplingParams:
         presence_penalty=float(number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
         frequency_penalty=float(number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
         seed=number(body, "seed", None, lo=0, hi=MAX_SEED, integer=True),
+        logit_bias=logit_bias(body),
     )
+
+
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's range of each bias
+LOGIT_BIAS_RANGE = 100
+
+
+def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """body["logit_bias"]: {"token id": bias in [-100, 100]}, OpenAI's shape (JSON keys are strings)
+    -> ((id, bias), ...) ascending. Each bias is added to its token's logit before the penalties, as
+    llama.cpp does: -100 all but bans a token. The vocabulary's bound is the coordinator's check
+    (Coordinator.prepare)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise InvalidParam('logit_bias must be an object {"token id": bias}', "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise InvalidParam(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if tid is None or tid in out:
+            raise InvalidParam(f"logit_bias: {key!r} is not a token id (a non-negative integer, once)", "logit_bias")
+        try:
+            out[tid] = float(number({"b": bias}, "b", None, lo=-LOGIT_BIAS_RANGE, hi=LOGIT_BIAS_RANGE))
+        except (InvalidParam, TypeError):  # TypeError: null
+            raise InvalidParam(f"logit_bias[{key!r}] must be a number in [-{LOGIT_BIAS_RANGE}, "
+                               f"{LOGIT_BIAS_RANGE}], got {bias!r}", "logit_bias") from None
+    return tuple(sorted(out.items()))
 
 
 def speculation_request(body: dict) -> SpeculationRequest:
@@ -195,7 +225,7 @@ def check_messages(messages: Any, param: str = "messages") -> list[dict]:
 # would otherwise be dropped in silence, and the reply would answer another request.
 GENERATE_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-                   "speculation", "shard_failure", "suffix")
+                   "speculation", "shard_failure", "suffix", "logit_bias")
 OPENAI_ONLY = {"logprobs": "/v1/completions or /v1/chat/completions", "top_logprobs": "/v1/chat/completions",
                "stream": "/v1/completions or /v1/chat/completions", "model": "/v1/completions or /v1/chat/completions"}
 

@@ -75,6 +75,14 @@ def test_cluster_equals_knot_generate_and_respects_the_budget(real_cluster, reco
     want = engine.generate(engine.tokenizer.encode_fim(fim["prompt"], fim["suffix"]), SamplingParams(),
                            max_tokens=MAX_TOKENS)
     assert body["prompt_tokens"] == want.prompt_ids and body["tokens"] == want.token_ids, (body["text"], want.text)
+    # a logit bias (the shards send full slices; the coordinator applies it): ban the greedy first token
+    first = want.token_ids[0]
+    status, _, raw = http("POST", url + "/generate", {**fim, "max_tokens": MAX_TOKENS,
+                                                      "logit_bias": {str(first): -100}}, timeout_s=900)
+    assert status == 200, raw
+    body = json.loads(raw)
+    want = engine.generate(want.prompt_ids, SamplingParams(logit_bias=((first, -100.0),)), max_tokens=MAX_TOKENS)
+    assert body["tokens"] == want.token_ids and want.token_ids[0] != first, (body["text"], want.text)
     report = {}
     for st in ("station-0", "station-1"):
         s = stats(cluster, running[st])

@@ -63,7 +63,7 @@ OPTIONAL = {
     "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
     "echo": json_values,
     "suffix": mostly(st.text(max_size=5)),
-    "logit_bias": json_values,
+    "logit_bias": mostly(st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=3)),
 }
 PROMPTS = {
     "prompt": mostly(st.text(min_size=1, max_size=40), st.lists(st.integers(-5, 400), max_size=6)),

@@ -151,6 +151,28 @@ async def test_sampling_params_and_stop(cluster, engine):
             assert body["choices"][0]["text"] == full[:full.index(stop)]
 
 
+async def test_logit_bias(cluster, engine):
+    """The engine's tokens under the same bias, greedy and sampled; the coordinator applies it to full
+    slices (the shards' summaries are of unbiased logits)."""
+    ids = engine.tokenizer.encode(PROMPT)
+    plain = reference(engine, ids, 8).token_ids
+    bias = {str(plain[0]): -100, str(plain[1]): 5.5}  # ban the first token, push the second
+    for params in ({}, dict(temperature=0.8, top_k=20, seed=7, presence_penalty=0.4)):
+        want = reference(engine, ids, 8, logit_bias=((plain[0], -100.0), (plain[1], 5.5)), **params)
+        assert want.token_ids[0] != plain[0]
+        if not params:
+            assert want.token_ids != plain
+        gen = (await cluster.generate(prompt=PROMPT, max_tokens=8, logit_bias=bias, **params)).json()
+        assert gen["tokens"] == want.token_ids, (params, gen)
+        assert gen["timings"]["shard_sampling"]["summaries"] == 0
+        body = (await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "logit_bias": bias,
+                                                        **params})).json()
+        assert body["choices"][0]["text"] == want.text
+    chat = (await post(cluster, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 3, "logit_bias": {"0": 100}})).json()
+    assert chat["choices"][0]["message"]["content"] == engine.tokenizer.decode([0, 0, 0])
+
+
 async def test_logprobs(cluster, engine):
     body = (await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "logprobs": 3})).json()
     lp = body["choices"][0]["logprobs"]
@@ -208,6 +230,19 @@ async def test_models(cluster):
     ("/v1/completions", {"prompt": "x", "suffix": ""}, "suffix", None, "no fill-in-the-middle tokens"),
     ("/v1/completions", {"prompt": "x", "suffix": 3}, "suffix", None, "suffix must be a string"),
     ("/v1/completions", {"prompt": [1, 2], "suffix": "y"}, "suffix", None, "prompt given as text"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [1]}, "logit_bias", None, "must be an object"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", None, "'a' is not a token id"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias", None, "'-1' is not a token id"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 1, "01": 2}}, "logit_bias", None, "once"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias", None,
+     "logit_bias['1'] must be a number in [-100, 100], got 101"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": None}}, "logit_bias", None, "must be a number"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": "5"}}, "logit_bias", None, "must be a number"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"270": 1}}, "logit_bias", None,
+     "token id 270 is outside the vocabulary [0, 270)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", None,
+     "at most 1024 tokens, got 1025"),
 ])
 async def test_errors_in_openai_shape(cluster, path, body, param, code, needle):
     r = await post(cluster, path, body)

@@ -449,6 +449,12 @@ def test_generate_stops_at_stop_string_and_streams(tiny_gguf):
     (["--system", "be brief"], "--system is a chat's system message: add --chat"),  # it was ignored
     (["--suffix", "x", "--chat"], "--suffix fills in the middle of a plain-text prompt: drop --chat"),
     (["--suffix", "x"], "--suffix: this model has no fill-in-the-middle tokens"),
+    (["--logit-bias", "5=500"], "--logit-bias: logit_bias['5'] must be a number in [-100, 100], got 500.0"),
+    (["--logit-bias", "5=lots"], "--logit-bias: logit_bias['5'] must be a number in [-100, 100], got 'lots'"),
+    (["--logit-bias", "5"], "--logit-bias: logit_bias['5'] must be a number in [-100, 100], got None"),
+    (["--logit-bias", "x=1"], "--logit-bias: logit_bias: 'x' is not a token id"),
+    (["--logit-bias", "5=1", "--logit-bias", "5=2"], "--logit-bias: token 5 is given twice"),
+    (["--logit-bias", "9999=1"], "--logit-bias: token 9999 is outside the vocabulary [0, "),
 ])
 def test_cli_generate_refuses_what_the_api_refuses(tiny_gguf, capsys, flags, needle):
     # It printed nothing for --max-tokens 0 and ran --top-p 2 as if it were 1.
@@ -465,6 +471,21 @@ def test_cli_generate_refuses_a_prompt_that_fills_the_context(tiny_gguf, capsys)
     n_ctx = LocalEngine.open(tiny_gguf).cfg.context_length
     assert main(["generate", str(tiny_gguf), "the " * n_ctx]) == 1
     assert f"tokens and the context length {n_ctx}: no room for a completion" in capsys.readouterr().err
+
+
+def test_cli_generate_logit_bias(tiny_gguf, capsys):
+    from common.sampling import SamplingParams
+    from deploy.cli import main
+    from deploy.engine_local import LocalEngine
+
+    eng = LocalEngine.open(tiny_gguf)
+    ids = eng.tokenizer.encode(GOLDEN_PROMPT)
+    first = eng.generate(ids, SamplingParams(), max_tokens=1).token_ids[0]
+    assert main(["generate", str(tiny_gguf), GOLDEN_PROMPT, "--max-tokens", "4", "--json",
+                 "--logit-bias", f"{first}=-100", "--logit-bias", " 3 = 2.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = eng.generate(ids, SamplingParams(logit_bias=((3, 2.5), (first, -100.0))), max_tokens=4).token_ids
+    assert out["token_ids"] == want and want[0] != first
 
 
 def test_cli_generate_fills_in_the_middle(tmp_path, capsys):

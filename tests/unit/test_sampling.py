@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common.sampling import Sampler, SamplingParams, apply_penalties, min_p, top_k, top_p
+from common.sampling import Sampler, SamplingParams, apply_logit_bias, apply_penalties, min_p, top_k, top_p
 
 LOGITS = np.array([1.0, 3.0, -2.0, 2.5, 0.0, 3.0], np.float32)
 
@@ -27,6 +27,27 @@ def test_penalties_like_llamacpp():
     # The window is the last penalty_last_n tokens.
     far = SamplingParams(repetition_penalty=2.0, penalty_last_n=1)
     assert apply_penalties(LOGITS, [1, 4], far)[1] == LOGITS[1]
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    p = SamplingParams(logit_bias=((1, -2.5), (5, 1.0)))
+    out = apply_logit_bias(LOGITS, p)
+    np.testing.assert_array_equal(out, LOGITS + np.where(np.arange(LOGITS.size) == 1, -2.5, 0)
+                                  + np.where(np.arange(LOGITS.size) == 5, 1.0, 0).astype(np.float32))
+    assert apply_logit_bias(LOGITS, SamplingParams()) is LOGITS and out is not LOGITS
+    # llama.cpp's order: the bias, then the penalties see the biased logit (3 - 2.5 = 0.5, then / 2)
+    both = SamplingParams(logit_bias=((1, -2.5),), repetition_penalty=2.0)
+    z = Sampler(both).scores(LOGITS, history=[1])
+    assert z[1] == pytest.approx((3.0 - 2.5) / 2)
+    # greedy: a ban moves the argmax to the next best; a boost wins
+    assert Sampler(SamplingParams(logit_bias=((1, -100.0),)))(LOGITS) == 5
+    assert Sampler(SamplingParams(logit_bias=((0, 100.0),)))(LOGITS) == 0
+    # sampled: a banned token is never drawn, over many seeds
+    banned = SamplingParams(temperature=1.0, logit_bias=((1, -100.0),))
+    assert 1 not in {Sampler(SamplingParams(**{**banned.__dict__, "seed": s}))(LOGITS) for s in range(300)}
+    for bad in (((2, 1.0), (1, 1.0)), ((1, 1.0), (1, 2.0)), ((-1, 1.0),), ((1, float("nan")),)):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
 
 
 def test_top_k_top_p_min_p_filters():
