@@ -282,15 +282,29 @@ class Coordinator:
         """The request -> its generation, or a 400 before any work; its deadline starts here. CPU-bound
         (tokenizing), so the handlers run it off the event loop; it never tokenizes more than the
         context holds."""
-        tok, ctx_len = self.tokenizer, self.context_tokens
+        ctx_len = self.context_tokens
         outside = [t for t, _ in g.sampling.logit_bias if t >= self.cfg.vocab_size]
         if outside:
             raise InvalidParam(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.cfg.vocab_size})",
                                "logit_bias")
+        prompt_ids, _ = self.encode(g)
+        n = len(prompt_ids)
+        max_tokens = g.max_tokens if g.max_tokens is not None else ctx_len - n
+        if n + max_tokens > ctx_len:
+            raise InvalidParam(f"prompt of {n} tokens + max_tokens {max_tokens} exceeds {self._context_note()}; "
+                               f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+        timeout_s = self.settings.request_timeout_s
+        return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
+                                 speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
+                                 timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure)
+
+    def encode(self, g: GenerateRequest, add_generation_prompt: bool = True) -> tuple[list[int], str]:
+        """The request's prompt -> (its ids, the field they came from), or a 400: ids outside the
+        vocabulary, a chat template's refusal, no tokens, or more than the context holds (found
+        without tokenizing more than that). CPU-bound: off the event loop."""
+        tok, ctx_len = self.tokenizer, self.context_tokens
         if g.prompt_ids is not None:
             prompt_ids, param = list(g.prompt_ids), "prompt"
-            if len(prompt_ids) >= ctx_len:
-                raise self._too_long(f"the prompt is {len(prompt_ids)} tokens", param)
             bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise InvalidParam(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})",
@@ -306,7 +320,7 @@ class Coordinator:
                                      f"this model is longer than {tok.max_token_bytes} bytes)", param)
             try:
                 if g.messages is not None:
-                    prompt_ids = tok.encode_chat(g.messages, max_tokens=ctx_len - 1)
+                    prompt_ids = tok.encode_chat(g.messages, add_generation_prompt, max_tokens=ctx_len - 1)
                 elif g.suffix is not None:
                     prompt_ids = tok.encode_fim(g.prompt or "", g.suffix, max_tokens=ctx_len - 1)
                 else:
@@ -319,17 +333,9 @@ class Coordinator:
                 raise InvalidParam(f"messages: the chat template refused them: {e}", "messages") from None
         if not prompt_ids:
             raise InvalidParam("the prompt encodes to no tokens", param)
-        n = len(prompt_ids)
-        if n >= ctx_len:
-            raise self._too_long(f"the prompt is {n} tokens", param)
-        max_tokens = g.max_tokens if g.max_tokens is not None else ctx_len - n
-        if n + max_tokens > ctx_len:
-            raise InvalidParam(f"prompt of {n} tokens + max_tokens {max_tokens} exceeds {self._context_note()}; "
-                               f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
-        timeout_s = self.settings.request_timeout_s
-        return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
-                                 speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
-                                 timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure)
+        if len(prompt_ids) >= ctx_len:
+            raise self._too_long(f"the prompt is {len(prompt_ids)} tokens", param)
+        return prompt_ids, param
 
     def speculation(self, g: GenerateRequest, n_prompt: int) -> SpeculationParams:
         """The request's speculation, or the server's (SPECULATION, SPEC_MAX_DRAFT): "auto" is, for

@@ -7,6 +7,8 @@ stations, gathers the LM-head slices and samples (seed sections 1-3).
     POST /v1/completions         OpenAI-compatible (openai_api.py, docs/api.md), stream=true: SSE
     POST /v1/chat/completions    the same, with the model's own chat template
     GET  /v1/models              the one model served
+    POST /tokenize               {"prompt" | "messages", "suffix", "add_generation_prompt"} -> {"count", "max_model_len",
+                                 "tokens"}: the ids a generation would run on; POST /detokenize {"tokens"} -> {"prompt"}
     GET  /metrics                Prometheus text format (metrics.py)
     GET  /topology               the stations and shards it chains
 
@@ -47,7 +49,7 @@ from services.boot import BootCache
 from services.coordinator import openai_api
 from services.coordinator.errors import InvalidAPIKey, openai_error_response
 from services.coordinator.generation import Coordinator, StationCapacity, policy_headers, summary
-from services.coordinator.params import parse_generate
+from services.coordinator.params import parse_detokenize, parse_generate, parse_tokenize
 from services.coordinator.pipeline import Pipeline
 from services.drafter.client import DrafterClient
 from services.knot_source import KnotSource, serving_version
@@ -220,6 +222,18 @@ async def _generate(request: Request, co: Coordinator, ctx) -> Response:
     return Response.from_json(summary(gen), headers=policy_headers(gen))
 
 
+async def _tokenize(request: Request, co: Coordinator) -> Response:
+    """POST /tokenize -> {"count", "max_model_len", "tokens"}: the ids a generation of the same prompt
+    would run on (Coordinator.encode, its 400s included); POST /detokenize -> {"prompt"}. vLLM's shapes."""
+    body = await off_loop(request.json)
+    if request.path == "/detokenize":
+        ids = parse_detokenize(body, co.cfg.vocab_size, co.context_tokens)
+        return Response.from_json({"prompt": await off_loop(co.tokenizer.decode, ids)})
+    g, add_generation_prompt = parse_tokenize(body)
+    ids, _ = await off_loop(co.encode, g, add_generation_prompt)
+    return Response.from_json({"count": len(ids), "max_model_len": co.context_tokens, "tokens": ids})
+
+
 def _authorized(request: Request, env: Env) -> None:
     """With KNOT_API_KEY set, the request must carry `Authorization: Bearer <key>`; 401 otherwise."""
     key = read(env, "KNOT_API_KEY", "coordinator")
@@ -274,6 +288,9 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     if path == "/generate" and request.method == "POST":
         co = await coordinator_for(env, check_version=True)
         return await _counted(co, "generate", lambda: _generate(request, co, ctx))
+    if path in ("/tokenize", "/detokenize") and request.method == "POST":
+        co = await coordinator_for(env, check_version=True)
+        return await _counted(co, path.lstrip("/"), lambda: _tokenize(request, co))
     if path == "/metrics" and request.method == "GET":
         co = await coordinator_for(env)
         await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
@@ -291,4 +308,5 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
             "max_sequence_tokens": co.context_tokens,
         })
     raise NotFound(f"{request.method} {path}: the coordinator serves POST /generate, POST /v1/completions, "
-                   f"POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /topology")
+                   f"POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /metrics, "
+                   f"GET /topology")

@@ -239,6 +239,15 @@ def parse_generate(body: Any) -> GenerateRequest:
         where = f"; {k!r} is served by {OPENAI_ONLY[k]}" if k in OPENAI_ONLY else ""
         raise InvalidParam(f"POST /generate does not take {', '.join(map(repr, unknown))}{where} "
                            f"(its fields: {', '.join(GENERATE_FIELDS)})", k)
+    prompt, messages, suffix = _prompt_fields(body)
+    max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
+    return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body),
+                           speculation=speculation_request(body), shard_failure=shard_failure(body), suffix=suffix)
+
+
+def _prompt_fields(body: dict) -> tuple[str | None, list[dict] | None, str | None]:
+    """/generate's and /tokenize's prompt: exactly one of prompt (a string, with an optional suffix)
+    and messages -> (prompt, messages, suffix)."""
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidParam('give exactly one of "prompt" (a string) or "messages" (a list of {role, content})')
@@ -246,7 +255,37 @@ def parse_generate(body: Any) -> GenerateRequest:
         raise InvalidParam(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
     if messages is not None:
         messages = check_messages(messages)
-    max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
-    return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body),
-                           speculation=speculation_request(body), shard_failure=shard_failure(body),
-                           suffix=fim_suffix(body, prompt is not None))
+    return prompt, messages, fim_suffix(body, prompt is not None)
+
+
+TOKENIZE_FIELDS = ("prompt", "messages", "suffix", "add_generation_prompt")
+
+
+def parse_tokenize(body: Any) -> tuple[GenerateRequest, bool]:
+    """POST /tokenize: the prompt of a /generate body (prompt, or messages; suffix with prompt) and
+    add_generation_prompt (a chat's assistant header, default true) -> (the request, that flag)."""
+    if not isinstance(body, dict):
+        raise InvalidParam("the body must be a JSON object")
+    unknown = [k for k in body if k not in TOKENIZE_FIELDS]
+    if unknown:
+        raise InvalidParam(f"POST /tokenize does not take {', '.join(map(repr, unknown))} "
+                           f"(its fields: {', '.join(TOKENIZE_FIELDS)})", unknown[0])
+    prompt, messages, suffix = _prompt_fields(body)
+    gen_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(gen_prompt, bool):
+        raise InvalidParam(f"add_generation_prompt must be a boolean, got {gen_prompt!r}", "add_generation_prompt")
+    return GenerateRequest(prompt, messages, None, SamplingParams(), (), suffix=suffix), gen_prompt
+
+
+def parse_detokenize(body: Any, vocab_size: int, max_tokens: int) -> list[int]:
+    """POST /detokenize: {"tokens": [ids]}, at most max_tokens of them (the context's), each in the vocabulary."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or set(body) != {"tokens"} or not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidParam('POST /detokenize takes {"tokens": [token ids]}', "tokens")
+    if len(tokens) > max_tokens:
+        raise InvalidParam(f"tokens: at most {max_tokens} ids (the context length), got {len(tokens)}", "tokens")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParam(f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens")
+    return tokens

@@ -22,7 +22,7 @@ from common.runtime import Request
 from tests.inprocess import build_cluster
 
 PROMPT = "the def the"
-ENDPOINTS = ["/generate", "/v1/completions", "/v1/chat/completions"]
+ENDPOINTS = ["/generate", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 # ---------------------------------------------------------------- JSON values a hostile client can send
 
@@ -72,6 +72,13 @@ PROMPTS = {
 
 
 def bodies(path: str):
+    if path == "/detokenize":
+        return st.fixed_dictionaries({"tokens": mostly(st.lists(st.integers(-5, 400), max_size=8))})
+    if path == "/tokenize":  # /generate's prompt fields and the chat's flag
+        return st.builds(lambda required, optional: {**required, **optional},
+                         st.fixed_dictionaries({}, optional=PROMPTS),
+                         st.fixed_dictionaries({}, optional={"suffix": OPTIONAL["suffix"],
+                                                             "add_generation_prompt": mostly(st.booleans())}))
     key = "messages" if "chat" in path else "prompt"
     return st.builds(lambda required, optional, max_tokens: {**required, **optional, "max_tokens": max_tokens},
                      st.fixed_dictionaries({key: PROMPTS[key]}),

@@ -280,6 +280,7 @@ async def test_fill_in_the_middle(fim_knot, tmp_path):
         assert body["choices"][0]["text"] == want.text and body["usage"]["prompt_tokens"] == len(ids), body
         gen = (await c.generate(prompt=prefix, suffix=suffix, max_tokens=8)).json()
         assert gen["tokens"] == want.token_ids and gen["text"] == want.text
+        assert (await post(c, "/tokenize", {"prompt": prefix, "suffix": suffix})).json()["tokens"] == ids
         events = await read_sse(await post(c, "/v1/completions", {"prompt": prefix, "suffix": suffix,
                                                                   "max_tokens": 8, "stream": True}))
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want.text
@@ -293,6 +294,44 @@ async def test_fill_in_the_middle(fim_knot, tmp_path):
         assert r.status == 400 and "prompt given as text" in r.json()["message"], r.body
     finally:
         await c.drain()
+
+
+async def test_tokenize_gives_the_ids_a_generation_runs_on(cluster, engine):
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "hi <|im_end|>"}]
+    for body, want in [({"prompt": PROMPT}, tok.encode(PROMPT)),
+                       ({"prompt": "<|im_start|>the"}, tok.encode("<|im_start|>the")),  # as /generate: specials
+                       ({"messages": messages}, tok.encode_chat(messages)),
+                       ({"messages": messages, "add_generation_prompt": False}, tok.encode_chat(messages, False))]:
+        r = await post(cluster, "/tokenize", body)
+        assert r.status == 200, r.body
+        assert r.json() == {"count": len(want), "max_model_len": 256, "tokens": want}
+        if "prompt" in body:  # the same ids as the generation's
+            gen = (await cluster.generate(**body, max_tokens=1)).json()
+            assert gen["prompt_tokens"] == want
+    assert (await post(cluster, "/tokenize", {"messages": messages})).json()["tokens"] != \
+        (await post(cluster, "/tokenize", {"messages": messages, "add_generation_prompt": False})).json()["tokens"]
+    ids = tok.encode("the def <|im_end|> é")
+    r = await post(cluster, "/detokenize", {"tokens": ids})
+    assert r.status == 200 and r.json() == {"prompt": "the def <|im_end|> é"}
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/tokenize", {"prompt": "x", "max_tokens": 3}, "does not take 'max_tokens'"),
+    ("/tokenize", {}, "exactly one of"),
+    ("/tokenize", {"prompt": 3}, "prompt must be a string"),
+    ("/tokenize", {"prompt": "x", "suffix": "y"}, "no fill-in-the-middle tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "no"}, "boolean"),
+    ("/tokenize", {"prompt": "the " * 300}, "context length"),
+    ("/tokenize", {"prompt": ""}, "encodes to no tokens"),
+    ("/detokenize", {"tokens": [1, "2"]}, '{"tokens": [token ids]}'),
+    ("/detokenize", {"tokens": [1], "skip": True}, '{"tokens": [token ids]}'),
+    ("/detokenize", {"tokens": [270]}, "id 270 is outside the vocabulary [0, 270)"),
+    ("/detokenize", {"tokens": [1] * 257}, "at most 256 ids"),
+])
+async def test_tokenize_refuses_with_a_400_naming_the_problem(cluster, path, body, needle):
+    r = await post(cluster, path, body)
+    assert r.status == 400 and needle in r.json()["message"], r.body
 
 
 async def test_unknown_route_and_method(cluster):
