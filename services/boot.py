@@ -42,4 +42,7 @@ class BootCache(Generic[T]):
         return self._booted.get(key)
 
     def clear(self) -> None:
+        """Forget every boot, as a fresh isolate would; its locks too (an asyncio.Lock that was
+        waited on belongs to that event loop, and a fresh isolate may run on another)."""
         self._booted.clear()
+        self._locks.clear()

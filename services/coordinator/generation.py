@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -218,11 +219,12 @@ SHARD_FAILURE_HEADER = "X-Knot-Shard-Failure"  # the policy a generation ran und
 DEGRADED_HEADER = "X-Knot-Degraded-Shards"  # "3:56976-75968,..." when shards were degraded around
 
 
-def policy_headers(gen: ClusterGeneration) -> dict[str, str]:
+def policy_headers(*gens: ClusterGeneration) -> dict[str, str]:
     """What every generation reply says in its headers: the shard-failure policy and, once the
-    generation has ended, the shards it was degraded around (a stream's headers go out before)."""
-    out = {SHARD_FAILURE_HEADER: gen.shard_failure}
-    missing = dict.fromkeys(f"{d.shard}:{d.vocab_start}-{d.vocab_end}" for d in gen.degraded)
+    generations (a request's choices) have ended, the shards they were degraded around (a stream's
+    headers go out before)."""
+    out = {SHARD_FAILURE_HEADER: gens[0].shard_failure}
+    missing = dict.fromkeys(f"{d.shard}:{d.vocab_start}-{d.vocab_end}" for gen in gens for d in gen.degraded)
     if missing:
         out[DEGRADED_HEADER] = ",".join(missing)
     return out
@@ -253,28 +255,28 @@ class Coordinator:
 
     # -------------------------------------------------------- admission
 
-    async def admit(self, gen: ClusterGeneration) -> None:
-        """Take a generation slot (waiting in the queue, not past the deadline); 429 when the queue is
-        full, 504 when the deadline passes in it. Pair with release()."""
+    async def admit(self, gen: ClusterGeneration, n: int = 1) -> None:
+        """Take the slots of a request's n generations (waiting in the queue, not past the deadline);
+        429 when the queue is full, 504 when the deadline passes in it. Pair with release(n)."""
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(max(0.0, gen.deadline - time.monotonic())):
-                await self.admission.acquire()
+                await self.admission.acquire(n)
         except TimeoutError:
             raise RequestTimeout(f"request {gen.request_id}: its deadline of {gen.timeout_s:g} s (REQUEST_TIMEOUT_S) "
                                  f"passed while it waited for a slot") from None
         self.metrics.queue_wait.observe(time.perf_counter() - t0)
 
-    def release(self) -> None:
-        self.admission.release()
+    def release(self, n: int = 1) -> None:
+        self.admission.release(n)
 
     @contextlib.asynccontextmanager
-    async def slot(self, gen: ClusterGeneration) -> AsyncIterator[None]:
-        await self.admit(gen)
+    async def slot(self, gen: ClusterGeneration, n: int = 1) -> AsyncIterator[None]:
+        await self.admit(gen, n)
         try:
             yield
         finally:
-            self.release()
+            self.release(n)
 
     # -------------------------------------------------------- before any work: the 400s
 
@@ -297,6 +299,23 @@ class Coordinator:
         return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
                                  speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
                                  timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure)
+
+    def prepare_choices(self, g: GenerateRequest, n: int) -> list[ClusterGeneration]:
+        """prepare(g), and n - 1 more generations like it (the OpenAI endpoints' n): the same prompt
+        ids and deadline, each its own request id (KV sessions). With a seed s, choice i samples
+        with seed s + i (mod 2**64), so the choices differ and each is reproducible; without one,
+        each draws its own."""
+        if n > self.admission.max_active:
+            raise InvalidParam(f"n={n}: the choices run side by side, each a generation, and this coordinator runs "
+                               f"at most {self.admission.max_active} (MAX_CONCURRENT_REQUESTS)", "n")
+        first = self.prepare(g)
+        seed = g.sampling.seed
+        return [first] + [
+            ClusterGeneration(list(first.prompt_ids), first.max_tokens,
+                              g.sampling if seed is None else dataclasses.replace(g.sampling, seed=(seed + i) % 2 ** 64),
+                              g.stop, g.logprobs, request_id=uuid.uuid4().hex, speculation=first.speculation,
+                              deadline=first.deadline, timeout_s=first.timeout_s, shard_failure=first.shard_failure)
+            for i in range(1, n)]
 
     def encode(self, g: GenerateRequest, add_generation_prompt: bool = True) -> tuple[list[int], str]:
         """The request's prompt -> (its ids, the field they came from), or a 400: ids outside the

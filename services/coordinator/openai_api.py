@@ -10,6 +10,9 @@ OpenAI's shape (services/coordinator/errors.py); once a stream has started, an e
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -28,6 +31,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 MAX_TOP_LOGPROBS = 20
+# A request's choices each take an admission slot and a KV session on every station, as a request
+# does: n is bounded like the requests one client could queue, not left to fill the cluster.
+MAX_CHOICES = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class Options:
     chat: bool
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
+    n: int = 1  # choices: one generation each, run side by side (batched by the stations and shards)
 
 
 # ---------------------------------------------------------------- parsing
@@ -66,16 +73,13 @@ def _common(body: dict, chat: bool) -> Options:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidParam(f"model must be a string, got {model!r}", "model")
-    n = number(body, "n", 1, integer=True)
-    if n != 1:
-        raise InvalidParam(f"n={n} is not supported: only n=1 (one choice per request); send {n} requests "
-                           f"instead", "n")
+    n = number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise InvalidParam("stream_options must be an object", "stream_options")
     include_usage = stream and _bool(opts or {}, "include_usage")
-    return Options(chat, stream, include_usage)
+    return Options(chat, stream, include_usage, n)
 
 
 def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
@@ -155,13 +159,14 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
 
 
 class Shape:
-    """OpenAI's JSON for one generation, whole or as chunks (chat and completions differ)."""
+    """OpenAI's JSON for a request's generations (its n choices), whole or as chunks (chat and
+    completions differ)."""
 
-    def __init__(self, co: Coordinator, gen: Generation, opts: Options):
-        self.co, self.gen, self.opts = co, gen, opts
+    def __init__(self, co: Coordinator, gens: list[Generation], opts: Options):
+        self.co, self.gens, self.opts = co, gens, opts
         self.created = int(time.time())
-        self.id = f"{'chatcmpl' if opts.chat else 'cmpl'}-{gen.request_id}"
-        self.text_offset = 0
+        self.id = f"{'chatcmpl' if opts.chat else 'cmpl'}-{gens[0].request_id}"
+        self.text_offset = [0] * len(gens)  # per choice: where its next token's text starts
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.co.model_id,
@@ -169,16 +174,21 @@ class Shape:
 
     def degradation(self) -> dict:
         """Under shard_failure "degrade", the reply says so, and which shards were missing (none: [])."""
-        g = self.gen
-        if g.shard_failure != "degrade":
+        if self.gens[0].shard_failure != "degrade":
             return {}
-        return {"shard_failure": g.shard_failure, "degraded_shards": [d.as_json() for d in g.degraded]}
+        missing = {json.dumps(d.as_json(), sort_keys=True): d.as_json() for g in self.gens for d in g.degraded}
+        return {"shard_failure": "degrade", "degraded_shards": list(missing.values())}
+
+    def usage(self) -> dict:
+        """The prompt once, the completions of every choice."""
+        prompt, completion = len(self.gens[0].prompt_ids), sum(len(g.token_ids) for g in self.gens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _token_str(self, tid: int) -> str:
         return self.co.tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
 
-    def logprobs(self, events: list[TokenEvent]) -> dict | None:
-        if self.gen.logprobs is None:
+    def logprobs(self, i: int, events: list[TokenEvent]) -> dict | None:
+        if self.gens[i].logprobs is None:
             return None
         if self.opts.chat:
             def entry(tid: int, lp: float) -> dict:
@@ -196,83 +206,132 @@ class Shape:
             for t, lp in e.logprobs.top:  # best first: where two tokens print alike, the likelier one stays
                 top.setdefault(self._token_str(t), lp)
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self.text_offset)
-            self.text_offset += len(s)
+            out["text_offset"].append(self.text_offset[i])
+            self.text_offset[i] += len(s)
         return out
 
-    def whole(self, events: list[TokenEvent]) -> dict:
-        g = self.gen
-        if self.opts.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": g.text},
-                      "logprobs": self.logprobs(events), "finish_reason": g.finish_reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": g.text, "logprobs": self.logprobs(events), "finish_reason": g.finish_reason}
-            body = self._envelope("text_completion", [choice])
-        return {**body, "usage": g.usage(), **self.degradation()}
+    def whole(self, events: list[list[TokenEvent]]) -> dict:
+        """events[i]: choice i's tokens."""
+        choices = []
+        for i, (g, ev) in enumerate(zip(self.gens, events)):
+            body = {"message": {"role": "assistant", "content": g.text}} if self.opts.chat else {"text": g.text}
+            choices.append({"index": i, **body, "logprobs": self.logprobs(i, ev), "finish_reason": g.finish_reason})
+        body = self._envelope("chat.completion" if self.opts.chat else "text_completion", choices)
+        return {**body, "usage": self.usage(), **self.degradation()}
 
-    def chunk(self, text: str | None, finish: str | None = None, events: list[TokenEvent] = (),
+    def chunk(self, i: int, text: str | None, finish: str | None = None, events: list[TokenEvent] = (),
               role: bool = False) -> dict:
-        """One stream chunk; the one that finishes carries the degradation fields too."""
-        lp = self.logprobs(list(events)) if events else None
+        """One stream chunk of choice i; the one that finishes carries the degradation fields too."""
+        lp = self.logprobs(i, list(events)) if events else None
         extra = self.degradation() if finish else {}
         if self.opts.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return {**self._envelope("chat.completion.chunk", [choice]), **extra}
-        return {**self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": lp,
+        return {**self._envelope("text_completion", [{"index": i, "text": text or "", "logprobs": lp,
                                                       "finish_reason": finish}]), **extra}
 
     def usage_chunk(self) -> dict:
         obj = "chat.completion.chunk" if self.opts.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": self.gen.usage()}
+        return {**self._envelope(obj, []), "usage": self.usage()}
 
 
 # ---------------------------------------------------------------- running
 
 
 async def complete(co: Coordinator, g: GenerateRequest, opts: Options, ctx) -> Response:
-    gen = await off_loop(co.prepare, g)  # 400s (context length, bad template) before taking a slot
+    # 400s (context length, bad template) before taking a slot; then one generation per choice
+    gens = await off_loop(co.prepare_choices, g, opts.n)
     if not opts.stream:
-        events: list[TokenEvent] = []
-        async with co.slot(gen):
+        events: list[list[TokenEvent]] = [[] for _ in gens]
+
+        async def run(gen: Generation, out: list[TokenEvent]) -> None:
             async for ev in co.events(gen, ctx):
                 if isinstance(ev, TokenEvent):
-                    events.append(ev)
-        return Response.from_json(Shape(co, gen, opts).whole(events), headers=policy_headers(gen))
-    await co.admit(gen)  # 429 here, while a status can still be sent; the stream gives the slot back
-    chunks = ClosingStream(_sse(co, gen, opts, ctx), co.release)
+                    out.append(ev)
+
+        async with co.slot(gens[0], len(gens)):
+            await _all(run(gen, out) for gen, out in zip(gens, events))
+        return Response.from_json(Shape(co, gens, opts).whole(events), headers=policy_headers(*gens))
+    await co.admit(gens[0], len(gens))  # 429 here, while a status can still be sent; the stream gives them back
+    chunks = ClosingStream(_sse(co, gens, opts, ctx), lambda: co.release(len(gens)))
     return Response.from_stream(chunks, "text/event-stream; charset=utf-8", headers={**SSE_HEADERS,
-                                                                                     **policy_headers(gen)})
+                                                                                     **policy_headers(*gens)})
 
 
-async def _sse(co: Coordinator, gen: Generation, opts: Options, ctx) -> AsyncIterator[bytes]:
-    shape = Shape(co, gen, opts)
+async def _all(runs) -> None:
+    """Run the coroutines together; the first failure (or a cancellation) cancels the rest, and is raised."""
+    tasks = [asyncio.ensure_future(r) for r in runs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _sse(co: Coordinator, gens: list[Generation], opts: Options, ctx) -> AsyncIterator[bytes]:
+    shape = Shape(co, gens, opts)
+    failed: list[BaseException] = []
+    streams = [_choice_sse(co, shape, i, gen, ctx, failed) for i, gen in enumerate(gens)]
+    source = streams[0] if len(streams) == 1 else _interleave(streams)
+    async with contextlib.aclosing(source):  # a client that leaves closes this, and so every choice's events
+        async for chunk in source:
+            yield chunk
+    if opts.include_usage and not failed:
+        yield sse(shape.usage_chunk())
+    yield SSE_DONE
+
+
+async def _choice_sse(co: Coordinator, shape: Shape, i: int, gen: Generation, ctx,
+                      failed: list[BaseException]) -> AsyncIterator[bytes]:
+    """Choice i's events; a failure is reported as an error event (the status line is out) and noted in failed."""
     want_lp = gen.logprobs is not None
-    if opts.chat:
-        yield sse(shape.chunk(None, role=True))
+    if shape.opts.chat:
+        yield sse(shape.chunk(i, None, role=True))
     events = co.events(gen, ctx)
     try:
         async for ev in events:
             if isinstance(ev, TokenEvent):
                 if ev.text or want_lp:
-                    yield sse(shape.chunk(ev.text, events=[ev] if want_lp else ()))
+                    yield sse(shape.chunk(i, ev.text, events=[ev] if want_lp else ()))
             elif isinstance(ev, FinishEvent):
-                if ev.text and opts.chat:
-                    yield sse(shape.chunk(ev.text))
-                    yield sse(shape.chunk(None, ev.reason))
+                if ev.text and shape.opts.chat:
+                    yield sse(shape.chunk(i, ev.text))
+                    yield sse(shape.chunk(i, None, ev.reason))
                 else:
-                    yield sse(shape.chunk(ev.text, ev.reason))
-        if opts.include_usage:
-            yield sse(shape.usage_chunk())
+                    yield sse(shape.chunk(i, ev.text, ev.reason))
     except Exception as e:  # noqa: BLE001 - the status line is out: report the failure in the stream
         log.warning("stream %s failed: %s: %s", gen.request_id, type(e).__name__, e)
+        failed.append(e)
         yield sse(openai_error_body(e, status_for(e)))
     finally:
         await events.aclose()  # runs events()' finally at once (KV release), whoever stopped the stream
-    yield SSE_DONE
+
+
+async def _interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The items of several streams as each comes; closing this closes them all."""
+    pending = {asyncio.ensure_future(s.__anext__()): s for s in streams}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                stream = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield item
+                pending[asyncio.ensure_future(stream.__anext__())] = stream
+    finally:
+        for fut in pending:
+            fut.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 # ---------------------------------------------------------------- models

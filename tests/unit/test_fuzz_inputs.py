@@ -58,7 +58,7 @@ OPTIONAL = {
     "presence_penalty": mostly(st.floats(-2, 2), any_float),
     "frequency_penalty": mostly(st.floats(-2, 2), any_float),
     "repetition_penalty": mostly(st.floats(0.5, 2), any_float),
-    "n": mostly(st.just(1), st.integers(-2, 3)),
+    "n": mostly(st.integers(1, 3), st.integers(-2, 10)),
     "model": mostly(st.text(max_size=10)),
     "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
     "echo": json_values,

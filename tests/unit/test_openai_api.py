@@ -208,7 +208,8 @@ async def test_models(cluster):
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None, "max_tokens must be >= 1"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens", None, "max_tokens must be >= 1"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature", None, "temperature must be >= 0"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n", None, "only n=1"),
+    ("/v1/completions", {"prompt": "x", "n": 9}, "n", None, "n must be <= 8, got 9"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n", None, "n must be >= 1, got 0"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", None, "boolean"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "stop", None, "stop must be"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop", None, "at most 16 strings, got 17"),
@@ -220,7 +221,8 @@ async def test_models(cluster):
      "exceeds the context length 256"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages", None, "messages must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages", None, "content must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", None, "only n=1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2.5}, "n", None,
+     "n must be an integer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the " * 300}]}, "messages",
      "context_length_exceeded", "context length"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", None,
@@ -540,6 +542,90 @@ async def test_admission_queue_is_bounded_and_survives_cancellation():
     assert (a.active, a.queued) == (1, 0)
     a.release()
     assert a.active == 0
+
+
+async def test_admission_takes_a_requests_slots_at_once():
+    """n choices take n slots together, first come first served: two requests that each hold part of
+    what they need would otherwise wait on each other forever."""
+    from services.coordinator.admission import Admission
+
+    a = Admission(max_active=3, max_queued=4, retry_after_s=1)
+    await a.acquire(2)
+    big = asyncio.create_task(a.acquire(2))  # needs 2, 1 is free: waits, holding nothing
+    await asyncio.sleep(0)
+    small = asyncio.create_task(a.acquire(1))  # would fit, but does not overtake the head of the line
+    await asyncio.sleep(0)
+    assert (a.active, a.queued) == (2, 2) and not big.done() and not small.done()
+    a.release(2)
+    await big
+    await asyncio.sleep(0)
+    assert small.done() and a.active == 3 and a.queued == 0
+    a.release(1)
+    head = asyncio.create_task(a.acquire(3))  # 1 free of 3: waits
+    after = asyncio.create_task(a.acquire(1))
+    await asyncio.sleep(0)
+    head.cancel()  # the head leaves the line: the one behind it fits now
+    await asyncio.gather(head, return_exceptions=True)
+    await asyncio.wait_for(after, 1)
+    assert a.active == 3 and a.queued == 0
+    a.release(2)
+    a.release(1)
+    assert a.active == 0
+
+
+async def test_n_choices(cluster, engine):
+    """n > 1: choice i is the generation with seed + i, run side by side; the prompt counts once in usage."""
+    ids = engine.tokenizer.encode(PROMPT)
+    params = dict(temperature=0.9, top_k=40, seed=11)
+    want = [reference(engine, ids, 8, **{**params, "seed": 11 + i}) for i in range(3)]
+    assert len({tuple(w.token_ids) for w in want}) > 1, "the seeds give different choices"
+    body = (await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "n": 3, **params})).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [w.text for w in want]
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": sum(len(w.token_ids) for w in want),
+                             "total_tokens": len(ids) + sum(len(w.token_ids) for w in want)}
+    # streamed: each chunk names its choice; each choice's chunks make its text, and it finishes once
+    r = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "n": 3, "stream": True,
+                                                "stream_options": {"include_usage": True}, **params})
+    events = await read_sse(r)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == body["usage"]
+    chunks = events[:-2]
+    for i, w in enumerate(want):
+        mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == w.text
+        assert [c["finish_reason"] is not None for c in mine].count(True) == 1 and mine[-1]["finish_reason"]
+    # chat: a role chunk per choice; greedy choices are all the same generation
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
+    body = (await post(cluster, "/v1/chat/completions", chat)).json()
+    assert body["choices"][0]["message"] == body["choices"][1]["message"]
+    events = await read_sse(await post(cluster, "/v1/chat/completions", {**chat, "stream": True}))
+    roles = [e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["delta"].get("role")]
+    assert sorted(roles) == [0, 1]
+    for i in (0, 1):
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]
+                       if e["choices"][0]["index"] == i)
+        assert text == body["choices"][i]["message"]["content"]
+    await cluster.drain()
+    co = await co_handler.coordinator_for(cluster.coordinator.env)
+    assert co.admission.active == 0 and await station_sessions(cluster) == [0, 0]
+
+
+async def test_n_choices_closing_the_stream_frees_every_choice(cluster):
+    r = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 200, "n": 3, "stream": True})
+    co = await co_handler.coordinator_for(cluster.coordinator.env)
+    assert co.admission.active == 3
+    events = await read_sse(r, limit=4)
+    assert len(events) == 4 and "[DONE]" not in events
+    assert co.admission.active == 0, "the slots are given back"
+    await cluster.drain()
+    assert await station_sessions(cluster) == [0, 0]
+
+
+async def test_n_beyond_the_concurrency_is_a_400(cluster):
+    cluster.coordinator.env._items.update({"MAX_CONCURRENT_REQUESTS": "2"})
+    r = await post(cluster, "/v1/completions", {"prompt": PROMPT, "n": 3})
+    assert r.status == 400 and r.json()["error"]["param"] == "n", r.body
+    assert "at most 2 (MAX_CONCURRENT_REQUESTS)" in r.json()["error"]["message"]
 
 
 async def test_api_key_guards_every_endpoint_with_openai_401(cluster):
