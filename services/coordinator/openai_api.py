@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 MAX_TOP_LOGPROBS = 20
-# A request's choices each take an admission slot and a KV session on every station, as a request
-# does: n is bounded like the requests one client could queue, not left to fill the cluster.
+# A request's n choices take n admission slots and n KV sessions on every station: at most this
+# many, and at most MAX_CONCURRENT_REQUESTS (Coordinator.prepare_choices).
 MAX_CHOICES = 8
 
 
