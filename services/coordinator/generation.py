@@ -30,6 +30,7 @@ from common.kvcache import prefill_chunks
 from common.models import ModelConfig
 from common import wire
 from common.runtime import HttpError, ServiceUnavailable
+from common.sampling import SamplingParams
 from common.shard_sampling import RowSummary, decide
 from common.speculative import Drafter, PromptLookup, SpeculationParams, TripCost, default_max_draft
 from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
@@ -287,8 +288,8 @@ class Coordinator:
         ctx_len = self.context_tokens
         outside = [t for t, _ in g.sampling.logit_bias if t >= self.cfg.vocab_size]
         if outside:
-            raise InvalidParam(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.cfg.vocab_size})",
-                               "logit_bias")
+            raise InvalidParam(f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                               f"[0, {self.cfg.vocab_size})", "logit_bias")
         prompt_ids, _ = self.encode(g)
         n = len(prompt_ids)
         max_tokens = g.max_tokens if g.max_tokens is not None else ctx_len - n
@@ -310,11 +311,14 @@ class Coordinator:
                                f"at most {self.admission.max_active} (MAX_CONCURRENT_REQUESTS)", "n")
         first = self.prepare(g)
         seed = g.sampling.seed
+
+        def sampling(i: int) -> SamplingParams:
+            return g.sampling if seed is None else dataclasses.replace(g.sampling, seed=(seed + i) % 2 ** 64)
+
         return [first] + [
-            ClusterGeneration(list(first.prompt_ids), first.max_tokens,
-                              g.sampling if seed is None else dataclasses.replace(g.sampling, seed=(seed + i) % 2 ** 64),
-                              g.stop, g.logprobs, request_id=uuid.uuid4().hex, speculation=first.speculation,
-                              deadline=first.deadline, timeout_s=first.timeout_s, shard_failure=first.shard_failure)
+            ClusterGeneration(list(first.prompt_ids), first.max_tokens, sampling(i), g.stop, g.logprobs,
+                              request_id=uuid.uuid4().hex, speculation=first.speculation, deadline=first.deadline,
+                              timeout_s=first.timeout_s, shard_failure=first.shard_failure)
             for i in range(1, n)]
 
     def encode(self, g: GenerateRequest, add_generation_prompt: bool = True) -> tuple[list[int], str]:

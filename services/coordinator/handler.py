@@ -7,8 +7,9 @@ stations, gathers the LM-head slices and samples (seed sections 1-3).
     POST /v1/completions         OpenAI-compatible (openai_api.py, docs/api.md), stream=true: SSE
     POST /v1/chat/completions    the same, with the model's own chat template
     GET  /v1/models              the one model served
-    POST /tokenize               {"prompt" | "messages", "suffix", "add_generation_prompt"} -> {"count", "max_model_len",
-                                 "tokens"}: the ids a generation would run on; POST /detokenize {"tokens"} -> {"prompt"}
+    POST /tokenize               {"prompt" | "messages", "suffix", "add_generation_prompt"}
+                                 -> {"count", "max_model_len", "tokens"}: the ids a generation would run on
+    POST /detokenize             {"tokens"} -> {"prompt"}
     GET  /metrics                Prometheus text format (metrics.py)
     GET  /topology               the stations and shards it chains
 

@@ -227,7 +227,8 @@ GENERATE_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
                    "speculation", "shard_failure", "suffix", "logit_bias")
 OPENAI_ONLY = {"logprobs": "/v1/completions or /v1/chat/completions", "top_logprobs": "/v1/chat/completions",
-               "stream": "/v1/completions or /v1/chat/completions", "model": "/v1/completions or /v1/chat/completions"}
+               "stream": "/v1/completions or /v1/chat/completions", "model": "/v1/completions or /v1/chat/completions",
+               "n": "/v1/completions or /v1/chat/completions"}
 
 
 def parse_generate(body: Any) -> GenerateRequest:

@@ -65,6 +65,10 @@ def tokenizer_case(data: dict, texts: list[str], path: Path) -> Path:
     return path
 
 
+# n choices streamed: their chunks interleave (asyncio.wait over each choice's events, on Pyodide's loop)
+CHOICES = {"prompt": "the", "max_tokens": 6, "n": 2, "seed": 5, "temperature": 0.9, "stream": True}
+
+
 def _clear_boot_caches():
     from services.coordinator import handler as co
     from services.shard import handler as sh
@@ -97,6 +101,7 @@ def pyodide_run(tiny_knot, tmp_path_factory):
             {"worker": "knot-coordinator", "path": "/v1/chat/completions", "body": chat, "stream": True},
             {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": 7}},
             {"worker": "knot-station-0", "path": "/stats", "method": "GET"},
+            {"worker": "knot-coordinator", "path": "/v1/completions", "body": CHOICES, "stream": True},
         ],
     }
     return run_harness(config, tmp)
@@ -126,11 +131,13 @@ def test_pure_python_tokenizer_equals_tokenizers_under_pyodide(pyodide_run):
 async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyodide_run, tiny_knot, tmp_path,
                                                                             numpy_matmul):
     """CPython on the numpy matmul path, as Pyodide runs (the C kernels sum in another order)."""
-    gen, stream, bad, stats = pyodide_run["requests"]
+    gen, stream, bad, stats, choices = pyodide_run["requests"]
     _clear_boot_caches()
     cluster = await build_cluster(tiny_knot, tmp_path, n_stations=2, n_shards=4)
     want = (await cluster.generate(prompt=PROMPT, max_tokens=MAX_TOKENS)).json()
     want_chat = (await cluster.generate(messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS)).json()
+    want_choices = [(await cluster.generate(**{k: v for k, v in CHOICES.items() if k not in ("n", "stream", "seed")},
+                                            **{"seed": CHOICES["seed"] + i})).json()["text"] for i in range(2)]
     await cluster.drain()
     _clear_boot_caches()
     assert gen["status"] == 200, gen["text"]
@@ -149,6 +156,11 @@ async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyo
     # bad input: a 400 naming the problem, and the Workers go on
     assert bad["status"] == 400 and "prompt" in json.loads(bad["text"])["message"]
     assert stats["status"] == 200 and json.loads(stats["text"])["layer_start"] == 0
+    # n = 2, streamed: each choice's chunks make the text of its seed's generation
+    assert choices["status"] == 200 and choices["text"].endswith("data: [DONE]\n\n"), choices["text"][-300:]
+    events = [json.loads(e[6:]) for e in choices["text"].split("\n\n") if e.startswith("data: {")]
+    assert ["".join(ev["choices"][0]["text"] for ev in events if ev["choices"][0]["index"] == i)
+            for i in range(2)] == want_choices
     # every role ran: stations and wardens as Durable Objects, rows through KV, weights from R2
     classes = {k.split("/")[1] for k in pyodide_run["objects"]}
     assert classes == {"Station", "LayerWarden", "CobordismWarden"}

@@ -222,7 +222,8 @@ def test_end_of_generation_and_fim_tokens_equal_llamacpp(pair):
     llama_eog = {i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
     text_eog = {i for i in llama_eog if tok.tokens[i] == "</s>" and i not in tok.control_ids}
     assert len(text_eog) == 1 and tok.eog_ids == llama_eog - text_eog
-    assert tok.fim_ids == {"prefix": llama_cpp.llama_vocab_fim_pre(vocab), "suffix": llama_cpp.llama_vocab_fim_suf(vocab),
+    assert tok.fim_ids == {"prefix": llama_cpp.llama_vocab_fim_pre(vocab),
+                           "suffix": llama_cpp.llama_vocab_fim_suf(vocab),
                            "middle": llama_cpp.llama_vocab_fim_mid(vocab)}
     for prefix, suffix in [("def add(a, b):\n    ", "\n    return result"), ("", "x = 1\n"), ("import os\n", ""),
                            ('  s = """', '"""\n')]:
