@@ -67,6 +67,23 @@ def test_completions_and_chat_with_the_openai_client(client, engine):  # noqa: F
         assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop)]
 
 
+def test_n_choices_and_logit_bias_with_the_openai_client(client, engine):  # noqa: F811
+    """The official client reads n choices, whole and streamed, and sends logit_bias as it is."""
+    ids = engine.tokenizer.encode(PROMPT)
+    params = dict(temperature=0.9, seed=21)
+    want = [reference(engine, ids, 8, **{**params, "seed": 21 + i}).text for i in range(3)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3, **params)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == want
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3, stream=True, **params):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == want
+    first = reference(engine, ids, 1).token_ids[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logit_bias={str(first): -100})
+    assert r.choices[0].text == reference(engine, ids, 6, logit_bias=((first, -100.0),)).text
+
+
 def test_streaming_with_the_openai_client(client, engine, cluster):  # noqa: F811
     ids = engine.tokenizer.encode(PROMPT)
     want = reference(engine, ids, 16)
@@ -91,7 +108,9 @@ def test_streaming_with_the_openai_client(client, engine, cluster):  # noqa: F81
     ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens", None, "must be an integer"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", None, ">= 1"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature", None, ">= 0"),
-    ({"model": MODEL, "prompt": "x", "n": 4}, "n", None, "only n=1"),
+    ({"model": MODEL, "prompt": "x", "n": 9}, "n", None, "n must be <= 8, got 9"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix", None, "no fill-in-the-middle tokens"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias", None, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "the " * 400}, "prompt", "context_length_exceeded", "context length"),
 ])
 def test_errors_over_raw_http(cluster, body, param, code, needle):  # noqa: F811
