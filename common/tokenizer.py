@@ -49,10 +49,10 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 # GGUF types them control. The last three are Qwen2.5-Coder's fill-in-the-middle padding and its
 # repository and file separators: llama.cpp ends a generation at each (its fim_pad, fim_rep and
 # fim_sep), and past one the model starts another file, whose text skip_special would glue on.
-# Not copied from llama.cpp: it also ends at "</s>" and re-types it control, where Qwen's vocabulary
-# holds it as a normal token that text never becomes (the pre-tokenizer splits "</s>" into "</",
-# "s", ">"; llama.cpp's special=True makes it 1 token); an HTML answer would stop at its first
-# strikethrough (docs/fidelity.md). tests/oracle/test_llamacpp.py checks the set against llama.cpp's.
+# Not copied from llama.cpp: it also ends at "</s>" and re-types it control (so its special=True
+# tokenizing turns a prompt's "</s>" into that id), where Qwen's vocabulary holds it as a normal token
+# that text never becomes: the pre-tokenizer splits "</s>" into "</", "s", ">" (docs/fidelity.md).
+# tests/oracle/test_llamacpp.py checks the set against llama.cpp's.
 _EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
               "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 # Fill-in-the-middle markers by role (Qwen2.5-Coder's spelling; ref: llama-vocab.cpp fim_pre/suf/mid).
