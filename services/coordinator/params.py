@@ -106,8 +106,8 @@ def sampling_params(body: dict) -> SamplingParams:
     )
 
 
-MAX_LOGIT_BIAS = 1024  # entries; OpenAI's range of each bias
-LOGIT_BIAS_RANGE = 100
+MAX_LOGIT_BIAS = 1024  # ids one request may bias (a bound of ours: each costs the sampler on every token)
+LOGIT_BIAS_RANGE = 100  # each bias in [-100, 100], OpenAI's range
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
