@@ -19,6 +19,7 @@ position, id) (SplitMix64, below), never a generator's running state. Hence
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -51,6 +52,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @functools.cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (ids intp, biases float32), built once per params, not once per token."""
+        return (np.array([i for i, _ in self.logit_bias], np.intp),
+                np.array([b for _, b in self.logit_bias], np.float32))
+
     @property
     def penalized(self) -> bool:
         return self.penalty_last_n != 0 and (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
@@ -71,8 +78,8 @@ def apply_logit_bias(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     if not p.logit_bias:
         return logits
     out = logits.copy()
-    ids = np.fromiter((i for i, _ in p.logit_bias), np.intp, len(p.logit_bias))
-    out[ids] += np.fromiter((b for _, b in p.logit_bias), np.float32, len(p.logit_bias))
+    ids, biases = p.bias_arrays
+    out[ids] += biases
     return out
 
 

@@ -132,10 +132,6 @@ class Tokenizer:
         self.eog_ids = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i in self.control_ids}
         if self.eos_id is not None:
             self.eog_ids.add(int(self.eos_id))
-        control_id = {tokens[i]: i for i in self.control_ids}
-        # role -> id of the fill-in-the-middle markers; None: the model has not all three
-        fim = {role: control_id.get(text) for role, text in FIM_TEXTS.items()}
-        self.fim_ids: dict[str, int] | None = fim if None not in fim.values() else None
         if backend is None:
             backend = "tokenizers" if HFTokenizer is not None else "python"
         if backend not in BACKENDS:
@@ -164,6 +160,9 @@ class Tokenizer:
             except ValueError as e:
                 raise TokenizerError(str(e)) from None
         self._special_id = {tokens[i]: i for i in sorted(self.control_ids)}  # the markers a template may write
+        # role -> id of the fill-in-the-middle markers; None: the model has not all three
+        fim = {role: self._special_id.get(text) for role, text in FIM_TEXTS.items()}
+        self.fim_ids: dict[str, int] | None = fim if None not in fim.values() else None
         self._special_re = None
         self._piece_cache: dict[int, bytes] = {}
         self._uncuttable: bool | None = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -176,8 +175,7 @@ class Shape:
         """Under shard_failure "degrade", the reply says so, and which shards were missing (none: [])."""
         if self.gens[0].shard_failure != "degrade":
             return {}
-        missing = {json.dumps(d.as_json(), sort_keys=True): d.as_json() for g in self.gens for d in g.degraded}
-        return {"shard_failure": "degrade", "degraded_shards": list(missing.values())}
+        return {"shard_failure": "degrade", "degraded_shards": [d.as_json() for g in self.gens for d in g.degraded]}
 
     def usage(self) -> dict:
         """The prompt once, the completions of every choice."""
