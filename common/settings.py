@@ -221,6 +221,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("ROW_CACHE_BYTES", "int", str(4 * MiB), "shard",
        "embedding rows kept in the shard itself, in front of its warden (0: off; at most half the budget)",
        minimum=0),
+    _s("WARM_WARDEN", "choice", "on", "shard", "at boot, ask the CobordismWarden to read the shard's slice of "
+       "the embedding into its RAM (in the background, once per knot version, where it fits half the warden's "
+       "budget), so a new token's row is a RAM hit, not a KV and R2 read", choices=("on", "off")),
     # ------------------------------------------------------------ the local host (knot serve)
     _s("KNOT_SERVICE", "str", REQUIRED, "host", "handler module this process serves, e.g. services.station"),
     _s("KNOT_SERVICE_NAME", "str", None, "host", "name in logs and /healthz (default: the module's last part)"),

@@ -55,7 +55,8 @@ class Cluster:
 async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shards: int = 8,
                         station_budget_bytes: int = 128 << 20, wardens: bool = True,
                         station_vars: dict | None = None, draft_knot: Path | None = None,
-                        coordinator_vars: dict | None = None, drafter_vars: dict | None = None) -> Cluster:
+                        coordinator_vars: dict | None = None, drafter_vars: dict | None = None,
+                        shard_vars: dict | None = None) -> Cluster:
     """draft_knot: also a drafter serving that model (with drafter_vars), bound to the coordinator as DRAFTER."""
     from deploy.knotfile import open_model
 
@@ -82,7 +83,8 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
     shards, ranges = [], []
     for s in split_vocab(cfg.vocab_size, n_shards):
         env = Env({**base, **({"COBORDISM_WARDEN": LocalNamespace(cw, "CobordismWarden")} if wardens else {})},
-                  {"KNOT_KEY": KNOT_KEY, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end)})
+                  {"KNOT_KEY": KNOT_KEY, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
+                   **(shard_vars or {})})
         shards.append(LocalService(shard.fetch, env, tasks))
         bindings[f"SHARD_{s.index}"] = shards[-1]
         ranges.append((s.vocab_start, s.vocab_end))

@@ -17,3 +17,7 @@ class CobordismWardenClient(WardenClient):
         or TimeoutError when the warden fails or answers non-2xx, wire.WireError when its batch does not decode."""
         resp = await self._post("/tensors", wire.ROWS_CONTENT_TYPE, wire.encode_rows(rows))
         return wire.decode_batch(resp.body)
+
+    async def warm(self) -> dict:
+        """Ask the warden to read this slice into its RAM in the background (once per version) -> its answer."""
+        return (await self._post("/warm")).json()

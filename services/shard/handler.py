@@ -13,13 +13,16 @@
     GET  /stats
 
 Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB), ROW_CACHE_BYTES
-(default 4 MiB, 0 = off); bindings KNOT_BUCKET, COBORDISM_WARDEN (DO namespace, optional: the
+(default 4 MiB, 0 = off), WARM_WARDEN (on: at boot the warden reads our slice into its RAM); bindings KNOT_BUCKET, COBORDISM_WARDEN (DO namespace, optional: the
 RAM -> KV -> R2 row hierarchy lives behind it).
 
 Rows also stay in a small isolate-local LRU in front of the warden: a decode step embeds one
 token, and without it every step paid a second hop (shard -> warden) on the critical path. Each
 entry is sealed with the knot version and its crc32, checked on every hit (a bad one is a miss,
 counted in `row_cache_rejects`); the warden must answer for the shard's version (X-Knot-Etag).
+Where the head is tied to token_embd (Qwen2.5-Coder 0.5B, 1.5B), the shard already pins its rows'
+bytes as its head slice, so it embeds from those (`rows_from_head`) and never asks the warden:
+a new token's row from the warden's RAM -> KV -> R2 chain cost ~9 ms a decode step (0.5B).
 
 Why the LM head is here: a 7B's output matrix is ~447 MB in Q6_K, more than any 128 MB exit
 station holds; one eighth of it fits a shard.
@@ -35,7 +38,7 @@ from common import wire
 from common.knot import KnotHeader
 from common.matmul import get_kernel
 from common.models import Model
-from common.quant import QTensor, dequantize_rows, resident_copy
+from common.quant import QTensor, dequantize_rows, resident_copy, row_nbytes
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
 from common.settings import ConfigError, default, read
@@ -60,6 +63,7 @@ class ShardSettings:
     vocab_end: int
     budget_bytes: int
     row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
+    warm_warden: bool = True
 
     @property
     def boot_key(self) -> str:
@@ -71,7 +75,7 @@ class ShardSettings:
             return read(env, name, "shard")
 
         s = cls(get("KNOT_KEY"), get("VOCAB_START"), get("VOCAB_END"), get("MEMORY_BUDGET_BYTES"),
-                get("ROW_CACHE_BYTES"))
+                get("ROW_CACHE_BYTES"), get("WARM_WARDEN") == "on")
         if not 0 <= s.vocab_start < s.vocab_end:
             raise ConfigError(f"shard vocab range [{s.vocab_start}, {s.vocab_end}) is empty or negative",
                               name="VOCAB_END")
@@ -96,7 +100,9 @@ class Shard:
         self.head_f32: QTensor | None = None
         self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self._logits_batch)
         self.row_cache = SealedRows(settings.row_cache_bytes, "shard")
-        self.stats = {"embed_calls": 0, "rows_from_local": 0, "rows_from_warden": 0, "rows_from_r2": 0,
+        self.tied = self.head_name == self.embd_name  # the head slice holds our embedding rows' bytes
+        self.stats = {"embed_calls": 0, "rows_from_head": 0, "rows_from_local": 0, "rows_from_warden": 0,
+                      "rows_from_r2": 0,
                       "warden_failures": 0, "warden_rows_rejected": 0, "row_cache_rejects": 0, "logits_calls": 0,
                       "sample_calls": 0}
 
@@ -109,16 +115,33 @@ class Shard:
             self.source.verify(self.head_name, data)
         self.head = QTensor(f"{self.head_name}[{a}:{b}]", e.ggml_type, (e.shape[0], b - a),
                             resident_copy(data))  # on huge pages: every token's product streams it
+        if self.warden is not None and not self.tied and self.settings.warm_warden:
+            await self._warm_warden()
         f32_bytes = (b - a) * e.shape[0] * 4
         if get_kernel(e.ggml_type) is None and self.head.nbytes + f32_bytes <= self.settings.budget_bytes // 2:
             # Without a quantized kernel, dequantize once when it fits: one float32 matmul per token.
             w = self.head.dequantize()  # (n_rows, dim)
             self.head_f32 = QTensor(self.head.name, "F32", self.head.shape, w.reshape(-1).view(np.uint8))
 
+    async def _warm_warden(self) -> None:
+        """Have the warden read our slice of the embedding into its RAM (it does so in the background,
+        once per version): a new token's row then costs a RAM hit, not KV and R2 (warden.py)."""
+        try:
+            got = await self.warden.warm()
+        except (HttpError, TimeoutError, wire.WireError, ValueError) as e:
+            log.warning("cobordism warden warm-up not started (rows stay on the tiers' path): %s: %s",
+                        type(e).__name__, e)
+            return
+        if not got.get("warming"):
+            log.info("cobordism warden does not warm: %s", got.get("reason"))
+
     # -------------------------------------------------------- embeddings
 
     async def rows(self, rows: list[int]) -> dict[int, np.ndarray]:
-        """row -> float32 (dim,): the local LRU, then the warden's hierarchy, R2 directly if the warden fails."""
+        """row -> float32 (dim,): a tied head's pinned slice; else the local LRU, then the warden's
+        hierarchy, R2 directly if the warden fails."""
+        if self.tied and self.head is not None:
+            return self._rows_from_head(rows)
         out: dict[int, np.ndarray] = {}
         for r in rows:
             v = self.row_cache.checked(r, self.source.etag)
@@ -136,6 +159,15 @@ class Shard:
         for r in fetch:
             self.row_cache.keep(r, out[r], self.source.etag)  # its own (dim,) array
         return out
+
+    def _rows_from_head(self, rows: list[int]) -> dict[int, np.ndarray]:
+        """The same bytes the warden would serve (rows of token_embd at this version), already here."""
+        nb = row_nbytes(self.head.ggml_type, self.dim, self.embd_name)
+        idx = np.asarray(rows, np.int64) - self.settings.vocab_start  # (R,) local rows
+        raw = self.head.data.reshape(-1, nb)[idx]  # (R, nb) a gathered copy
+        got = dequantize_rows(raw, self.head.ggml_type, self.dim, self.embd_name)  # (R, dim)
+        self.stats["rows_from_head"] += len(rows)
+        return dict(zip(rows, got))
 
     def warden_stats(self) -> dict[str, int]:
         """What the warden client counted: replies for another version, bad entries it reported."""

@@ -286,10 +286,17 @@ async def test_response_translation_keeps_status_headers_and_null_bodies():
 
 @pytest.fixture
 def deployment(tiny_knot, tmp_path):
+    return _deploy(tiny_knot, tmp_path / "out")
+
+
+def _deploy(tiny_knot, out, **shard_vars) -> Cloud:
     hp = open_model(tiny_knot).header.hparams
     workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4)
-    wrangler.write(tmp_path / "out", workers)
-    cloud = Cloud(tmp_path / "out")
+    for w in workers:
+        if w.role == "shard":
+            w.vars.update(shard_vars)
+    wrangler.write(out, workers)
+    cloud = Cloud(out)
     cloud.bucket("knots").objects["model.knot"] = tiny_knot.read_bytes()
     return cloud
 
@@ -305,6 +312,19 @@ def _clear_boot_caches():
 
 async def _json(resp) -> dict:
     return json.loads((await resp.arrayBuffer()).to_bytes())
+
+
+async def test_embedding_rows_reach_kv_through_the_workers(tiny_knot, tmp_path):
+    """With the wardens not warmed (WARM_WARDEN=off), a row goes down the tiers, and its write to KV goes
+    through the Worker's waitUntil into the KV binding."""
+    cloud = _deploy(tiny_knot, tmp_path / "out", WARM_WARDEN="off")
+    _clear_boot_caches()
+    resp = await cloud.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                             json.dumps({"prompt": "def the", "max_tokens": 3}).encode(),
+                             {"Content-Type": "application/json"})
+    assert resp.status == 200, await _json(resp)
+    assert await cloud.drain() == []
+    assert cloud.kvs[wrangler.KV_ID_PLACEHOLDER].values, "embedding rows reached KV"
 
 
 async def test_generation_through_the_workers_equals_the_inprocess_cluster(deployment, tiny_knot, tmp_path):
@@ -326,7 +346,12 @@ async def test_generation_through_the_workers_equals_the_inprocess_cluster(deplo
     assert classes == {"Station", "LayerWarden", "CobordismWarden"}
     assert {k[2] for k in deployment.objects if k[1] == "Station"} == {
         _do_hex("knot-station-0/Station", "model.knot|0-1"), _do_hex("knot-station-1/Station", "model.knot|1-2")}
-    assert deployment.kvs[wrangler.KV_ID_PLACEHOLDER].values, "embedding rows reached KV"
+    # each shard had its CobordismWarden read its slice of the embedding (WARM_WARDEN=on): one ranged read
+    header = open_model(tiny_knot).header
+    reads = {c[2] for c in deployment.bucket("knots").calls if c[0] == "get" and c[2]}
+    for a, b in cluster.shard_ranges:
+        start, end = header.row_range("token_embd.weight", a, b)
+        assert (start, end - start) in reads, (a, b)
 
     # streamed, with logprobs: the same tokens arrive through the ReadableStream
     _clear_boot_caches()

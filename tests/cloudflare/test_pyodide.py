@@ -86,7 +86,11 @@ def pyodide_run(tiny_knot, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pyodide")
     hp = open_model(tiny_knot).header.hparams
     out = tmp / "deploy"
-    wrangler.write(out, wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4))
+    workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4)
+    for w in workers:  # two shards' wardens warm their slices, two send rows down the tiers to KV
+        if w.name in ("knot-shard-0", "knot-shard-1"):
+            w.vars["WARM_WARDEN"] = "off"
+    wrangler.write(out, workers)
     chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS, "stream": True,
             "logprobs": True}
     config = {
@@ -165,6 +169,11 @@ async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyo
     classes = {k.split("/")[1] for k in pyodide_run["objects"]}
     assert classes == {"Station", "LayerWarden", "CobordismWarden"}
     assert pyodide_run["kv_rows"] > 0 and pyodide_run["r2_reads"] > 0
+    header = open_model(tiny_knot).header
+    ranges = {tuple(r) for r in pyodide_run["r2_ranges"]}
+    warmed = [(a, b) for a, b in cluster.shard_ranges
+              if (lambda s, e: (s, e - s))(*header.row_range("token_embd.weight", a, b)) in ranges]
+    assert warmed == cluster.shard_ranges[2:], "shards 2 and 3 (WARM_WARDEN=on) had their slices read whole"
     print(f"\npyodide: /generate of {MAX_TOKENS} tokens in {gen['seconds']} s, stream in {stream['seconds']} s")
 
 

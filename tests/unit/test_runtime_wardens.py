@@ -203,6 +203,42 @@ async def test_cobordism_warden_rows_kv_tier_and_restart(tmp_path, knot):
     assert r.status == 400 and "[0, 200)" in r.json()["message"]
 
 
+async def test_cobordism_warden_warm_reads_the_slice_into_ram_once(tmp_path, knot):
+    """POST /warm: the slice's rows come into RAM in the background (ranged reads, no KV writes), then
+    every row is a RAM hit with the knot's bytes and no further read; a second /warm reads nothing; a
+    slice above half the RAM budget is not warmed, and says why."""
+    data, header = knot
+    w = World(tmp_path, data)
+    await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [9]})  # a row already in RAM stays as it is
+    r = await w.call(cw, "POST", "/warm", VOCAB)
+    nb = header.row_range("token_embd.weight", 1, 2)[0] - header.row_range("token_embd.weight", 0, 1)[0]
+    assert r.status == 200 and r.json() == {"rows": 200, "bytes": 200 * nb, "warming": True, "already": False}
+    await w.tasks.drain(5)
+    s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
+    assert (s["entries"], s["warm_rows"]) == (200, 199)
+    assert s["warm_seconds"] is not None and (s["kv_misses"], s["kv_writes"]) == (1, 1)  # only row 9's
+    reads = s["r2_reads"]
+    rows = [0, 57, 9, 199]
+    frames = wire.decode_batch((await w.call(cw, "POST", "/tensors", VOCAB, {"rows": rows})).body)
+    for f in frames:
+        assert f.payload == data[slice(*header.row_range("token_embd.weight", f.row_start, f.row_start + 1))]
+    s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
+    assert (s["hits"], s["misses"], s["r2_reads"]) == (4, 1, reads)
+    assert (await w.call(cw, "POST", "/warm", VOCAB)).json()["already"] is True
+    await w.tasks.drain(5)
+    assert (await w.call(cw, "GET", "/stats", VOCAB)).json()["r2_reads"] == reads
+    assert (await w.call(cw, "GET", "/stats", VOCAB)).json()["kv_writes"] == 1  # the warm-up wrote none
+
+    small = World(tmp_path / "small", data)
+    r = await small.call(cw, "POST", "/configure", body={"knot_key": KEY, "vocab_start": 0, "vocab_end": 200,
+                                                         "budget_bytes": 200 * nb})
+    assert r.status == 200
+    r = await small.call(cw, "POST", "/warm", VOCAB)
+    assert r.json()["warming"] is False and "half the RAM budget" in r.json()["reason"]
+    await small.tasks.drain(5)
+    assert (await small.call(cw, "GET", "/stats", VOCAB)).json()["entries"] == 0
+
+
 async def test_cobordism_warden_poisoned_kv_row_is_deleted_and_refetched(tmp_path, knot):
     data, header = knot
     w = World(tmp_path, data)

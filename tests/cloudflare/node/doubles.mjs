@@ -43,7 +43,7 @@ export class GetResult extends R2Object {
 }
 
 export class R2Bucket {
-  constructor(isPyProxy) { this.objects = new Map(); this.isPyProxy = isPyProxy; this.reads = 0; }
+  constructor(isPyProxy) { this.objects = new Map(); this.isPyProxy = isPyProxy; this.reads = 0; this.ranges = []; }
   async head(key) {
     const d = this.objects.get(key);
     return d ? new R2Object(key, d) : null;
@@ -55,6 +55,7 @@ export class R2Bucket {
     this.reads++;
     if (range === undefined) return new GetResult(key, d, 0, d.byteLength);
     const offset = range.offset, length = range.length ?? d.byteLength - offset;
+    this.ranges.push([offset, length]);
     if (offset === d.byteLength) throw new Error("get: Unspecified error (0)");
     if (offset > d.byteLength) throw new Error("get: The requested range is not satisfiable (10039)");
     return new GetResult(key, d, offset, Math.min(length, d.byteLength - offset));

@@ -90,6 +90,7 @@ if (cfg.deploy) {
   result.objects = [...cloud.objects.keys()];
   result.kv_rows = [...cloud.kvs.values()].reduce((n, kv) => n + kv.values.size, 0);
   result.r2_reads = cloud.bucket(cfg.bucket).reads;
+  result.r2_ranges = cloud.bucket(cfg.bucket).ranges;
 }
 result.wasm_heap_bytes = pyodide._module.HEAP8.length;
 console.log("RESULT " + JSON.stringify(result));
