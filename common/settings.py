@@ -302,6 +302,8 @@ SETTINGS: tuple[Setting, ...] = (
        "raise KNOT_LAYER_WARDEN_MEM_LIMIT with it", minimum=1),
     _s("KNOT_PREFETCH", "choice", "on", "compose", "every station's PREFETCH (on: a fluid station loads the "
        "next phase while one computes)", choices=("on", "off")),
+    _s("KNOT_WARM_WARDEN", "choice", "on", "compose", "every shard's WARM_WARDEN (on: a booting shard has its "
+       "CobordismWarden read its slice of the embedding into RAM)", choices=("on", "off")),
     _s("KNOT_SHARD_THREADS", "int", "1", "compose",
        "every shard's KNOT_THREADS (the shards compute at once: one thread each fills the cores)", minimum=1),
     _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),

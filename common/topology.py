@@ -224,7 +224,7 @@ class ClusterLayout:
             services.append(Service(f"shard-{s.index}", "shard", "services.shard", {
                 "KNOT_KEY": key, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
                 "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "shard"),
-                "ROW_CACHE_BYTES": dflt("ROW_CACHE_BYTES", "shard")},
+                "ROW_CACHE_BYTES": dflt("ROW_CACHE_BYTES", "shard"), "WARM_WARDEN": Knob("KNOT_WARM_WARDEN")},
                 (bucket, row_ns), depends_on={"cobordism-warden": "healthy"}))
         peers = [(f"STATION_{s.index}", f"station-{s.index}") for s in stations] + \
                 [(f"SHARD_{s.index}", f"shard-{s.index}") for s in shards]
