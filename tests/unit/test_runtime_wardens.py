@@ -49,11 +49,16 @@ class World:
 
     def restart(self):
         self.tasks = BackgroundTasks()
-        host = DurableObjectHost({**lw.DURABLE_OBJECTS, **cw.DURABLE_OBJECTS}, self.tasks)
+        self.host = host = DurableObjectHost({**lw.DURABLE_OBJECTS, **cw.DURABLE_OBJECTS}, self.tasks)
         self.env = Env({"KNOT_BUCKET": self.bucket, "EMBED_CACHE": self.kv,
                         "LAYER_WARDEN": LocalNamespace(host, "LayerWarden"),
                         "COBORDISM_WARDEN": LocalNamespace(host, "CobordismWarden")})
         host.env = self.env
+
+    def warden_ram(self, name: str = f"{KEY}|0-200") -> dict:
+        """The CobordismWarden's RAM entries, without touching their recency or the stats."""
+        ram = self.host._instances[("CobordismWarden", name)].obj.served.caches.ram
+        return {k: ram.peek(k) for k in ram.keys()}
 
     async def call(self, service, method, path, headers=None, body=None):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
@@ -215,7 +220,7 @@ async def test_cobordism_warden_warm_reads_the_slice_into_ram_once(tmp_path, kno
     assert r.status == 200 and r.json() == {"rows": 200, "bytes": 200 * nb, "warming": True, "already": False}
     await w.tasks.drain(5)
     s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
-    assert (s["entries"], s["warm_rows"]) == (200, 199)
+    assert (s["entries"], s["warm_rows"]) == (2, 200)  # row 9's own entry, and one slab of all 200
     assert s["warm_seconds"] is not None and (s["kv_misses"], s["kv_writes"]) == (1, 1)  # only row 9's
     reads = s["r2_reads"]
     rows = [0, 57, 9, 199]
@@ -228,6 +233,17 @@ async def test_cobordism_warden_warm_reads_the_slice_into_ram_once(tmp_path, kno
     await w.tasks.drain(5)
     assert (await w.call(cw, "GET", "/stats", VOCAB)).json()["r2_reads"] == reads
     assert (await w.call(cw, "GET", "/stats", VOCAB)).json()["kv_writes"] == 1  # the warm-up wrote none
+    # a slab's row is checked on every hit as a row's entry is: a flipped byte is rejected, the slab
+    # dropped, and the row read again
+    slab = next(v for k, v in w.warden_ram().items() if k[1] == "slab")
+    bad = bytearray(slab.data)
+    bad[57 * nb + 3] ^= 0xFF
+    object.__setattr__(slab, "data", bytes(bad))
+    r = await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [57]})
+    assert r.headers["X-Knot-Cache-Rejects"] == "ram=1"
+    (f,) = wire.decode_batch(r.body)
+    assert f.payload == data[slice(*header.row_range("token_embd.weight", 57, 58))]
+    assert all(k[1] != "slab" for k in w.warden_ram())
 
     small = World(tmp_path / "small", data)
     r = await small.call(cw, "POST", "/configure", body={"knot_key": KEY, "vocab_start": 0, "vocab_end": 200,
