@@ -16,6 +16,10 @@ service), then:
              step's, interleaved with the same posts to as many bare aiohttp processes, each holding
              its shard's slice of the head and doing nothing but its product (no signature, envelope,
              batcher or summary): when the replies arrive, each way (median over the reps, sorted)
+    embed    /generate of --tokens greedy tokens for each of three prompts the cluster has not seen
+             (code, code, prose), once each: decode tok/s, the embed hop's calls and mean ms (a call
+             per step whose token the coordinator does not keep: new rows, from the shard's LRU,
+             its warden's RAM or, cold, KV and R2); KNOT_WARM_WARDEN=off/on compares the warm-up
     prefill  one ~700-token prompt: prompt tokens over the time to first token
     rss      each service's peak RSS (VmHWM) so far
     long     one prompt of --long-tokens tokens (bench's repeated Python functions) as ids to
@@ -31,7 +35,8 @@ service), then:
              mean time of a decode forward over its layers, so the hop's HTTP share shows
 
     python benchmarks/cluster_profile.py [--model NAME|PATH] [--budget-bytes N] [--tokens N]
-        [--reps N] [--long-tokens N] [--compare-tokens N] [--only hops,cpu,fanout,floor,direct,prefill,rss,long,huge,station]
+        [--reps N] [--long-tokens N] [--compare-tokens N]
+        [--only hops,cpu,embed,fanout,floor,direct,prefill,rss,long,huge,station]
 
 Extra variables in the environment reach every service (the launcher passes them on), so the
 same run can compare settings, e.g. KNOT_SPIN_US=0 or KNOT_ACCESS_LOG=all.
@@ -106,6 +111,18 @@ def hops(running: dict, gen: str, tokens: int) -> None:
         copy = copy_gb_s(max(r["phase_bytes"] for r in rates.values()))
         for line in describe_fluid(rates, copy):
             print(f"  fluid {line}")
+
+
+NEW_PROMPTS = ("class LRUCache:\n    def __init__(self, capacity):", "import json\n\ndef load_config(path):",
+               "Write a short story about a lighthouse keeper.")
+
+
+def embed(gen: str, tokens: int) -> None:
+    for prompt in NEW_PROMPTS:
+        b = post(gen, {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "speculation": "off"})
+        e = b["timings"]["hops"].get("embed", {"calls": 0, "mean_ms": 0.0})
+        print(f"embed: {prompt[:24]!r}: decode {b['timings']['decode_tok_s']:.3g} tok/s; embed hop {e['calls']} calls "
+              f"of {b['usage']['completion_tokens']} steps, mean {e['mean_ms']:.2f} ms")
 
 
 def cpu(running: dict, gen: str, tokens: int) -> None:
@@ -462,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                 hops(running, gen, args.tokens)
             elif part == "cpu":
                 cpu(running, gen, args.tokens)
+            elif part == "embed":
+                embed(gen, args.tokens)
             elif part == "fanout":
                 fanout(running, dim, args.reps)
             elif part == "floor":
