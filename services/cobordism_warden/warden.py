@@ -27,8 +27,8 @@ Endpoints (identity "{knot_key}|{vocab_start}-{vocab_end}"):
     POST /invalidate/<row> drop one row of token_embd.weight from RAM
     GET  /stats
 
-Why warm: a new token's row missing from RAM went to KV, then to R2, ~9 ms of a 0.5B decode step
-(on the critical path: the next token's embedding), where a RAM hit costs ~1 ms. A decode's new
+Why warm: a new token's row missing from RAM went to KV, then to R2: its embed hop took ~9 ms of a
+0.5B decode step (on the critical path: the next token's embedding), ~2.4 ms from RAM. A decode's new
 tokens fall anywhere in the slice, so a miss's neighbours do not help; the whole slice does (a 0.5B's
 is 11.7 MB, a 7B's ~38 MB, both well inside 256 MiB), read in ranged reads of WARM_CHUNK_BYTES, each
 kept as one slab (Slab: its rows' bytes and crc32s; a row fetched alone is looked up first). The
@@ -259,7 +259,8 @@ class CobordismWarden(WardenBase):
         v = await self._identified(request)
         c, a, b = v.caches, self.identity.start, self.identity.end
         entry = v.header.entry(c.embd)
-        nbytes = (b - a) * row_nbytes(entry.ggml_type, entry.shape[0], c.embd)
+        nb = row_nbytes(entry.ggml_type, entry.shape[0], c.embd)
+        nbytes = (b - a) * nb
         out: dict[str, Any] = {"rows": b - a, "bytes": nbytes}
         if nbytes > c.ram.budget_bytes // 2:  # it would evict what the requests keep
             out.update(warming=False, reason=f"the slice's {nbytes} bytes exceed half the RAM budget "
@@ -267,7 +268,6 @@ class CobordismWarden(WardenBase):
         else:
             out.update(warming=True, already=bool(c.warm))
             if not c.warm:
-                nb = row_nbytes(entry.ggml_type, entry.shape[0], c.embd)
                 c.warm.update(step=max(1, WARM_CHUNK_BYTES // nb), rows=0, seconds=None)
                 self.state.wait_until(self._warm(v, entry.ggml_type, entry.shape[0]))
         return self._reply(v, Response.from_json(out))

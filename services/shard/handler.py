@@ -13,16 +13,18 @@
     GET  /stats
 
 Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB), ROW_CACHE_BYTES
-(default 4 MiB, 0 = off), WARM_WARDEN (on: at boot the warden reads our slice into its RAM); bindings KNOT_BUCKET, COBORDISM_WARDEN (DO namespace, optional: the
-RAM -> KV -> R2 row hierarchy lives behind it).
+(default 4 MiB, 0 = off), WARM_WARDEN (on: at boot the warden reads our slice into its RAM);
+bindings KNOT_BUCKET, COBORDISM_WARDEN (DO namespace, optional: the RAM -> KV -> R2 row hierarchy
+lives behind it).
 
 Rows also stay in a small isolate-local LRU in front of the warden: a decode step embeds one
 token, and without it every step paid a second hop (shard -> warden) on the critical path. Each
 entry is sealed with the knot version and its crc32, checked on every hit (a bad one is a miss,
 counted in `row_cache_rejects`); the warden must answer for the shard's version (X-Knot-Etag).
-Where the head is tied to token_embd (Qwen2.5-Coder 0.5B, 1.5B), the shard already pins its rows'
-bytes as its head slice, so it embeds from those (`rows_from_head`) and never asks the warden:
-a new token's row from the warden's RAM -> KV -> R2 chain cost ~9 ms a decode step (0.5B).
+When it boots, the shard has its warden read the whole slice into RAM (WARM_WARDEN): a decode's new
+token missed the warden's RAM and came from KV and R2, ~9 ms of a 0.5B step, against ~2.4 ms from
+RAM. Where the head is tied to token_embd (a GGUF without output.weight), the shard already pins
+its rows' bytes as its head slice, so it embeds from those (`rows_from_head`) and asks no warden.
 
 Why the LM head is here: a 7B's output matrix is ~447 MB in Q6_K, more than any 128 MB exit
 station holds; one eighth of it fits a shard.
