@@ -505,8 +505,8 @@ async def test_shard_row_cache_serves_repeats_within_its_bytes(tiny_knot, tmp_pa
 
 async def test_tied_head_shard_embeds_from_its_pinned_slice_with_the_gguf_rows(tmp_path):
     """A head tied to token_embd: the shard's pinned slice holds its rows' bytes, so an embedding
-    comes from there (never the warden: ~9 ms a new token on the 0.5B), bit for bit gguf's rows,
-    and the tokens stay the single process's."""
+    comes from there, with no call to its warden, bit for bit gguf's rows, and the tokens stay the
+    single process's."""
     import gguf
 
     from deploy.encoder import encode
@@ -541,6 +541,7 @@ async def test_shards_have_their_wardens_warm_their_slices_at_boot(tiny_knot, tm
 
     c = await build_cluster(tiny_knot, tmp_path, 1, 2, shard_vars={"WARM_WARDEN": warm},
                             coordinator_vars={"EMBED_ROW_CACHE_BYTES": "0"})
+
     async def stats():
         return [(await c.cobordism_wardens.fetch("CobordismWarden", f"{KNOT_KEY}|{a}-{b}",
                                                  Request("GET", "/stats"))).json() for a, b in c.shard_ranges]

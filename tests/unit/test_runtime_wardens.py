@@ -214,7 +214,7 @@ async def test_cobordism_warden_warm_reads_the_slice_into_ram_once(tmp_path, kno
     slice above half the RAM budget is not warmed, and says why."""
     data, header = knot
     w = World(tmp_path, data)
-    await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [9]})  # a row already in RAM stays as it is
+    await w.call(cw, "POST", "/tensors", VOCAB, {"rows": [9]})  # its own entry stays, and is looked up first
     r = await w.call(cw, "POST", "/warm", VOCAB)
     nb = header.row_range("token_embd.weight", 1, 2)[0] - header.row_range("token_embd.weight", 0, 1)[0]
     assert r.status == 200 and r.json() == {"rows": 200, "bytes": 200 * nb, "warming": True, "already": False}
@@ -244,6 +244,15 @@ async def test_cobordism_warden_warm_reads_the_slice_into_ram_once(tmp_path, kno
     (f,) = wire.decode_batch(r.body)
     assert f.payload == data[slice(*header.row_range("token_embd.weight", 57, 58))]
     assert all(k[1] != "slab" for k in w.warden_ram())
+    # /invalidate/<row> drops the slab that holds the row: the row is read again
+    w2 = World(tmp_path / "w2", data)
+    await w2.call(cw, "POST", "/warm", VOCAB)
+    await w2.tasks.drain(5)
+    reads = (await w2.call(cw, "GET", "/stats", VOCAB)).json()["r2_reads"]
+    assert (await w2.call(cw, "POST", "/invalidate/100", VOCAB)).json() == {"row": 100, "dropped": True}
+    (f,) = wire.decode_batch((await w2.call(cw, "POST", "/tensors", VOCAB, {"rows": [100]})).body)
+    assert f.payload == data[slice(*header.row_range("token_embd.weight", 100, 101))]
+    assert (await w2.call(cw, "GET", "/stats", VOCAB)).json()["r2_reads"] == reads + 1
 
     small = World(tmp_path / "small", data)
     r = await small.call(cw, "POST", "/configure", body={"knot_key": KEY, "vocab_start": 0, "vocab_end": 200,
