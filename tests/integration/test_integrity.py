@@ -37,9 +37,9 @@ def cluster(procs, s3, knot):
     # One PUT, so the etag is the MD5 of the bytes: uploading the original again gives it back, as
     # in the probe, where the old version's KV keys then named the restored object.
     s3.put_object(Bucket=BUCKET, Key=KNOT_KEY, Body=knot.data)
-    # No shard-local row LRU, no rows kept by the coordinator: every embedding row goes through the
-    # CobordismWarden's tiers.
-    no_lru = {f"shard-{i}": {"ROW_CACHE_BYTES": "0"} for i in range(8)}
+    # No shard-local row LRU, no warm-up, no rows kept by the coordinator: every embedding row goes
+    # through the CobordismWarden's tiers.
+    no_lru = {f"shard-{i}": {"ROW_CACHE_BYTES": "0", "WARM_WARDEN": "off"} for i in range(8)}
     no_lru["coordinator"] = {"EMBED_ROW_CACHE_BYTES": "0"}
     with pipeline_services(procs, knot.path, KNOT_KEY, no_lru) as p:
         yield p
