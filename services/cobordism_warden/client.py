@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from common import wire
-from services.cobordism_warden.warden import FIELDS
+from services.cobordism_warden.warden import FIELDS, WARM_HEADER
 from services.warden_base import WardenClient
 
 
 class CobordismWardenClient(WardenClient):
-    """CobordismWardenClient(namespace, knot_key, vocab_start, vocab_end)."""
+    """CobordismWardenClient(namespace, knot_key, vocab_start, vocab_end, knot_etag); warm() starts the
+    warden's warm-up, and after it every rows() call asks a warden that lost its RAM to warm again."""
 
     FIELDS = FIELDS
     URL = "https://cobordism-warden"
@@ -20,4 +21,5 @@ class CobordismWardenClient(WardenClient):
 
     async def warm(self) -> dict:
         """Ask the warden to read this slice into its RAM in the background (once per version) -> its answer."""
+        self.headers = self.headers | {WARM_HEADER: "1"}
         return (await self._post("/warm")).json()

@@ -23,7 +23,8 @@ Endpoints (identity "{knot_key}|{vocab_start}-{vocab_end}"):
                            first-seen order; type is the knot's (Q4_K, ...) or F32 (from KV)
     POST /warm             read this version's slice of token_embd.weight into RAM in the background,
                            once per version, where it fits half the RAM budget -> {"warming", ...};
-                           what a shard calls when it boots
+                           what a shard calls when it boots (and X-Knot-Warm: 1 on its /tensors
+                           does the same, for a warden that restarted since)
     POST /invalidate/<row> drop one row of token_embd.weight from RAM
     GET  /stats
 
@@ -62,6 +63,9 @@ DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "cobordism_warden")  # 256
 MAX_ROWS = 8192
 R2_CONCURRENCY = 8
 WARM_CHUNK_BYTES = 4 << 20  # one ranged read of the warm-up, kept as one slab
+# On a shard's /tensors: "1" starts the warm-up if this version has none (a warden restarted while
+# the shard lived on has lost its RAM, and no shard boots to call /warm).
+WARM_HEADER = "X-Knot-Warm"
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,8 @@ class CobordismWarden(WardenBase):
     async def tensors(self, request: Request, _rest: str) -> Response:
         v = await self._identified(request)
         tensor, rows = self._parse(request, v)
+        if request.headers.get(WARM_HEADER) == "1" and not v.caches.warm:  # a restarted warden, asked to warm
+            self._start_warm(v)
         rejects: Counter = Counter()
         out: dict[int, wire.TensorFrame] = {}
         missing = []
@@ -257,20 +263,25 @@ class CobordismWarden(WardenBase):
     async def warm(self, request: Request, _rest: str) -> Response:
         """Start reading the served version's slice into RAM (once); reply at once with what it does."""
         v = await self._identified(request)
+        return self._reply(v, Response.from_json(self._start_warm(v)))
+
+    def _start_warm(self, v: Served) -> dict[str, Any]:
+        """The warm-up of v's slice, started unless it was (or cannot be): what /warm answers."""
         c, a, b = v.caches, self.identity.start, self.identity.end
         entry = v.header.entry(c.embd)
         nb = row_nbytes(entry.ggml_type, entry.shape[0], c.embd)
         nbytes = (b - a) * nb
         out: dict[str, Any] = {"rows": b - a, "bytes": nbytes}
         if nbytes > c.ram.budget_bytes // 2:  # it would evict what the requests keep
+            c.warm["refused"] = True  # so a shard's X-Knot-Warm does not ask again on every call
             out.update(warming=False, reason=f"the slice's {nbytes} bytes exceed half the RAM budget "
                                              f"({c.ram.budget_bytes} bytes)")
         else:
-            out.update(warming=True, already=bool(c.warm))
-            if not c.warm:
+            out.update(warming=True, already="step" in c.warm)
+            if "step" not in c.warm:
                 c.warm.update(step=max(1, WARM_CHUNK_BYTES // nb), rows=0, seconds=None)
                 self.state.wait_until(self._warm(v, entry.ggml_type, entry.shape[0]))
-        return self._reply(v, Response.from_json(out))
+        return out
 
     async def _warm(self, v: Served, ggml_type: str, ne0: int) -> None:
         """The slice in ranged reads of ~WARM_CHUNK_BYTES, each kept as one slab."""

@@ -536,7 +536,8 @@ async def test_tied_head_shard_embeds_from_its_pinned_slice_with_the_gguf_rows(t
 @pytest.mark.parametrize("warm", ["on", "off"])
 async def test_shards_have_their_wardens_warm_their_slices_at_boot(tiny_knot, tmp_path, engine, warm):
     """WARM_WARDEN=on (the default): once a shard boots, its warden holds the whole slice, so a decode's
-    new tokens are RAM hits; off: only the rows asked for. The tokens are the same either way."""
+    new tokens are RAM hits, and a warden that restarts warms again; off: only the rows asked for.
+    The tokens are the same either way."""
     from tests.inprocess import KNOT_KEY
 
     c = await build_cluster(tiny_knot, tmp_path, 1, 2, shard_vars={"WARM_WARDEN": warm},
@@ -561,6 +562,14 @@ async def test_shards_have_their_wardens_warm_their_slices_at_boot(tiny_knot, tm
             assert s["warm_rows"] == 0 and s["entries"] == s["misses"] < b - a, s
     grew = "hits" if warm == "on" else "misses"  # the second request's new rows: RAM hits, or misses
     assert sum(s[grew] - s0[grew] for s0, s in zip(first, then)) > 0
+    # the wardens restart (their RAM is gone) while the shards live on: the shards' next /tensors
+    # (X-Knot-Warm) has them warm again
+    c.cobordism_wardens._instances.clear()
+    r = await c.generate(prompt="the class while", max_tokens=4)
+    assert r.status == 200 and r.json()["tokens"] == reference(engine, "the class while", 4).token_ids, r.body
+    await c.tasks.drain(5)
+    for (a, b), s in zip(c.shard_ranges, await stats()):
+        assert s["warm_rows"] == ((b - a) if warm == "on" else 0), s
     await c.drain()
 
 
