@@ -280,13 +280,12 @@ class CobordismWarden(WardenBase):
             out.update(warming=True, already="step" in c.warm)
             if "step" not in c.warm:
                 c.warm.update(step=max(1, WARM_CHUNK_BYTES // nb), rows=0, seconds=None)
-                self.state.wait_until(self._warm(v, entry.ggml_type, entry.shape[0]))
+                self.state.wait_until(self._warm(v, entry.ggml_type, entry.shape[0], nb))
         return out
 
-    async def _warm(self, v: Served, ggml_type: str, ne0: int) -> None:
-        """The slice in ranged reads of ~WARM_CHUNK_BYTES, each kept as one slab."""
-        c, a, b = v.caches, self.identity.start, self.identity.end
-        nb, step = row_nbytes(ggml_type, ne0, c.embd), c.warm["step"]
+    async def _warm(self, v: Served, ggml_type: str, ne0: int, nb: int) -> None:
+        """The slice in ranged reads of ~WARM_CHUNK_BYTES (rows of nb bytes), each kept as one slab."""
+        c, a, b, step = v.caches, self.identity.start, self.identity.end, v.caches.warm["step"]
         t0 = time.perf_counter()
         try:
             for start in range(a, b, step):
