@@ -248,6 +248,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_ACCESS_LOG", "choice", "all", "host compose",
        "all: log every request; errors: only 4xx/5xx (internal hops run ~10 requests per token)",
        choices=("all", "errors"), reader_defaults={"compose": "errors"}),
+    _s("KNOT_HTTP_SERVER", "choice", "lean", "host compose",
+       "lean: the internal services that host no Durable Object (stations, shards, the drafter) answer on "
+       "deploy/local/lean_http.py, a few hundred microseconds of CPU less per call; aiohttp: every service "
+       "on the aiohttp app", choices=("lean", "aiohttp")),
     _s("KNOT_SHM_DIR", "str", None, "host launcher", "a directory of shared memory (tmpfs) where this host writes "
        "large replies to callers of the same directory, and reads theirs, instead of the socket "
        "(deploy/local/shm.py); `knot cluster up` sets one per cluster under /dev/shm, `KNOT_SHM_DIR=` turns it off; "

@@ -129,7 +129,7 @@ def knot_env(layout: ClusterLayout) -> dict:
         "AWS_ACCESS_KEY_ID": Knob("MINIO_ROOT_USER"), "AWS_SECRET_ACCESS_KEY": Knob("MINIO_ROOT_PASSWORD"),
         "AWS_REGION": "us-east-1", "KNOT_LOG_FORMAT": "json", "KNOT_ACCESS_LOG": Knob("KNOT_ACCESS_LOG"),
         "PORT": str(CONTAINER_PORT), "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1",
-        "KNOT_SPIN_US": Knob("KNOT_SPIN_US"),
+        "KNOT_SPIN_US": Knob("KNOT_SPIN_US"), "KNOT_HTTP_SERVER": Knob("KNOT_HTTP_SERVER"),
         "KNOT_INTERNAL_SECRET": Knob("KNOT_INTERNAL_SECRET"),  # signs internal calls: `knot secrets` writes .env
     }
 

@@ -102,13 +102,14 @@ async def to_runtime_request(request: web.Request, url: str | None = None) -> Re
     return Request(request.method, url or str(request.url), Headers(request.headers.items()), await request.read())
 
 
-def _reply_headers(resp: Response) -> dict[str, str]:
+def reply_headers(resp: Response) -> dict[str, str]:
+    """A reply's headers less those the server writes itself (framing)."""
     return {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
 
 
 def to_aiohttp_response(resp: Response) -> web.Response:
     assert resp.stream is None, "a streaming Response goes through send_response()"
-    return web.Response(status=resp.status, body=resp.body, headers=_reply_headers(resp))
+    return web.Response(status=resp.status, body=resp.body, headers=reply_headers(resp))
 
 
 # A body from SLICED_BODY_BYTES on is written in WRITE_SLICE_BYTES slices of a memoryview of it.
@@ -132,16 +133,12 @@ async def send_response(request: web.Request, resp: Response) -> web.StreamRespo
     if resp.stream is None and resp.nbytes < SLICED_BODY_BYTES:
         return to_aiohttp_response(resp)
     if resp.stream is None:
-        shm = request.app[RUNTIME].shm
-        if (shm is not None and request.headers.get(SHM_HEADER) == shm.offer and resp.nbytes >= SHM_MIN_BYTES
-                and request.transport is not None):
-            plan = shm.reply(request.transport, resp.parts,
-                             shm.pid_ns is not None and request.headers.get(PID_NS_HEADER) == shm.pid_ns)
-            if plan is not None:  # else every buffer is in use and no part is a block: the socket
-                headers = _reply_headers(resp) | plan[0]
-                return web.Response(status=resp.status, headers=headers, body=b"".join(plan[1]))
+        plan = shm_plan(request.app[RUNTIME], request.headers, request.transport, resp)
+        if plan is not None:
+            headers = reply_headers(resp) | plan[0]
+            return web.Response(status=resp.status, headers=headers, body=b"".join(plan[1]))
         return await _send_sliced(request, resp)
-    out = web.StreamResponse(status=resp.status, headers=_reply_headers(resp))
+    out = web.StreamResponse(status=resp.status, headers=reply_headers(resp))
     out.headers[REQUEST_ID_HEADER] = request_id_var.get()  # sent with the headers, before the body
     try:
         await out.prepare(request)
@@ -155,11 +152,23 @@ async def send_response(request: web.Request, resp: Response) -> web.StreamRespo
     return out
 
 
+def shm_plan(rt: ServiceRuntime, request_headers, transport, resp: Response) -> tuple[dict[str, str], list] | None:
+    """How a whole reply of SLICED_BODY_BYTES or more goes to a caller that reads this host's shared
+    memory (it offered it: SHM_HEADER): (headers to add, the parts still for the socket); None: all
+    of it over the socket (no offer, a smaller or streaming reply, or every buffer in use and no part
+    a block)."""
+    shm = rt.shm
+    if (shm is None or resp.stream is not None or transport is None or request_headers.get(SHM_HEADER) != shm.offer
+            or resp.nbytes < max(SLICED_BODY_BYTES, SHM_MIN_BYTES)):
+        return None
+    return shm.reply(transport, resp.parts, shm.pid_ns is not None and request_headers.get(PID_NS_HEADER) == shm.pid_ns)
+
+
 async def _send_sliced(request: web.Request, resp: Response) -> web.StreamResponse:
     """A large body as it is, part by part (Response.parts, never joined): each slice goes to the
     socket without a copy, and only what the socket does not take at once is buffered (aiohttp then
     waits for the buffer to drain)."""
-    out = web.StreamResponse(status=resp.status, headers=_reply_headers(resp))
+    out = web.StreamResponse(status=resp.status, headers=reply_headers(resp))
     out.content_length = resp.nbytes
     out.headers[REQUEST_ID_HEADER] = request_id_var.get()  # sent with the headers, before the body
     try:
@@ -221,18 +230,16 @@ async def signed_calls(request: web.Request, handler) -> web.StreamResponse:
     return await handler(request)
 
 
-async def _healthz(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
-    return web.json_response({"ok": True, "service": rt.name, "pid": os.getpid(),
-                              "uptime_s": round(time.monotonic() - rt.started_at, 3),
-                              "wait_until": rt.tasks.stats(),
-                              "durable_objects": len(rt.do_host.stats()) if rt.do_host else 0,
-                              **({"shm_replies": rt.shm.stats()} if rt.shm is not None else {}),
-                              **({"shm_reads": reads} if (reads := reader_stats()) is not None else {})})
+def health_body(rt: ServiceRuntime) -> dict:
+    """GET /healthz: the process is up, and its wait_until and shared-memory counters."""
+    return {"ok": True, "service": rt.name, "pid": os.getpid(), "uptime_s": round(time.monotonic() - rt.started_at, 3),
+            "wait_until": rt.tasks.stats(), "durable_objects": len(rt.do_host.stats()) if rt.do_host else 0,
+            **({"shm_replies": rt.shm.stats()} if rt.shm is not None else {}),
+            **({"shm_reads": reads} if (reads := reader_stats()) is not None else {})}
 
 
-async def _readyz(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
+async def ready_body(rt: ServiceRuntime) -> tuple[dict, int]:
+    """GET /readyz: every binding answers (and the service's own check) -> (body, 200 or 503)."""
     checks = dict(rt.checks)
     if rt.ready is not None:
         checks["service"] = lambda: rt.ready(rt.env)
@@ -248,7 +255,16 @@ async def _readyz(request: web.Request) -> web.Response:
     results = dict(zip(checks, await asyncio.gather(*(run(f) for f in checks.values()))))
     failed = {k: v for k, v in results.items() if v is not None}
     body = {"ready": not failed, "service": rt.name, "checks": {k: v or "ok" for k, v in results.items()}}
-    return web.json_response(body, status=503 if failed else 200)
+    return body, 503 if failed else 200
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response(health_body(request.app[RUNTIME]))
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    body, status = await ready_body(request.app[RUNTIME])
+    return web.json_response(body, status=status)
 
 
 async def _durable_object(request: web.Request) -> web.StreamResponse:
@@ -397,11 +413,46 @@ async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Cal
             loop.remove_signal_handler(sig)
 
 
+def lean_serves(settings: HostSettings, rt: ServiceRuntime) -> bool:
+    """Whether the lean server (deploy/local/lean_http.py) serves this service: an internal one that
+    hosts no Durable Object, unless KNOT_HTTP_SERVER=aiohttp."""
+    return settings.http_server == "lean" and not rt.public and rt.do_host is None
+
+
+async def serve_lean(rt: ServiceRuntime, host: str, port: int, on_ready: Callable[[], None] | None = None,
+                     stop: asyncio.Event | None = None, shutdown_timeout_s: float = 30.0) -> None:
+    """serve_apps for one service on the lean server: until SIGTERM/SIGINT (or `stop`), then the
+    requests in progress finish and the connections close."""
+    from deploy.local.lean_http import LeanServer
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = LeanServer(rt, host, port)
+    try:
+        await server.start()
+        if on_ready:
+            on_ready()
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await server.close(shutdown_timeout_s)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
 async def serve_one(settings: HostSettings) -> None:
     async with contextlib.AsyncExitStack() as stack:
         rt = await open_runtime(settings, stack)
-        app = build_app(rt)
-        await serve_apps([(app, settings.host, settings.port)],
-                         on_ready=lambda: log.info("listening on %s:%d", settings.host, settings.port,
-                                                   extra={"port": settings.port}))
+        lean = lean_serves(settings, rt)
+
+        def ready() -> None:
+            log.info("listening on %s:%d (%s)", settings.host, settings.port,
+                     "lean HTTP server" if lean else "aiohttp", extra={"port": settings.port})
+
+        if lean:
+            await serve_lean(rt, settings.host, settings.port, ready)
+        else:
+            await serve_apps([(build_app(rt), settings.host, settings.port)], on_ready=ready)
     log.info("stopped", extra={"wait_until": rt.tasks.stats()})

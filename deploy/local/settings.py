@@ -94,6 +94,7 @@ class HostSettings:
     log_format: str
     access_log: str
     max_body_bytes: int | None  # None: the service module's MAX_BODY_BYTES (deploy/local/host.py)
+    http_server: str = "lean"  # lean: internal services without Durable Objects on deploy/local/lean_http.py
     redis_password: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
     internal_secret: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
     shm_dir: str | None = None  # large replies through shared memory (deploy/local/shm.py)
@@ -133,6 +134,7 @@ class HostSettings:
             log_format=get("KNOT_LOG_FORMAT"),
             access_log=get("KNOT_ACCESS_LOG"),
             max_body_bytes=get("KNOT_MAX_BODY_BYTES"),
+            http_server=get("KNOT_HTTP_SERVER"),
             redis_password=redis_password(bindings, get("KNOT_REDIS_PASSWORD")),
             internal_secret=get("KNOT_INTERNAL_SECRET"),
             shm_dir=get("KNOT_SHM_DIR") or None,

