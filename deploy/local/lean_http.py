@@ -306,6 +306,7 @@ class LeanServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]  # the one the kernel chose for port 0
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, let the requests in progress finish (up to timeout_s), close every connection."""

@@ -1,5 +1,5 @@
 """deploy/local/shm.py: large replies through a shared directory between a host and buffered_fetch
-(issue 15, the fluid path). Against the real host (build_app) on a real socket: the bytes equal the
+(issue 15, the fluid path). Against the real host on a real socket, its aiohttp app and its lean server: the bytes equal the
 socket's, a connection reuses its buffer and the buffer goes with it, callers or hosts without the
 directory get the socket, and a reply naming a file the caller may not read is a BadGateway.
 Shared blocks: a reply names them instead of copying them, the caller reads them in place and gets
@@ -14,9 +14,10 @@ import pytest
 from common.integrity import crc32
 from common.runtime import BadGateway, Env, Request, Response
 from deploy.local.bindings import Connections, buffered_fetch
-from deploy.local.host import ServiceRuntime, app_runner, build_app
+from deploy.local.host import ServiceRuntime
 from deploy.local.shm import SHM_MIN_BYTES, MAX_BUFFERS, ReplyBuffers, ReplyReader
 from deploy.local.tasks import BackgroundTasks
+from tests.hosts import SERVERS, serve
 
 BIG = os.urandom(3 * SHM_MIN_BYTES + 4321)
 
@@ -39,22 +40,20 @@ async def handler(request: Request, env, ctx) -> Response:
     return Response.from_json({"path": request.path})
 
 
-async def _serve(shm: ReplyBuffers | None):
-    from aiohttp import web
-
+async def _serve(shm: ReplyBuffers | None, server: str = "aiohttp"):
+    """-> (close, url) of the handler on either HTTP server (tests/hosts.py): a LayerWarden on the
+    aiohttp app, a station's large prefill replies on the lean one."""
     rt = ServiceRuntime("layer-warden", handler, Env(), BackgroundTasks("test"), shm=shm)
-    runner = app_runner(build_app(rt))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    url, close = await serve(rt, server)
+    return close, url
 
 
-@pytest.fixture
-async def shm_host(tmp_path):
+@pytest.fixture(params=SERVERS)
+async def shm_host(tmp_path, request):
     buffers = ReplyBuffers(tmp_path, max_buffers=2)
-    runner, url = await _serve(buffers)
+    close, url = await _serve(buffers, request.param)
     yield url, buffers, tmp_path
-    await runner.cleanup()
+    await close()
     buffers.close()
 
 
@@ -93,16 +92,17 @@ async def test_callers_and_hosts_without_the_directory_use_the_socket(shm_host, 
     r = await buffered_fetch(url + "/big", Request("GET", "/big"), 30, connections=conns)
     assert r.body == BIG and buffers.replies == 0 and os.listdir(other) == [], "another cluster's directory"
     conns.close()
-    for host_shm in (None, ReplyBuffers(tmp_path / "gone")):  # none, and one whose directory is missing
-        runner, plain = await _serve(host_shm)
-        try:
-            conns = Connections(shm=ReplyReader(tmp_path / "gone" if host_shm else d))
-            r = await buffered_fetch(plain + "/big", Request("GET", "/big"), 30, connections=conns)
-            assert r.status == 200 and r.body == BIG and conns.shm.replies == 0, host_shm
-            conns.close()
-        finally:
-            await runner.cleanup()
-    assert host_shm.failures == 1
+    for server in SERVERS:
+        for host_shm in (None, ReplyBuffers(tmp_path / "gone")):  # none, and one whose directory is missing
+            close, plain = await _serve(host_shm, server)
+            try:
+                conns = Connections(shm=ReplyReader(tmp_path / "gone" if host_shm else d))
+                r = await buffered_fetch(plain + "/big", Request("GET", "/big"), 30, connections=conns)
+                assert r.status == 200 and r.body == BIG and conns.shm.replies == 0, (server, host_shm)
+                conns.close()
+            finally:
+                await close()
+        assert host_shm.failures == 1, server
 
 
 async def test_more_connections_than_buffers_fall_back_to_the_socket(shm_host):
