@@ -38,6 +38,7 @@ from common import signing
 from common.runtime import (BadRequest, Context, Headers, HttpError, PayloadTooLarge, Request, Response, aclose_stream,
                             call_handler, error_response)
 from deploy.local.durable import DO_NAME_HEADER
+from deploy.local.host import health_body, ready_body, reply_headers, shm_plan
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 
 if TYPE_CHECKING:
@@ -47,7 +48,8 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10  # the request line and headers together (aiohttp: 8190 a line)
 MAX_HEADERS = 100
-KEEPALIVE_S = 75.0  # an idle connection is closed after this long (aiohttp's keepalive_timeout)
+KEEPALIVE_S = 75.0
+JOIN_BODY_BYTES = 256 << 10  # a reply up to this size goes out with its head in one write  # an idle connection is closed after this long (aiohttp's keepalive_timeout)
 UNSIGNED_PATHS = ("/healthz", "/readyz")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 413: "Payload Too Large",
             500: "Internal Server Error", 503: "Service Unavailable"}
@@ -230,8 +232,6 @@ class _Connection(asyncio.Protocol):
             service_var.reset(service_token)
 
     async def _respond(self, p: _Parsed, headers: Headers, path: str, rid: str) -> Response:
-        from deploy.local.host import health_body, ready_body  # the aiohttp app's own answers
-
         if p.error is not None:
             return error_response(p.error, rid)
         if not p.target.startswith(b"/"):
@@ -255,8 +255,6 @@ class _Connection(asyncio.Protocol):
         return await call_handler(rt.handler, request, rt.env, Context(rt.tasks.add), rid)
 
     async def _send(self, resp: Response, request_headers: Headers, head_only: bool) -> None:
-        from deploy.local.host import reply_headers, shm_plan
-
         status = f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, 'Status')}\r\n"
         out = reply_headers(resp)
         if resp.stream is not None:
@@ -282,8 +280,13 @@ class _Connection(asyncio.Protocol):
             parts = plan[1]
         n = sum(memoryview(x).nbytes for x in parts)
         lines = "".join(f"{k}: {v}\r\n" for k, v in out.items())
-        self.transport.write(f"{status}Content-Length: {n}\r\n{lines}\r\n".encode("latin-1"))
-        if not head_only:
+        head = f"{status}Content-Length: {n}\r\n{lines}\r\n".encode("latin-1")
+        if head_only:
+            self.transport.write(head)
+        elif n <= JOIN_BODY_BYTES:  # one send: a reply in two segments wakes its reader twice
+            self.transport.write(head + b"".join(parts))
+        else:
+            self.transport.write(head)
             for part in parts:
                 if memoryview(part).nbytes:
                     self.transport.write(part)
