@@ -1,4 +1,6 @@
 """The aiohttp host: one service per process (`knot serve`), or many in one (`knot serve --embedded`).
+An internal service that hosts no Durable Object (a station, a shard, the drafter) is served by
+deploy/local/lean_http.py instead, with the same answers (serve_one; KNOT_HTTP_SERVER=aiohttp: never).
 
 Per request: aiohttp request -> common.runtime.Request -> handler(request, env, ctx) ->
 Response -> aiohttp response (a streaming Response is written chunk by chunk through a
