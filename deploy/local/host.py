@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -95,13 +96,23 @@ class ServiceRuntime:
 # ---------------------------------------------------------------- translation
 
 
+# host[:port], a name or an IPv4 or bracketed IPv6 address
+_HOST = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
 async def to_runtime_request(request: web.Request, url: str | None = None) -> Request:
     # A declared length over the limit is refused before a byte of the body is read; a chunked
     # body, once it passes the limit (aiohttp's read() raises the same 413).
     limit = request.client_max_size
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    return Request(request.method, url or str(request.url), Headers(request.headers.items()), await request.read())
+    if url is None:
+        # Why: the URL is the Host header and the target, and a handler routes on its path. A Host
+        # such as "x/evil?" would move the path, which a signature (over the target) does not cover.
+        if not _HOST.fullmatch(request.host):
+            raise web.HTTPBadRequest(reason=f"the Host header {request.host[:80]!r} is not a host[:port]")
+        url = f"http://{request.host}{request.raw_path}"
+    return Request(request.method, url, Headers(request.headers.items()), await request.read())
 
 
 def reply_headers(resp: Response) -> dict[str, str]:

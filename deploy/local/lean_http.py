@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 import httptools
 
 from common import signing
-from common.runtime import (BadRequest, Context, Headers, HttpError, PayloadTooLarge, Request, Response, aclose_stream,
-                            call_handler, error_response)
+from common.runtime import (BadRequest, Context, Headers, HttpError, InternalError, PayloadTooLarge, Request, Response,
+                            aclose_stream, call_handler, error_response)
 from deploy.local.durable import DO_NAME_HEADER
 from deploy.local.host import health_body, ready_body, reply_headers, shm_plan
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10  # the request line and headers together (aiohttp: 8190 a line)
 MAX_HEADERS = 100
-KEEPALIVE_S = 75.0
-JOIN_BODY_BYTES = 256 << 10  # a reply up to this size goes out with its head in one write  # an idle connection is closed after this long (aiohttp's keepalive_timeout)
+KEEPALIVE_S = 75.0  # an idle connection is closed after this long (aiohttp's keepalive_timeout)
+JOIN_BODY_BYTES = 256 << 10  # a reply up to this size goes out with its head in one write
 UNSIGNED_PATHS = ("/healthz", "/readyz")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 413: "Payload Too Large",
             500: "Internal Server Error", 503: "Service Unavailable"}
@@ -94,7 +94,7 @@ class _Connection(asyncio.Protocol):
         if self.idle is not None:
             self.idle.cancel()
         if self.can_write is not None and not self.can_write.done():
-            self.can_write.set_exception(ConnectionResetError("the client closed the connection"))
+            self.can_write.set_result(None)  # a writer waiting on it finds the transport closing (_drain)
 
     def pause_writing(self) -> None:
         self.can_write = asyncio.get_running_loop().create_future()
@@ -250,13 +250,20 @@ class _Connection(asyncio.Protocol):
                                    headers.get(DO_NAME_HEADER, ""))
             except HttpError as e:
                 return error_response(e, rid)
-        host = headers.get("Host") or f"{self.server.host}:{self.server.port}"
-        request = Request(p.method, f"http://{host}{target}", headers, body)
+        # Not the Host header: the signature does not cover it, and a handler reads its path from this URL
+        request = Request(p.method, f"http://{self.server.host}:{self.server.port}{target}", headers, body)
         return await call_handler(rt.handler, request, rt.env, Context(rt.tasks.add), rid)
 
     async def _send(self, resp: Response, request_headers: Headers, head_only: bool) -> None:
-        status = f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, 'Status')}\r\n"
         out = reply_headers(resp)
+        if any(c in k or c in v for k, v in out.items() for c in "\r\n"):  # it would forge headers or a reply
+            bad = next(k for k, v in out.items() if "\r" in k + v or "\n" in k + v)
+            await aclose_stream(resp.stream)
+            resp = error_response(InternalError(f"the handler's reply header {bad[:40]!r} holds a line break"),
+                                  request_id_var.get())
+            resp.headers[REQUEST_ID_HEADER] = request_id_var.get()
+            out = reply_headers(resp)
+        status = f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, 'Status')}\r\n"
         if resp.stream is not None:
             lines = "".join(f"{k}: {v}\r\n" for k, v in out.items())
             self.transport.write(f"{status}Transfer-Encoding: chunked\r\n{lines}\r\n".encode("latin-1"))
@@ -295,6 +302,8 @@ class _Connection(asyncio.Protocol):
     async def _drain(self) -> None:
         if self.can_write is not None:
             await self.can_write
+        if self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
 
 
 class LeanServer:

@@ -37,6 +37,8 @@ async def handler(request: Request, env, ctx) -> Response:
         raise BadRequest("this handler refuses /refuse by name")
     if request.path == "/crash":
         raise RuntimeError("a bug")
+    if request.path == "/inject":  # a header value a bug let a line break into
+        return Response.from_text("x", headers={"X-Bad": "a\r\nX-Forged: 1"})
     if request.path == "/slow":
         await asyncio.sleep(0.3)
     return Response.from_json({"method": request.method, "path": request.path, "query": request.query,
@@ -217,6 +219,37 @@ async def test_handler_errors_are_json_statuses_and_the_server_survives(host):
     assert status == 500 and json.loads(reply)["error"]
     [(status, _, _)], _ = await exchange(host, signed("GET", "/fine"))
     assert status == 200
+
+
+async def test_a_reply_header_with_a_line_break_is_never_sent():
+    url, close = await serve(runtime(), "lean")
+    try:
+        [(status, headers, reply)], _ = await exchange(url, signed("GET", "/inject"))
+        assert status == 500 and "x-forged" not in headers and "line break" in json.loads(reply)["message"]
+        [(status, _, _)], _ = await exchange(url, signed("GET", "/fine"))
+        assert status == 200
+    finally:
+        await close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+async def test_the_host_header_never_changes_the_path_a_handler_sees(server):
+    """The signature covers the target, not the Host header: the lean server builds the URL from its own
+    address, the aiohttp app refuses a Host that is not a host[:port]."""
+    CALLS.clear()
+    url, close = await serve(runtime(), server)
+    try:
+        forged = signed("POST", "/sample", b"b").replace(b"Host: test", b"Host: x/evil?")
+        [(status, _, reply)], _ = await exchange(url, forged)
+        if server == "lean":
+            assert status == 200 and json.loads(reply)["path"] == "/sample"
+        else:
+            assert status == 400 and "Host header" in json.loads(reply)["message"] and CALLS == []
+        for ok in (b"Host: 127.0.0.1:8000", b"Host: station-0:8080", b"Host: knot_station_1", b"Host: [::1]:8080", b"Host: test"):
+            [(status, _, reply)], _ = await exchange(url, signed("POST", "/sample", b"b").replace(b"Host: test", ok))
+            assert status == 200 and json.loads(reply)["path"] == "/sample", ok
+    finally:
+        await close()
 
 
 async def test_streamed_and_large_replies_arrive_whole(host):
