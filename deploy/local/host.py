@@ -111,6 +111,8 @@ async def to_runtime_request(request: web.Request, url: str | None = None) -> Re
         # such as "x/evil?" would move the path, which a signature (over the target) does not cover.
         if not _HOST.fullmatch(request.host):
             raise web.HTTPBadRequest(reason=f"the Host header {request.host[:80]!r} is not a host[:port]")
+        if not request.raw_path.startswith("/"):  # the absolute form is for proxies
+            raise web.HTTPBadRequest(reason=f"request target {request.raw_path[:80]!r} is not a path")
         url = f"http://{request.host}{request.raw_path}"
     return Request(request.method, url, Headers(request.headers.items()), await request.read())
 

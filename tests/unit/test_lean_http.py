@@ -245,6 +245,8 @@ async def test_the_host_header_never_changes_the_path_a_handler_sees(server):
             assert status == 200 and json.loads(reply)["path"] == "/sample"
         else:
             assert status == 400 and "Host header" in json.loads(reply)["message"] and CALLS == []
+        [(status, _, reply)], _ = await exchange(url, signed("GET", "http://x/sample"))  # the proxies' form
+        assert status == 400 and "is not a path" in json.loads(reply)["message"]
         for ok in (b"Host: 127.0.0.1:8000", b"Host: station-0:8080", b"Host: knot_station_1", b"Host: [::1]:8080", b"Host: test"):
             [(status, _, reply)], _ = await exchange(url, signed("POST", "/sample", b"b").replace(b"Host: test", ok))
             assert status == 200 and json.loads(reply)["path"] == "/sample", ok
