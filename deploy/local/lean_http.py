@@ -151,7 +151,8 @@ class _Connection(asyncio.Protocol):
         if length is not None and length.isdigit() and int(length) > self.rt.max_body_bytes:
             self._refuse(PayloadTooLarge(f"request body of {length} bytes is over the {self.rt.max_body_bytes}-byte "
                                          "limit"), stop=True)
-        if any(k.lower() == "expect" and v.lower() == "100-continue" for k, v in p.headers):
+        if (self.worker is None and not self.queue  # never inside another request's reply
+                and any(k.lower() == "expect" and v.lower() == "100-continue" for k, v in p.headers)):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits a second for it otherwise
 
     def on_body(self, body: bytes) -> None:
@@ -219,7 +220,11 @@ class _Connection(asyncio.Protocol):
         t0 = time.perf_counter()
         path = p.target.split(b"?", 1)[0].decode("latin-1")
         try:
-            resp = await self._respond(p, headers, path, rid)
+            try:
+                resp = await self._respond(p, headers, path, rid)
+            except Exception as e:  # noqa: BLE001 - ours, not the handler's (call_handler maps those): still a reply
+                log.exception("lean server: %s %s failed", p.method, path)
+                resp = error_response(e, rid)
             resp.headers[REQUEST_ID_HEADER] = rid
             level = logging.INFO if resp.status >= 400 or self.rt.access_log == "all" else logging.DEBUG
             if path not in UNSIGNED_PATHS and log.isEnabledFor(level):
@@ -266,7 +271,7 @@ class _Connection(asyncio.Protocol):
         status = f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, 'Status')}\r\n"
         if resp.stream is not None:
             lines = "".join(f"{k}: {v}\r\n" for k, v in out.items())
-            self.transport.write(f"{status}Transfer-Encoding: chunked\r\n{lines}\r\n".encode("latin-1"))
+            self.transport.write(f"{status}Transfer-Encoding: chunked\r\n{lines}\r\n".encode("utf-8"))
             try:
                 async for chunk in resp.stream:
                     if chunk:
@@ -287,7 +292,7 @@ class _Connection(asyncio.Protocol):
             parts = plan[1]
         n = sum(memoryview(x).nbytes for x in parts)
         lines = "".join(f"{k}: {v}\r\n" for k, v in out.items())
-        head = f"{status}Content-Length: {n}\r\n{lines}\r\n".encode("latin-1")
+        head = f"{status}Content-Length: {n}\r\n{lines}\r\n".encode("utf-8")  # as aiohttp encodes them
         if head_only:
             self.transport.write(head)
         elif n <= JOIN_BODY_BYTES:  # one send: a reply in two segments wakes its reader twice

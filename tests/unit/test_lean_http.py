@@ -152,6 +152,21 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(host):
     assert [r.path for r in CALLS] == ["/slow", "/a", "/b"]
 
 
+async def test_a_caller_that_expects_100_continue_gets_it_before_sending_the_body(host):
+    body = b"after the interim reply"
+    head, _, _ = signed("POST", "/e", body, Expect="100-continue").partition(b"\r\n\r\n")
+    hostname, port = host.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(hostname, int(port))
+    try:
+        writer.write(head + b"\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 100")
+        writer.write(body)
+        status, _, reply = await asyncio.wait_for(read_reply(reader), 5)
+        assert status == 200 and json.loads(reply)["body"] == body.decode()
+    finally:
+        writer.close()
+
+
 async def test_connection_close_and_http_1_0_close_after_the_reply(host):
     [(status, _, _)], closed = await exchange(host, signed("GET", "/x", Connection="close"))
     assert status == 200 and closed
