@@ -250,7 +250,7 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("all", "errors"), reader_defaults={"compose": "errors"}),
     _s("KNOT_HTTP_SERVER", "choice", "lean", "host compose",
        "lean: the internal services that host no Durable Object (stations, shards, the drafter) answer on "
-       "deploy/local/lean_http.py, a few hundred microseconds of CPU less per call; aiohttp: every service "
+       "deploy/local/lean_http.py, ~0.15-0.25 ms of CPU less per call (docs/performance.md); aiohttp: every service "
        "on the aiohttp app", choices=("lean", "aiohttp")),
     _s("KNOT_SHM_DIR", "str", None, "host launcher", "a directory of shared memory (tmpfs) where this host writes "
        "large replies to callers of the same directory, and reads theirs, instead of the socket "
