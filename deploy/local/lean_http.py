@@ -6,8 +6,9 @@ Why: a decode step of the 0.5B makes ten such calls in series (two stations, eig
 the cluster is CPU-bound on 2 cores, so every call's CPU is the token's. aiohttp's request and
 response objects, router and middlewares cost a shard about as much CPU as the product of its
 vocabulary slice in the cluster (a perf profile: libpython 46% of a shard's CPU, the product
-41%). A scratch server of this shape in their place, four alternating rounds of fresh clusters:
-the shards' CPU 14.8-15.0 -> 12.1-13.7 ms a token and decode +3 to +12% (docs/performance.md).
+41%). This server in their place, against KNOT_HTTP_SERVER=aiohttp in alternating rounds of fresh
+0.5B clusters: the shards' CPU 14.2-15.5 -> 13.0-13.9 ms a token, decode +3 to +8% in four rounds
+of five (docs/performance.md).
 
 The request line and headers are parsed by httptools (llhttp, Node's parser: request smuggling,
 bad lengths and chunked bodies are its job). Per request, as the aiohttp app:
@@ -18,7 +19,8 @@ bad lengths and chunked bodies are its job). Per request, as the aiohttp app:
     - large replies through shared memory to callers that offer it (host.shm_plan), else the
       socket; a streaming reply in chunked encoding.
 Requests on one connection are answered in order. A malformed request gets a 400 naming what
-is wrong and the connection is closed. An internal handler is never cancelled when its caller
+is wrong and the connection is closed. The Host header, which no signature covers, never enters
+the URL a handler sees; a reply header holding a line break is never sent (a 500 instead). An internal handler is never cancelled when its caller
 goes away (the aiohttp app does the same for internal services): it finishes what it started.
 
 The public coordinator and the wardens (Durable Object routes, their streamed blocks) stay on
