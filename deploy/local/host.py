@@ -216,11 +216,7 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
             resp = web.json_response({"error": type(e).__name__, "message": e.reason, "request_id": rid},
                                      status=e.status)
         resp.headers[REQUEST_ID_HEADER] = rid
-        level = logging.INFO if resp.status >= 400 or request.app[RUNTIME].access_log == "all" else logging.DEBUG
-        if request.path not in ("/healthz", "/readyz") and log.isEnabledFor(level):
-            log.log(level, "%s %s -> %d", request.method, request.path, resp.status,
-                    extra={"method": request.method, "path": request.path, "status": resp.status,
-                           "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+        log_access(request.app[RUNTIME], request.method, request.path, resp.status, t0)
         return resp
     finally:
         request_id_var.reset(token)
@@ -230,18 +226,38 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
 UNSIGNED_PATHS = ("/healthz", "/readyz")  # the host's own probes: they change nothing and tell nothing secret
 
 
+def log_access(rt: ServiceRuntime, method: str, path: str, status: int, t0: float) -> None:
+    """The access log line of a request that began at t0 (perf_counter): INFO for an error or with
+    KNOT_ACCESS_LOG=all, else DEBUG; none for the probes. Both servers log through here."""
+    level = logging.INFO if status >= 400 or rt.access_log == "all" else logging.DEBUG
+    if path not in UNSIGNED_PATHS and log.isEnabledFor(level):
+        log.log(level, "%s %s -> %d", method, path, status,
+                extra={"method": method, "path": path, "status": status, "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+
+
+def signature_refusal(rt: ServiceRuntime, method: str, target: str, path: str, body: bytes,
+                      headers) -> HttpError | None:
+    """Why an internal service refuses a call before its handler runs (401: not signed with the
+    cluster's secret, common/signing.py), or None. Both servers check through here."""
+    if rt.verifier is None or rt.public or path in UNSIGNED_PATHS:
+        return None
+    try:
+        rt.verifier.verify(method, target, body, headers.get(signing.SIGNATURE_HEADER), time.time(),
+                           headers.get(DO_NAME_HEADER, ""))
+    except HttpError as e:
+        return e
+    return None
+
+
 @web.middleware
 async def signed_calls(request: web.Request, handler) -> web.StreamResponse:
     """An internal service answers only calls signed with the cluster's secret (common/signing.py):
     401 for any other, before the handler runs."""
     rt = request.app[RUNTIME]
-    if rt.verifier is not None and not rt.public and request.path not in UNSIGNED_PATHS:
-        try:
-            rt.verifier.verify(request.method, request.raw_path, await request.read(),
-                               request.headers.get(signing.SIGNATURE_HEADER), time.time(),
-                               request.headers.get(DO_NAME_HEADER, ""))
-        except HttpError as e:
-            return to_aiohttp_response(error_response(e, request_id_var.get()))
+    if rt.verifier is not None and not rt.public and request.path not in UNSIGNED_PATHS:  # the body is read only then
+        err = signature_refusal(rt, request.method, request.raw_path, request.path, await request.read(), request.headers)
+        if err is not None:
+            return to_aiohttp_response(error_response(err, request_id_var.get()))
     return await handler(request)
 
 

@@ -36,11 +36,10 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from common import signing
 from common.runtime import (BadRequest, Context, Headers, HttpError, InternalError, PayloadTooLarge, Request, Response,
                             aclose_stream, call_handler, error_response)
-from deploy.local.durable import DO_NAME_HEADER
-from deploy.local.host import health_body, ready_body, reply_headers, shm_plan
+from deploy.local.host import (UNSIGNED_PATHS, health_body, log_access, ready_body, reply_headers, shm_plan,
+                               signature_refusal)
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 
 if TYPE_CHECKING:
@@ -52,7 +51,6 @@ MAX_HEADER_BYTES = 64 << 10  # the request line and headers together (aiohttp: 8
 MAX_HEADERS = 100
 KEEPALIVE_S = 75.0  # an idle connection is closed after this long (aiohttp's keepalive_timeout)
 JOIN_BODY_BYTES = 256 << 10  # a reply up to this size goes out with its head in one write
-UNSIGNED_PATHS = ("/healthz", "/readyz")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 413: "Payload Too Large",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
@@ -228,11 +226,7 @@ class _Connection(asyncio.Protocol):
                 log.exception("lean server: %s %s failed", p.method, path)
                 resp = error_response(e, rid)
             resp.headers[REQUEST_ID_HEADER] = rid
-            level = logging.INFO if resp.status >= 400 or self.rt.access_log == "all" else logging.DEBUG
-            if path not in UNSIGNED_PATHS and log.isEnabledFor(level):
-                log.log(level, "%s %s -> %d", p.method, path, resp.status,
-                        extra={"method": p.method, "path": path, "status": resp.status,
-                               "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+            log_access(self.rt, p.method, path, resp.status, t0)
             await self._send(resp, headers, p.method == "HEAD")
         finally:
             request_id_var.reset(rid_token)
@@ -251,20 +245,16 @@ class _Connection(asyncio.Protocol):
             return Response.from_json(body, status)
         body = b"".join(p.body)
         target = p.target.decode("latin-1")
-        if rt.verifier is not None and path not in UNSIGNED_PATHS:
-            try:
-                rt.verifier.verify(p.method, target, body, headers.get(signing.SIGNATURE_HEADER), time.time(),
-                                   headers.get(DO_NAME_HEADER, ""))
-            except HttpError as e:
-                return error_response(e, rid)
+        if (err := signature_refusal(rt, p.method, target, path, body, headers)) is not None:
+            return error_response(err, rid)
         # Not the Host header: the signature does not cover it, and a handler reads its path from this URL
         request = Request(p.method, f"http://{self.server.host}:{self.server.port}{target}", headers, body)
         return await call_handler(rt.handler, request, rt.env, Context(rt.tasks.add), rid)
 
     async def _send(self, resp: Response, request_headers: Headers, head_only: bool) -> None:
         out = reply_headers(resp)
-        if any(c in k or c in v for k, v in out.items() for c in "\r\n"):  # it would forge headers or a reply
-            bad = next(k for k, v in out.items() if "\r" in k + v or "\n" in k + v)
+        bad = next((k for k, v in out.items() if "\r" in k + v or "\n" in k + v), None)
+        if bad is not None:  # it would forge headers or a reply
             await aclose_stream(resp.stream)
             resp = error_response(InternalError(f"the handler's reply header {bad[:40]!r} holds a line break"),
                                   request_id_var.get())
