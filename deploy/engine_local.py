@@ -2,9 +2,10 @@
 (common/layers.py) and generation loop (common/generation.py) as the cluster.
 
 Used by `knot generate`, the llama.cpp oracle test and anything else that wants plain local
-inference. Memory is not bounded here (that is the stations' job): the weights are mmap-backed
-and, when they fit in `cache_budget_bytes`, dequantized to float32 once on first use, which
-makes decode several times faster than re-dequantizing every step.
+inference. Memory is not bounded here (that is the stations' job): the weights are mmap-backed.
+Those the C kernels take are copied on first use into one arena on huge pages, where their
+products run faster; the others, when they fit in `cache_budget_bytes`, are dequantized to float32
+once on first use, which makes decode several times faster than re-dequantizing every step.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
 from common.layers import forward_tokens, phase_loader
 from common.matmul import get_kernel
 from common.models import PhaseWeights, model_for
-from common.quant import QTensor
+from common.quant import Arena, QTensor
 from common.sampling import SamplingParams
 from common.speculative import (DRAFT_HEAD_IDS, Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost,
                                 draft_vocab_runs, narrows_head)
@@ -47,9 +48,12 @@ def _mem_available_bytes() -> int | None:
 class LocalEngine:
     def __init__(self, model, *, cache_f32: bool | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=None,
-                 draft: "LocalEngine | None" = None, draft_head_ids: int = DRAFT_HEAD_IDS):
+                 draft: "LocalEngine | None" = None, draft_head_ids: int = DRAFT_HEAD_IDS,
+                 copy_weights: bool | None = None):
         """model: a deploy.knotfile.LocalModel. cache_f32=None: cache when the float32 weights
-        fit in cache_budget_bytes and in half the available memory. draft: a smaller model of the
+        fit in cache_budget_bytes and in half the available memory. copy_weights=None: the
+        quantized weights the kernels take are copied out of the file's map into one Arena (on
+        huge pages) on first use (or by load_weights()), when they fit in half the available memory. draft: a smaller model of the
         same vocabulary that drafts for this one (speculation source "draft_model"), its head
         scoring the ids below draft_head_ids and the special tokens (as the drafter's DRAFT_HEAD_IDS;
         0: every id). An architecture the model registry does not know raises
@@ -80,6 +84,27 @@ class LocalEngine:
             cache_f32 = f32_bytes <= cache_budget_bytes and (avail is None or f32_bytes <= avail // 2)
         self.cache_f32 = cache_f32
         log.debug("float32 weight cache %s (%.2f GB)", "on" if cache_f32 else "off", f32_bytes / 1e9)
+        # The file's map sits on 4 KiB pages: each decode product streams its weights from DRAM, and
+        # a copy on huge pages runs the products faster (common.quant.Arena). Only the types a kernel
+        # takes: the others go to the float32 cache, or are dequantized per product.
+        sizes = {n: self.model.header.tensors[n].length for n in self._matmul_weight_names()
+                 if n in self.model.header.tensors and get_kernel(self.model.header.tensors[n].ggml_type) is not None}
+        if copy_weights is None:
+            avail = _mem_available_bytes()
+            copy_weights = avail is None or sum(sizes.values()) <= avail // 2
+        self._arena = Arena(sizes) if copy_weights and sizes else None
+
+    def load_weights(self) -> None:
+        """Copy every weight the kernels take into the arena now, which the first forward would do
+        otherwise (so that its prefill's time is its own); logs what it took."""
+        if self._arena is None:
+            return
+        t0 = time.perf_counter()
+        for name in self._arena.names:
+            self.weight(name)
+        log.info("weights: %.0f MB copied out of the model file's map onto huge pages in %.1f s, where decode "
+                 "runs faster (copy_weights=False, or knot generate --no-weight-cache, skips it)",
+                 self._arena.nbytes / 1e6, time.perf_counter() - t0)
 
     @classmethod
     def open(cls, path, **kw) -> "LocalEngine":
@@ -108,8 +133,8 @@ class LocalEngine:
         return sum(4 * prod(ents[n].shape) for n in self._matmul_weight_names() if n in ents)
 
     def weight(self, name: str) -> QTensor:
-        """The tensor as stored (built once, a view of the mmap), or its float32 copy when the cache
-        is on and no quantized kernel serves its type (2-D weights only)."""
+        """The tensor as stored (built once, a view of the mmap, or its copy in the arena), or its
+        float32 copy when the cache is on and no quantized kernel serves its type (2-D weights only)."""
         w = self._weights.get(name)
         if w is not None:
             return w
@@ -117,6 +142,8 @@ class LocalEngine:
         if self.cache_f32 and len(w.shape) == 2 and w.ggml_type != "F32" and get_kernel(w.ggml_type) is None:
             a = np.ascontiguousarray(w.dequantize(), dtype=np.float32)   # (ne1, ne0)
             w = QTensor(name, "F32", w.shape, a.reshape(-1).view(np.uint8))
+        elif self._arena is not None and (copied := self._arena.copy(name, w.data)) is not None:
+            w = QTensor(name, w.ggml_type, w.shape, copied)
         self._weights[name] = w
         return w
 

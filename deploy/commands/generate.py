@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "\"length\" as in the OpenAI API, timings) instead of streaming")
     p.add_argument("--stats", action="store_true", help="print prefill and decode tok/s to stderr")
     p.add_argument("--no-weight-cache", action="store_true",
-                   help="do not keep float32 copies of the weights (slower, less memory)")
+                   help="do not keep copies of the weights (float32 ones where no kernel takes the type, "
+                        "huge-page ones where one does): slower, less memory")
 
 
 # The API's field -> this command's flag, where they are spelt differently
@@ -85,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if args.suffix is not None and args.chat:
         raise ValueError("--suffix fills in the middle of a plain-text prompt: drop --chat")
     t0 = time.perf_counter()
-    engine = LocalEngine.open(model_path(args.model), cache_f32=False if args.no_weight_cache else None)
+    engine = LocalEngine.open(model_path(args.model), cache_f32=False if args.no_weight_cache else None,
+                              copy_weights=False if args.no_weight_cache else None)
+    engine.load_weights()  # before the prompt, so that --stats gives the prefill's own time
     tok = engine.tokenizer
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \

@@ -37,7 +37,7 @@ from common import wire
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
 from common.kvcache import PREFILL_CHUNK_TOKENS
 from common.layers import forward_tokens, phase_loader
-from common.quant import QTensor
+from common.quant import QTensor, huge_buffer
 from common.runtime import BadRequest, Env, NotFound, Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
 from common.settings import read
@@ -92,7 +92,7 @@ class Drafter:
         # Filled in ranged reads, not kept as the one read's bytes: a numpy buffer of this size sits
         # on transparent huge pages, where the products run faster (common.quant.resident_copy), and
         # the boot's peak stays one read over the model rather than two copies of it.
-        payload = np.empty(header.payload_nbytes, dtype=np.uint8)
+        payload = huge_buffer(header.payload_nbytes)
         for start in range(0, header.payload_nbytes, BOOT_READ_BYTES):
             end = min(start + BOOT_READ_BYTES, header.payload_nbytes)
             payload[start:end] = np.frombuffer(await self.source.read(a + start, a + end), dtype=np.uint8)

@@ -10,9 +10,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import given, settings, strategies as st
 
 from common import quant
-from common.quant import (QUANT_TYPES, BlockAlignmentError, ByteLengthError, QTensor, QuantError,
-                          UnsupportedQuantType, dequantize, dequantize_rows, row_byte_range,
-                          row_nbytes, tensor_nbytes, type_name)
+from common.quant import (HUGE_PAGE_BYTES, QUANT_TYPES, Arena, BlockAlignmentError, ByteLengthError, QTensor,
+                          QuantError, UnsupportedQuantType, dequantize, dequantize_rows, huge_buffer, resident_copy,
+                          row_byte_range, row_nbytes, tensor_nbytes, type_name)
 
 TYPES = list(QUANT_TYPES)
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -299,6 +299,46 @@ def test_qtensor_views_and_properties():
         QTensor("norm", "F32", (896,), bytes(896 * 4)).rows(0, 1)
     with pytest.raises(AttributeError):
         t.name = "other"  # frozen
+
+
+@pytest.mark.parametrize("nbytes", [0, 1000, (4 << 20) - 1, 4 << 20, (18 << 20) + 12345])
+def test_huge_buffer_starts_on_a_huge_page_from_4_mib(nbytes):
+    b = huge_buffer(nbytes)
+    assert b.dtype == np.uint8 and b.shape == (nbytes,) and b.flags.writeable and b.flags.c_contiguous
+    if nbytes >= 4 << 20:  # where numpy asks for huge pages: all of it inside 2 MiB stretches
+        assert b.ctypes.data % HUGE_PAGE_BYTES == 0
+    b[:] = 7  # every byte is ours
+    assert int(b.sum()) == 7 * nbytes
+
+
+@pytest.mark.parametrize("data", [bytes(range(256)) * 20000, bytearray(b"\x01\x02" * 100),
+                                  np.arange(3000, dtype=np.float32)])
+def test_resident_copy_is_a_read_only_copy_of_the_bytes(data):
+    out = resident_copy(data)
+    assert out.dtype == np.uint8 and out.tobytes() == bytes(memoryview(data).cast("B"))
+    assert not out.flags.writeable and not np.shares_memory(out, np.frombuffer(data, np.uint8))
+    with pytest.raises(ValueError):
+        out[0] = 1
+
+
+def test_an_arena_keeps_each_name_at_its_own_aligned_place():
+    rng = np.random.default_rng(0)
+    sizes = {"a": 100, "b": 3 << 20, "c": 1, "d": 64 * 1000}
+    data = {n: rng.integers(0, 256, k, dtype=np.uint8) for n, k in sizes.items()}
+    arena = Arena(sizes)
+    assert arena.nbytes == 128 + (3 << 20) + 64 + 64 * 1000  # each place rounded up to 64 bytes
+    got = {n: arena.copy(n, data[n].tobytes() if n == "b" else data[n]) for n in sizes}
+    owner = got["a"].base
+    for n, out in got.items():
+        assert out.tobytes() == data[n].tobytes() and not out.flags.writeable
+        assert out.base is owner and out.ctypes.data % Arena.ALIGN == owner.ctypes.data % Arena.ALIGN
+    for x, y in [("a", "b"), ("b", "c"), ("c", "d"), ("a", "d")]:  # no two places overlap
+        assert not np.shares_memory(got[x], got[y])
+    again = arena.copy("b", data["b"])  # the same tensor again: the same place, not more memory
+    assert again.ctypes.data == got["b"].ctypes.data and again.tobytes() == data["b"].tobytes()
+    # a name it was not made for, or another size, is not its to hold: the caller copies on its own
+    assert arena.copy("e", b"x") is None
+    assert arena.copy("a", bytes(101)) is None and got["a"].tobytes() == data["a"].tobytes()
 
 
 def test_f32_1d_and_3d_shapes():

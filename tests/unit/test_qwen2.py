@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
 from common.layers import forward_range
+from common.matmul import get_kernel
 from common.models import qwen2
 from common.models.qwen2 import MissingTensorError, Qwen2, Qwen2Config, phase_tensors
 from common.quant import QTensor
@@ -401,6 +402,26 @@ def test_engine_matches_phase_code_and_golden(tiny_gguf, numpy_matmul):
     cached = LocalEngine.open(tiny_gguf, cache_f32=True).generate(ids, SamplingParams(), max_tokens=12)
     assert cached.token_ids == GOLDEN
 
+
+
+def test_engine_copies_the_kernels_weights_into_one_arena_and_computes_the_same(tiny_gguf):
+    """copy_weights: the weights the C kernels take leave the file's map for one arena (on huge
+    pages); the logits are the map's bit for bit."""
+    from deploy.engine_local import LocalEngine
+
+    mapped = LocalEngine.open(tiny_gguf, cache_f32=False, copy_weights=False)
+    copied = LocalEngine.open(tiny_gguf, cache_f32=False, copy_weights=True)
+    names = [n for n in copied._matmul_weight_names() if get_kernel(copied.weight(n).ggml_type) is not None]
+    assert names
+    arena = copied.weight(names[0]).data.base
+    for n in names:
+        m, c = mapped.weight(n), copied.weight(n)
+        assert c.data.tobytes() == m.data.tobytes() and not c.data.flags.writeable
+        assert c.data.base is arena and not np.shares_memory(c.data, m.data)
+    ids = [116, 257, 32, 99, 97, 116]
+    kv_m, kv_c = mapped.new_kv(), copied.new_kv()
+    np.testing.assert_array_equal(copied.prefill(ids, kv_c, all_logits=True), mapped.prefill(ids, kv_m, all_logits=True))
+    np.testing.assert_array_equal(copied.decode(259, kv_c, len(ids)), mapped.decode(259, kv_m, len(ids)))
 
 
 def test_engine_tied_gguf(tmp_path):
