@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import operator
-import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple
 
@@ -67,7 +66,8 @@ class ByteLengthError(QuantError):
 # stretches it holds, and numpy asks for them (madvise) on allocations from 4 MiB on.
 HUGE_PAGE_BYTES = 2 << 20
 NUMPY_HUGE_MIN_BYTES = 4 << 20
-_WASM = sys.platform == "emscripten"  # Pyodide: one linear memory, no pages to align to
+# Pyodide's wasm32 (32-bit pointers): one linear memory, no pages to align to, and every byte counts
+_WASM32 = np.dtype(np.intp).itemsize < 8
 
 
 def huge_buffer(nbytes: int) -> np.ndarray:
@@ -77,7 +77,7 @@ def huge_buffer(nbytes: int) -> np.ndarray:
     Why aligned: a plain 18 MB numpy buffer (a 0.5B shard's head slice) held 16 MB on huge pages;
     its first and last partial 2 MiB stretches stayed on 4 KiB ones. The bytes before the boundary
     are allocated but never touched, so they take no memory. Under Pyodide a plain buffer."""
-    if nbytes < NUMPY_HUGE_MIN_BYTES or _WASM:
+    if nbytes < NUMPY_HUGE_MIN_BYTES or _WASM32:
         return np.empty(nbytes, dtype=np.uint8)
     raw = np.empty(nbytes + HUGE_PAGE_BYTES, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE_BYTES
