@@ -148,7 +148,8 @@ def bench_generate(path: Path, n_tokens: int) -> None:
     from common.sampling import SamplingParams
     from deploy.engine_local import LocalEngine
 
-    engine = LocalEngine.open(path, cache_f32=False)  # a float32 copy would bypass the kernels
+    # a float32 copy would bypass the kernels; the arena is what knot generate computes from
+    engine = LocalEngine.open(path, cache_f32=False, copy_weights=True)
     ids = engine.tokenizer.encode("def quicksort(arr):\n    ")
     engine.generate(ids, SamplingParams(), max_tokens=4)  # warm-up: mmap page faults, the pool
     g = engine.generate(ids, SamplingParams(), max_tokens=n_tokens)

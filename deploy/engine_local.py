@@ -3,8 +3,8 @@
 
 Used by `knot generate`, the llama.cpp oracle test and anything else that wants plain local
 inference. Memory is not bounded here (that is the stations' job): the weights are mmap-backed.
-Those the C kernels take are copied on first use into one arena on huge pages, where their
-products run faster; the others, when they fit in `cache_budget_bytes`, are dequantized to float32
+With copy_weights (`knot generate`, `knot bench`), those the C kernels take are copied on first use
+into one arena on huge pages, where their products run faster; the others, when they fit in `cache_budget_bytes`, are dequantized to float32
 once on first use, which makes decode several times faster than re-dequantizing every step.
 """
 from __future__ import annotations
@@ -49,11 +49,13 @@ class LocalEngine:
     def __init__(self, model, *, cache_f32: bool | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=None,
                  draft: "LocalEngine | None" = None, draft_head_ids: int = DRAFT_HEAD_IDS,
-                 copy_weights: bool | None = None):
+                 copy_weights: bool = False):
         """model: a deploy.knotfile.LocalModel. cache_f32=None: cache when the float32 weights
-        fit in cache_budget_bytes and in half the available memory. copy_weights=None: the
+        fit in cache_budget_bytes and in half the available memory. copy_weights: the
         quantized weights the kernels take are copied out of the file's map into one Arena (on
-        huge pages) on first use (or by load_weights()), when they fit in half the available memory. draft: a smaller model of the
+        huge pages) on first use (or by load_weights()), when they fit in half the available memory:
+        decode runs faster, at the cost of the copy and of memory (`knot generate` and `knot bench`
+        ask for it; a library user's default is the map, zero copy). draft: a smaller model of the
         same vocabulary that drafts for this one (speculation source "draft_model"), its head
         scoring the ids below draft_head_ids and the special tokens (as the drafter's DRAFT_HEAD_IDS;
         0: every id). An architecture the model registry does not know raises
@@ -89,7 +91,7 @@ class LocalEngine:
         # takes: the others go to the float32 cache, or are dequantized per product.
         sizes = {n: self.model.header.tensors[n].length for n in self._matmul_weight_names()
                  if n in self.model.header.tensors and get_kernel(self.model.header.tensors[n].ggml_type) is not None}
-        if copy_weights is None:
+        if copy_weights:
             avail = _mem_available_bytes()
             copy_weights = avail is None or sum(sizes.values()) <= avail // 2
         self._arena = Arena(sizes) if copy_weights and sizes else None
@@ -103,7 +105,7 @@ class LocalEngine:
         for name in self._arena.names:
             self.weight(name)
         log.info("weights: %.0f MB copied out of the model file's map onto huge pages in %.1f s, where decode "
-                 "runs faster (copy_weights=False, or knot generate --no-weight-cache, skips it)",
+                 "runs faster (knot generate --no-weight-cache skips it)",
                  self._arena.nbytes / 1e6, time.perf_counter() - t0)
 
     @classmethod

@@ -300,7 +300,7 @@ def measure_local(path: Path, tokens: int, short_ids: list[int], beside: Beside 
     from common.sampling import SamplingParams
     from deploy.engine_local import LocalEngine
 
-    engine = LocalEngine.open(path)
+    engine = LocalEngine.open(path, copy_weights=True)  # as knot generate runs it
     engine.generate(short_ids, SamplingParams(), max_tokens=2)  # warm-up
     g = engine.generate(short_ids, SamplingParams(), max_tokens=tokens)
     del engine  # its weights' pages, before llama.cpp's run beside it

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--suffix fills in the middle of a plain-text prompt: drop --chat")
     t0 = time.perf_counter()
     engine = LocalEngine.open(model_path(args.model), cache_f32=False if args.no_weight_cache else None,
-                              copy_weights=False if args.no_weight_cache else None)
+                              copy_weights=not args.no_weight_cache)
     engine.load_weights()  # before the prompt, so that --stats gives the prefill's own time
     tok = engine.tokenizer
     if args.chat:
