@@ -4,8 +4,9 @@
 Used by `knot generate`, the llama.cpp oracle test and anything else that wants plain local
 inference. Memory is not bounded here (that is the stations' job): the weights are mmap-backed.
 With copy_weights (`knot generate`, `knot bench`), those the C kernels take are copied on first use
-into one arena on huge pages, where their products run faster; the others, when they fit in `cache_budget_bytes`, are dequantized to float32
-once on first use, which makes decode several times faster than re-dequantizing every step.
+into one arena on huge pages, where their products run faster. The others, when they fit in
+`cache_budget_bytes`, are dequantized to float32 once on first use, which makes decode several
+times faster than re-dequantizing every step.
 """
 from __future__ import annotations
 
@@ -89,12 +90,18 @@ class LocalEngine:
         # The file's map sits on 4 KiB pages: each decode product streams its weights from DRAM, and
         # a copy on huge pages runs the products faster (common.quant.Arena). Only the types a kernel
         # takes: the others go to the float32 cache, or are dequantized per product.
-        sizes = {n: self.model.header.tensors[n].length for n in self._matmul_weight_names()
-                 if n in self.model.header.tensors and get_kernel(self.model.header.tensors[n].ggml_type) is not None}
+        self._arena = None
         if copy_weights:
+            ents = self.model.header.tensors
+            sizes = {n: ents[n].length for n in self._matmul_weight_names()
+                     if n in ents and get_kernel(ents[n].ggml_type) is not None}
             avail = _mem_available_bytes()
-            copy_weights = avail is None or sum(sizes.values()) <= avail // 2
-        self._arena = Arena(sizes) if copy_weights and sizes else None
+            if avail is not None and sum(sizes.values()) > avail // 2:
+                log.info("weights: %.0f MB are more than half the available memory (%.0f MB), so they are "
+                         "not copied onto huge pages: decode computes from the model file's map",
+                         sum(sizes.values()) / 1e6, avail / 1e6)
+            elif sizes:
+                self._arena = Arena(sizes)
 
     def load_weights(self) -> None:
         """Copy every weight the kernels take into the arena now, which the first forward would do
