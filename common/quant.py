@@ -132,9 +132,11 @@ class Arena:
     def copy(self, name: str, data) -> np.ndarray | None:
         """A read-only copy of data's bytes at name's place, or None: a name the arena was not made
         for, or bytes of another size."""
-        src = np.frombuffer(data, dtype=np.uint8)
         slot = self._slots.get(name)
-        if slot is None or slot[1] != src.nbytes:
+        if slot is None:
+            return None
+        src = np.frombuffer(data, dtype=np.uint8)
+        if slot[1] != src.nbytes:
             return None
         out = self._buf[slot[0]:slot[0] + slot[1]]
         out[:] = src

@@ -235,12 +235,15 @@ def log_access(rt: ServiceRuntime, method: str, path: str, status: int, t0: floa
                 extra={"method": method, "path": path, "status": status, "ms": round((time.perf_counter() - t0) * 1e3, 2)})
 
 
-def signature_refusal(rt: ServiceRuntime, method: str, target: str, path: str, body: bytes,
-                      headers) -> HttpError | None:
-    """Why an internal service refuses a call before its handler runs (401: not signed with the
-    cluster's secret, common/signing.py), or None. Both servers check through here."""
-    if rt.verifier is None or rt.public or path in UNSIGNED_PATHS:
-        return None
+def must_be_signed(rt: ServiceRuntime, path: str) -> bool:
+    """Whether a call to path must carry the cluster's signature: on an internal service, for any
+    path but the probes. Both servers ask here, before they check (signature_refusal)."""
+    return rt.verifier is not None and not rt.public and path not in UNSIGNED_PATHS
+
+
+def signature_refusal(rt: ServiceRuntime, method: str, target: str, body: bytes, headers) -> HttpError | None:
+    """For a call that must_be_signed: why the service refuses it before its handler runs (401: not
+    signed with the cluster's secret, common/signing.py), or None. Both servers check through here."""
     try:
         rt.verifier.verify(method, target, body, headers.get(signing.SIGNATURE_HEADER), time.time(),
                            headers.get(DO_NAME_HEADER, ""))
@@ -254,8 +257,8 @@ async def signed_calls(request: web.Request, handler) -> web.StreamResponse:
     """An internal service answers only calls signed with the cluster's secret (common/signing.py):
     401 for any other, before the handler runs."""
     rt = request.app[RUNTIME]
-    if rt.verifier is not None and not rt.public and request.path not in UNSIGNED_PATHS:  # the body is read only then
-        err = signature_refusal(rt, request.method, request.raw_path, request.path, await request.read(), request.headers)
+    if must_be_signed(rt, request.path):  # the body is read only then
+        err = signature_refusal(rt, request.method, request.raw_path, await request.read(), request.headers)
         if err is not None:
             return to_aiohttp_response(error_response(err, request_id_var.get()))
     return await handler(request)

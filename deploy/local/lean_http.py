@@ -38,8 +38,8 @@ import httptools
 
 from common.runtime import (BadRequest, Context, Headers, HttpError, InternalError, PayloadTooLarge, Request, Response,
                             aclose_stream, call_handler, error_response)
-from deploy.local.host import (UNSIGNED_PATHS, health_body, log_access, ready_body, reply_headers, shm_plan,
-                               signature_refusal)
+from deploy.local.host import (UNSIGNED_PATHS, health_body, log_access, must_be_signed, ready_body, reply_headers,
+                               shm_plan, signature_refusal)
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ class _Connection(asyncio.Protocol):
             return Response.from_json(body, status)
         body = b"".join(p.body)
         target = p.target.decode("latin-1")
-        if (err := signature_refusal(rt, p.method, target, path, body, headers)) is not None:
+        if must_be_signed(rt, path) and (err := signature_refusal(rt, p.method, target, body, headers)) is not None:
             return error_response(err, rid)
         # Not the Host header: the signature does not cover it, and a handler reads its path from this URL
         request = Request(p.method, f"http://{self.server.host}:{self.server.port}{target}", headers, body)
