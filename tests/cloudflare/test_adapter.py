@@ -382,6 +382,36 @@ async def test_generation_through_the_workers_equals_the_inprocess_cluster(deplo
     assert await deployment.drain() == []
 
 
+async def test_speculative_trips_through_the_workers_give_the_single_process_tokens(deployment, tiny_knot):
+    """Drafts verified as one multi-row trip through the Station Durable Objects, the rejected ones
+    rewound there: greedy (prompt lookup by default) and sampled, the tokens of the single process
+    without speculation (the oracle shares no station code with the Workers)."""
+    from common.sampling import SamplingParams
+    from deploy.engine_local import LocalEngine
+    from tests.unit.test_speculative import CODE
+
+    sampled = dict(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+    cases = [({}, None, 40), (sampled, {"source": "prompt_lookup", "max_draft": 4}, 40)]
+    engine = LocalEngine.open(tiny_knot)
+    ids = engine.tokenizer.encode(CODE)
+    _clear_boot_caches()
+    got = []
+    for sampling, spec, n in cases:
+        body = dict(prompt=CODE, max_tokens=n, **sampling) | ({} if spec is None else {"speculation": spec})
+        resp = await deployment.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                                      json.dumps(body).encode(), {"Content-Type": "application/json"})
+        got.append(await _json(resp))
+        assert resp.status == 200, got[-1]
+        assert got[-1]["tokens"] == engine.generate(ids, SamplingParams(**sampling), max_tokens=n).token_ids, body
+        assert got[-1]["replays"] == 0 and got[-1]["degraded_shards"] == []
+    greedy, rejected = (g["timings"]["speculation"] for g in got)
+    assert greedy["source"] == "prompt_lookup" and 0 < greedy["accepted"] <= greedy["drafted"], greedy
+    assert greedy["trips"] < len(got[0]["tokens"]), greedy
+    # a rejected draft: the stations rewound their KV caches past it, and the tokens still agree
+    assert rejected["source"] == "prompt_lookup" and rejected["accepted"] < rejected["drafted"], rejected
+    assert await deployment.drain() == []
+
+
 def _do_hex(class_key: str, name: str) -> str:
     import hashlib
 

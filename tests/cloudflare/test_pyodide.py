@@ -5,7 +5,8 @@ workers-runtime-sdk, and the Workers `knot deploy cloudflare` writes.
 - common/ dequantizes all 13 types bit-exactly as CPython does;
 - the pure-Python tokenizer (tokenizers cannot import there) gives tokenizers' ids;
 - the coordinator, both stations (Durable Objects), the shards and both wardens run a tiny model
-  end to end through the adapter, greedy tokens equal to CPython's, streamed too.
+  end to end through the adapter, greedy tokens equal to CPython's, streamed too, and speculative
+  trips (drafts verified in one pass, the rejected ones rewound) give the single process's tokens.
 """
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ import numpy as np
 import pytest
 
 from common.quant import QUANT_TYPES, dequantize
+from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from deploy import wrangler
+from deploy.engine_local import LocalEngine
 from deploy.knotfile import open_model
 from tests.cloudflare import tools
 from tests.inprocess import build_cluster
 from tests.tokenizer_corpus import corpus
 from tests.unit.test_quant import ne0_for, random_raw
+from tests.unit.test_speculative import CODE
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "node" / "harness.mjs"
@@ -67,6 +71,11 @@ def tokenizer_case(data: dict, texts: list[str], path: Path) -> Path:
 
 # n choices streamed: their chunks interleave (asyncio.wait over each choice's events, on Pyodide's loop)
 CHOICES = {"prompt": "the", "max_tokens": 6, "n": 2, "seed": 5, "temperature": 0.9, "stream": True}
+# speculative trips: greedy drafts by prompt lookup (the default), and sampled ones of which some are
+# rejected, so the Station Durable Objects rewind (40 tokens: a missed rewind shows by the 25th)
+SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1234}
+SPECULATIVE = [({}, None), (SAMPLED, {"source": "prompt_lookup", "max_draft": 4})]
+SPECULATIVE_TOKENS = 40
 
 
 def _clear_boot_caches():
@@ -106,6 +115,9 @@ def pyodide_run(tiny_knot, tmp_path_factory):
             {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": 7}},
             {"worker": "knot-station-0", "path": "/stats", "method": "GET"},
             {"worker": "knot-coordinator", "path": "/v1/completions", "body": CHOICES, "stream": True},
+            *({"worker": "knot-coordinator", "path": "/generate",
+               "body": {"prompt": CODE, "max_tokens": SPECULATIVE_TOKENS, **sampling,
+                        **({} if spec is None else {"speculation": spec})}} for sampling, spec in SPECULATIVE),
         ],
     }
     return run_harness(config, tmp)
@@ -135,7 +147,7 @@ def test_pure_python_tokenizer_equals_tokenizers_under_pyodide(pyodide_run):
 async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyodide_run, tiny_knot, tmp_path,
                                                                             numpy_matmul):
     """CPython on the numpy matmul path, as Pyodide runs (the C kernels sum in another order)."""
-    gen, stream, bad, stats, choices = pyodide_run["requests"]
+    gen, stream, bad, stats, choices, *speculative = pyodide_run["requests"]
     _clear_boot_caches()
     cluster = await build_cluster(tiny_knot, tmp_path, n_stations=2, n_shards=4)
     want = (await cluster.generate(prompt=PROMPT, max_tokens=MAX_TOKENS)).json()
@@ -175,6 +187,21 @@ async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyo
               if (lambda s, e: (s, e - s))(*header.row_range("token_embd.weight", a, b)) in ranges]
     assert warmed == cluster.shard_ranges[2:], "shards 2 and 3 (WARM_WARDEN=on) had their slices read whole"
     print(f"\npyodide: /generate of {MAX_TOKENS} tokens in {gen['seconds']} s, stream in {stream['seconds']} s")
+    # speculative trips: the single process's tokens without speculation (no station code in that oracle)
+    engine = LocalEngine.open(tiny_knot)
+    ids = engine.tokenizer.encode(CODE)
+    spec_stats = []
+    assert len(speculative) == len(SPECULATIVE)
+    for (sampling, spec), got in zip(SPECULATIVE, speculative):
+        assert got["status"] == 200, got["text"]
+        body = json.loads(got["text"])
+        want = engine.generate(ids, SamplingParams(**sampling), max_tokens=SPECULATIVE_TOKENS).token_ids
+        assert body["tokens"] == want, (sampling, spec)
+        spec_stats.append(body["timings"]["speculation"])
+    greedy, rejected = spec_stats
+    assert greedy["source"] == "prompt_lookup" and 0 < greedy["accepted"] <= greedy["drafted"], greedy
+    assert greedy["trips"] < SPECULATIVE_TOKENS, greedy
+    assert rejected["source"] == "prompt_lookup" and rejected["accepted"] < rejected["drafted"], rejected
 
 
 @pytest.mark.realmodel

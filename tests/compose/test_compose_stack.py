@@ -20,6 +20,7 @@ from common.topology import split_vocab
 from deploy import models
 from tests.compose.conftest import MODEL
 from tests.integration.conftest import http, wait_for
+from tests.realmodel.test_cluster_real import CODE_PROMPT
 
 pytestmark = pytest.mark.compose
 
@@ -82,15 +83,18 @@ def test_internal_services_refuse_unsigned_calls_inside_the_network(stack):
 
 
 def test_greedy_tokens_equal_knot_generate(stack, knot_generate, capsys):
-    for prompt, n in ((PROMPT, 32), ("import numpy as np\n", 16)):
-        body = stack.generate(prompt=prompt, max_tokens=n)
+    cases = ((PROMPT, 32, "off"), ("import numpy as np\n", 16, "off"), (CODE_PROMPT, 48, "prompt_lookup"))
+    for prompt, n, spec in cases:
+        body = stack.generate(prompt=prompt, max_tokens=n, speculation=spec)
         want = knot_generate(prompt, n)
         assert body["prompt_tokens"] == want["prompt_token_ids"]
         assert body["tokens"] == want["token_ids"] and body["text"] == want["text"], (prompt, body["text"], want["text"])
         assert body["degraded_shards"] == [] and body["replays"] == 0
-    with capsys.disabled():
-        print(f"\ncompose decode: {body['timings']['decode_tok_s']} tok/s over {n} tokens "
-              f"(knot generate, one process: {want['timings']['decode_tok_s']} tok/s)")
+        # prompt lookup's drafts, verified several to a trip through the station containers
+        assert (body["timings"]["speculation"]["drafted"] > 0) == (spec == "prompt_lookup"), body["timings"]
+        with capsys.disabled():
+            print(f"\ncompose decode, speculation {spec}: {body['timings']['decode_tok_s']} tok/s over {n} tokens "
+                  f"(knot generate, one process: {want['timings']['decode_tok_s']} tok/s)")
 
 
 def test_the_openai_client_against_the_published_port(stack, knot_generate):
