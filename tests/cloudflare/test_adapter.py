@@ -409,6 +409,12 @@ async def test_speculative_trips_through_the_workers_give_the_single_process_tok
     assert greedy["trips"] < len(got[0]["tokens"]), greedy
     # a rejected draft: the stations rewound their KV caches past it, and the tokens still agree
     assert rejected["source"] == "prompt_lookup" and rejected["accepted"] < rejected["drafted"], rejected
+    # no drafter deploys (a draft model is far over an isolate's 128 MB): asking for one is a 400 naming it
+    resp = await deployment.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                                  json.dumps({"prompt": CODE, "max_tokens": 4, "speculation": "draft_model"}).encode(),
+                                  {"Content-Type": "application/json"})
+    err = await _json(resp)
+    assert resp.status == 400 and "DRAFTER" in err["message"], err
     assert await deployment.drain() == []
 
 
