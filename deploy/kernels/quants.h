@@ -81,10 +81,14 @@ static inline float round_f16(float f) {
 /* A quantized activation, struct of arrays over T rows:
  *   qs    int8  (T, ne0)
  *   d     float (T, ne0 / block)   the scale as the dot product reads it (Q8_0: f16-rounded)
- *   bsums int16 (T, ne0 / 16)      Q8_K only: sums of 16 consecutive qs
+ *   bsums int16 (T, ne0 / 256, Q8K_AUX)  Q8_K only, per super-block: the 16 sums of 16 consecutive
+ *                                  qs, then the 8 sums of 32 (Q6_K reads the first, Q4_K's mins
+ *                                  the second: each token's pairs are summed once, not once a row)
  *   corr  int32 (T, ne0 / 32, 8)   Q8_0 for the VNNI kernels only: -offset * (sum of qs 4k..4k+3),
  *                                  which turns a dot with unsigned weights (q + offset) into the
  *                                  dot with the signed ones */
+#define Q8K_AUX (QK_K / 16 + QK_K / 32)  /* int16 per super-block of a Q8_K activation's bsums */
+
 typedef struct {
     int8_t *qs;
     float *d;
@@ -110,7 +114,7 @@ static inline void quantize_row_q8_0(const float *x, int8_t *qs, float *d, int n
 
 /* ref: ggml-quants.c quantize_row_q8_K_ref (iscale = -127 / signed max, round half to even) */
 static inline void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16_t *bsums, int ne0) {
-    for (int b = 0; b < ne0 / QK_K; b++, x += QK_K, qs += QK_K, bsums += QK_K / 16) {
+    for (int b = 0; b < ne0 / QK_K; b++, x += QK_K, qs += QK_K, bsums += Q8K_AUX) {
         float max = 0.0f, amax = 0.0f;
         for (int j = 0; j < QK_K; j++) {
             const float ax = fabsf(x[j]);
@@ -119,7 +123,7 @@ static inline void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16
         if (amax == 0.0f) {
             d[b] = 0.0f;
             memset(qs, 0, QK_K);
-            memset(bsums, 0, QK_K / 16 * sizeof(int16_t));
+            memset(bsums, 0, Q8K_AUX * sizeof(int16_t));
             continue;
         }
         const float iscale = -127.f / max;
@@ -132,6 +136,8 @@ static inline void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16
             for (int i = 0; i < 16; i++) s += qs[16 * g + i];
             bsums[g] = (int16_t)s;
         }
+        for (int g = 0; g < QK_K / 32; g++)  /* |sum| <= 32 * 128: an int16 */
+            bsums[QK_K / 16 + g] = (int16_t)(bsums[2 * g] + bsums[2 * g + 1]);
         d[b] = 1 / iscale;
     }
 }
@@ -228,7 +234,7 @@ static inline void q4_k_scales(const uint8_t *w, uint32_t utmp[4]) {
 static inline float dot_q4_K_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     const int16_t *bs = aux;
     float acc[8] = {0}, accm[4] = {0};
-    for (int b = 0; b < nb; b++, w += Q4_K_BYTES, q += QK_K, bs += QK_K / 16) {
+    for (int b = 0; b < nb; b++, w += Q4_K_BYTES, q += QK_K, bs += Q8K_AUX) {
         uint32_t utmp[4];
         q4_k_scales(w, utmp);
         const uint8_t *sc = (const uint8_t *)utmp, *m = sc + 8, *qs = w + 16;
@@ -266,7 +272,7 @@ static inline int q6_k_quant(const uint8_t *w, int e) {  /* element e of the blo
 static inline float dot_q6_K_ref(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     const int16_t *bs = aux;
     float acc[8] = {0};
-    for (int b = 0; b < nb; b++, w += Q6_K_BYTES, q += QK_K, bs += QK_K / 16) {
+    for (int b = 0; b < nb; b++, w += Q6_K_BYTES, q += QK_K, bs += Q8K_AUX) {
         const int8_t *sc = (const int8_t *)(w + 192);
         const float d = ad[b] * f16_to_f32(rd16(w + 208));
         for (int k = 0; k < 8; k++) {
