@@ -402,16 +402,23 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
     return hsum8_ps(acc);
 }
 
+/* The mins' 4 lanes of tokens 2p and 2p + 1 share one vector (lanes 0-3 and 4-7): the same lanes,
+ * products and sums as one token's vector of 4 each, in half the instructions (an odd last token
+ * keeps its own). Why: the mins term was ~10% of a pass of 8 tokens over the 1.5B's products
+ * (docs/performance.md). */
 DOTN_INLINE void dotn_body_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[DOTN_ISA];
-    __m128 accm[DOTN_ISA];
-    for (int i = 0; i < N; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = _mm_setzero_ps(); }
+    __m256 acc[DOTN_ISA], accm2[DOTN_ISA / 2];
+    __m128 accm1 = _mm_setzero_ps();
+    for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();
+    for (int p = 0; p < N / 2; p++) accm2[p] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += Q4_K_BYTES) {
         prefetch_ahead(w, Q4_K_BYTES);
         const __m256i sm = _mm256_cvtepu8_epi16(q4_k_scales_sse(w));
         const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
         const float wd = f16_to_f32(rd16(w)), wdmin = f16_to_f32(rd16(w + 2));
+        const __m256 wdmin8 = _mm256_set1_ps(wdmin);
         const __m128i sc128 = _mm256_castsi256_si128(sm);
         const __m256i scales = _mm256_inserti128_si256(_mm256_castsi128_si256(sc128), sc128, 1);
         __m256i sumi[DOTN_ISA], sumh[DOTN_ISA];
@@ -432,16 +439,29 @@ DOTN_INLINE void dotn_body_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const 
         }
         if (DOTN_CHAINS(N) == 2)
             for (int i = 0; i < N; i++) sumi[i] = _mm256_add_epi32(sumi[i], sumh[i]);
-        for (int i = 0; i < N; i++) {
-            const int16_t *bs = (const int16_t *)tk.aux + i * tk.aux_stride + (size_t)b * Q8K_AUX;
-            const float ad = tk.d[b + i * tk.d_stride];
-            /* the sums of 32, once per token (a hadd here, per row and token, cost 6.5% of 8 rows) */
-            const __m128i bs32 = _mm_loadu_si128((const __m128i *)(bs + QK_K / 16));
-            accm[i] = _mm_add_ps(accm[i], _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(ad * wdmin)));
-            acc[i] = lanes_acc(acc[i], sumi[i], ad * wd);
+        /* token i's sums of 32 (the aux's second part) and its scale for this super-block */
+#define Q4K_BS32(i) ((const __m128i *)((const int16_t *)tk.aux + (i) * tk.aux_stride + (size_t)b * Q8K_AUX + QK_K / 16))
+#define Q4K_AD(i) tk.d[b + (i) * tk.d_stride]
+        for (int p = 0; p < N / 2; p++) {
+            const __m256i bs2 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(Q4K_BS32(2 * p))),
+                                                        _mm_loadu_si128(Q4K_BS32(2 * p + 1)), 1);
+            const __m256 ad2 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(Q4K_AD(2 * p))),
+                                                    _mm_set1_ps(Q4K_AD(2 * p + 1)), 1);
+            accm2[p] = _mm256_add_ps(accm2[p], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mins2, bs2)),
+                                                             _mm256_mul_ps(ad2, wdmin8)));
         }
+        if (N & 1)
+            accm1 = _mm_add_ps(accm1, _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, _mm_loadu_si128(Q4K_BS32(N - 1)))),
+                                                 _mm_set1_ps(Q4K_AD(N - 1) * wdmin)));
+        for (int i = 0; i < N; i++) acc[i] = lanes_acc(acc[i], sumi[i], Q4K_AD(i) * wd);
+#undef Q4K_BS32
+#undef Q4K_AD
     }
-    for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]) - hsum4_ps(accm[i]);
+    for (int i = 0; i < N; i++) {
+        const __m128 m = i == N - 1 && (N & 1) ? accm1
+                       : i & 1 ? _mm256_extractf128_ps(accm2[i / 2], 1) : _mm256_castps256_ps128(accm2[i / 2]);
+        out[i] = hsum8_ps(acc[i]) - hsum4_ps(m);
+    }
 }
 
 DOTN_INLINE void dotn_body_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
