@@ -72,7 +72,7 @@ def tokenizer_case(data: dict, texts: list[str], path: Path) -> Path:
 # n choices streamed: their chunks interleave (asyncio.wait over each choice's events, on Pyodide's loop)
 CHOICES = {"prompt": "the", "max_tokens": 6, "n": 2, "seed": 5, "temperature": 0.9, "stream": True}
 # speculative trips: greedy drafts by prompt lookup (the default), and sampled ones of which some are
-# rejected, so the Station Durable Objects rewind (40 tokens: a missed rewind shows by the 25th)
+# rejected, so the Station Durable Objects rewind (40 tokens: a missed rewind showed at the 26th)
 SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1234}
 SPECULATIVE = [({}, None), (SAMPLED, {"source": "prompt_lookup", "max_draft": 4})]
 SPECULATIVE_TOKENS = 40
