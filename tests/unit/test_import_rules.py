@@ -30,7 +30,8 @@ ALLOWED = {
     "common": {"common", "numpy"} | PURE_STDLIB,
     "services": {"common", "services", "numpy", "jinja2", "prometheus_client"} | PURE_STDLIB | HANDLER_RUNTIME,
     "deploy": {"common", "services", "deploy", "numpy"} | HOST_LIBRARIES | set(sys.stdlib_module_names),
-    "benchmarks": {"common", "deploy", "tests", "numpy", "aiohttp"} | set(sys.stdlib_module_names),
+    # benchmarks: one may reuse another's model helpers (kernel_ab.py, bench_kernels.py's weights)
+    "benchmarks": {"common", "deploy", "tests", "benchmarks", "numpy", "aiohttp"} | set(sys.stdlib_module_names),
     "deploy/cloudflare": {"common", "services", "deploy", "numpy", "js", "pyodide", "workers"} | PURE_STDLIB
     | HANDLER_RUNTIME,
 }
