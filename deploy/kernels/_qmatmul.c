@@ -110,7 +110,7 @@ static void quant_task(void *vctx, int task) {  /* one task = rows_per_task acti
         const float *x = c->x + (size_t)t * c->ne0;
         int8_t *qs = c->a.qs + (size_t)t * c->ne0;
         float *d = c->a.d + (size_t)t * nblk;
-        if (c->act_k) c->isa->quantize_q8_K(x, qs, d, c->a.bsums + (size_t)t * (c->ne0 / QK_K * Q8K_AUX), c->ne0);
+        if (c->act_k) c->isa->quantize_q8_K(x, qs, d, c->a.bsums + (size_t)t * q8k_aux_per_row(c->ne0), c->ne0);
         else c->isa->quantize_q8_0(x, qs, d, c->ne0);
         if (c->corr_offset) c->isa->lane_corr(qs, c->a.corr + (size_t)t * (c->ne0 / 4), c->ne0, c->corr_offset);
     }
@@ -128,7 +128,7 @@ typedef struct {
 } mm_ctx;
 
 static inline const void *act_aux(const mm_ctx *c, int t) {  /* token t's bsums or corr lanes */
-    return c->a.bsums ? (const void *)(c->a.bsums + (size_t)t * (c->ne0 / QK_K * Q8K_AUX))
+    return c->a.bsums ? (const void *)(c->a.bsums + (size_t)t * q8k_aux_per_row(c->ne0))
          : c->a.corr ? (const void *)(c->a.corr + (size_t)t * (c->ne0 / 4)) : NULL;
 }
 
@@ -137,7 +137,7 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
     const int r0 = task * c->rows_per_task;
     const int r1 = r0 + c->rows_per_task < c->ne1 ? r0 + c->rows_per_task : c->ne1;
     const toks_t tk0 = {c->a.qs, c->a.d, act_aux(c, 0), (size_t)c->ne0, (size_t)c->nb,
-                        c->a.bsums ? (size_t)(c->ne0 / QK_K * Q8K_AUX) : (size_t)(c->ne0 / 4)};
+                        c->a.bsums ? q8k_aux_per_row(c->ne0) : (size_t)(c->ne0 / 4)};
     for (int t0 = 0; t0 < c->T; t0 += c->tok_tile) {
         const int t1 = t0 + c->tok_tile < c->T ? t0 + c->tok_tile : c->T;
         for (int r = r0; r < r1; r++) {
@@ -170,7 +170,7 @@ static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, co
     a.qs = malloc((size_t)T * ne0);
     a.d = malloc((size_t)T * nblk_act * sizeof(float));
     const int corr_offset = isa->corr_offset[qt->k];
-    if (qt->act_k) a.bsums = malloc((size_t)T * (ne0 / QK_K * Q8K_AUX) * sizeof(int16_t));
+    if (qt->act_k) a.bsums = malloc((size_t)T * q8k_aux_per_row(ne0) * sizeof(int16_t));
     if (corr_offset) a.corr = malloc((size_t)T * (ne0 / 4) * sizeof(int32_t));
     if (!a.qs || !a.d || (qt->act_k && !a.bsums) || (corr_offset && !a.corr)) {
         free(a.qs); free(a.d); free(a.bsums); free(a.corr);
@@ -187,7 +187,7 @@ static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, co
                 ne0, ne1, nb, T, a, y, 1, 1, isa->dotn_max > 1 ? isa->dotn_max : 1};
     /* tokens per tile: a multiple of dotn_max whose activations (qs, corr lanes) stay in L1 while the
      * task's rows of W go by */
-    const size_t act_bytes = (size_t)ne0 * (corr_offset ? 2 : 1) + (size_t)(ne0 / QK_K * Q8K_AUX) * 2;
+    const size_t act_bytes = (size_t)ne0 * (corr_offset ? 2 : 1) + q8k_aux_per_row(ne0) * 2;
     c.tok_tile = (int)((16u << 10) / act_bytes) / c.dotn_max * c.dotn_max;
     if (c.tok_tile < c.dotn_max) c.tok_tile = c.dotn_max;  /* a pass takes dotn_max tokens whatever L1 holds */
     /* rows per task: about 16 KiB of W, and at least 4 tasks per thread when there are rows */
@@ -656,7 +656,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     }
     PyObject *qs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)T * ne0);
     PyObject *d = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)T * (ne0 / blk) * 4);
-    PyObject *bs = k ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)T * (ne0 / QK_K * Q8K_AUX) * 2) : Py_NewRef(Py_None);
+    PyObject *bs = k ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(T * q8k_aux_per_row(ne0) * 2)) : Py_NewRef(Py_None);
     if (!qs || !d || !bs) { Py_XDECREF(qs); Py_XDECREF(d); Py_XDECREF(bs); PyBuffer_Release(&xb); return NULL; }
     quant_ctx c = {xb.buf, {(int8_t *)PyBytes_AS_STRING(qs), (float *)PyBytes_AS_STRING(d),
                             k ? (int16_t *)PyBytes_AS_STRING(bs) : NULL, NULL}, ne0, k,

@@ -88,6 +88,7 @@ static inline float round_f16(float f) {
  *                                  which turns a dot with unsigned weights (q + offset) into the
  *                                  dot with the signed ones */
 #define Q8K_AUX (QK_K / 16 + QK_K / 32)  /* int16 per super-block of a Q8_K activation's bsums */
+static inline size_t q8k_aux_per_row(int ne0) { return (size_t)(ne0 / QK_K) * Q8K_AUX; }  /* int16 a row */
 
 typedef struct {
     int8_t *qs;

@@ -27,7 +27,7 @@ from tests.cloudflare import tools
 from tests.inprocess import build_cluster
 from tests.tokenizer_corpus import corpus
 from tests.unit.test_quant import ne0_for, random_raw
-from tests.unit.test_speculative import CODE
+from tests.unit.test_speculative import CODE, LOOKUP_CASES
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "node" / "harness.mjs"
@@ -71,10 +71,8 @@ def tokenizer_case(data: dict, texts: list[str], path: Path) -> Path:
 
 # n choices streamed: their chunks interleave (asyncio.wait over each choice's events, on Pyodide's loop)
 CHOICES = {"prompt": "the", "max_tokens": 6, "n": 2, "seed": 5, "temperature": 0.9, "stream": True}
-# speculative trips: greedy drafts by prompt lookup (the default), and sampled ones of which some are
-# rejected, so the Station Durable Objects rewind (40 tokens: a missed rewind showed at the 26th)
-SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 1234}
-SPECULATIVE = [({}, None), (SAMPLED, {"source": "prompt_lookup", "max_draft": 4})]
+# speculative trips (LOOKUP_CASES): greedy drafts by prompt lookup (the default), and sampled ones of
+# which some are rejected, so the Station Durable Objects rewind (a missed rewind showed at the 26th)
 SPECULATIVE_TOKENS = 40
 
 
@@ -117,7 +115,7 @@ def pyodide_run(tiny_knot, tmp_path_factory):
             {"worker": "knot-coordinator", "path": "/v1/completions", "body": CHOICES, "stream": True},
             *({"worker": "knot-coordinator", "path": "/generate",
                "body": {"prompt": CODE, "max_tokens": SPECULATIVE_TOKENS, **sampling,
-                        **({} if spec is None else {"speculation": spec})}} for sampling, spec in SPECULATIVE),
+                        **({} if spec is None else {"speculation": spec})}} for sampling, spec in LOOKUP_CASES),
         ],
     }
     return run_harness(config, tmp)
@@ -191,8 +189,8 @@ async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyo
     engine = LocalEngine.open(tiny_knot)
     ids = engine.tokenizer.encode(CODE)
     spec_stats = []
-    assert len(speculative) == len(SPECULATIVE)
-    for (sampling, spec), got in zip(SPECULATIVE, speculative):
+    assert len(speculative) == len(LOOKUP_CASES)
+    for (sampling, spec), got in zip(LOOKUP_CASES, speculative):
         assert got["status"] == 200, got["text"]
         body = json.loads(got["text"])
         want = engine.generate(ids, SamplingParams(**sampling), max_tokens=SPECULATIVE_TOKENS).token_ids

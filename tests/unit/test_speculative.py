@@ -17,6 +17,10 @@ from tests.inprocess import build_cluster
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef"
 # ngram_min=1: the tiny random model's text rarely repeats two tokens, and these tests need drafts
 LOOKUP = SpeculationParams("prompt_lookup", max_draft=6, ngram_min=1)
+# greedy (prompt lookup by default), and sampled prompt lookup, whose drafts the random tiny model
+# often rejects: the cluster, the Workers and Pyodide run these against the single process
+LOOKUP_CASES = [({}, None), (dict(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
+                             {"source": "prompt_lookup", "max_draft": 4})]
 SAMPLED = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
            SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.3)]
 
@@ -242,8 +246,7 @@ async def test_cluster_speculation_equals_the_single_process(engine, tiny_knot, 
     the stations rewound their rejected drafts, and /generate reports the trips."""
     c = await build_cluster(tiny_knot, tmp_path, 2, 3)
     ids = engine.tokenizer.encode(CODE)
-    for sampling, spec in [({}, None), ({}, "off"), (dict(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
-                                                     {"source": "prompt_lookup", "max_draft": 4})]:
+    for sampling, spec in [LOOKUP_CASES[0], ({}, "off"), LOOKUP_CASES[1]]:
         body = dict(prompt=CODE, max_tokens=40, **sampling) | ({} if spec is None else {"speculation": spec})
         r = (await c.generate(**body)).json()
         want = engine.generate(ids, SamplingParams(**sampling), max_tokens=40)
