@@ -22,6 +22,10 @@ if [ ! -x .venv/bin/python ]; then
     rm -rf .venv
   done
   [ -n "$made" ] || { echo "setup: need Python >= 3.11 with venv (set PYTHON=...)" >&2; exit 1; }
+elif [ -z "${PYTHON:-}" ] && ! grep -q '^home = /usr/bin$' .venv/pyvenv.cfg 2>/dev/null \
+     && /usr/bin/python3 -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "setup: .venv runs $(sed -n 's/^executable = //p' .venv/pyvenv.cfg); the distribution's python3 is faster" \
+       "for the cluster (docs/performance.md). To move: rm -rf .venv, then run this again." >&2
 fi
 spec=".[host${extras:+,$extras}]"
 echo "setup: pip install -e '$spec'" >&2
