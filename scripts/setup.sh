@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 extras="${1:-}"
 if [ ! -x .venv/bin/python ]; then
   # The distribution's interpreter first: Debian builds it with PGO and LTO and links libpython
-  # into the executable, where pyenv's default build has neither and calls a shared libpython
-  # through the PLT. The cluster's processes run their per-call Python cold (docs/performance.md),
-  # and on the distribution's build a 0.5B cluster decoded 1.04x as fast (2026-12-05).
+  # into the executable, where the pyenv build on these machines has neither and calls a shared
+  # libpython through the PLT. A cluster's processes each run their per-call Python between the
+  # others' weight streams, and on the distribution's build a 0.5B cluster decoded 1.04x as fast
+  # (docs/performance.md, 2026-12-05).
   cands="${PYTHON:-/usr/bin/python3.13 /usr/bin/python3.12 /usr/bin/python3.11 /usr/bin/python3 python3.13 python3.12 python3.11 python3}"
   made=""
   for cand in $cands; do
