@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+new_enough() { command -v "$1" >/dev/null && "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
 if [ ! -x .venv/bin/python ]; then
   # The distribution's interpreter first: Debian builds it with PGO and LTO and links libpython
   # into the executable, where the pyenv build on these machines has neither and calls a shared
@@ -16,15 +17,14 @@ if [ ! -x .venv/bin/python ]; then
   cands="${PYTHON:-/usr/bin/python3.13 /usr/bin/python3.12 /usr/bin/python3.11 /usr/bin/python3 python3.13 python3.12 python3.11 python3}"
   made=""
   for cand in $cands; do
-    command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || continue
+    new_enough "$cand" || continue
     echo "setup: creating .venv with $cand ($("$cand" --version))" >&2
     # A distribution may ship its interpreter without venv's ensurepip (Debian: python3-venv).
     if "$cand" -m venv .venv; then made="$cand"; break; fi
     rm -rf .venv
   done
   [ -n "$made" ] || { echo "setup: need Python >= 3.11 with venv (set PYTHON=...)" >&2; exit 1; }
-elif [ -z "${PYTHON:-}" ] && ! grep -q '^home = /usr/bin$' .venv/pyvenv.cfg 2>/dev/null \
-     && /usr/bin/python3 -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+elif [ -z "${PYTHON:-}" ] && ! grep -q '^home = /usr/bin$' .venv/pyvenv.cfg 2>/dev/null && new_enough /usr/bin/python3; then
   echo "setup: .venv runs $(sed -n 's/^executable = //p' .venv/pyvenv.cfg); the distribution's python3 is faster" \
        "for the cluster (docs/performance.md). To move: rm -rf .venv, then run this again." >&2
 fi

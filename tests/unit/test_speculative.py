@@ -17,12 +17,11 @@ from tests.inprocess import build_cluster
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef"
 # ngram_min=1: the tiny random model's text rarely repeats two tokens, and these tests need drafts
 LOOKUP = SpeculationParams("prompt_lookup", max_draft=6, ngram_min=1)
+TOP_P = dict(temperature=0.9, top_k=40, top_p=0.95, seed=1234)  # a request's sampling fields
 # greedy (prompt lookup by default), and sampled prompt lookup, whose drafts the random tiny model
 # often rejects: the cluster, the Workers and Pyodide run these against the single process
-LOOKUP_CASES = [({}, None), (dict(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
-                             {"source": "prompt_lookup", "max_draft": 4})]
-SAMPLED = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234),
-           SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.3)]
+LOOKUP_CASES = [({}, None), (TOP_P, {"source": "prompt_lookup", "max_draft": 4})]
+SAMPLED = [SamplingParams(), SamplingParams(**TOP_P), SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.3)]
 
 
 @pytest.fixture(scope="module")
