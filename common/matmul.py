@@ -7,7 +7,7 @@ touching callers.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from dataclasses import dataclass
 
@@ -68,6 +68,21 @@ def matmul(x: np.ndarray, w: QTensor, tile_bytes: int = DEFAULT_TILE_BYTES) -> n
     return y[0] if x.ndim == 1 else y
 
 
+def matmul_many(x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
+    """[matmul(x, w) for w in ws], the same bits, in one kernel call where every w's type routes to a
+    kernel sharing one `many` (deploy.kernels: x quantized once per activation format, one parallel
+    pass). Why: a layer's q, k and v of one decode row were three calls, each paying the wrapper and
+    waking the workers, for products of 0.1-0.6 MB."""
+    kernels = [_KERNELS.get(w.ggml_type) for w in ws]
+    many = getattr(kernels[0], "many", None) if ws else None
+    if many is not None and all(getattr(k, "many", None) is many for k in kernels[1:]) and x.ndim == 2 \
+            and x.dtype == np.float32 and all(len(w.shape) == 2 and w.shape[0] == x.shape[1] for w in ws):
+        ys = many(x, ws)
+        if ys is not None:
+            return ys
+    return [matmul(x, w) for w in ws]
+
+
 def matmul_tiled(x: np.ndarray, w: QTensor, tile_bytes: int = DEFAULT_TILE_BYTES) -> np.ndarray:
     """The numpy reference: x (T, ne0) f32 @ W.T -> (T, ne1) f32, W dequantized by row tiles."""
     ne0, ne1 = w.shape
@@ -111,7 +126,11 @@ class AttentionKernel:
     rope_qkv(q (N, n_head * hd), k, v (N, n_kv * hd), bq, bk, bv, cos, sin (N, hd/2), n_head, n_kv)
         -> (rope(q + bq), f16(rope(k + bk)), f16(v + bv)) as (N, heads, hd) views, float32;
     rmsnorm (or None): rmsnorm(x (T, d) f32, weight (d,) f32, eps) -> (T, d) f32, a new array with
-        the bits of common.models.qwen2.rmsnorm's numpy (its float64 pairwise sum included)."""
+        the bits of common.models.qwen2.rmsnorm's numpy (its float64 pairwise sum included);
+    rows (or None): rows(q (T, n_head, hd) f32, k, v (S, n_kv, hd), q_pos (T,), k_pos (S,), scale)
+        -> (T, n_head * hd) f32, row_scores, numpy's exp, row_sums and row_values in one call, the
+        same bits;
+    silu (or None): silu(x f32) -> x / (1 + exp(-x)), a new array with numpy's bits (np.exp's own)."""
     scores: Callable[[np.ndarray, np.ndarray], np.ndarray | None]
     values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]
     cache_dtype: np.dtype = np.dtype(np.float32)
@@ -120,6 +139,8 @@ class AttentionKernel:
     rope_qkv: Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray] | None] | None = None
     row_sums: Callable[[np.ndarray, int, int, int], np.ndarray | None] | None = None
     rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray | None] | None = None
+    rows: Callable[..., np.ndarray | None] | None = None
+    silu: Callable[[np.ndarray], np.ndarray | None] | None = None
 
 
 _ATTENTION: list[AttentionKernel | None] = [None]

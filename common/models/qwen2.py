@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from common.kvcache import KVCache
-from common.matmul import get_attention_kernel, matmul
+from common.matmul import get_attention_kernel, matmul, matmul_many
 from common.models.base import MissingTensorError, Model, PhaseWeights, Sequences
 from common.quant import QTensor
 
@@ -174,6 +174,13 @@ def softmax_(x: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
+    """x / (1 + exp(-x)), float32; in the attention kernel's silu where there is one, the same bits
+    in one call (its exp is numpy's loop) instead of four numpy passes."""
+    kern = get_attention_kernel()
+    if kern is not None and kern.silu is not None:
+        out = kern.silu(x)
+        if out is not None:
+            return out
     return x / (np.float32(1.0) + np.exp(-x))
 
 
@@ -317,6 +324,10 @@ def _attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     S = k.shape[0]
     if kern is None or kern.row_scores is None or S > attn_tile_keys(n_head, 1):
         return None
+    if kern.rows is not None:  # the four steps below in one call, the same bits
+        out = kern.rows(q, k, v, q_pos, k_pos, float(score_scale(hd)))
+        if out is not None:
+            return out
     p = kern.row_scores(q, k, q_pos, k_pos, float(score_scale(hd)))
     if p is None:
         return None
@@ -471,9 +482,8 @@ def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str
     positions = pos[0] if len(pos) == 1 else np.concatenate(pos)  # (N,)
     assert x.shape == (N, cfg.dim) and positions.shape == (N,), f"{x.shape=} {positions.shape=}"
     xn = rmsnorm(x, _vec(norm_w), cfg.norm_eps)
-    q = matmul(xn, wq)                                          # (N, dim) @ Wq.T -> (N, n_head * hd)
-    k = matmul(xn, wk)                                          # (N, dim) @ Wk.T -> (N, n_kv * hd)
-    v = matmul(xn, wv)                                          # (N, dim) @ Wv.T -> (N, n_kv * hd)
+    # (N, dim) @ Wq.T, Wk.T, Wv.T -> (N, n_head * hd), (N, n_kv * hd), (N, n_kv * hd)
+    q, k, v = matmul_many(xn, (wq, wk, wv))
     cos, sin = rope_cos_sin(positions, hd, cfg.rope_base)
     q, k, v = qkv_after_products(cfg, q, k, v, _vec(bq), _vec(bk), _vec(bv), cos, sin)
     outs, a0 = [], 0
@@ -484,7 +494,8 @@ def attn_phase_batch(cfg: Qwen2Config, layer: int, x: np.ndarray, w: Mapping[str
         a0 = a1
     assert a0 == N, f"sequences hold {a0} rows, x has {N}"
     a = outs[0] if len(outs) == 1 else np.concatenate(outs)     # (N, n_head * hd)
-    return x + matmul(a, wo)                                    # (N, dim) @ Wo.T -> (N, dim); no o bias
+    y = matmul(a, wo)                                           # (N, dim) @ Wo.T -> (N, dim); no o bias
+    return np.add(x, y, out=y)                                  # x + y, into the product's array
 
 
 def ffn_gate_phase(cfg: Qwen2Config, layer: int, x: np.ndarray,
@@ -503,7 +514,7 @@ def ffn_up_phase(cfg: Qwen2Config, layer: int, st: FfnState,
     assert st.xn is not None, "ffn_up ran twice on the same state"
     up = matmul(st.xn, wu)                                      # (T, dim) @ Wu.T -> (T, ffn_dim)
     # ref: ggml_vec_swiglu_f32: silu(g) * u, the same float32 product as here.
-    return FfnState(residual=st.residual, xn=None, act=st.act * up)
+    return FfnState(residual=st.residual, xn=None, act=np.multiply(st.act, up, out=up))
 
 
 def ffn_down_phase(cfg: Qwen2Config, layer: int, st: FfnState,
@@ -511,7 +522,8 @@ def ffn_down_phase(cfg: Qwen2Config, layer: int, st: FfnState,
     """-> residual + act @ Wd.T, (T, dim)."""
     (wd,) = _take(w, layer, "ffn_down")
     assert st.xn is None, "ffn_down before ffn_up"
-    return st.residual + matmul(st.act, wd)                     # (T, ffn_dim) @ Wd.T -> (T, dim)
+    y = matmul(st.act, wd)                                      # (T, ffn_dim) @ Wd.T -> (T, dim)
+    return np.add(st.residual, y, out=y)
 
 
 # ---------------------------------------------------------------------------- vocab slices

@@ -16,6 +16,7 @@ One build runs on any x86-64: the extension picks, at import, the best kernels t
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Mapping
@@ -88,7 +89,57 @@ def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Ker
         return y
 
     kernel.__name__ = f"qmatmul_{ggml_type}"
+    kernel.many = _make_many(simd, parallel)  # common.matmul.matmul_many: products of one x in one call
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _make_many(simd: bool, parallel: bool):
+    """many(x (T, ne0) float32, ws) -> [x @ W.T for W in ws] in one call (x quantized once per activation
+    format, one parallel pass), each the bits of its own kernel call; one function per (simd, parallel),
+    so common.matmul.matmul_many can tell that every type's kernel shares it."""
+
+    def many(x: np.ndarray, ws) -> list[np.ndarray] | None:
+        if not 1 <= len(ws) <= MANY_MAX or any(w.ggml_type not in _qmatmul.TYPES for w in ws):
+            return None
+        x = np.ascontiguousarray(x, np.float32)
+        T, ne0 = x.shape
+        ys = [np.empty((T, w.shape[1]), np.float32) for w in ws]
+        products = []
+        for w, y in zip(ws, ys):
+            data = w.data
+            if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+                data = np.ascontiguousarray(data)
+            products.append((_qmatmul.TYPES[w.ggml_type], data, y, w.shape[1]))
+        _qmatmul.matmul_many(x, T, ne0, products, simd, parallel)
+        return ys
+
+    return many
+
+
+MANY_MAX = 8  # products per matmul_many call (_qmatmul.c MM_MANY_MAX)
+
+
+def numpy_exp_loop() -> bool:
+    """Hand the extension np.exp's float32 loop (ufunc._get_strided_loop, numpy >= 1.24), once per
+    process; False where numpy has no such API. The fused calls (silu, a sequence's attention rows)
+    run it, so their exp is numpy's bits on this CPU (its SIMD polynomial, or libm's expf)."""
+    if _exp_loop:
+        return _exp_loop[0]
+    try:
+        f32 = np.dtype(np.float32)
+        _, call_info = np.exp._resolve_dtypes_and_context((f32, f32))
+        np.exp._get_strided_loop(call_info, fixed_strides=(4, 4))
+        _qmatmul.set_exp_loop(call_info)
+        ok = True
+    except (AttributeError, TypeError, ValueError) as e:  # an older numpy, or a loop that needs the GIL
+        log.info("no fused silu and attention rows: numpy gives no exp loop (%s)", e)
+        ok = False
+    _exp_loop.append(ok)
+    return ok
+
+
+_exp_loop: list[bool] = []
 
 
 # what the attention kernels take (attn.h): float32 or float16 caches, head dims a multiple of 16 up to 256
@@ -177,9 +228,30 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
         _qmatmul.rms_norm(x, weight, out, x.shape[0], x.shape[1], float(eps))  # (T, d) -> (T, d)
         return out
 
+    def rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+             scale: float) -> np.ndarray | None:
+        T, n_head, hd = q.shape
+        S, n_kv = k.shape[:2]
+        if (not takes(q, k) or q.dtype != np.float32 or k.shape[2] != hd or v.shape != k.shape or v.dtype != k.dtype
+                or n_head % n_kv or not 1 <= T <= S or S > ROW_SUMS_MAX):
+            return None
+        out = np.empty((T, n_head * hd), np.float32)
+        _qmatmul.attn_rows(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                           np.ascontiguousarray(q_pos, np.int64), np.ascontiguousarray(k_pos, np.int64), out,
+                           n_kv, n_head, T, S, hd, scale, simd, parallel, k.dtype == np.float16)
+        return out
+
+    def silu(x: np.ndarray) -> np.ndarray | None:
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            return None
+        out = np.empty(x.shape, np.float32)
+        _qmatmul.silu(x, out, x.size)
+        return out
+
+    fused = numpy_exp_loop()
     return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16),
                            row_scores=row_scores, row_values=row_values, rope_qkv=rope_qkv, row_sums=row_sums,
-                           rmsnorm=rmsnorm)
+                           rmsnorm=rmsnorm, rows=rows if fused else None, silu=silu if fused else None)
 
 
 def isas() -> list[str]:

@@ -119,6 +119,7 @@ static void quant_task(void *vctx, int task) {  /* one task = rows_per_task acti
 typedef struct {
     dot_fn dot;
     dotn_fn dotn;
+    dot2_fn dot2;  /* T = 1: two rows a pass, or NULL */
     const uint8_t *w;
     size_t row_bytes;
     int ne0, ne1, nb, T;
@@ -136,6 +137,13 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
     const mm_ctx *c = vctx;
     const int r0 = task * c->rows_per_task;
     const int r1 = r0 + c->rows_per_task < c->ne1 ? r0 + c->rows_per_task : c->ne1;
+    if (c->T == 1 && c->dot2) {  /* a decode row: its rows of W two at a time */
+        int r = r0;
+        for (; r + 2 <= r1; r += 2) c->dot2(c->w + (size_t)r * c->row_bytes, c->row_bytes, c->a.qs, c->a.d, act_aux(c, 0),
+                                            c->nb, c->y + r);
+        if (r < r1) c->y[r] = c->dot(c->w + (size_t)r * c->row_bytes, c->a.qs, c->a.d, act_aux(c, 0), c->nb);
+        return;
+    }
     const toks_t tk0 = {c->a.qs, c->a.d, act_aux(c, 0), (size_t)c->ne0, (size_t)c->nb,
                         c->a.bsums ? q8k_aux_per_row(c->ne0) : (size_t)(c->ne0 / 4)};
     for (int t0 = 0; t0 < c->T; t0 += c->tok_tile) {
@@ -161,10 +169,10 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
     }
 }
 
-/* y (T, ne1) = x (T, ne0) @ W.T; returns 0, or -1 when out of memory */
-static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, const uint8_t *w, float *y,
-                   int T, int ne0, int ne1, int parallel) {
-    const int nb = ne0 / qt->block_elems;
+/* x (T, ne0) quantized as qt's kernels on isa read it into a (malloc'd; act_free frees it): 0, or -1
+ * when out of memory */
+static int act_quantize(const qtype_t *qt, const isa_kernels *isa, const float *x, int T, int ne0, int parallel,
+                        act_t *out) {
     const int nblk_act = ne0 / (qt->act_k ? QK_K : QK);
     act_t a = {0};
     a.qs = malloc((size_t)T * ne0);
@@ -182,27 +190,88 @@ static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, co
     quant_ctx rest = qc;
     rest.rows_per_task = 1;
     for (int t = n_qtasks * qc.rows_per_task; t < T; t++) quant_task(&rest, t);  /* remainder rows */
+    *out = a;
+    return 0;
+}
 
-    mm_ctx c = {isa->dot[qt->k], isa->dotn[qt->k], w, (size_t)nb * qt->block_bytes,
-                ne0, ne1, nb, T, a, y, 1, 1, isa->dotn_max > 1 ? isa->dotn_max : 1};
+static void act_free(act_t *a) { free(a->qs); free(a->d); free(a->bsums); free(a->corr); }
+
+/* the product's tasks over W (ne1, ne0) of type qt, activations a: returns how many */
+static int mm_setup(mm_ctx *c, const qtype_t *qt, const isa_kernels *isa, const uint8_t *w, act_t a, float *y,
+                    int T, int ne0, int ne1) {
+    const int nb = ne0 / qt->block_elems;
+    const int corr_offset = isa->corr_offset[qt->k];
+    *c = (mm_ctx){isa->dot[qt->k], isa->dotn[qt->k], isa->dot2[qt->k], w, (size_t)nb * qt->block_bytes,
+                  ne0, ne1, nb, T, a, y, 1, 1, isa->dotn_max > 1 ? isa->dotn_max : 1};
     /* tokens per tile: a multiple of dotn_max whose activations (qs, corr lanes) stay in L1 while the
      * task's rows of W go by */
     const size_t act_bytes = (size_t)ne0 * (corr_offset ? 2 : 1) + q8k_aux_per_row(ne0) * 2;
-    c.tok_tile = (int)((16u << 10) / act_bytes) / c.dotn_max * c.dotn_max;
-    if (c.tok_tile < c.dotn_max) c.tok_tile = c.dotn_max;  /* a pass takes dotn_max tokens whatever L1 holds */
+    c->tok_tile = (int)((16u << 10) / act_bytes) / c->dotn_max * c->dotn_max;
+    if (c->tok_tile < c->dotn_max) c->tok_tile = c->dotn_max;  /* a pass takes dotn_max tokens whatever L1 holds */
     /* rows per task: about 16 KiB of W, and at least 4 tasks per thread when there are rows */
-    const size_t bytes_total = c.row_bytes * (size_t)ne1;
-    int rpt = (int)((16u << 10) / c.row_bytes);
+    int rpt = (int)((16u << 10) / c->row_bytes);
     if (rpt < 1) rpt = 1;
     const int min_tasks = 4 * P.n_threads;
     if (ne1 / rpt < min_tasks) rpt = ne1 / min_tasks > 0 ? ne1 / min_tasks : 1;
-    c.rows_per_task = rpt;
-    const int n_tasks = (ne1 + rpt - 1) / rpt;
-    /* small products cost less than a wake-up of the workers */
-    const int par = parallel && (bytes_total * (size_t)T >= (32u << 10));
+    c->rows_per_task = rpt;
+    return (ne1 + rpt - 1) / rpt;
+}
+
+/* small products cost less than a wake-up of the workers */
+#define MM_PARALLEL_MIN (32u << 10)  /* bytes of W times tokens */
+
+/* y (T, ne1) = x (T, ne0) @ W.T; returns 0, or -1 when out of memory */
+static int qmatmul(const qtype_t *qt, const isa_kernels *isa, const float *x, const uint8_t *w, float *y,
+                   int T, int ne0, int ne1, int parallel) {
+    act_t a;
+    if (act_quantize(qt, isa, x, T, ne0, parallel, &a)) return -1;
+    mm_ctx c;
+    const int n_tasks = mm_setup(&c, qt, isa, w, a, y, T, ne0, ne1);
+    const int par = parallel && (c.row_bytes * (size_t)ne1 * (size_t)T >= MM_PARALLEL_MIN);
     parallel_for(mm_task, &c, n_tasks, par);
-    free(a.qs); free(a.d); free(a.bsums); free(a.corr);
+    act_free(&a);
     return 0;
+}
+
+/* Several products of one x, y_m = x @ W_m.T (q, k and v of a layer): x quantized once per
+ * activation format, and every product's tasks in one parallel_for, one after another. Each y_m
+ * is qmatmul's, bit for bit: the same activations and the same dot products per row. */
+#define MM_MANY_MAX 8
+
+typedef struct {
+    mm_ctx c[MM_MANY_MAX];
+    int first[MM_MANY_MAX + 1];  /* product m's tasks are [first[m], first[m + 1]) */
+    int n;
+} mm_many_ctx;
+
+static void mm_many_task(void *vctx, int task) {
+    const mm_many_ctx *c = vctx;
+    int m = 0;
+    while (task >= c->first[m + 1]) m++;
+    mm_task((void *)&c->c[m], task - c->first[m]);
+}
+
+static int qmatmul_many(const qtype_t *const *qts, const isa_kernels *isa, const float *x, const uint8_t *const *ws,
+                        float *const *ys, int n, int T, int ne0, const int *ne1s, int parallel) {
+    act_t acts[MM_MANY_MAX];
+    int act_of[MM_MANY_MAX], n_acts = 0, rc = 0;
+    mm_many_ctx mc = {.n = n};
+    size_t bytes = 0;
+    for (int m = 0; m < n && !rc; m++) {
+        const qtype_t *qt = qts[m];
+        act_of[m] = -1;
+        for (int j = 0; j < m; j++)  /* the same activation format as an earlier product: reuse it */
+            if (qts[j]->act_k == qt->act_k && isa->corr_offset[qts[j]->k] == isa->corr_offset[qt->k]) act_of[m] = act_of[j];
+        if (act_of[m] < 0) {
+            if (act_quantize(qt, isa, x, T, ne0, parallel, &acts[n_acts])) { rc = -1; break; }
+            act_of[m] = n_acts++;
+        }
+        mc.first[m + 1] = mc.first[m] + mm_setup(&mc.c[m], qt, isa, ws[m], acts[act_of[m]], ys[m], T, ne0, ne1s[m]);
+        bytes += mc.c[m].row_bytes * (size_t)ne1s[m];
+    }
+    if (!rc) parallel_for(mm_many_task, &mc, mc.first[n], parallel && bytes * (size_t)T >= MM_PARALLEL_MIN);
+    for (int j = 0; j < n_acts; j++) act_free(&acts[j]);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -295,6 +364,79 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
         else ret = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&yb);
+    return ret;
+}
+
+/* matmul_many(x, T, ne0, products, simd=True, parallel=True), products a sequence of
+ * (ggml_type, w, y, ne1): each y (T, ne1) = x (T, ne0) @ W.T, in one call (qmatmul_many) */
+static PyObject *py_matmul_many(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"x", "T", "ne0", "products", "simd", "parallel", NULL};
+    int T, ne0, simd = 1, parallel = 1;
+    PyObject *xo, *po;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiO|pp", kwlist, &xo, &T, &ne0, &po, &simd, &parallel)) return NULL;
+    PyObject *seq = PySequence_Fast(po, "products must be a sequence of (ggml_type, w, y, ne1)");
+    if (!seq) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > MM_MANY_MAX || T < 0 || ne0 <= 0) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "matmul_many: %zd products (1 to %d), T=%d ne0=%d", n, MM_MANY_MAX, T, ne0);
+    }
+    const qtype_t *qts[MM_MANY_MAX];
+    const uint8_t *ws[MM_MANY_MAX];
+    float *ys[MM_MANY_MAX];
+    int ne1s[MM_MANY_MAX];
+    Py_buffer xb, wb[MM_MANY_MAX], yb[MM_MANY_MAX];
+    int n_w = 0, n_y = 0, have_x = 0;
+    PyObject *ret = NULL;
+    if (get_buf(xo, &xb, 0, "x")) goto done;
+    have_x = 1;
+    if (xb.len != (Py_ssize_t)T * ne0 * 4) {
+        PyErr_Format(PyExc_ValueError, "x: %zd bytes, expected %zd for float32 (%d, %d)", xb.len, (Py_ssize_t)T * ne0 * 4, T, ne0);
+        goto done;
+    }
+    for (Py_ssize_t m = 0; m < n; m++) {
+        int type;
+        PyObject *wo, *yo;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, m), "iOOi", &type, &wo, &yo, &ne1s[m])) goto done;
+        const qtype_t *qt = qts[m] = find_qtype(type);
+        if (!qt) { PyErr_Format(PyExc_ValueError, "no kernel for ggml type id %d", type); goto done; }
+        if (ne1s[m] < 0 || ne0 % qt->block_elems) {
+            PyErr_Format(PyExc_ValueError, "%s: bad shape ne0=%d ne1=%d (ne0 must be a multiple of %d)", qt->name, ne0,
+                         ne1s[m], qt->block_elems);
+            goto done;
+        }
+        if (get_buf(wo, &wb[n_w], 0, "w")) goto done;
+        n_w++;
+        if (get_buf(yo, &yb[n_y], 1, "y")) goto done;
+        n_y++;
+        const Py_ssize_t row_bytes = (Py_ssize_t)(ne0 / qt->block_elems) * qt->block_bytes;
+        if (wb[m].len != row_bytes * ne1s[m]) {
+            PyErr_Format(PyExc_ValueError, "w: %zd bytes, expected %zd for %s (%d, %d)", wb[m].len, row_bytes * ne1s[m],
+                         qt->name, ne1s[m], ne0);
+            goto done;
+        }
+        if (yb[m].len != (Py_ssize_t)T * ne1s[m] * 4) {
+            PyErr_Format(PyExc_ValueError, "y: %zd bytes, expected %zd for float32 (%d, %d)", yb[m].len,
+                         (Py_ssize_t)T * ne1s[m] * 4, T, ne1s[m]);
+            goto done;
+        }
+        ws[m] = wb[m].buf;
+        ys[m] = yb[m].buf;
+    }
+    int rc = 0;
+    if (T > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = qmatmul_many(qts, simd ? isa_current : &ISA_SCALAR, xb.buf, ws, ys, (int)n, T, ne0, ne1s, parallel);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc) PyErr_NoMemory();
+    else ret = Py_NewRef(Py_None);
+done:
+    if (have_x) PyBuffer_Release(&xb);
+    for (int i = 0; i < n_w; i++) PyBuffer_Release(&wb[i]);
+    for (int i = 0; i < n_y; i++) PyBuffer_Release(&yb[i]);
+    Py_DECREF(seq);
     return ret;
 }
 
@@ -564,6 +706,10 @@ PAIRWISE_SUM(pairwise_sum_sq, SQUARE_F64)
 /* numpy's x.sum(dtype=np.float64) of a float32 row in its casting buffer (8,192 values, NPY_BUFSIZE):
  * the same pairwise order, over the values cast to float64 */
 PAIRWISE_SUM(pairwise_sum_f64, AS_F64)
+/* the longest row whose pairwise_sum_f64 is numpy's sum: it casts a float32 row to float64 in
+ * buffers of this many values (NPY_BUFSIZE) and sums a longer one buffer by buffer
+ * (deploy/kernels ROW_SUMS_MAX) */
+#define ROW_SUMS_MAX 8192
 
 /* x (T, d) -> out (T, d), common.models.qwen2.rmsnorm's float operations in its order: the mean of
  * squares in float64, rounded to float32, + eps, sqrt and 1 / it in float32, then (x * scale) * w. */
@@ -639,6 +785,143 @@ static PyObject *py_attn_row_sums(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ numpy's exp, from C */
+
+/* np.exp's float32 loop as numpy chose it for this CPU, from ufunc._get_strided_loop (numpy >= 1.24:
+ * a "numpy_1.24_ufunc_call_info" capsule; set_exp_loop). Why not libm's expf: numpy's SIMD exp is its
+ * own polynomial (scalar expf where the CPU has no AVX2), and the fused calls below must give the
+ * bits of the numpy they replace, np.exp included. The layout is numpy's (NEP 43 ArrayMethod). */
+typedef int (*np_loop_fn)(void *context, char *const *data, const Py_ssize_t *dims, const Py_ssize_t *strides,
+                          void *auxdata);
+typedef struct {
+    np_loop_fn loop;
+    void *context;
+    void *auxdata;
+    unsigned char requires_pyapi, no_floatingpoint_errors;
+} np_call_info;
+
+#define NP_CALL_INFO "numpy_1.24_ufunc_call_info"
+static PyObject *np_exp_capsule = NULL;  /* owns the loop's context */
+static const np_call_info *np_exp = NULL;
+
+/* out = exp(x), n float32 (out == x: in place, as np.exp(x, out=x)) */
+static void exp_f32(const float *x, float *out, size_t n) {
+    char *data[2] = {(char *)x, (char *)out};
+    const Py_ssize_t dims[1] = {(Py_ssize_t)n}, strides[2] = {4, 4};
+    np_exp->loop(np_exp->context, data, dims, strides, np_exp->auxdata);
+}
+
+/* set_exp_loop(capsule | None): the loop the fused calls run for exp; None forgets it */
+static PyObject *py_set_exp_loop(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (arg == Py_None) {
+        np_exp = NULL;
+        Py_CLEAR(np_exp_capsule);
+        Py_RETURN_NONE;
+    }
+    const np_call_info *ci = PyCapsule_GetPointer(arg, NP_CALL_INFO);
+    if (!ci) return NULL;
+    if (!ci->loop || ci->requires_pyapi)
+        return PyErr_Format(PyExc_ValueError, "set_exp_loop: the capsule holds %s", ci->loop ? "a loop that needs the GIL"
+                                                                                             : "no loop");
+    Py_INCREF(arg);
+    Py_XSETREF(np_exp_capsule, arg);
+    np_exp = ci;
+    Py_RETURN_NONE;
+}
+
+/* silu(x, out, n): out = x / (1 + exp(-x)), float32, numpy's operations in common.models.qwen2.silu's
+ * order (negate, np.exp, + 1, divide: each correctly rounded but exp, which is numpy's own) */
+static PyObject *py_silu(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[2];
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOn", &objs[0], &objs[1], &n)) return NULL;
+    if (!np_exp) return PyErr_Format(PyExc_RuntimeError, "silu: no exp loop (set_exp_loop)");
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "silu: n=%zd", n);
+    static const char *const names[2] = {"x", "out"};
+    static const int writable[2] = {0, 1};
+    const Py_ssize_t expect[2] = {n * 4, n * 4};
+    Py_buffer b[2];
+    if (attn_buffers(objs, b, names, writable, expect, 2)) return NULL;
+    const float *x = b[0].buf;
+    float *out = b[1].buf;
+    if (out == x) {
+        PyBuffer_Release(&b[0]); PyBuffer_Release(&b[1]);
+        return PyErr_Format(PyExc_ValueError, "silu: out must not be x (x is read after exp)");
+    }
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = -x[i];
+    exp_f32(out, out, (size_t)n);
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + out[i]);
+    PyBuffer_Release(&b[0]); PyBuffer_Release(&b[1]);
+    Py_RETURN_NONE;
+}
+
+/* A sequence's rows (attn_rows_scores, numpy's exp, attn_row_sums, attn_rows_values) in one call and
+ * one pass of tasks: a task is one row and one kv head, whose g heads' scores it computes, exps,
+ * sums and weighs the values by, as those four calls do (the same functions, the same bits). */
+typedef struct {
+    rows_ctx s, v;  /* s reads the keys, v the values; both share p, sums and out */
+    double *sums;
+} rows_fused_ctx;
+
+static void rows_fused_task(void *vctx, int task) {
+    const rows_fused_ctx *c = vctx;
+    rows_scores_task((void *)&c->s, task);
+    const int t = task / c->s.n_kv, h = task % c->s.n_kv, n = rows_keys(&c->s, t), g = c->s.g;
+    float *blk = c->s.p + rows_offset(&c->s, t) + (size_t)h * g * n;  /* the g heads' rows, (g, n) */
+    exp_f32(blk, blk, (size_t)g * n);
+    for (int i = 0; i < g; i++) c->sums[(size_t)t * c->s.n_kv * g + h * g + i] = pairwise_sum_f64(blk + (size_t)i * n, n);
+    rows_values_task((void *)&c->v, task);
+}
+
+/* attn_rows(q, k, v, q_pos, k_pos, out, n_kv, n_head, T, S, hd, scale, simd=True, parallel=True, kv_f16=False) */
+static PyObject *py_attn_rows_fused(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"q", "k", "v", "q_pos", "k_pos", "out", "n_kv", "n_head", "T", "S", "hd", "scale",
+                             "simd", "parallel", "kv_f16", NULL};
+    int n_kv, n_head, T, S, hd, simd = 1, parallel = 1, kv_f16 = 0;
+    double scale;
+    PyObject *objs[6];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOiiiiid|ppp", kwlist, &objs[0], &objs[1], &objs[2], &objs[3],
+                                     &objs[4], &objs[5], &n_kv, &n_head, &T, &S, &hd, &scale, &simd, &parallel, &kv_f16))
+        return NULL;
+    if (!np_exp) return PyErr_Format(PyExc_RuntimeError, "attn_rows: no exp loop (set_exp_loop)");
+    if (!attn_shape_ok(n_kv, T, S, hd)) return NULL;
+    if (T < 1 || S < T || n_head < n_kv || n_head % n_kv || S > ROW_SUMS_MAX)
+        return PyErr_Format(PyExc_ValueError, "attn_rows: bad shape T=%d S=%d n_head=%d n_kv=%d (1 <= T <= S <= %d, "
+                            "n_head a multiple of n_kv)", T, S, n_head, n_kv, ROW_SUMS_MAX);
+    const isa_kernels *isa = simd ? isa_current : &ISA_SCALAR;
+    rows_fused_ctx c = {.s = {isa, NULL, {NULL, kv_f16}, NULL, NULL, NULL, NULL, NULL, T, S, n_kv, n_head / n_kv, hd,
+                              (float)scale}};
+    const Py_ssize_t kv_bytes = (Py_ssize_t)S * n_kv * hd * (kv_f16 ? 2 : 4);
+    static const char *const names[6] = {"q", "k", "v", "q_pos", "k_pos", "out"};
+    static const int writable[6] = {0, 0, 0, 0, 0, 1};
+    const Py_ssize_t expect[6] = {(Py_ssize_t)T * n_head * hd * 4, kv_bytes, kv_bytes, (Py_ssize_t)T * 8,
+                                  (Py_ssize_t)S * 8, (Py_ssize_t)T * n_head * hd * 4};
+    Py_buffer b[6];
+    if (attn_buffers(objs, b, names, writable, expect, 6)) return NULL;
+    float *p = malloc(rows_offset(&c.s, T) * sizeof(float));
+    c.sums = malloc((size_t)T * n_head * sizeof(double));
+    if (!p || !c.sums) {
+        free(p); free(c.sums);
+        for (int i = 0; i < 6; i++) PyBuffer_Release(&b[i]);
+        return PyErr_NoMemory();
+    }
+    c.s.q = b[0].buf; c.s.q_pos = b[3].buf; c.s.k_pos = b[4].buf; c.s.p = p; c.s.out = b[5].buf;
+    c.v = c.s;
+    c.s.kv.p = b[1].buf;
+    c.v.kv.p = b[2].buf;
+    c.v.sums = c.sums;
+    const double work = (double)rows_offset(&c.s, T) * hd;  /* multiply-adds of each product */
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows_fused_task, &c, T * n_kv, parallel && 2 * work >= ATTN_PARALLEL_MIN);
+    Py_END_ALLOW_THREADS
+    free(p); free(c.sums);
+    for (int i = 0; i < 6; i++) PyBuffer_Release(&b[i]);
+    Py_RETURN_NONE;
+}
+
 /* quantize(x float32 (T, ne0) buffer, T, ne0, k) -> (qs bytes, d bytes float32, bsums bytes int16 | None);
  * bsums: per super-block the 16 sums of 16 and the 8 sums of 32 (quants.h, act_t) */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
@@ -709,6 +992,9 @@ static PyObject *py_get_isa(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS,
      "matmul(ggml_type, x, w, y, T, ne0, ne1, simd=True, parallel=True): y (T, ne1) = x (T, ne0) @ W.T"},
+    {"matmul_many", (PyCFunction)(void (*)(void))py_matmul_many, METH_VARARGS | METH_KEYWORDS,
+     "matmul_many(x, T, ne0, products, simd=True, parallel=True), products of (ggml_type, w, y, ne1): each "
+     "y (T, ne1) = x (T, ne0) @ W.T, x quantized once per activation format, one parallel pass"},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(x, T, ne0, k, simd=True) -> (qs, d, bsums|None): the Q8_0 (k false) or Q8_K activation"},
     {"attn_scores", (PyCFunction)(void (*)(void))py_attn_scores, METH_VARARGS | METH_KEYWORDS,
@@ -729,6 +1015,12 @@ static PyMethodDef methods[] = {
      "k = f16(rope(k + bk)), v = f16(v + bv), float32"},
     {"attn_row_sums", py_attn_row_sums, METH_VARARGS,
      "attn_row_sums(p, sums, T, S, n_head): each packed row block's float64 sum, numpy's pairwise order"},
+    {"set_exp_loop", py_set_exp_loop, METH_O,
+     "set_exp_loop(capsule | None): np.exp's float32 loop (ufunc._get_strided_loop's call info) for silu and attn_rows"},
+    {"silu", py_silu, METH_VARARGS, "silu(x, out, n): out = x / (1 + exp(-x)), float32, numpy's bits (exp: set_exp_loop)"},
+    {"attn_rows", (PyCFunction)(void (*)(void))py_attn_rows_fused, METH_VARARGS | METH_KEYWORDS,
+     "attn_rows(q, k, v, q_pos, k_pos, out, n_kv, n_head, T, S, hd, scale, simd=True, parallel=True, kv_f16=False): "
+     "attn_rows_scores, np.exp, attn_row_sums and attn_rows_values in one call, out (T, n_head * hd) f32"},
     {"sum_sq", py_sum_sq, METH_VARARGS, "sum_sq(x): float64 sum of a float32 buffer's squares, in numpy's pairwise order"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, w, out, T, d, eps): out = common.models.qwen2.rmsnorm(x, w, eps), float32, numpy's bits"},

@@ -163,6 +163,9 @@ typedef struct {
 } toks_t;
 #define DOTN_MAX 8  /* the most tokens a table's dotn takes at once (isa_kernels.dotn_max) */
 typedef void (*dotn_fn)(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]);  /* n: 2 to dotn_max */
+/* one token, two rows of W: w and w + row_bytes -> out[0], out[1], each dot_fn's bits */
+typedef void (*dot2_fn)(const uint8_t *w, size_t row_bytes, const int8_t *q, const float *d, const void *aux, int nb,
+                        float out[2]);
 
 static inline float hsum8(const float a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -322,6 +325,7 @@ typedef struct {
     attn_scores_fn attn_scores;
     attn_values_fn attn_values;
     int dotn_max;               /* dotn's most tokens: 4, or 8 where 32 vector registers hold them */
+    dot2_fn dot2[N_KTYPES];     /* one token over two rows at once, or NULL */
 } isa_kernels;
 
 #endif

@@ -320,16 +320,21 @@ def test_the_cache_stores_float16_where_the_kernels_read_it_and_float32_on_numpy
         assert KVCache(2, 64, dtype=np.float32).dtype == np.float32  # an explicit type is kept
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("simd", [True, False])
-def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd):
-    """attend_sequence's rows through the kernel's two row calls (scores, then numpy's exp and sums,
-    then the values) are attention() of each row alone, bit for bit: decode steps (T = 1) and verify
-    trips, float16 and float32 caches, keys masked by position, more query heads per kv head than
-    a call takes (17 > 16), and hd 16, which the AVX-512 values kernel leaves to the reference."""
+def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd, fused):
+    """attend_sequence's rows through the kernel's row calls are attention() of each row alone, bit
+    for bit: the fused one (scores, numpy's exp loop, sums and values in one call) and the two calls
+    around numpy's exp and sums. Decode steps (T = 1) and verify trips, float16 and float32 caches,
+    keys masked by position, more query heads per kv head than a call takes (17 > 16), and hd 16,
+    which the AVX-512 values kernel leaves to the reference."""
     if not kernels.available():
         pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel(simd=simd)
-    mm.register_attention_kernel(kern)
+    assert kern.rows is not None, "numpy gives its exp loop here (>= 1.24)"
+    calls = []
+    mm.register_attention_kernel(dataclasses.replace(
+        kern, rows=(lambda *a: calls.append(a) or kern.rows(*a)) if fused else None))
     rng = np.random.default_rng(7)
     for case in range(60):
         n_kv, g, hd = int(rng.choice([1, 2, 4])), int(rng.choice([1, 6, 7, 17])), int(rng.choice([16, 64, 128]))
@@ -346,6 +351,7 @@ def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd):
         want = np.concatenate([qwen2.attention(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
                                                k_pos[:S - T + 1 + t]) for t in range(T)])
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"case {case}")
+    assert len(calls) == (60 if fused else 0)
     # past one tile of a decode row's keys, attention() goes tile by tile: the row calls decline
     S = qwen2.attn_tile_keys(2, 1) + 1
     q, k, v = qkv(1, S, n_head=2, n_kv=1)
@@ -476,6 +482,7 @@ def test_attention_rows_take_the_kernels_row_sums():
     kern = kernels.make_attention_kernel()
     q, k, v = qkv(T=5, S=40, n_head=14, n_kv=2, hd=64, seed=4)
     k, v = qwen2.to_f16(k).astype(np.float16), qwen2.to_f16(v).astype(np.float16)
+    kern = dataclasses.replace(kern, rows=None)  # the two row calls, not the fused one
     for T in (1, 5):
         q_pos, k_pos = np.arange(40 - T, 40), np.arange(40)
         mm.register_attention_kernel(dataclasses.replace(kern, row_sums=None))
@@ -485,3 +492,86 @@ def test_attention_rows_take_the_kernels_row_sums():
         got = qwen2._attend_rows(q[:T], k, v, q_pos, k_pos)
         assert want is not None and len(calls) == 1
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_fused_rows_call_past_numpys_sum_buffer_declines_and_the_two_calls_serve():
+    """A row over more keys than numpy's casting buffer (8,192: its float64 sum goes buffer by buffer)
+    is declined by the fused call, and the two row calls with numpy's sums give attention()'s bits;
+    at 8,192 keys the fused call serves, with the same bits as the two calls."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    kern = kernels.make_attention_kernel()
+    two = dataclasses.replace(kern, rows=None)
+    for S in (kernels.ROW_SUMS_MAX, kernels.ROW_SUMS_MAX + 1):
+        q, k, v = qkv(T=1, S=S, n_head=2, n_kv=1, hd=16, seed=S)
+        k, v = qwen2.to_f16(k).astype(np.float16), qwen2.to_f16(v).astype(np.float16)
+        q_pos, k_pos = np.array([S - 1]), np.arange(S)
+        fused = kern.rows(q, k, v, q_pos, k_pos, float(qwen2.score_scale(16)))
+        mm.register_attention_kernel(kern)
+        got = qwen2._attend_rows(q, k, v, q_pos, k_pos)
+        mm.register_attention_kernel(two)
+        want = qwen2._attend_rows(q, k, v, q_pos, k_pos)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        if S > kernels.ROW_SUMS_MAX:
+            assert fused is None
+            with pytest.raises(ValueError, match="S <= 8192"):
+                kernels._qmatmul.attn_rows(q, k, v, q_pos, k_pos, np.empty((1, 32), np.float32), 1, 2, 1, S, 16, 0.25)
+        else:
+            np.testing.assert_array_equal(fused.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_kernels_silu_gives_numpys_bits():
+    """silu in one C call (negate, numpy's own exp loop, + 1, divide) is numpy's x / (1 + exp(-x)) bit
+    for bit: lengths around the SIMD widths, values whose exp overflows (-> -0), infinities, NaN,
+    signed zeros and subnormals. It declines float64 and strided input (numpy serves), and
+    qwen2.silu goes through it."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    kern = kernels.make_attention_kernel()
+    rng = np.random.default_rng(14)
+    for n in (1, 7, 8, 15, 16, 17, 33, 896, 4864, 8960, 18944):
+        x = (rng.standard_normal(n) * rng.choice([0.01, 1.0, 8.0, 120.0])).astype(np.float32)
+        special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, -100.0, 100.0, 1e-40, -1e-40], np.float32)
+        x[:min(n, special.size)] = special[:n]
+        with np.errstate(all="ignore"):
+            want = x / (np.float32(1.0) + np.exp(-x))
+        got = kern.silu(x)
+        assert got is not None and got.dtype == np.float32 and got.shape == x.shape
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"n={n}")
+        np.testing.assert_array_equal(kern.silu(x.reshape(1, n)).reshape(n).view(np.uint32), want.view(np.uint32))
+    calls = []
+    mm.register_attention_kernel(dataclasses.replace(kern, silu=lambda x: calls.append(x) or kern.silu(x)))
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(qwen2.silu(x).view(np.uint32), want.view(np.uint32))
+    assert len(calls) == 1
+    assert kern.silu(x.astype(np.float64)) is None
+    assert kern.silu(x[::2]) is None
+    with pytest.raises(ValueError, match="out must not be x"):
+        kernels._qmatmul.silu(x, x, x.size)
+    with pytest.raises(ValueError, match="bytes, expected"):
+        kernels._qmatmul.silu(x, np.empty(x.size - 1, np.float32), x.size)
+
+
+def test_the_fused_calls_need_numpys_exp_loop():
+    """Without the exp loop the fused calls raise, naming it (never an exp of another library), and a
+    capsule that is not numpy's call info is refused."""
+    if not kernels.available():
+        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    q, k, v = qkv(T=1, S=8, n_head=2, n_kv=1, hd=16)
+    x = np.ones(4, np.float32)
+    assert kernels.numpy_exp_loop()
+    try:
+        kernels._qmatmul.set_exp_loop(None)
+        with pytest.raises(RuntimeError, match="no exp loop"):
+            kernels._qmatmul.silu(x, np.empty_like(x), 4)
+        with pytest.raises(RuntimeError, match="no exp loop"):
+            kernels._qmatmul.attn_rows(q, k, v, np.array([7]), np.arange(8), np.empty((1, 32), np.float32),
+                                       1, 2, 1, 8, 16, 0.25)
+        with pytest.raises(ValueError):
+            kernels._qmatmul.set_exp_loop(np.exp)  # not a capsule
+    finally:
+        kernels._exp_loop.clear()
+        assert kernels.numpy_exp_loop()
+    out = np.empty_like(x)
+    kernels._qmatmul.silu(x, out, 4)
+    np.testing.assert_array_equal(out, x / (np.float32(1.0) + np.exp(-x)))

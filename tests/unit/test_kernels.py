@@ -400,6 +400,73 @@ def test_bad_shapes_raise():
         _qmatmul.matmul(3, np.zeros((1, 512), f32), w.data, y, 1, 512, 4)
 
 
+# ---- several products of one x in one call (a layer's q, k and v)
+
+MANY = [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_K", "Q5_0", "Q6_K", "Q4_0")]
+
+
+@pytest.mark.parametrize("types", MANY)
+@pytest.mark.parametrize("T", [1, 2, 17])
+def test_matmul_many_gives_each_products_bits(types, T, isa):
+    """matmul_many (x quantized once per activation format, every product's tasks in one pass) gives
+    each product's own kernel call bit for bit, on every ISA, for 1 and 3 threads, and mixes Q8_0 and
+    Q8_K activations; its shapes of 0.5B-like q, k, v (896 -> 896, 128, 128) included."""
+    ne0 = 1024 if any(t in K_TYPES for t in types) else 896
+    ws = [qtensor(t, ne0, ne1, seed=i) for i, (t, ne1) in enumerate(zip(types, (ne0, 128, 128, 77, 33)))]
+    x = activations(T, ne0, seed=T)
+    want = [kernels.make_kernel(w.ggml_type, parallel=False)(x, w) for w in ws]
+    calls = []
+
+    def spy(x, ws):  # the kernels' shared `many`, counted
+        calls.append(len(ws))
+        return kernels._make_many(True, True)(x, ws)
+
+    registered = {t: kernels.make_kernel(t) for t in set(types)}  # this ISA's
+    for k in registered.values():
+        assert k.many is kernels._make_many(True, True), "every type's kernel shares one `many`"
+        k.many = spy
+    old = {t: mm.register_kernel(t, k) for t, k in registered.items()}
+    try:
+        for threads in (1, 3):
+            kernels.set_threads(threads)
+            for got in (mm.matmul_many(x, ws), kernels._make_many(False, True)(x, ws)):  # this ISA's; the reference
+                assert len(got) == len(ws)
+                for g, wn in zip(got, want):
+                    assert_bits(g, wn)
+        assert calls == [len(ws)] * 2, "matmul_many went through the kernels' one call"
+    finally:
+        for t, k in old.items():
+            mm.register_kernel(t, k)
+
+
+def test_matmul_many_falls_back_per_product_where_a_type_has_no_shared_kernel():
+    """Where a product's type routes elsewhere (numpy's F32 here, or nothing installed), matmul_many
+    is matmul of each product, the same bits; bad shapes in the C call raise, naming the buffer."""
+    rng = np.random.default_rng(3)
+    f = rng.standard_normal((16, 64)).astype(f32)
+    ws = [qtensor("Q8_0", 64, 8), QTensor("blk.0.f.weight", "F32", (64, 16), f.view(np.uint8).reshape(-1))]
+    x = activations(2, 64)
+    kernels.install()
+    got = mm.matmul_many(x, ws)
+    for g, w in zip(got, ws):
+        assert_bits(g, mm.matmul(x, w))
+    kernels.uninstall()
+    assert_bits(mm.matmul_many(x, ws[:1])[0], mm.matmul(x, ws[0]))  # numpy's path
+    w = ws[0]
+    y = np.empty((2, 8), f32)
+    q8 = _qmatmul.TYPES["Q8_0"]
+    with pytest.raises(ValueError, match="w: .* bytes"):
+        _qmatmul.matmul_many(x, 2, 64, [(q8, w.data, y, 8), (q8, w.data[:-1], y, 8)])
+    with pytest.raises(ValueError, match="y: .* bytes"):
+        _qmatmul.matmul_many(x, 2, 64, [(q8, w.data, y[:1], 8)])
+    with pytest.raises(ValueError, match="x: .* bytes"):
+        _qmatmul.matmul_many(x[:1], 2, 64, [(q8, w.data, y, 8)])
+    with pytest.raises(ValueError, match="no kernel"):
+        _qmatmul.matmul_many(x, 2, 64, [(3, w.data, y, 8)])
+    with pytest.raises(ValueError, match="1 to 8"):
+        _qmatmul.matmul_many(x, 2, 64, [])
+
+
 # ---- the thread pool
 
 def test_concurrent_callers_get_their_own_results():
