@@ -196,6 +196,8 @@ static int act_quantize(const qtype_t *qt, const isa_kernels *isa, const float *
 
 static void act_free(act_t *a) { free(a->qs); free(a->d); free(a->bsums); free(a->corr); }
 
+#define DOT2_MAX_ROW_BYTES 2048  /* rows of W up to this long go two a pass at T = 1 (mm_setup) */
+
 /* the product's tasks over W (ne1, ne0) of type qt, activations a: returns how many */
 static int mm_setup(mm_ctx *c, const qtype_t *qt, const isa_kernels *isa, const uint8_t *w, act_t a, float *y,
                     int T, int ne0, int ne1) {
@@ -203,6 +205,10 @@ static int mm_setup(mm_ctx *c, const qtype_t *qt, const isa_kernels *isa, const 
     const int corr_offset = isa->corr_offset[qt->k];
     *c = (mm_ctx){isa->dot[qt->k], isa->dotn[qt->k], isa->dot2[qt->k], w, (size_t)nb * qt->block_bytes,
                   ne0, ne1, nb, T, a, y, 1, 1, isa->dotn_max > 1 ? isa->dotn_max : 1};
+    /* two rows a pass only while the pair's two prefetch leads (KNOT_PF_DIST ahead of each row) are
+     * one stream: a longer second row's first lines are never prefetched (docs/performance.md, "One
+     * token against two weight rows": rows of 5 KiB went 1.08x slower that way) */
+    if (c->row_bytes > DOT2_MAX_ROW_BYTES) c->dot2 = NULL;
     /* tokens per tile: a multiple of dotn_max whose activations (qs, corr lanes) stay in L1 while the
      * task's rows of W go by */
     const size_t act_bytes = (size_t)ne0 * (corr_offset ? 2 : 1) + q8k_aux_per_row(ne0) * 2;
