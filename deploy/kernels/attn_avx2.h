@@ -13,6 +13,21 @@ static inline __m256d kv_load4_pd(kv_ptr a, size_t i) {
                  : _mm256_cvtps_pd(_mm_loadu_ps((const float *)a.p + i));
 }
 
+/* n (a multiple of 4; of 8 on AVX-512) keys' or values' elements from i on, as doubles, into dst. On
+ * AVX-512 a 64-byte store for each 64-byte load that reads it back. Why: a 64-byte load of two
+ * 32-byte stores cannot take its data from the store buffer and waits for both stores to reach L1;
+ * with 32-byte stores, a decode row's scores took 6.4 ns a head and key on one core of an Intel Xeon,
+ * its values 4.7. */
+static inline void kv_to_pd(kv_ptr a, size_t i, int n, double *dst) {
+#if defined(__AVX512F__)
+    for (int d = 0; d < n; d += 8)
+        _mm512_store_pd(dst + d, a.f16 ? _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)a.p + i + d))))
+                                       : _mm512_cvtps_pd(_mm256_loadu_ps((const float *)a.p + i + d)));
+#else
+    for (int d = 0; d < n; d += 4) _mm256_store_pd(dst + d, kv_load4_pd(a, i + d));
+#endif
+}
+
 #define ATTN_QROWS 16  /* query rows converted to double at a time, reused over every key */
 
 #if defined(__AVX512F__)
@@ -52,13 +67,30 @@ static void attn_scores_simd(const float *q, int R, kv_ptr k, size_t ks, int S, 
     const int S_blk = S - S % ATTN_KEYS;
     for (int r0 = 0; r0 < R; r0 += ATTN_QROWS) {
         const int nr = R - r0 < ATTN_QROWS ? R - r0 : ATTN_QROWS;
-        for (int i = 0; i < nr * hd; i += 4)
-            _mm256_store_pd(qd + i, _mm256_cvtps_pd(_mm_loadu_ps(q + (size_t)r0 * hd + i)));
+        kv_to_pd((kv_ptr){q + (size_t)r0 * hd, 0}, 0, nr * hd, qd);
         for (int s = 0; s < S_blk; s += ATTN_KEYS) {
-            for (int j = 0; j < ATTN_KEYS; j++)
-                for (int d = 0; d < hd; d += 4)
-                    _mm256_store_pd(kd + j * hd + d, kv_load4_pd(k, (size_t)(s + j) * ks + d));
-            for (int r = 0; r < nr; r++) {
+            for (int j = 0; j < ATTN_KEYS; j++) kv_to_pd(k, (size_t)(s + j) * ks, hd, kd + j * hd);
+            int r = 0;
+#if defined(__AVX512F__)
+            /* two rows a pass: each key's 8 lanes loaded once for both (16 accumulators, 8 keys, 2 rows
+             * of q: 26 of the 32 registers); each row's sums as the one-row loop's */
+            for (; r + 2 <= nr; r += 2) {
+                const double *q0 = qd + r * hd, *q1 = q0 + hd;
+                __m512d a0[8], a1[8];
+                for (int j = 0; j < 8; j++) a0[j] = a1[j] = _mm512_setzero_pd();
+                for (int d = 0; d < hd; d += 8) {
+                    const __m512d qv0 = _mm512_load_pd(q0 + d), qv1 = _mm512_load_pd(q1 + d);
+                    for (int j = 0; j < 8; j++) {
+                        const __m512d kv = _mm512_load_pd(kd + j * hd + d);
+                        a0[j] = _mm512_fmadd_pd(qv0, kv, a0[j]);
+                        a1[j] = _mm512_fmadd_pd(qv1, kv, a1[j]);
+                    }
+                }
+                _mm256_storeu_ps(out + (size_t)(r0 + r) * os + s, attn_reduce8(a0));
+                _mm256_storeu_ps(out + (size_t)(r0 + r + 1) * os + s, attn_reduce8(a1));
+            }
+#endif
+            for (; r < nr; r++) {
                 const double *qr = qd + r * hd;
                 float *o = out + (size_t)(r0 + r) * os + s;
 #if defined(__AVX512F__)
@@ -159,9 +191,7 @@ static void attn_values_simd(const float *p, size_t ps, int R, kv_ptr v, size_t 
     double w[4 * ATTN_VKEYS];
     for (int s0 = 0; s0 < S; s0 += ATTN_VKEYS) {
         const int nk = S - s0 < ATTN_VKEYS ? S - s0 : ATTN_VKEYS;
-        for (int j = 0; j < nk; j++)
-            for (int d = 0; d < hd; d += 4)
-                _mm256_store_pd(vd + (size_t)j * hd + d, kv_load4_pd(v, (size_t)(s0 + j) * vs + d));
+        for (int j = 0; j < nk; j++) kv_to_pd(v, (size_t)(s0 + j) * vs, hd, vd + (size_t)j * hd);
         int r = 0;
         for (; r + 4 <= R; r += 4) {
             for (int i = 0; i < 4; i++) attn_round_weights(p + (size_t)(r + i) * ps + s0, nk, w + i * ATTN_VKEYS);
