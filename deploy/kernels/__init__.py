@@ -81,16 +81,21 @@ def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Ker
     def kernel(x: np.ndarray, w: QTensor) -> np.ndarray:
         ne0, ne1 = w.shape
         x = np.ascontiguousarray(x, np.float32)
-        data = w.data
-        if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
-            data = np.ascontiguousarray(data)
         y = np.empty((len(x), ne1), np.float32)
-        _qmatmul.matmul(type_id, x, data, y, len(x), ne0, ne1, simd, parallel)  # (T, ne0) @ W.T -> (T, ne1)
+        _qmatmul.matmul(type_id, x, _blocks(w), y, len(x), ne0, ne1, simd, parallel)  # (T, ne0) @ W.T -> (T, ne1)
         return y
 
     kernel.__name__ = f"qmatmul_{ggml_type}"
     kernel.many = _make_many(simd, parallel)  # common.matmul.matmul_many: products of one x in one call
     return kernel
+
+
+def _blocks(w: QTensor):
+    """w's raw blocks as the extension reads them: one C-contiguous buffer (a strided view is copied)."""
+    data = w.data
+    if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    return data
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,12 +110,7 @@ def _make_many(simd: bool, parallel: bool):
         x = np.ascontiguousarray(x, np.float32)
         T, ne0 = x.shape
         ys = [np.empty((T, w.shape[1]), np.float32) for w in ws]
-        products = []
-        for w, y in zip(ws, ys):
-            data = w.data
-            if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
-                data = np.ascontiguousarray(data)
-            products.append((_qmatmul.TYPES[w.ggml_type], data, y, w.shape[1]))
+        products = [(_qmatmul.TYPES[w.ggml_type], _blocks(w), y, w.shape[1]) for w, y in zip(ws, ys)]
         _qmatmul.matmul_many(x, T, ne0, products, simd, parallel)
         return ys
 

@@ -138,10 +138,10 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
     const int r0 = task * c->rows_per_task;
     const int r1 = r0 + c->rows_per_task < c->ne1 ? r0 + c->rows_per_task : c->ne1;
     if (c->T == 1 && c->dot2) {  /* a decode row: its rows of W two at a time */
+        const void *aux = act_aux(c, 0);
         int r = r0;
-        for (; r + 2 <= r1; r += 2) c->dot2(c->w + (size_t)r * c->row_bytes, c->row_bytes, c->a.qs, c->a.d, act_aux(c, 0),
-                                            c->nb, c->y + r);
-        if (r < r1) c->y[r] = c->dot(c->w + (size_t)r * c->row_bytes, c->a.qs, c->a.d, act_aux(c, 0), c->nb);
+        for (; r + 2 <= r1; r += 2) c->dot2(c->w + (size_t)r * c->row_bytes, c->row_bytes, c->a.qs, c->a.d, aux, c->nb, c->y + r);
+        if (r < r1) c->y[r] = c->dot(c->w + (size_t)r * c->row_bytes, c->a.qs, c->a.d, aux, c->nb);
         return;
     }
     const toks_t tk0 = {c->a.qs, c->a.d, act_aux(c, 0), (size_t)c->ne0, (size_t)c->nb,
@@ -334,6 +334,31 @@ static int get_buf(PyObject *o, Py_buffer *b, int writable, const char *what) {
     return 0;
 }
 
+/* y (T, ne1) = x (T, ne0) @ W.T for W of type qt: 1 when the shape is one the kernels take, else 0 with a
+ * ValueError */
+static int product_shape_ok(const qtype_t *qt, int T, int ne0, int ne1) {
+    if (T >= 0 && ne0 > 0 && ne1 >= 0 && ne0 % qt->block_elems == 0) return 1;
+    PyErr_Format(PyExc_ValueError, "%s: bad shape T=%d ne0=%d ne1=%d (ne0 must be a multiple of %d)", qt->name, T, ne0,
+                 ne1, qt->block_elems);
+    return 0;
+}
+
+/* the same product's buffers: 1 when x, w and y hold its bytes, else 0 with a ValueError naming the one
+ * that does not (xlen < 0: x not checked here) */
+static int product_bytes_ok(const qtype_t *qt, Py_ssize_t xlen, Py_ssize_t wlen, Py_ssize_t ylen, int T, int ne0,
+                            int ne1) {
+    const Py_ssize_t row_bytes = (Py_ssize_t)(ne0 / qt->block_elems) * qt->block_bytes;
+    if (xlen >= 0 && xlen != (Py_ssize_t)T * ne0 * 4)
+        PyErr_Format(PyExc_ValueError, "x: %zd bytes, expected %zd for float32 (%d, %d)", xlen, (Py_ssize_t)T * ne0 * 4, T, ne0);
+    else if (wlen != row_bytes * ne1)
+        PyErr_Format(PyExc_ValueError, "w: %zd bytes, expected %zd for %s (%d, %d)", wlen, row_bytes * ne1, qt->name, ne1, ne0);
+    else if (ylen != (Py_ssize_t)T * ne1 * 4)
+        PyErr_Format(PyExc_ValueError, "y: %zd bytes, expected %zd for float32 (%d, %d)", ylen, (Py_ssize_t)T * ne1 * 4, T, ne1);
+    else
+        return 1;
+    return 0;
+}
+
 static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"ggml_type", "x", "w", "y", "T", "ne0", "ne1", "simd", "parallel", NULL};
@@ -344,22 +369,13 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     const qtype_t *qt = find_qtype(type);
     if (!qt) return PyErr_Format(PyExc_ValueError, "no kernel for ggml type id %d", type);
-    if (T < 0 || ne0 <= 0 || ne1 < 0 || ne0 % qt->block_elems)
-        return PyErr_Format(PyExc_ValueError, "%s: bad shape T=%d ne0=%d ne1=%d (ne0 must be a "
-                            "multiple of %d)", qt->name, T, ne0, ne1, qt->block_elems);
+    if (!product_shape_ok(qt, T, ne0, ne1)) return NULL;
     Py_buffer xb, wb, yb;
     if (get_buf(xo, &xb, 0, "x")) return NULL;
     if (get_buf(wo, &wb, 0, "w")) { PyBuffer_Release(&xb); return NULL; }
     if (get_buf(yo, &yb, 1, "y")) { PyBuffer_Release(&xb); PyBuffer_Release(&wb); return NULL; }
     PyObject *ret = NULL;
-    const Py_ssize_t row_bytes = (Py_ssize_t)(ne0 / qt->block_elems) * qt->block_bytes;
-    if (xb.len != (Py_ssize_t)T * ne0 * 4)
-        PyErr_Format(PyExc_ValueError, "x: %zd bytes, expected %zd for float32 (%d, %d)", xb.len, (Py_ssize_t)T * ne0 * 4, T, ne0);
-    else if (wb.len != row_bytes * ne1)
-        PyErr_Format(PyExc_ValueError, "w: %zd bytes, expected %zd for %s (%d, %d)", wb.len, row_bytes * ne1, qt->name, ne1, ne0);
-    else if (yb.len != (Py_ssize_t)T * ne1 * 4)
-        PyErr_Format(PyExc_ValueError, "y: %zd bytes, expected %zd for float32 (%d, %d)", yb.len, (Py_ssize_t)T * ne1 * 4, T, ne1);
-    else {
+    if (product_bytes_ok(qt, xb.len, wb.len, yb.len, T, ne0, ne1)) {
         int rc = 0;
         if (T > 0 && ne1 > 0) {
             Py_BEGIN_ALLOW_THREADS
@@ -397,36 +413,18 @@ static PyObject *py_matmul_many(PyObject *self, PyObject *args, PyObject *kw) {
     PyObject *ret = NULL;
     if (get_buf(xo, &xb, 0, "x")) goto done;
     have_x = 1;
-    if (xb.len != (Py_ssize_t)T * ne0 * 4) {
-        PyErr_Format(PyExc_ValueError, "x: %zd bytes, expected %zd for float32 (%d, %d)", xb.len, (Py_ssize_t)T * ne0 * 4, T, ne0);
-        goto done;
-    }
     for (Py_ssize_t m = 0; m < n; m++) {
         int type;
         PyObject *wo, *yo;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, m), "iOOi", &type, &wo, &yo, &ne1s[m])) goto done;
         const qtype_t *qt = qts[m] = find_qtype(type);
         if (!qt) { PyErr_Format(PyExc_ValueError, "no kernel for ggml type id %d", type); goto done; }
-        if (ne1s[m] < 0 || ne0 % qt->block_elems) {
-            PyErr_Format(PyExc_ValueError, "%s: bad shape ne0=%d ne1=%d (ne0 must be a multiple of %d)", qt->name, ne0,
-                         ne1s[m], qt->block_elems);
-            goto done;
-        }
+        if (!product_shape_ok(qt, T, ne0, ne1s[m])) goto done;
         if (get_buf(wo, &wb[n_w], 0, "w")) goto done;
         n_w++;
         if (get_buf(yo, &yb[n_y], 1, "y")) goto done;
         n_y++;
-        const Py_ssize_t row_bytes = (Py_ssize_t)(ne0 / qt->block_elems) * qt->block_bytes;
-        if (wb[m].len != row_bytes * ne1s[m]) {
-            PyErr_Format(PyExc_ValueError, "w: %zd bytes, expected %zd for %s (%d, %d)", wb[m].len, row_bytes * ne1s[m],
-                         qt->name, ne1s[m], ne0);
-            goto done;
-        }
-        if (yb[m].len != (Py_ssize_t)T * ne1s[m] * 4) {
-            PyErr_Format(PyExc_ValueError, "y: %zd bytes, expected %zd for float32 (%d, %d)", yb[m].len,
-                         (Py_ssize_t)T * ne1s[m] * 4, T, ne1s[m]);
-            goto done;
-        }
+        if (!product_bytes_ok(qt, m ? -1 : xb.len, wb[m].len, yb[m].len, T, ne0, ne1s[m])) goto done;
         ws[m] = wb[m].buf;
         ys[m] = yb[m].buf;
     }
