@@ -5,6 +5,12 @@ Failures are a policy, never a silent guess (issue 13):
   500), is down. Requests wait for it to come back (a supervised restart) for up to PEER_WAIT_S,
   counted from when it went down and shared by every request, so once it has been down that long
   each request gets 503 with Retry-After at once. A request never waits past its deadline.
+- A station or shard that hangs (a stopped process: its socket takes the call and nothing answers)
+  is down too: a hop slower than PROBE_EVERY_S has the peer's /healthz asked every PROBE_EVERY_S,
+  and a peer that answers neither the hop nor a probe for PEER_WAIT_S gets 503 naming it. A peer
+  that is computing answers its probes, so a long hop is waited for, up to its own timeout.
+- Past the request's deadline (REQUEST_TIMEOUT_S) the request gets 504, whatever the hop was
+  doing: a peer still computing is not down.
 - A shard still down after that fails the request with 503 naming the vocabulary range that is
   missing (shard_failure "fail", the default). The seed's allSettled merge (section 3) is an
   explicit opt-in, per cluster (SHARD_FAILURE) or per request (shard_failure "degrade"): a shard
@@ -23,22 +29,25 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import numpy as np
 
 from common import wire
-from common.runtime import BadGateway, GatewayTimeout, HttpError, ServiceUnavailable
+from common.runtime import BadGateway, GatewayTimeout, HttpError, Request, ServiceUnavailable
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
 from services.embed_cache import SealedRows
-from services.peer import IntegrityFailure, PeerError
+from services.peer import PEER_URL, IntegrityFailure, PeerError
 from services.shard.client import ShardClient
 from services.station.client import SessionLost, StationClient
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+PROBE_EVERY_S = 0.5  # a hop slower than this has its peer's /healthz asked, and again this often
+MIN_SILENCE_S = 1.0  # a hop to a peer known to hang still has this long to show a sign of life
 
 
 @dataclass
@@ -82,6 +91,14 @@ class PrefillAborted(Exception):
 
 class PeerUnavailable(ServiceUnavailable):
     """A station or shard the request needs stayed down: 503 with Retry-After."""
+
+
+class PeerHung(Exception):
+    """Neither a hop nor a probe of the peer's /healthz answered since `quiet_since` (time.monotonic())."""
+
+    def __init__(self, message: str, quiet_since: float):
+        super().__init__(message)
+        self.quiet_since = quiet_since
 
 
 @dataclass
@@ -173,21 +190,26 @@ class Pipeline:
     # -------------------------------------------------------- waiting for a peer that is down
 
     async def until_up(self, peer: PeerState, call: Call, hop_timeout_s: float, what: str,
-                       attempt: Callable[[float], Awaitable[T]], why: str = "") -> T:
+                       attempt: Callable[[float], Awaitable[T]], why: str = "", client: Any = None) -> T:
         """attempt(timeout_s) until it succeeds, while `peer` is down for less than peer_wait_s and the
-        request's deadline holds; then PeerUnavailable (503, Retry-After). Only outages are retried
-        (unavailable()); any other failure is raised at once."""
+        request's deadline holds; then PeerUnavailable (503, Retry-After), or RequestTimeout (504) once
+        the deadline has passed. Only outages are retried (unavailable()); any other failure is raised
+        at once. client: the peer's typed client, whose binding is probed while a hop is slow (watched)."""
         delay = 0.05
         while True:
             try:
-                out = await attempt(call.timeout(hop_timeout_s, what))
+                out = await self.watched(peer, client, lambda: attempt(call.timeout(hop_timeout_s, what)))
             except Exception as e:  # noqa: BLE001 - sorted by unavailable(): outages wait, the rest raise
-                if not unavailable(e):
+                hung = isinstance(e, PeerHung)
+                if not (hung or unavailable(e)):
                     raise
                 now = time.monotonic()
-                since = peer.down(now)
+                if now >= call.deadline:  # the request's time is up, not necessarily the peer
+                    raise RequestTimeout(f"request {call.rid}: its deadline of {call.timeout_s:g} s (REQUEST_TIMEOUT_S) "
+                                         f"passed during {what}: {type(e).__name__}: {e}") from None
+                since = peer.down(e.quiet_since if hung else now)
                 give_up = min(since + self.peer_wait_s, call.deadline)
-                if now >= give_up:
+                if now >= give_up or hung:  # a hung peer has had its PEER_WAIT_S (watched)
                     raise PeerUnavailable(
                         f"{peer.name} is down (for {now - since:.1f} s; PEER_WAIT_S={self.peer_wait_s:g}): "
                         f"{type(e).__name__}: {e}{why}",
@@ -200,17 +222,68 @@ class Pipeline:
                 peer.up()
                 return out
 
+    async def watched(self, peer: PeerState, client: Any, attempt: Callable[[], Awaitable[T]]) -> T:
+        """attempt() -> its result, or PeerHung once neither it nor a probe of the peer's /healthz has
+        answered for peer_wait_s (MIN_SILENCE_S at least), counted from the last sign of life: the
+        hop's start, or when the peer was last seen if it is down already.
+
+        Why: a stopped (SIGSTOP) or wedged process still accepts connections, so its calls neither
+        fail nor end before their timeout (STATION_TIMEOUT_S: minutes); a computing one answers the
+        probes (its forward runs between them), so a long forward is not taken for a hang."""
+        if client is None or (binding := getattr(client, "binding", None)) is None:
+            return await attempt()
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        quiet_since = now if peer.down_since is None else peer.down_since
+        silence_s = max(quiet_since + self.peer_wait_s - now, MIN_SILENCE_S)
+        watch: asyncio.Task | None = None
+
+        async def probe(hang: asyncio.Timeout) -> None:
+            nonlocal quiet_since
+            while True:
+                try:
+                    async with asyncio.timeout_at(hang.when()):
+                        await binding.fetch(Request("GET", PEER_URL + "/healthz"))
+                except Exception:  # noqa: BLE001 - no answer is no sign of life; the hop's silence runs on
+                    pass
+                else:  # any reply, even an error status: the process runs
+                    quiet_since = time.monotonic()
+                    hang.reschedule(max(hang.when(), loop.time() + self.peer_wait_s))
+                await asyncio.sleep(PROBE_EVERY_S)
+
+        def start(hang: asyncio.Timeout) -> None:
+            nonlocal watch
+            watch = loop.create_task(probe(hang))
+
+        try:
+            async with asyncio.timeout(silence_s) as hang:
+                timer = loop.call_later(min(PROBE_EVERY_S, silence_s / 2), start, hang)
+                try:
+                    return await attempt()
+                finally:
+                    timer.cancel()
+                    if watch is not None:
+                        watch.cancel()
+                        await asyncio.gather(watch, return_exceptions=True)
+        except TimeoutError:
+            if not hang.expired():
+                raise  # the hop's own timeout
+            raise PeerHung(f"{peer.name} answers nothing, neither the call nor GET /healthz, for "
+                           f"{time.monotonic() - quiet_since:.1f} s (a stopped or wedged process)",
+                           quiet_since) from None
+
     async def _shards(self, owners: list[int], call: Call, stage: str,
                       attempt: Callable[[ShardClient, float], Awaitable[wire.Envelope]]) -> list:
         """One call per shard index in owners, at once -> a reply or, under "degrade", the exception."""
         def one(k: int) -> Awaitable[wire.Envelope]:
             spec, client = self.shards[k]
             if call.shard_failure == "degrade":  # the seed's allSettled: no waiting, a failure is degraded around
-                return attempt(client, call.timeout(self.shard_timeout_s, f"shard {spec.index} {stage}"))
+                return self.watched(self.shard_state[k], client, lambda: attempt(
+                    client, call.timeout(self.shard_timeout_s, f"shard {spec.index} {stage}")))
             missing = (f"; the tokens [{spec.vocab_start}, {spec.vocab_end}) cannot be embedded or scored without it, "
                        f"so the request fails rather than answer without them (shard_failure=degrade opts into that)")
             return self.until_up(self.shard_state[k], call, self.shard_timeout_s, f"shard {spec.index} {stage}",
-                                 lambda t: attempt(client, t), missing)
+                                 lambda t: attempt(client, t), missing, client)
 
         results = await asyncio.gather(*(one(k) for k in owners), return_exceptions=True)
         for r in results:  # another knot version, or a refusal over its integrity: never degraded around
@@ -350,7 +423,7 @@ class Pipeline:
         frame = wire.Envelope(call.rid, mode, position, position + h.shape[0], h, rewind)
         t0 = time.perf_counter()
         out = await self.until_up(self.station_state[i], call, self.station_timeout_s,
-                                  f"station {i} {mode} at {position}", lambda t: st.forward(frame, t))
+                                  f"station {i} {mode} at {position}", lambda t: st.forward(frame, t), client=st)
         call.hops.add(f"station_{i}", t0)
         # Why: a station stacks several requests' decode frames and splits the rows back. A reply
         # that is not this frame's rows would be computed on as if it were: other tokens, a 200.

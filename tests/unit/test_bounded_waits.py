@@ -1,0 +1,114 @@
+"""Every wait bounded (issue 52 item 6), in one process: a station that hangs (a stopped process
+takes the call and answers nothing) is a 503 naming it after PEER_WAIT_S, one that computes long
+but answers its probes is waited for, and a request past REQUEST_TIMEOUT_S is a 504, not "down".
+The same on real processes with SIGSTOP: tests/integration/test_bounded_waits.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from common.runtime import Request, Response
+from services.coordinator import handler as co
+from tests.inprocess import build_cluster
+
+PROMPT = "the def the"
+
+
+class Stopped:
+    """A station whose process is stopped while `stopped` is set: every call, /healthz included,
+    waits (the kernel accepted the connection, nobody reads it); SIGCONT (clear) lets them through."""
+
+    def __init__(self, inner):
+        self.inner, self.stopped, self.calls = inner, True, 0
+        self._cont = asyncio.Event()
+
+    def cont(self) -> None:
+        self.stopped = False
+        self._cont.set()
+
+    async def fetch(self, request: Request) -> Response:
+        self.calls += 1
+        if self.stopped:
+            await self._cont.wait()
+        return await self.inner.fetch(request)
+
+
+class Busy:
+    """A station that computes for `forward_s` per forward; its process answers /healthz meanwhile."""
+
+    def __init__(self, inner, forward_s: float):
+        self.inner, self.forward_s, self.probes = inner, forward_s, 0
+
+    async def fetch(self, request: Request) -> Response:
+        if request.path == "/healthz":
+            self.probes += 1
+            return Response.from_json({"ok": True})
+        if request.path == "/forward":
+            await asyncio.sleep(self.forward_s)
+        return await self.inner.fetch(request)
+
+
+async def _booted(c, **vars):
+    c.coordinator.env._items.update(vars)
+    co._booted.clear()
+    return await co.coordinator_for(c.coordinator.env)  # boots against the live stations
+
+
+@pytest.fixture
+async def cluster(tiny_knot, tmp_path):
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    yield c
+    co._booted.clear()
+    await c.drain()
+
+
+async def timed(c, **body) -> tuple[Response, float]:
+    t0 = time.monotonic()
+    r = await c.generate(**body)
+    return r, time.monotonic() - t0
+
+
+async def test_a_stopped_station_is_a_503_after_peer_wait_and_known_at_once(cluster):
+    c = cluster
+    baseline = (await c.generate(prompt=PROMPT, max_tokens=4)).json()["tokens"]
+    booted = await _booted(c, PEER_WAIT_S="0.6")
+    stopped = Stopped(booted.pipeline.stations[1].binding)
+    booted.pipeline.stations[1].binding = stopped
+    r, took = await timed(c, prompt=PROMPT, max_tokens=4)
+    assert r.status == 503 and "station 1" in r.json()["message"] and r.headers["Retry-After"] == "1", r.body
+    assert "GET /healthz" in r.json()["message"], r.body
+    assert 0.6 <= took < 2.0, took  # PEER_WAIT_S, not the hop's timeout (STATION_TIMEOUT_S: 300 s)
+    r, took = await timed(c, prompt=PROMPT, max_tokens=4)  # known hung: MIN_SILENCE_S, not PEER_WAIT_S again
+    assert r.status == 503 and "station 1" in r.json()["message"] and took < 2.0, (r.body, took)
+    stopped.cont()  # SIGCONT: the calls it held go through, and so do new ones
+    r = await c.generate(prompt=PROMPT, max_tokens=4)
+    assert r.status == 200 and r.json()["tokens"] == baseline, r.body
+    assert booted.pipeline.station_state[1].down_since is None
+
+
+async def test_a_station_computing_longer_than_peer_wait_is_waited_for(cluster):
+    c = cluster
+    baseline = (await c.generate(prompt=PROMPT, max_tokens=2)).json()["tokens"]
+    booted = await _booted(c, PEER_WAIT_S="0.6")
+    busy = Busy(booted.pipeline.stations[0].binding, 1.5)
+    booted.pipeline.stations[0].binding = busy
+    r = await c.generate(prompt=PROMPT, max_tokens=2)
+    assert r.status == 200 and r.json()["tokens"] == baseline, r.body
+    assert busy.probes >= 2, "the slow hops were probed, and the probes kept them alive"
+
+
+async def test_a_request_past_its_deadline_is_a_504_not_a_peer_down(cluster):
+    c = cluster
+    booted = await _booted(c, REQUEST_TIMEOUT_S="0.8", PEER_WAIT_S="5")
+    booted.pipeline.stations[0].binding = Busy(booted.pipeline.stations[0].binding, 3.0)
+    r, took = await timed(c, prompt=PROMPT, max_tokens=2)
+    assert r.status == 504, r.body
+    assert "REQUEST_TIMEOUT_S" in r.json()["message"] and "down" not in r.json()["message"], r.body
+    assert "Retry-After" not in r.headers and took < 1.5, (r.headers, took)
+    assert booted.pipeline.station_state[0].down_since is None, "a station still computing is not down"
+    r = await c.coordinator.fetch(Request("POST", "https://coordinator/v1/completions",
+                                          {"Content-Type": "application/json"},
+                                          b'{"prompt": "the def the", "max_tokens": 2}'))
+    assert r.status == 504 and r.json()["error"]["type"] == "server_error", r.body
