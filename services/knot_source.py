@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Awaitable, Callable, NoReturn, TypeVar
 
-from common.knot import CorruptKnot, KnotHeader, read_header
+from common.knot import CorruptKnot, KnotError, KnotHeader, read_header
 from common.models import Model, model_for
 from common.runtime import HttpError, NotFound, PreconditionFailed, ServiceUnavailable
 from services.boot import BootCache
@@ -111,7 +111,11 @@ class KnotSource:
                 self.header_bytes_read += len(data)
                 return data
 
-            self._header = await read_header(read_range, file_size=meta.size)
+            try:
+                self._header = await read_header(read_range, file_size=meta.size)
+            except KnotError as e:  # shrunk, not a knot, stale: the service cannot run it (503, not 500)
+                raise KnotCorrupt(f"knot {self.knot_key!r} version {self.etag!r} cannot be read: {type(e).__name__}: "
+                                  f"{e}; re-encode it (`knot encode`) and upload it again") from None
         return self._header
 
     async def model(self) -> Model:

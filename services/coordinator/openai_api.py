@@ -81,9 +81,30 @@ def _common(body: dict, chat: bool) -> Options:
     return Options(chat, stream, include_usage, n)
 
 
+# Chat's fields that change what a completion must be: ignored, they would give a 200 that is not
+# what was asked (a tool call, a JSON object). Any other unknown field is ignored, as OpenAI does.
+CHAT_ONLY_FIELDS = ("messages", "tools", "functions", "tool_choice", "function_call", "parallel_tool_calls",
+                    "response_format")
+
+
+def _chat_only(body: dict) -> None:
+    """A /v1/completions body with a field only chat can honour: a 400 naming it (a "text" response
+    format and no tools are what a completion is anyway)."""
+    fmt = body.get("response_format")
+    text = fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1)
+    for name in CHAT_ONLY_FIELDS:
+        v = body.get(name)
+        if (v is None or v is False or v in ("", "none") or v == [] or v == {}
+                or (name == "response_format" and text)):
+            continue
+        raise InvalidParam(f"{name}={repr(v)[:80]}: /v1/completions cannot honour {name} (a completion only "
+                           f"continues the prompt's text)", name)
+
+
 def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
     body = _object(body)
     opts = _common(body, chat=False)
+    _chat_only(body)
     prompt, prompt_ids = body.get("prompt"), None
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -100,6 +100,72 @@ async def test_generate_refuses_fields_it_does_not_read(cluster, extra, named, h
     assert r.status == 200, (r.status, r.body)
 
 
+ENDPOINTS = ["/generate", "/v1/completions", "/v1/chat/completions", "/tokenize"]
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+@pytest.mark.parametrize("where", ["max_tokens", "seed", "prompt ids", "an unread field"])
+async def test_a_million_digit_integer_is_a_400_naming_it(cluster, path, where):
+    """json.loads raises ValueError (not a JSONDecodeError) past Python's 4,300 digits: was a 500."""
+    huge = "9" * 1_000_000
+    base = '"messages": [{"role": "user", "content": "hi"}]' if "chat" in path else f'"prompt": "{PROMPT}"'
+    body = {"max_tokens": f'{base}, "max_tokens": {huge}', "seed": f'{base}, "seed": -{huge}',
+            "prompt ids": f'"prompt": [1, {huge}], "max_tokens": 2',
+            "an unread field": f'{base}, "user": {{"n": [{huge}]}}'}[where]
+    r = await post_raw(cluster, path, ("{" + body + "}").encode())
+    assert r.status == 400, (r.status, r.body[:300])
+    assert "an integer of 1,000,000 digits" in r.text() and "at most 100" in r.text(), r.body[:300]
+
+
+async def test_a_hundred_digit_integer_is_still_read_as_one(cluster):
+    r = await post_raw(cluster, "/v1/completions", f'{{"prompt": "{PROMPT}", "seed": {"9" * 100}}}'.encode())
+    assert r.status == 400 and r.json()["error"]["param"] == "seed" and "must be <=" in r.text(), r.body
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("tool_choice", "auto"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("function_call", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("messages", [{"role": "user", "content": "hi"}]),
+])
+async def test_completions_refuse_the_fields_they_cannot_honour(cluster, field, value):
+    r = await post_raw(cluster, "/v1/completions", dumps({"prompt": PROMPT, "max_tokens": 2, field: value}))
+    assert r.status == 400, (r.status, r.body)
+    err = r.json()["error"]
+    assert err["param"] == field and f"cannot honour {field}" in err["message"], err
+
+
+@pytest.mark.parametrize("extra", [{"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                                   {"functions": None}, {"parallel_tool_calls": False}])
+async def test_completions_take_what_a_completion_is_anyway(cluster, extra):
+    r = await post_raw(cluster, "/v1/completions", dumps({"prompt": PROMPT, "max_tokens": 2, **extra}))
+    assert r.status == 200, (r.status, r.body)
+
+
+@pytest.mark.parametrize("broken", ["shrunk", "garbage", "empty header"])
+async def test_a_broken_knot_in_the_bucket_is_the_documented_503(cluster, broken):
+    """A knot replaced by a shrunk or unparsable object: 503 naming the knot (docs/api.md), never a
+    500 or a token; with the original back, the baseline tokens again."""
+    from tests.inprocess import KNOT_KEY
+
+    want = await baseline(cluster)
+    original = (await cluster.bucket.get(KNOT_KEY)).body
+    data = {"shrunk": original[:len(original) // 2], "garbage": b"\x00garbage" * 1000,
+            "empty header": original[:16]}[broken]
+    await cluster.bucket.put(KNOT_KEY, data)
+    for path, body in (("/generate", {"prompt": PROMPT, "max_tokens": 2}),
+                       ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})):
+        r = await post_raw(cluster, path, dumps(body))
+        assert r.status == 503, (path, r.status, r.body[:300])
+        assert KNOT_KEY in r.text() and "re-encode" in r.text(), r.body[:300]
+    await cluster.bucket.put(KNOT_KEY, original)
+    assert await baseline(cluster) == want
+
+
 async def test_cluster_gives_the_baseline_after_bad_inputs(cluster):
     want = await baseline(cluster)
     for extra, _ in SAMPLING_CASES:
