@@ -22,16 +22,32 @@ def _ci() -> bool:
     return settings.read(os.environ, "CI", "tests") == "true"
 
 
+def pytest_collection_modifyitems(items):
+    """needs_kernels tests skip where the C kernels did not build (they are optional for users)."""
+    if kernels.available():
+        return
+    skip = pytest.mark.skip(reason=f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
+    for item in items:
+        if item.get_closest_marker("needs_kernels"):
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Under CI=true a real-model test may not skip: scripts/test.sh fetched every model before the
-    tests, so a skip means a fidelity check silently did not run. It fails instead."""
+    tests, so a skip means a fidelity check silently did not run. It fails instead. The same for a
+    needs_kernels test: CI must prove the hot path, so kernels that did not build fail it."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and _ci() and any(item.get_closest_marker(m) for m in REAL_MODEL_MARKERS):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not (report.skipped and _ci()):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if any(item.get_closest_marker(m) for m in REAL_MODEL_MARKERS):
         report.outcome = "failed"
         report.longrepr = f"CI=true: real-model test skipped ({reason}); scripts/test.sh fetches every model first"
+    elif item.get_closest_marker("needs_kernels"):
+        report.outcome = "failed"
+        report.longrepr = f"CI=true: kernel test skipped ({reason}); scripts/setup.sh must build deploy/kernels"
 
 
 def pytest_collectreport(report):

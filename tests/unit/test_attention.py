@@ -18,13 +18,11 @@ from common.speculative import MAX_DRAFT
 from deploy import kernels
 
 
-@pytest.fixture(params=["numpy", "kernel"])
+@pytest.fixture(params=["numpy", pytest.param("kernel", marks=pytest.mark.needs_kernels)])
 def attn_path(request):
     """Attention's products on numpy's float64 matmuls or on the C kernels (conftest restores the
     session's registry after the test)."""
     if request.param == "kernel":
-        if not kernels.available():
-            pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
         mm.register_attention_kernel(kernels.make_attention_kernel())
     else:
         mm.register_attention_kernel(None)
@@ -203,7 +201,7 @@ def exact_sum_qkv(T: int, S: int, n_head: int, n_kv: int, hd: int, seed: int):
     return draw((T, n_head, hd)) / np.float32(4), draw((S, n_kv, hd)) / np.float32(4), draw((S, n_kv, hd))
 
 
-@pytest.mark.skipif(not kernels.available(), reason="C kernels not built")
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("T,S,tile", [(1, 1500, None), (7, 400, None), (64, 1000, 192), (1, 40, None)])
 def test_kernels_and_numpy_give_the_same_bits(T, S, tile):
     """Where every float64 sum is exact, the order of the sums cannot matter: the C kernels' fixed
@@ -320,6 +318,7 @@ def test_the_cache_stores_float16_where_the_kernels_read_it_and_float32_on_numpy
         assert KVCache(2, 64, dtype=np.float32).dtype == np.float32  # an explicit type is kept
 
 
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("simd", [True, False])
 def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd, fused):
@@ -328,8 +327,6 @@ def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd, fused)
     around numpy's exp and sums. Decode steps (T = 1) and verify trips, float16 and float32 caches,
     keys masked by position, more query heads per kv head than a call takes (17 > 16), and hd 16,
     which the AVX-512 values kernel leaves to the reference."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel(simd=simd)
     assert kern.rows is not None, "numpy gives its exp loop here (>= 1.24)"
     calls = []
@@ -360,13 +357,12 @@ def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd, fused)
     assert qwen2._attend_rows(q[:, :, :16], k[:8], v[:8], np.array([7]), np.arange(8)) is None  # numpy: no row calls
 
 
+@pytest.mark.needs_kernels
 def test_the_kernels_rope_qkv_gives_numpys_bits():
     """q, k and v after their products (biases, RoPE, k and v rounded to f16) in one C call are
     numpy's float32 operations bit for bit: decode rows and prefill chunks, any positions, values
     that round to f16 subnormals, to zero and past 65504 to inf, and signed zeros. The kernel writes
     q, k and v in place; it declines (None) arrays of another dtype or layout, and numpy serves."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel()
     rng = np.random.default_rng(11)
     for case in range(40):
@@ -400,6 +396,7 @@ def test_the_kernels_rope_qkv_gives_numpys_bits():
     assert kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
 
 
+@pytest.mark.needs_kernels
 def test_the_kernels_rmsnorm_gives_numpys_bits():
     """rmsnorm in one C call is numpy's: the float64 sum of squares in numpy's pairwise order (8
     accumulators up to 128 values, halves above: row lengths on each side of those bounds; checked
@@ -407,8 +404,6 @@ def test_the_kernels_rmsnorm_gives_numpys_bits():
     products; rows of tiny, huge, zero and mixed-scale values, and an inf, whose row numpy turns to
     NaN and 0 (the same NaN bits). It declines (None) float64, 1-D, strided or mismatched input, and
     numpy serves."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel()
     rng = np.random.default_rng(12)
     lengths = [1, 7, 8, 9, 15, 16, 64, 127, 128, 129, 136, 255, 256, 257, 896, 1000, 1536, 3584, 4864, 8960]
@@ -443,13 +438,12 @@ def test_the_kernels_rmsnorm_gives_numpys_bits():
     assert kern.rmsnorm(x, w.astype(np.float64), 1e-6) is None
 
 
+@pytest.mark.needs_kernels
 def test_the_kernels_row_sums_give_numpys_bits():
     """The float64 sums between attention's two row calls (each row's (n_head, n_t) block after
     numpy's exp) in one C call are numpy's, in its pairwise order: a decode row and verify trips'
     rows, blocks of 1 to 8,192 values (numpy's casting buffer). Longer rows, which numpy sums buffer
     by buffer, and arrays of another dtype or shape are declined (None), and numpy sums them."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel()
     rng = np.random.default_rng(13)
     for case, (T, S) in enumerate([(1, 1), (1, 7), (1, 129), (1, 210), (3, 9), (9, 300), (33, 1000), (1, 4097),
@@ -474,11 +468,10 @@ def test_the_kernels_row_sums_give_numpys_bits():
         kernels._qmatmul.attn_row_sums(p[:-1], np.empty((T, n_head)), T, S, n_head)
 
 
+@pytest.mark.needs_kernels
 def test_attention_rows_take_the_kernels_row_sums():
     """_attend_rows sums through the kernel's row_sums where it has one, with the same output as
     numpy's sums: a decode row and a verify trip over an f16 cache."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel()
     q, k, v = qkv(T=5, S=40, n_head=14, n_kv=2, hd=64, seed=4)
     k, v = qwen2.to_f16(k).astype(np.float16), qwen2.to_f16(v).astype(np.float16)
@@ -494,12 +487,11 @@ def test_attention_rows_take_the_kernels_row_sums():
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.needs_kernels
 def test_the_fused_rows_call_past_numpys_sum_buffer_declines_and_the_two_calls_serve():
     """A row over more keys than numpy's casting buffer (8,192: its float64 sum goes buffer by buffer)
     is declined by the fused call, and the two row calls with numpy's sums give attention()'s bits;
     at 8,192 keys the fused call serves, with the same bits as the two calls."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel()
     two = dataclasses.replace(kern, rows=None)
     for S in (kernels.ROW_SUMS_MAX, kernels.ROW_SUMS_MAX + 1):
@@ -520,13 +512,12 @@ def test_the_fused_rows_call_past_numpys_sum_buffer_declines_and_the_two_calls_s
             np.testing.assert_array_equal(fused.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.needs_kernels
 def test_the_kernels_silu_gives_numpys_bits():
     """silu in one C call (negate, numpy's own exp loop, + 1, divide) is numpy's x / (1 + exp(-x)) bit
     for bit: lengths around the SIMD widths, values whose exp overflows (-> -0), infinities, NaN,
     signed zeros and subnormals. It declines float64 and strided input (numpy serves), and
     qwen2.silu goes through it."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     kern = kernels.make_attention_kernel()
     rng = np.random.default_rng(14)
     for n in (1, 7, 8, 15, 16, 17, 33, 896, 4864, 8960, 18944):
@@ -552,11 +543,10 @@ def test_the_kernels_silu_gives_numpys_bits():
         kernels._qmatmul.silu(x, np.empty(x.size - 1, np.float32), x.size)
 
 
+@pytest.mark.needs_kernels
 def test_the_fused_calls_need_numpys_exp_loop():
     """Without the exp loop the fused calls raise, naming it (never an exp of another library), and a
     capsule that is not numpy's call info is refused."""
-    if not kernels.available():
-        pytest.skip(f"C kernels not built: {kernels.UNAVAILABLE_REASON}")
     q, k, v = qkv(T=1, S=8, n_head=2, n_kv=1, hd=16)
     x = np.ones(4, np.float32)
     assert kernels.numpy_exp_loop()

@@ -11,7 +11,7 @@ from deploy import kernels
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(not kernels.available(), reason="the C kernels are not built")
+@pytest.mark.needs_kernels
 def test_a_build_against_itself_has_the_same_bits_for_every_row_count(tiny_gguf, capsys):
     assert kernel_ab.main(["--against", str(REPO), "--model", str(tiny_gguf), "--rows", "1,3", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
