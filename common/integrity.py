@@ -12,9 +12,18 @@ the knot's own checksum wherever it has one (docs/knot-format.md, "Checksums").
 
 A seal is where cached bytes came from: the object version (etag) they were read at and the CRC
 of their content. A cache returns a hit only when both match; anything else is a miss.
+
+A keyed seal (CacheKey) adds what a forger cannot compute: an HMAC-SHA256, under a key derived
+from the cluster's internal secret (KNOT_INTERNAL_SECRET), over a domain tag, the knot version, the
+entry's name, its length and either its content (KV rows, embedding rows: small) or its crc32 (the
+LayerWarden's frames, tens of MB a token: docs/reliability.md, "Keyed caches", says what that leaves
+open). A writer without the secret cannot make an entry that passes.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
 from dataclasses import dataclass
 
 try:
@@ -70,6 +79,7 @@ class Seal:
     etag: str  # version of the knot object the bytes were read at
     crc32: int  # of the bytes, as they were when sealed
     nbytes: int
+    mac: bytes = b""  # CacheKey's HMAC-SHA256 of the seal (or of the content); b"": an unkeyed seal
 
     def problem(self, etag: str, data: bytes | memoryview) -> str | None:  # data: any contiguous buffer
         """None when `data` is what was sealed, at version `etag`; else what is wrong with it."""
@@ -87,3 +97,74 @@ class Seal:
 def seal(etag: str, data: bytes | memoryview, crc: int | None = None) -> Seal:
     """Seal bytes (any contiguous buffer) read at version etag; pass crc when it is already known."""
     return Seal(etag, crc32(data) if crc is None else crc, memoryview(data).nbytes)
+
+
+MAC_BYTES = 32  # HMAC-SHA256
+_KEY_LABEL = b"knot-cluster cache MAC v1"  # the cache key is derived, not the signing key itself
+_FIELD = struct.Struct("<H")  # each text field's length, before it
+_LENGTHS = struct.Struct("<QI")  # nbytes u64 | crc32 u32 (a seal MAC), or nbytes u64 | 0 (a content MAC)
+
+
+class CacheKey:
+    """HMAC-SHA256 of cache entries under the cluster's internal secret.
+
+    A MAC covers: the domain tag (which store), the knot version, the entry's name (a KV key, a
+    tensor name and row), its length, and then either the content itself (a content MAC) or only
+    the content's crc32 (a seal MAC, for entries too large to hash on every hit). shared: the
+    cluster's secret, which every process holds; else a secret of one process (random, from its
+    caller: services/embed_cache.py process_key), for caches in that process's memory only."""
+
+    def __init__(self, secret: str, shared: bool = True):
+        assert secret, "a cache key needs a secret"
+        self.shared = shared
+        self._key = hmac.new(secret.encode("utf-8"), _KEY_LABEL, hashlib.sha256).digest()
+
+    def _start(self, tag: bytes, etag: str, name: str, nbytes: int, crc: int | None) -> "hmac.HMAC":
+        e, n = etag.encode("utf-8"), name.encode("utf-8")
+        form = b"C" if crc is None else b"S"  # content MAC, seal MAC: never the same message
+        return hmac.new(self._key, b"".join((tag, b"\0", form, _FIELD.pack(len(e)), e, _FIELD.pack(len(n)), n,
+                                              _LENGTHS.pack(nbytes, crc or 0))), hashlib.sha256)
+
+    def content_mac(self, tag: bytes, etag: str, name: str, data) -> bytes:
+        """The MAC of (tag, etag, name, length, content); data: any contiguous buffer."""
+        h = self._start(tag, etag, name, memoryview(data).nbytes, None)
+        h.update(data)
+        return h.digest()
+
+    def seal_mac(self, tag: bytes, etag: str, name: str, nbytes: int, crc: int) -> bytes:
+        """The MAC of (tag, etag, name, length, crc32): no pass over the content."""
+        return self._start(tag, etag, name, nbytes, crc).digest()
+
+    def seal(self, tag: bytes, name: str, etag: str, data, crc: int | None = None, content: bool = True) -> Seal:
+        """A keyed seal of data (any contiguous buffer) read at version etag, named name in its store:
+        its MAC covers the content (content=True) or the crc32 (pass crc when it is known)."""
+        crc = crc32(data) if crc is None else crc
+        nbytes = memoryview(data).nbytes
+        mac = self.content_mac(tag, etag, name, data) if content else self.seal_mac(tag, etag, name, nbytes, crc)
+        return Seal(etag, crc, nbytes, mac)
+
+    def problem(self, s: Seal, tag: bytes, name: str, etag: str, data) -> str | None:
+        """None when s is this key's content seal of data, named name under tag, at version etag;
+        else what is wrong (a pass over the bytes: for small entries)."""
+        if s.etag != etag:
+            return f"sealed at knot version {s.etag!r}, this service serves {etag!r}"
+        nbytes = memoryview(data).nbytes
+        if nbytes != s.nbytes:
+            return f"{nbytes} bytes, sealed with {s.nbytes}"
+        if not hmac.compare_digest(self.content_mac(tag, etag, name, data), s.mac):
+            return _bad_mac(s, tag, name)
+        return None
+
+    def seal_problem(self, s: Seal, tag: bytes, name: str, etag: str) -> str | None:
+        """None when s is this key's seal MAC (content=False) for name under tag, at version etag; else
+        what is wrong. The bytes are not looked at: their caller checks them against s.crc32, or
+        against the knot's own checksums."""
+        if s.etag != etag:
+            return f"sealed at knot version {s.etag!r}, this service serves {etag!r}"
+        if not hmac.compare_digest(self.seal_mac(tag, etag, name, s.nbytes, s.crc32), s.mac):
+            return _bad_mac(s, tag, name)
+        return None
+
+
+def _bad_mac(s: Seal, tag: bytes, name: str) -> str:
+    return f"{'a wrong' if s.mac else 'no'} MAC ({tag.decode()} {name!r}, {s.nbytes} bytes): not sealed with this key"

@@ -258,13 +258,16 @@ SETTINGS: tuple[Setting, ...] = (
        "unset: sockets only (docker compose)"),
     _s("KNOT_MAX_BODY_BYTES", "int", None, "host", "largest request body accepted, 413 before it is read "
        "(default: the service module's MAX_BODY_BYTES, 4 MiB for the coordinator; else 64 MiB)", minimum=1),
-    _s("KNOT_INTERNAL_SECRET", "str", REQUIRED, "host compose launcher",
+    _s("KNOT_INTERNAL_SECRET", "str", REQUIRED, "host compose launcher cobordism_warden",
        "HMAC key of every internal call (at least 32 characters; common/signing.py): the host signs what its "
-       "bindings send and its internal services refuse unsigned calls (401); `knot cluster up` generates one "
+       "bindings send and its internal services refuse unsigned calls (401); the host passes it to its handler, "
+       "and the CobordismWarden keys its KV rows with it (common/integrity.py CacheKey), so a writer without "
+       "it cannot forge one; `knot cluster up` generates one "
        "per cluster (deploy/cluster_secrets.py), `knot secrets` writes one to .env for docker compose, which "
-       "refuses to start without it; a host started by hand without it does not authenticate internal calls "
-       "(a warning at start); never logged", secret=True, min_chars=32,
-       reader_defaults={"host": None, "launcher": None}),
+       "refuses to start without it, and on Cloudflare it is a secret of every Worker (`wrangler secret put`); "
+       "a host started by hand without it does not authenticate internal calls and its CobordismWarden uses no "
+       "KV (a warning at start); never logged", secret=True, min_chars=32,
+       reader_defaults={"host": None, "launcher": None, "cobordism_warden": None}),
     # ------------------------------------------------------------ kernels and the container runtime
     _s("KNOT_THREADS", "int", None, "kernels", "threads per matmul, the caller's included "
        "(default: the CPUs this process may run on)", minimum=1, maximum=256),

@@ -4,38 +4,44 @@ Used by the CobordismWarden: on a RAM miss it asks KV before R2 (the shards reac
 warden, and keep their own small row LRU in front of it). Each value carries where it came
 from and what it held, and is checked before use:
 
-    KV value, version 1 (integers little-endian):
+    KV value, version 2 (integers little-endian):
     off  size      field
     0    4         magic      b"KROW"
-    4    1         version    1
+    4    1         version    2
     5    1         etag_len   bytes of the etag
     6    2         reserved   0
     8    4         row        u32, the row id the value is for
     12   4         crc32      zlib.crc32 of the payload
-    16   etag_len  etag       UTF-8: the knot version the row was read at
+    16   32        mac        HMAC-SHA256 under the cluster's secret (common/integrity.py CacheKey)
+                              of (KV_TAG, etag, the value's KV key, payload bytes, payload)
+    48   etag_len  etag       UTF-8: the knot version the row was read at
     ..   4*hidden  payload    float32 (hidden,)
 
 Keys are "embed:{knot_key}@{etag}:{row}", so a replaced knot never even looks up the old rows.
-A value that is malformed, of another version or row, of the wrong length, or whose payload
-disagrees with its crc32 is a miss ("poisoned": counted, logged, deleted in the background, and
-rewritten from R2 after the delete). Seed section 8 traps handled here:
-- kvGet silent cache poisoning: a value of the wrong length, and now of the right length but the
+A value that is malformed, of another version or row, of the wrong length, whose payload
+disagrees with its crc32 (corrupt) or whose MAC does not verify (written without the cluster's
+secret: forged, or another cluster's) is a miss ("poisoned": counted, logged, deleted in the
+background, and rewritten from R2 after the delete). Seed section 8 traps handled here:
+- kvGet silent cache poisoning: a value of the wrong length, and of the right length but the
   wrong content, is a miss;
 - missing ctx.waitUntil on KV writes: every write and delete goes through wait_until.
 A KV that cannot be reached degrades to a miss (logged): the cache must never fail a request.
-The CRC catches corruption, stale and misfiled values; it is no signature against someone who can
-write the KV and compute a CRC (that takes a key the cluster holds: the request-signing issue).
+Whoever can write the KV (the Redis password) but not the secret can delete rows, which costs a
+read from R2, but cannot make one that is served. Without a secret (a host started by hand) the
+warden does not use KV at all (services/cobordism_warden/warden.py).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import struct
+import uuid
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from common.integrity import Seal, crc32, seal
+from common.integrity import MAC_BYTES, CacheKey, Seal, crc32
 from common.lru import ByteLRU
 from common.runtime import HttpError, KVNamespace
 
@@ -44,18 +50,32 @@ log = logging.getLogger(__name__)
 TTL_S = 24 * 3600
 KEY_PREFIX = "embed"
 VALUE_MAGIC = b"KROW"
-VALUE_VERSION = 1
-_VALUE_HEAD = struct.Struct("<4sBBHII")  # magic version etag_len reserved row crc32
+VALUE_VERSION = 2
+_VALUE_HEAD = struct.Struct(f"<4sBBHII{MAC_BYTES}s")  # magic version etag_len reserved row crc32 mac
+KV_TAG = b"kv-row"  # the domain of a KV value's MAC
+KEPT_TAG = b"kept-row"  # the domain of a SealedRows entry's MAC
+
+
+def process_key() -> CacheKey:
+    """A key only this process holds (two uuid4s: os.urandom's 244 bits), for caches in its own
+    memory: whoever can write that memory can read any key in it, the cluster's secret included."""
+    return CacheKey(uuid.uuid4().hex + uuid.uuid4().hex, shared=False)
+
+
+def cluster_key(secret: str | None) -> CacheKey | None:
+    """The key of values other processes read (KV), from the cluster's KNOT_INTERNAL_SECRET; None without one."""
+    return CacheKey(secret) if secret else None
 
 
 class SealedRows(ByteLRU[int, tuple[Seal, np.ndarray]]):
     """Float32 embedding rows kept in this isolate (a shard's LRU in front of its warden, the
     coordinator's in front of the shards): row -> (seal, (dim,) read-only row), each sealed with the
-    knot version and its crc32 and checked on every hit. A row whose seal fails is a miss: counted
-    in `rejects`, logged, dropped."""
+    knot version and a MAC of its content (CacheKey), checked on every hit (~3.5 KB at 0.5B, ~14 KB
+    at 7B). A row whose seal fails is a miss: counted in `rejects`, logged, dropped."""
 
-    def __init__(self, budget_bytes: int, owner: str = "row cache"):
+    def __init__(self, budget_bytes: int, owner: str = "row cache", key: CacheKey | None = None):
         super().__init__(budget_bytes)
+        self.key = key or process_key()  # rows in this process's memory
         self.owner = owner  # who keeps them, for the log
         self.rejects = 0
 
@@ -65,7 +85,7 @@ class SealedRows(ByteLRU[int, tuple[Seal, np.ndarray]]):
         if hit is None:
             return None
         s, vec = hit
-        problem = s.problem(etag, vec)
+        problem = self.key.problem(s, KEPT_TAG, str(row), etag, vec)
         if problem is None:
             return vec
         self.rejects += 1
@@ -76,7 +96,7 @@ class SealedRows(ByteLRU[int, tuple[Seal, np.ndarray]]):
     def keep(self, row: int, vec: np.ndarray, etag: str) -> None:
         """Keep vec as it is, made read-only (later lookups share it): pass a copy if it views a larger buffer."""
         vec.flags.writeable = False
-        self.put(row, (seal(etag, vec), vec), vec.nbytes)
+        self.put(row, (self.key.seal(KEPT_TAG, str(row), etag, vec), vec), vec.nbytes)
 
 
 def row_key(namespace: str, row: int) -> str:
@@ -84,20 +104,21 @@ def row_key(namespace: str, row: int) -> str:
     return f"{KEY_PREFIX}:{namespace}:{row}"
 
 
-def encode_row(etag: str, row: int, vec: np.ndarray) -> bytes:
-    """One KV value: the layout above; vec is float32 (hidden,)."""
+def encode_row(key: CacheKey, kv_key: str, etag: str, row: int, vec: np.ndarray) -> bytes:
+    """One KV value, to be stored under kv_key: the layout above; vec is float32 (hidden,)."""
     tag = etag.encode("utf-8")
     assert len(tag) <= 0xFF, f"etag of {len(tag)} bytes does not fit etag_len"
     payload = np.ascontiguousarray(vec, dtype="<f4").tobytes()
-    return _VALUE_HEAD.pack(VALUE_MAGIC, VALUE_VERSION, len(tag), 0, row, crc32(payload)) + tag + payload
+    mac = key.content_mac(KV_TAG, etag, kv_key, payload)
+    return _VALUE_HEAD.pack(VALUE_MAGIC, VALUE_VERSION, len(tag), 0, row, crc32(payload), mac) + tag + payload
 
 
-def decode_row(value: bytes, etag: str, row: int, hidden: int) -> np.ndarray | str:
-    """The float32 (hidden,) row a value holds, or what is wrong with it (a str) when it is not
-    exactly row `row` of knot version `etag`, intact."""
+def decode_row(key: CacheKey, kv_key: str, value: bytes, etag: str, row: int, hidden: int) -> np.ndarray | str:
+    """The float32 (hidden,) row a value read from kv_key holds, or what is wrong with it (a str)
+    when it is not exactly row `row` of knot version `etag`, intact, written with the cluster's key."""
     if len(value) < _VALUE_HEAD.size:
         return f"{len(value)} bytes, shorter than the {_VALUE_HEAD.size}-byte value header"
-    magic, version, etag_len, reserved, got_row, crc = _VALUE_HEAD.unpack_from(value)
+    magic, version, etag_len, reserved, got_row, crc, mac = _VALUE_HEAD.unpack_from(value)
     if magic != VALUE_MAGIC or version != VALUE_VERSION or reserved:
         return f"magic {magic!r} version {version}, expected {VALUE_MAGIC!r} version {VALUE_VERSION}"
     tag = value[_VALUE_HEAD.size:_VALUE_HEAD.size + etag_len]
@@ -111,13 +132,16 @@ def decode_row(value: bytes, etag: str, row: int, hidden: int) -> np.ndarray | s
     got = crc32(payload)
     if got != crc:
         return f"payload crc32 0x{got:08x}, the value says 0x{crc:08x}"
+    if not hmac.compare_digest(key.content_mac(KV_TAG, etag, kv_key, payload), mac):
+        return "its MAC does not verify under the cluster's secret: not written by this cluster"
     return np.frombuffer(payload, dtype="<f4")
 
 
 class EmbedRowCache:
-    def __init__(self, kv: KVNamespace, knot_key: str, etag: str, hidden: int,
+    def __init__(self, kv: KVNamespace, key: CacheKey, knot_key: str, etag: str, hidden: int,
                  wait_until: Callable[[Awaitable[Any]], None], ttl_s: int = TTL_S):
-        self.kv, self.etag, self.hidden = kv, etag, hidden
+        assert key.shared, "KV is shared with other processes: its values need the cluster's key"
+        self.kv, self.mac_key, self.etag, self.hidden = kv, key, etag, hidden
         self.namespace = f"{knot_key}@{etag}"
         self.wait_until, self.ttl_s = wait_until, ttl_s
         self.hits = self.misses = self.poisoned = self.errors = self.writes = 0
@@ -139,7 +163,7 @@ class EmbedRowCache:
         values = await asyncio.gather(*(self._get(r) for r in rows))
         out: dict[int, np.ndarray] = {}
         for row, value in zip(rows, values):
-            got = None if value is None else decode_row(value, self.etag, row, self.hidden)
+            got = None if value is None else decode_row(self.mac_key, self.key(row), value, self.etag, row, self.hidden)
             if got is None:
                 self.misses += 1
             elif isinstance(got, str):
@@ -160,7 +184,7 @@ class EmbedRowCache:
         assert rows_f32.ndim == 2 and rows_f32.shape[1] == self.hidden, f"{rows_f32.shape=} {self.hidden=}"
         for i, vec in enumerate(rows_f32):
             key = self.key(row_start + i)
-            value = encode_row(self.etag, row_start + i, vec)
+            value = encode_row(self.mac_key, key, self.etag, row_start + i, vec)
             self.wait_until(self._write(key, value, self._deleting.pop(key, None)))
 
     async def _write(self, key: str, value: bytes, after: asyncio.Future | None) -> None:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.integrity import CacheKey
 from common.models import model_for
 from common.runtime import Env, Request, Response
 from common.topology import split_layers, split_vocab
@@ -20,6 +21,8 @@ from services.cobordism_warden import CobordismWarden
 from services.layer_warden import LayerWarden
 
 KNOT_KEY = "model.knot"
+INTERNAL_SECRET = "the-in-process-clusters-internal-secret-43ch"  # what keys the KV rows (KNOT_INTERNAL_SECRET)
+KV_KEY = CacheKey(INTERNAL_SECRET)  # the key a test reads and forges KV rows with
 DRAFT_KEY = "draft.knot"
 # A station budget just above what short prompts of the tiny synthetic model need on a station of
 # both its layers (matmul's tile, one phase's tensors, a KV block, the activations): the stations
@@ -69,7 +72,8 @@ async def build_cluster(knot_path: Path, tmp: Path, n_stations: int = 2, n_shard
     tasks = BackgroundTasks("test wait_until")
     base = {"KNOT_BUCKET": bucket}
     lw = DurableObjectHost({"LayerWarden": LayerWarden}, tasks, Env(base))
-    cw = DurableObjectHost({"CobordismWarden": CobordismWarden}, tasks, Env({**base, "EMBED_CACHE": kv}))
+    cw = DurableObjectHost({"CobordismWarden": CobordismWarden}, tasks,
+                           Env({**base, "EMBED_CACHE": kv}, {"KNOT_INTERNAL_SECRET": INTERNAL_SECRET}))
     bindings: dict = {}
     stations, station_envs = [], []
     for s in split_layers(cfg.n_layer, n_stations):

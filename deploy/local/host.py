@@ -36,7 +36,8 @@ from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectH
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
-from deploy.local.shm import PID_NS_HEADER, SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, allow_descriptors, reader_stats
+from deploy.local.shm import (PID_NS_HEADER, SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, ShmError,
+                              allow_descriptors, check_private, reader_stats)
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -382,6 +383,11 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
     if missing:
         raise ConfigError(f"KNOT_DURABLE_OBJECTS names {missing}, but {settings.service} defines "
                           f"{sorted(svc.durable_objects)}")
+    if settings.shm_dir is not None:  # replies are read from there: nobody but the cluster's user may write it
+        try:
+            check_private(settings.shm_dir)
+        except ShmError as e:
+            raise ConfigError(f"KNOT_SHM_DIR: {e}", name="KNOT_SHM_DIR") from None
     tasks = BackgroundTasks(f"{settings.name} wait_until")
     session = aiohttp.ClientSession()
     stack.push_async_callback(session.close)
@@ -401,7 +407,7 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
         shm = ReplyBuffers(settings.shm_dir)
         stack.callback(shm.close)
         bindings["SHARED_BLOCKS"] = shm.blocks  # the LayerWarden keeps its tensors there (deploy/local/shm.py)
-    env = Env(bindings, settings.vars)
+    env = Env(bindings, settings.handler_vars())
     check_settings(settings.name, settings.service, env)
     if do_host is not None:
         do_host.env = env

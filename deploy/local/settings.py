@@ -140,6 +140,10 @@ class HostSettings:
             shm_dir=get("KNOT_SHM_DIR") or None,
         )
 
+    def handler_vars(self) -> dict[str, str]:
+        """The handler's plain vars: KNOT_VARS, and the internal secret its caches are keyed with."""
+        return {**self.vars, **({"KNOT_INTERNAL_SECRET": self.internal_secret} if self.internal_secret else {})}
+
 
 def redis_password(bindings: Mapping[str, str], password: str | None) -> str | None:
     """The cluster's Redis requires a password: a redis:// binding without one fails at start."""

@@ -18,8 +18,11 @@ Why this is safe without locks: a buffer belongs to one connection, whose next r
 thing that makes the host write it again) the caller sends only after its copy. The host creates
 every file it writes (O_EXCL, mode 600) and unlinks it when the connection goes; the caller opens
 only plain names in its own directory (no separators, O_NOFOLLOW), regular files of its own user,
-read-only. Nothing here is trusted more than the socket's bytes: the frames inside carry their
-crc32s, checked by the station as before. A host without the directory, or with every buffer in use
+read-only. The directory is private: a host refuses to start on one that is not a directory of its
+own user closed to every other (check_private: mode 700, as `knot cluster up` makes it), so only
+the cluster's user (or root) can write a reply there. Nothing here is trusted more than the socket's
+bytes: the frames inside carry their crc32s, checked by the station against the knot's as before
+(what a process of the cluster's user could still do: docs/reliability.md, "Keyed caches"). A host without the directory, or with every buffer in use
 (MAX_BUFFERS), answers over the socket as always, so callers and hosts mix freely (docker compose
 and Cloudflare never set it).
 
@@ -352,7 +355,23 @@ def allow_descriptors(want: int = 1 << 16) -> int:
 
 
 class ShmError(Exception):
-    """A reply that names a file the caller may not, or cannot, read."""
+    """A reply that names a file the caller may not, or cannot, read; a directory that is not private."""
+
+
+def check_private(directory: str | Path) -> None:
+    """ShmError unless directory is a directory (not a symlink) of this process's user that no other
+    user may enter, list or write (mode 700 or less): another user could otherwise write replies."""
+    try:
+        st = os.lstat(directory)
+    except OSError as e:
+        raise ShmError(f"{directory}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ShmError(f"{directory} is not a directory (a symlink or another file)")
+    if st.st_uid != os.getuid():
+        raise ShmError(f"{directory} belongs to uid {st.st_uid}, not this process's {os.getuid()}")
+    if st.st_mode & 0o077:
+        raise ShmError(f"{directory} has mode {stat.S_IMODE(st.st_mode):03o}: other users could write replies "
+                       f"there (chmod 700 it)")
 
 
 def pid_namespace() -> str | None:

@@ -82,7 +82,7 @@ class Topology:
             stack.push_async_callback(tasks.drain, st.shutdown_timeout_s)
         for s in self.specs:
             st, rt = self.settings[s.name], self.runtimes[s.name]
-            rt.env.update(st.vars)
+            rt.env.update(st.handler_vars())
             rt.env.update({n: self._binding(s.name, n, u) for n, u in st.bindings.items()})
             check_settings(s.name, st.service, rt.env)
             if rt.do_host is not None:

@@ -10,10 +10,13 @@ is held as the float32 it arrived as: it cannot be re-quantized exactly, and goi
 raw bytes is what the L2 tier exists to avoid. The LRU counts the bytes actually held.
 
 Integrity: R2 reads are pinned to the served knot version; every RAM entry is sealed with that
-version and its payload's crc32, checked on each hit (a row is ~0.5-4 KB); KV values carry the
-same and are checked by embed_cache. A bad entry is a miss, counted in `rejects` ("ram", "kv"),
-and refetched; the reply's X-Knot-Cache-Rejects tells the shard, whose /stats the coordinator's
-/metrics gathers.
+version and an HMAC-SHA256 of its name and content (common/integrity.py CacheKey, under a key of
+this warden's own: its memory is its own), checked on each hit (a row is ~0.5-4 KB); KV values
+carry the knot version and a MAC under the cluster's secret (KNOT_INTERNAL_SECRET), checked by
+embed_cache, so a process that can write Redis but does not hold the secret cannot make a row this
+warden serves. Without the secret the warden does not use KV (a warning). A bad entry is a miss,
+counted in `rejects` ("ram", "kv"), and refetched; the reply's X-Knot-Cache-Rejects tells the
+shard, whose /stats the coordinator's /metrics gathers.
 
 Endpoints (identity "{knot_key}|{vocab_start}-{vocab_end}"):
     POST /configure        {"knot_key", "vocab_start", "vocab_end", "budget_bytes"?}
@@ -46,14 +49,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import wire
-from common.integrity import Seal, crc32, seal
+from common.integrity import CacheKey, Seal, crc32
 from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
 from common.models import Model
 from common.quant import dequantize_rows, row_nbytes
 from common.runtime import BadRequest, NotFound, Request, Response, int_param
 from common.settings import default, read
-from services.embed_cache import EmbedRowCache
+from services.embed_cache import EmbedRowCache, cluster_key, process_key
 from services.knot_source import KnotSource
 from services.warden_base import Identity, IdentityFields, Served, WardenBase, budget_from
 
@@ -66,12 +69,17 @@ WARM_CHUNK_BYTES = 4 << 20  # one ranged read of the warm-up, kept as one slab
 # On a shard's /tensors: "1" starts the warm-up if this version has none (a warden restarted while
 # the shard lived on has lost its RAM, and no shard boots to call /warm).
 WARM_HEADER = "X-Knot-Warm"
+ROW_TAG = b"warden-row"  # the domain of a RAM row's MAC (named "{tensor}:{row}")
+
+
+def row_name(tensor: str, row: int) -> str:
+    return f"{tensor}:{row}"
 
 
 @dataclass(frozen=True)
 class Slab:
     """Rows [start, start + len(crcs)) of the embedding as one RAM entry (the warm-up's): their raw
-    bytes as read at version `etag`, and each row's crc32 then, checked on every hit (as a row's seal is).
+    bytes as read at version `etag`, and each row's crc32 and MAC then, checked on every hit (as a row's seal is).
     One entry, not ~6,800 rows of objects: the warm-up of a 0.5B's eight slices cost ~1.7 s of CPU
     with an entry per row, competing with the first requests' decode."""
 
@@ -81,16 +89,18 @@ class Slab:
     start: int
     data: bytes
     crcs: list[int]
+    macs: list[bytes]  # CacheKey.content_mac(ROW_TAG, etag, row_name(tensor, row), the row's bytes)
 
     @property
     def nbytes(self) -> int:
-        return len(self.data) + 8 * len(self.crcs)
+        return len(self.data) + (8 + 32) * len(self.crcs)
 
-    def frame(self, tensor: str, row: int, served_etag: str) -> tuple[wire.TensorFrame, str | None]:
+    def frame(self, tensor: str, row: int, served_etag: str, key: CacheKey) -> tuple[wire.TensorFrame, str | None]:
         """The row's frame, and what is wrong with it (None: it is what was read, at the served version)."""
         i, nb = row - self.start, len(self.data) // len(self.crcs)
         payload = memoryview(self.data)[i * nb:(i + 1) * nb]
-        problem = Seal(self.etag, self.crcs[i], nb).problem(served_etag, payload)
+        problem = key.problem(Seal(self.etag, self.crcs[i], nb, self.macs[i]), ROW_TAG, row_name(tensor, row),
+                              served_etag, payload)
         return wire.TensorFrame(tensor, self.ggml_type, (self.ne0, 1), payload, row, self.crcs[i]), problem
 
 FIELDS = IdentityFields("vocab_start", "vocab_end", "X-Vocab-Start", "X-Vocab-End")
@@ -114,6 +124,7 @@ class RowCaches:
     and the model's row tensors: the embedding, and the LM head (the shards' slices)."""
 
     ram: ByteLRU[tuple, Any]  # (tensor, row) -> (Seal, TensorFrame); (tensor, "slab", start) -> Slab
+    key: CacheKey  # RAM entries' MACs
     kv: EmbedRowCache | None
     embd: str
     row_tensors: frozenset[str]
@@ -141,9 +152,14 @@ class CobordismWarden(WardenBase):
 
     def _caches(self, header: KnotHeader, model: Model, source: KnotSource, body: dict) -> RowCaches:
         kv = read(self.env, "EMBED_CACHE", "cobordism_warden")
+        kv_key = cluster_key(read(self.env, "KNOT_INTERNAL_SECRET", "cobordism_warden"))
+        if kv is not None and kv_key is None:
+            log.warning("CobordismWarden: KNOT_INTERNAL_SECRET is unset: KV rows could not be told from forged "
+                        "ones, so this warden does not use EMBED_CACHE (rows come from RAM and R2)")
+            kv = None
         hidden = header.entry(model.TOKEN_EMBD).shape[0]
-        return RowCaches(ByteLRU(budget_from(body, self.env, "cobordism_warden")),
-                         None if kv is None else EmbedRowCache(kv, source.knot_key, source.etag, hidden,
+        return RowCaches(ByteLRU(budget_from(body, self.env, "cobordism_warden")), process_key(),
+                         None if kv is None else EmbedRowCache(kv, kv_key, source.knot_key, source.etag, hidden,
                                                                self.state.wait_until),
                          model.TOKEN_EMBD, frozenset({model.TOKEN_EMBD, model.OUTPUT}))
 
@@ -181,8 +197,8 @@ class CobordismWarden(WardenBase):
 
     @staticmethod
     def _keep(v: Served, frame: wire.TensorFrame) -> wire.TensorFrame:
-        """Put a row frame in RAM, sealed with the version and its crc32 (which its encoding reuses)."""
-        s = seal(v.source.etag, frame.payload)
+        """Put a row frame in RAM, sealed with the version, its crc32 (which its encoding reuses) and its MAC."""
+        s = v.caches.key.seal(ROW_TAG, row_name(frame.name, frame.row_start), v.source.etag, frame.payload)
         frame = wire.TensorFrame(frame.name, frame.ggml_type, frame.shape, frame.payload, frame.row_start, s.crc32)
         v.caches.ram.put((frame.name, frame.row_start), (s, frame), s.nbytes)
         return frame
@@ -207,7 +223,7 @@ class CobordismWarden(WardenBase):
         if hit is None:
             return None
         s, frame = hit
-        problem = s.problem(v.source.etag, frame.payload)
+        problem = v.caches.key.problem(s, ROW_TAG, row_name(tensor, row), v.source.etag, frame.payload)
         if problem is None:
             return frame
         rejects["ram"] += 1
@@ -224,7 +240,7 @@ class CobordismWarden(WardenBase):
         slab = v.caches.ram.get(key)  # absent: a miss, as the row's would be
         if slab is None:
             return None
-        frame, problem = slab.frame(v.caches.embd, row, v.source.etag)
+        frame, problem = slab.frame(v.caches.embd, row, v.source.etag, v.caches.key)
         if problem is None:
             return frame
         rejects["ram"] += 1
@@ -294,8 +310,10 @@ class CobordismWarden(WardenBase):
                 end = min(b, start + step)
                 data = bytes(await v.source.read(*v.header.row_range(c.embd, start, end)))  # pinned to v
                 view = memoryview(data)
-                slab = Slab(v.source.etag, ggml_type, ne0, start, data,
-                            [crc32(view[i:i + nb]) for i in range(0, len(data), nb)])
+                rows = [view[i * nb:(i + 1) * nb] for i in range(end - start)]
+                slab = Slab(v.source.etag, ggml_type, ne0, start, data, [crc32(r) for r in rows],
+                            [c.key.content_mac(ROW_TAG, v.source.etag, row_name(c.embd, start + i), r)
+                             for i, r in enumerate(rows)])
                 c.ram.put((c.embd, "slab", start), slab, slab.nbytes)
                 c.warm["rows"] += end - start
                 await asyncio.sleep(0)  # requests go between reads

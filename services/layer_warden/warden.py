@@ -8,7 +8,10 @@
 
 Integrity: R2 reads are pinned to the served knot version and checked against the knot's crc32.
 Each entry is sealed with that version and the payload's crc32, which the frame's own crc32 is
-built from. A hit whose seal names another version is a miss. Its bytes are checked where they
+built from, and an HMAC-SHA256 of (tag, version, name, length, crc32) under this warden's own key
+(common/integrity.py CacheKey: a seal MAC, not a content MAC, because the content is tens of MB a
+token for a fluid station: docs/reliability.md, "Keyed caches"). A hit whose seal names another
+version, or whose MAC fails, is a miss. Its bytes are checked where they
 are used: the station compares each frame's payload crc32 (computed while decoding) with the
 knot header's, and invalidates an entry that disagrees (counted here in `rejects.reader`). For a
 knot without checksums the station has nothing to compare with, so the warden re-checks the
@@ -35,8 +38,9 @@ from common.integrity import Seal, crc32
 from common.knot import KnotHeader, UnknownTensor
 from common.lru import ByteLRU
 from common.models import Model
-from common.runtime import BadRequest, NotFound, Request, Response
+from common.runtime import BadRequest, DurableObjectState, Env, NotFound, Request, Response
 from common.settings import default, read
+from services.embed_cache import process_key
 from services.knot_source import KnotSource
 from services.warden_base import Identity, IdentityFields, Served, WardenBase, budget_from
 
@@ -46,6 +50,7 @@ DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "layer_warden")  # 1 GiB
 RESIDENT_BELOW_BYTES = 1 << 20
 MAX_BATCH = 256
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+FRAME_TAG = b"warden-frame"  # the domain of a RAM entry's seal MAC (named by its tensor)
 
 FIELDS = IdentityFields("layer_start", "layer_end", "X-Layer-Start", "X-Layer-End")
 
@@ -66,6 +71,12 @@ class LayerWarden(WardenBase):
         ("POST", "/invalidate/"): "invalidate",
         ("GET", "/stats"): "stats",
     }
+
+    def __init__(self, state: DurableObjectState, env: Env):
+        super().__init__(state, env)
+        # This DO's memory: a key only it holds (whoever can write here can read any key, the
+        # cluster's secret included); shared blocks are sealed by the kernel besides.
+        self.key = process_key()
 
     def _validate(self, identity: Identity, header: KnotHeader, model: Model) -> None:
         n_layers = model.cfg.n_layer
@@ -93,7 +104,7 @@ class LayerWarden(WardenBase):
             raise NotFound(str(e)) from None
         hit = v.caches.get(name)
         if hit is not None:
-            problem = self._problem(v, entry.crc32, *hit)
+            problem = self._problem(v, name, entry.crc32, *hit)
             if problem is None:
                 return hit[1]
             rejects["ram"] += 1
@@ -103,7 +114,8 @@ class LayerWarden(WardenBase):
         crc = crc32(data) if entry.crc32 is None else entry.crc32
         frame = wire.encode_tensor(wire.TensorFrame(name, entry.ggml_type, entry.shape, data, payload_crc32=crc))
         frame = self._shared(frame)
-        v.caches.put(name, (Seal(v.source.etag, crc, len(data)), frame), len(data))  # budget: tensor bytes (+ ~60 B)
+        s = Seal(v.source.etag, crc, len(data), self.key.seal_mac(FRAME_TAG, v.source.etag, name, len(data), crc))
+        v.caches.put(name, (s, frame), len(data))  # budget: tensor bytes (+ ~100 B)
         return frame
 
     def _shared(self, frame: bytes) -> bytes | memoryview:
@@ -114,10 +126,10 @@ class LayerWarden(WardenBase):
         kept = blocks.keep(frame) if blocks is not None else None
         return frame if kept is None else kept
 
-    @staticmethod
-    def _problem(v: Served, knot_crc: int | None, seal: Seal, frame: bytes) -> str | None:
-        if seal.etag != v.source.etag:
-            return f"sealed at knot version {seal.etag!r}, the warden serves {v.source.etag!r}"
+    def _problem(self, v: Served, name: str, knot_crc: int | None, seal: Seal, frame: bytes) -> str | None:
+        problem = self.key.seal_problem(seal, FRAME_TAG, name, v.source.etag)
+        if problem is not None:
+            return problem
         if knot_crc is None:  # nobody downstream can check it against the knot: check the frame here
             try:
                 got = wire.decode_tensor(frame).payload_crc32

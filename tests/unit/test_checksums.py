@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import integrity, knot, wire
-from common.integrity import crc32_combine, seal
+from common.integrity import CacheKey, crc32_combine, seal
 from deploy.cli import main
 from deploy.knotfile import open_model
 from services.embed_cache import decode_row, encode_row
 from tests.synth import rewrite_metadata, strip_checksums
+
+KEY = CacheKey("the-clusters-internal-secret-of-43-characters")
 
 
 @given(st.binary(max_size=300), st.binary(max_size=300))
@@ -75,16 +77,16 @@ def test_frame_carries_its_payload_crc_and_a_false_one_is_caught():
 
 def test_kv_row_value_is_checked_for_version_row_length_and_content():
     vec = np.linspace(-1, 1, 16, dtype=np.float32)
-    value = encode_row("etag-a", 7, vec)
-    np.testing.assert_array_equal(decode_row(value, "etag-a", 7, 16), vec)
-    assert "version" in decode_row(value, "etag-b", 7, 16)
-    assert "row 7" in decode_row(value, "etag-a", 8, 16)
-    assert "payload of 64 bytes" in decode_row(value, "etag-a", 7, 8)
+    value = encode_row(KEY, "k7", "etag-a", 7, vec)
+    np.testing.assert_array_equal(decode_row(KEY, "k7", value, "etag-a", 7, 16), vec)
+    assert "version" in decode_row(KEY, "k7", value, "etag-b", 7, 16)
+    assert "row 7" in decode_row(KEY, "k7", value, "etag-a", 8, 16)
+    assert "payload of 64 bytes" in decode_row(KEY, "k7", value, "etag-a", 7, 8)
     flipped = bytearray(value)
     flipped[-5] ^= 0x40  # the right length, the wrong content
-    assert "crc32" in decode_row(bytes(flipped), "etag-a", 7, 16)
-    assert "magic" in decode_row(vec.tobytes(), "etag-a", 7, 16)  # a value in the old, unchecked layout
-    assert "shorter" in decode_row(b"\x00" * 5, "etag-a", 7, 16)
+    assert "crc32" in decode_row(KEY, "k7", bytes(flipped), "etag-a", 7, 16)
+    assert "magic" in decode_row(KEY, "k7", vec.tobytes(), "etag-a", 7, 16)  # a value in the old, unchecked layout
+    assert "shorter" in decode_row(KEY, "k7", b"\x00" * 5, "etag-a", 7, 16)
 
 
 # ------------------------------------------------------------ the knot's checksums

@@ -23,7 +23,7 @@ from services.knot_source import KNOT_ETAG_HEADER
 from services.shard import handler as shard_handler
 from services.station import handler as station_handler
 from services.station.tensors import SealedTensor
-from tests.inprocess import FLUID_BUDGET_BYTES, FLUID_ONE_LAYER_BUDGET_BYTES, KNOT_KEY, build_cluster
+from tests.inprocess import FLUID_BUDGET_BYTES, FLUID_ONE_LAYER_BUDGET_BYTES, KNOT_KEY, KV_KEY, build_cluster
 from tests.synth import TinySpec, rewrite_metadata, strip_checksums, write_tiny_gguf
 
 PROMPT = "the def the"
@@ -221,8 +221,8 @@ async def test_a_kv_value_of_the_right_length_and_wrong_content_is_a_counted_mis
     await c.drain()  # deleted, then rewritten from R2
     want = engine.weight("token_embd.weight").dequantize()
     for t in ids:
-        np.testing.assert_array_equal(decode_row(await c.kv.get(row_key(f"{KNOT_KEY}@{etag}", t)), etag, t, 256),
-                                      want[t])
+        key = row_key(f"{KNOT_KEY}@{etag}", t)
+        np.testing.assert_array_equal(decode_row(KV_KEY, key, await c.kv.get(key), etag, t, 256), want[t])
 
 
 async def test_a_poisoned_cobordism_warden_entry_is_a_counted_miss(tiny_knot, tmp_path, engine):

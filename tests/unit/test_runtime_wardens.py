@@ -20,6 +20,7 @@ from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, MemoryKV
 from deploy.local.tasks import BackgroundTasks
 from services.embed_cache import decode_row, row_key
+from tests.inprocess import INTERNAL_SECRET, KV_KEY
 from tests.synth import TinySpec, write_tiny_gguf
 
 KEY = "models/tiny.knot"
@@ -52,7 +53,8 @@ class World:
         self.host = host = DurableObjectHost({**lw.DURABLE_OBJECTS, **cw.DURABLE_OBJECTS}, self.tasks)
         self.env = Env({"KNOT_BUCKET": self.bucket, "EMBED_CACHE": self.kv,
                         "LAYER_WARDEN": LocalNamespace(host, "LayerWarden"),
-                        "COBORDISM_WARDEN": LocalNamespace(host, "CobordismWarden")})
+                        "COBORDISM_WARDEN": LocalNamespace(host, "CobordismWarden")},
+                       {"KNOT_INTERNAL_SECRET": INTERNAL_SECRET})
         host.env = self.env
 
     def warden_ram(self, name: str = f"{KEY}|0-200") -> dict:
@@ -190,7 +192,8 @@ async def test_cobordism_warden_rows_kv_tier_and_restart(tmp_path, knot):
     await w.tasks.drain(5)  # the KV writes went through wait_until
     etag = s["knot_etag"]
     for row in (3, 4, 7, 150):
-        np.testing.assert_array_equal(decode_row(await w.kv.get(row_key(f"{KEY}@{etag}", row)), etag, row, 1024),
+        key = row_key(f"{KEY}@{etag}", row)
+        np.testing.assert_array_equal(decode_row(KV_KEY, key, await w.kv.get(key), etag, row, 1024),
                                       embed_rows(data, header, [row])[0])
 
     w.restart()  # RAM is gone; KV is not
@@ -277,7 +280,8 @@ async def test_cobordism_warden_poisoned_kv_row_is_deleted_and_refetched(tmp_pat
     s = (await w.call(cw, "GET", "/stats", VOCAB)).json()
     assert (s["kv_poisoned"], s["kv_hits"]) == (1, 0)
     await w.tasks.drain(5)
-    np.testing.assert_array_equal(decode_row(await w.kv.get(key), etag, 5, 1024), embed_rows(data, header, [5])[0])
+    np.testing.assert_array_equal(decode_row(KV_KEY, key, await w.kv.get(key), etag, 5, 1024),
+                                  embed_rows(data, header, [5])[0])
 
 
 class DownKV(MemoryKV):

@@ -18,7 +18,7 @@ from deploy.encoder import encode
 from deploy.knotfile import open_model
 from services.embed_cache import decode_row, row_key
 from services.shard import handler as shard_handler
-from tests.inprocess import FLUID_BUDGET_BYTES, KNOT_KEY, build_cluster
+from tests.inprocess import FLUID_BUDGET_BYTES, KNOT_KEY, KV_KEY, build_cluster
 from tests.synth import TinySpec, rewrite_metadata, write_tiny_gguf
 
 PROMPT = "the def the"
@@ -82,7 +82,7 @@ async def test_trap_kvget_silent_cache_poisoning(tiny_knot, tmp_path):
     np.testing.assert_array_equal(got, want)
     await c.drain()
     fixed = await c.kv.get(key)
-    np.testing.assert_array_equal(decode_row(fixed, etag, 100, 256), want[0])
+    np.testing.assert_array_equal(decode_row(KV_KEY, key, fixed, etag, 100, 256), want[0])
     stats = (await c.cobordism_wardens.fetch("CobordismWarden", f"{KNOT_KEY}|0-{c.shard_ranges[0][1]}",
                                              Request("GET", "/stats"))).json()
     assert stats["kv_poisoned"] == 1
@@ -99,8 +99,8 @@ async def test_trap_missing_ctx_waituntil_on_kv_writes(tiny_knot, tmp_path):
     etag = (await c.bucket.head(KNOT_KEY)).etag
     want = open_model(tiny_knot).tensor("token_embd.weight").dequantize()
     for row in (5, 6, 7):
-        np.testing.assert_array_equal(decode_row(await c.kv.get(row_key(f"{KNOT_KEY}@{etag}", row)), etag, row, 256),
-                                      want[row])
+        key = row_key(f"{KNOT_KEY}@{etag}", row)
+        np.testing.assert_array_equal(decode_row(KV_KEY, key, await c.kv.get(key), etag, row, 256), want[row])
 
 
 class Dead:
