@@ -1,8 +1,9 @@
-"""Issue 12 on real processes (the coordinator, 2 stations, 8 shards and both wardens as
+"""Issues 12 and 52 on real processes (the coordinator, 2 stations, 8 shards and both wardens as
 docker-compose.yml defines them, on SeaweedFS and Redis): a knot replaced in the bucket is served
 from one version or refused, and once the original is back the tokens are the baseline's again
 (no stale Redis rows); a Redis value of the right length but the wrong content is detected,
-counted, refetched, and the tokens stay the baseline's."""
+counted, refetched, and the tokens stay the baseline's; so is a row forged with the Redis password
+and a right crc32 but without the cluster's secret, before and after the services restart."""
 from __future__ import annotations
 
 import json
@@ -12,12 +13,13 @@ import numpy as np
 import pytest
 import redis
 
+from common.integrity import CacheKey
 from common.knot import parse_header
 from common.quant import dequantize_rows
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
 from deploy.local.bindings import s3_client
-from services.embed_cache import decode_row, row_key
+from services.embed_cache import decode_row, encode_row, row_key
 from tests.integration.conftest import BUCKET, http, pipeline_services, wait_for
 
 KNOT_KEY = "integrity.knot"
@@ -84,7 +86,7 @@ def kv_rows(redis_server, etag: str) -> dict[int, bytes]:
 
 
 def test_a_replaced_knot_is_served_from_one_version_and_the_original_comes_back_clean(cluster, knot, s3, tmp_path,
-                                                                                      redis_server):
+                                                                                      redis_server, cluster_env):
     baseline = tokens(cluster)
     assert baseline == reference(knot.path)
     etag = s3.head_object(Bucket=BUCKET, Key=KNOT_KEY)["ETag"].strip('"')
@@ -120,11 +122,12 @@ def test_a_replaced_knot_is_served_from_one_version_and_the_original_comes_back_
     assert ids[-1] in rows
     for row, value in rows.items():
         a, b = h.row_range("token_embd.weight", row, row + 1)
-        np.testing.assert_array_equal(decode_row(value, etag, row, e.shape[0]),
+        np.testing.assert_array_equal(decode_row(cluster_key(cluster_env), row_key(f"{KNOT_KEY}@{etag}", row), value,
+                                                 etag, row, e.shape[0]),
                                       dequantize_rows(knot.data[a:b], e.ggml_type, e.shape[0])[0])
 
 
-def test_a_poisoned_redis_value_is_detected_counted_and_refetched(cluster, knot, s3, procs, redis_server):
+def test_a_poisoned_redis_value_is_detected_counted_and_refetched(cluster, knot, s3, procs, redis_server, cluster_env):
     baseline = tokens(cluster)
     etag = s3.head_object(Bucket=BUCKET, Key=KNOT_KEY)["ETag"].strip('"')
     ids = sorted(set(LocalEngine.open(knot.path).tokenizer.encode(PROMPT)))
@@ -143,7 +146,6 @@ def test_a_poisoned_redis_value_is_detected_counted_and_refetched(cluster, knot,
 
     assert tokens(cluster) == baseline
     assert metric(cluster, "knot_cache_rejects_total", tier="kv") - before == len(ids)
-    e = parse_header(knot.data).tensors["token_embd.weight"]
     rejected = 0
     for i in range(8):
         spec = procs.specs[f"shard-{i}"].environment
@@ -154,8 +156,68 @@ def test_a_poisoned_redis_value_is_detected_counted_and_refetched(cluster, knot,
         assert s["kv_poisoned"] == s["rejects"].get("kv", 0) and s["knot_etag"] == etag
     assert rejected == len(ids)
 
-    def rewritten():  # deleted, then written again from R2, intact
-        got = kv_rows(redis_server, etag)
-        return all(t in got and not isinstance(decode_row(got[t], etag, t, e.shape[0]), str) for t in ids)
+    key = cluster_key(cluster_env)
+    wait_for(lambda: rewritten(redis_server, key, etag, ids, knot), 10, "the poisoned rows rewritten")
 
-    wait_for(rewritten, 10, "the poisoned rows rewritten")
+
+def cluster_key(cluster_env) -> CacheKey:
+    """What the cluster keys its KV rows with (KNOT_INTERNAL_SECRET)."""
+    return CacheKey(cluster_env["KNOT_INTERNAL_SECRET"])
+
+
+def rewritten(redis_server, key: CacheKey, etag: str, ids: list[int], knot) -> bool:
+    """Each row of ids is in KV again, written by the cluster, and holds the knot's row."""
+    h = parse_header(knot.data)
+    e = h.tensors["token_embd.weight"]
+    got = kv_rows(redis_server, etag)
+    for t in ids:
+        row = None if t not in got else decode_row(key, row_key(f"{KNOT_KEY}@{etag}", t), got[t], etag, t, e.shape[0])
+        if row is None or isinstance(row, str):
+            return False
+        a, b = h.row_range("token_embd.weight", t, t + 1)
+        np.testing.assert_array_equal(row, dequantize_rows(knot.data[a:b], e.ggml_type, e.shape[0])[0])
+    return True
+
+
+def test_a_row_forged_in_redis_without_the_secret_is_never_served_even_after_restarts(cluster, knot, s3, procs,
+                                                                                      redis_server, cluster_env):
+    """Issue 52: rows written straight into Valkey with the Redis password, in the right layout, for
+    the right version and row, with a right crc32 over a far-off vector, and a MAC under a secret
+    that is not the cluster's. The answer is the clean one, each row is counted as rejected, deleted
+    and rewritten; and when Redis holds forged rows again while the coordinator, the shards and the
+    CobordismWarden restart (the issue's kill -9), the same."""
+    baseline = tokens(cluster)
+    assert baseline == reference(knot.path)
+    etag = s3.head_object(Bucket=BUCKET, Key=KNOT_KEY)["ETag"].strip('"')
+    ids = sorted(set(LocalEngine.open(knot.path).tokenizer.encode(PROMPT)))
+    hidden = parse_header(knot.data).tensors["token_embd.weight"].shape[0]
+    key, forger = cluster_key(cluster_env), CacheKey("a-forgers-secret-which-is-not-the-clusters")
+    wait_for(lambda: set(ids) <= set(kv_rows(redis_server, etag)), 10, "the prompt's rows in KV")
+
+    def forge() -> None:
+        rows = kv_rows(redis_server, etag)
+        r = redis_server.client()
+        try:
+            for t in ids:
+                k = row_key(f"{KNOT_KEY}@{etag}", t)
+                genuine = decode_row(key, k, rows[t], etag, t, hidden)
+                assert not isinstance(genuine, str), genuine
+                value = encode_row(forger, k, etag, t, -8 * genuine)
+                assert "MAC" in decode_row(key, k, value, etag, t, hidden)  # only the MAC is wrong
+                r.set(KV_PREFIX + k, value, ex=3600)
+        finally:
+            r.close()
+
+    forge()
+    before = metric(cluster, "knot_cache_rejects_total", tier="kv")
+    procs.restart("cobordism-warden")  # its RAM is gone: the rows must come from KV (or R2)
+    assert tokens(cluster) == baseline
+    assert metric(cluster, "knot_cache_rejects_total", tier="kv") - before == len(ids)
+    wait_for(lambda: rewritten(redis_server, key, etag, ids, knot), 10, "the forged rows rewritten")
+
+    forge()  # Redis holds forged rows again, and every process that reads them restarts
+    for name in ("cobordism-warden", *(f"shard-{i}" for i in range(8)), "coordinator"):
+        procs.restart(name)
+    assert tokens(cluster) == baseline
+    assert metric(cluster, "knot_cache_rejects_total", tier="kv") == len(ids)  # counted since the restart
+    wait_for(lambda: rewritten(redis_server, key, etag, ids, knot), 10, "the forged rows rewritten")

@@ -5,6 +5,7 @@ import json
 import numpy as np
 
 from common import wire
+from common.integrity import CacheKey
 from common.quant import dequantize_rows
 from deploy.local.bindings import RedisKV
 from services.embed_cache import decode_row, row_key
@@ -78,7 +79,7 @@ def test_layer_warden_lru_budget_residency_and_invalidate(procs, upload, knot):
     assert status == 404 and "tests/other.knot" in json.loads(body)["message"]
 
 
-def test_poisoned_kv_row_is_detected_deleted_and_refetched(procs, upload, knot, redis_server):
+def test_poisoned_kv_row_is_detected_deleted_and_refetched(procs, upload, knot, redis_server, cluster_env):
     key = upload("tests/poison.knot")
     url, h = procs.url("cobordism-warden"), vocab_headers(key, 0, 100)
     etag = stats(url, h)["knot_etag"]
@@ -93,9 +94,11 @@ def test_poisoned_kv_row_is_detected_deleted_and_refetched(procs, upload, knot, 
     s = stats(url, h)
     assert (s["kv_poisoned"], s["kv_hits"], s["misses"]) == (1, 0, 1)
 
-    def rewritten():  # deleted in the background, then rewritten with the right row, version, row id and crc32
+    cluster_key = CacheKey(cluster_env["KNOT_INTERNAL_SECRET"])  # what the warden's KV rows are keyed with
+
+    def rewritten():  # deleted in the background, then rewritten with the right row, version, row id, crc32 and MAC
         v = kv_call(redis_server, lambda kv: kv.get(kv_key))
-        row = None if v is None else decode_row(v, etag, 42, hidden)
+        row = None if v is None else decode_row(cluster_key, kv_key, v, etag, 42, hidden)
         return None if row is None or isinstance(row, str) else [row]
 
     (good,) = wait_for(rewritten, 10, "the rewritten KV row")
