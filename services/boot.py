@@ -5,10 +5,20 @@ configuration in the same isolate boots afresh; several services sharing one pro
 (`knot serve --embedded`) each keep their own entry. Concurrent first requests boot once.
 A value can go stale (the knot it was booted from was replaced in the bucket): get(stale=...)
 boots again and replaces it, once, however many requests noticed (services/knot_source.py).
+
+A replaced value goes with everything it holds (tensors, caches) once the requests that hold it
+end: nothing here keeps it. It may still sit in reference cycles (an object and a callback of its
+own, an exception's traceback), which only the cyclic collector frees; CPython runs a full
+collection rarely in a long-lived process, and a 0.5B station's RSS grew by a version's tensors
+per reload (~120 MiB, 1.9x over 10 reloads; benchmarks/reload_rss.py). So after a replacement
+the next turn of the event loop runs one full collection: by then the request that reloaded has
+let go of the old value, and a value that requests still held is collected at the next reload at
+the latest.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Awaitable, Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -35,6 +45,8 @@ class BootCache(Generic[T]):
                 self._booted[key] = value
                 self.boots += 1
                 self.reloads += replacing
+                if replacing:  # the old value's last references go as this request moves on (above)
+                    asyncio.get_running_loop().call_soon(gc.collect)
         return value
 
     def peek(self, key: str) -> T | None:
