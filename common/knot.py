@@ -3,17 +3,23 @@
 Layout (seed section 5; docs/knot-format.md is the long form):
 
     bytes 0..3          b"KNOT"
-    bytes 4..5          u16 LE version (1)
+    bytes 4..5          u16 LE version (2)
     bytes 6..9          u32 LE metaLen = UNPADDED length of the JSON
     bytes 10..10+metaLen  JSON metadata (UTF-8), no trailing padding
     ..align-1           NUL pad to a 4-byte boundary (0..3 bytes)
     byte  align         codec marker 0x40, align = (10 + metaLen + 3) & ~3
     bytes align+1..     payload: tensors, contiguous in metadata order, then blobs
 
+Version 2 adds per-chunk digests: every tensor and blob entry carries "chunks", the first 8 bytes
+of SHA-256 of each CHUNK_BYTES piece of its bytes, so any range a reader takes is checked by the
+chunks it touches (verify_range). The knot's digest, SHA-256 of the header bytes, commits to every
+chunk digest and so to every byte: it is what an operator pins (KNOT_DIGEST).
+
 Pure: no file or network I/O here. Readers pass a `read_range(start, end)` callable.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
@@ -23,7 +29,9 @@ from common.integrity import crc32
 from common.quant import QUANT_TYPES, row_byte_range, tensor_nbytes
 
 MAGIC = b"KNOT"
-VERSION = 1
+VERSION = 2  # 2: per-chunk digests ("chunk_bytes", each entry's "chunks"); 1 is refused
+CHUNK_BYTES = 64 * 1024  # what the writers use; a reader takes the header's "chunk_bytes"
+CHUNK_DIGEST_BYTES = 8  # the leading bytes of each chunk's SHA-256 kept in the header
 MARKER = 0x40  # "FP64 codec marker" byte that sits just before the payload
 PREAMBLE = struct.Struct("<4sHI")  # magic, version, metaLen -> 10 bytes
 # First fetch of a reader. The real models' headers are ~40 KB; a larger
@@ -60,7 +68,11 @@ class StaleKnotError(KnotError):
 
 
 class CorruptKnot(KnotError):
-    """A tensor's or blob's bytes disagree with the CRC-32 the knot header carries for them."""
+    """A tensor's or blob's bytes disagree with the CRC-32 or a chunk digest the knot header carries."""
+
+
+class OldKnotVersion(KnotError):
+    """A knot of a format version this reader no longer reads (version 1: no chunk digests)."""
 
 
 class UnknownTensor(KnotError, KeyError):
@@ -81,7 +93,9 @@ class TensorEntry:
     shape: tuple[int, ...]  # GGUF order: ne0 (row length) first
     offset: int  # from the payload start
     length: int  # bytes
-    crc32: int | None = None  # of the tensor's bytes; None in knots written before checksums
+    # Of the tensor's bytes: the parser requires both in a knot; a GGUF's entries (deploy/knotfile.py) have none.
+    crc32: int | None = None
+    chunks: bytes = field(default=b"", repr=False)  # CHUNK_DIGEST_BYTES per chunk of the tensor's bytes
 
     @property
     def n_rows(self) -> int:
@@ -97,7 +111,8 @@ class BlobEntry:
     offset: int  # from the payload start, after the tensors
     length: int
     encoding: str  # e.g. "zlib+json"
-    crc32: int | None = None  # of the blob's bytes (as stored); None in older knots
+    crc32: int  # of the blob's bytes (as stored)
+    chunks: bytes = field(repr=False)  # CHUNK_DIGEST_BYTES per chunk of the blob's bytes
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,8 @@ class KnotHeader:
     version: int
     meta_len: int
     payload_offset: int
+    digest: str  # SHA-256 (hex) of bytes [0, payload_offset): names this knot's every byte
+    chunk_bytes: int
     metadata: dict = field(repr=False)
     tensors: dict[str, TensorEntry] = field(repr=False)
     blobs: dict[str, BlobEntry] = field(repr=False)
@@ -155,30 +172,59 @@ class KnotHeader:
         start = self.payload_offset + b.offset
         return start, start + b.length
 
-    @property
-    def unchecksummed(self) -> list[str]:
-        """Names of the tensors and blobs that carry no crc32 (all of them in a pre-checksum knot)."""
-        return [e.name for e in (*self.tensors.values(), *self.blobs.values()) if e.crc32 is None]
+    def entry_range(self, name: str) -> tuple[int, int]:
+        """Absolute [start, end) file offsets of a tensor's or a blob's bytes."""
+        return self.tensor_range(name) if name in self.tensors else self.blob_range(name)
 
-    def verify(self, name: str, data: bytes | memoryview) -> bool:
-        """Check a whole tensor's (or blob's) bytes against the header's crc32: True when checked,
-        False when the knot carries no checksum for it; CorruptKnot on a mismatch."""
-        return self.verify_crc(name, crc32(data), len(data))
-
-    def verify_crc(self, name: str, crc: int, nbytes: int) -> bool:
-        """Same as verify, from the crc32 of the bytes (e.g. a tensor frame's payload_crc32)."""
+    def _any_entry(self, name: str) -> TensorEntry | BlobEntry:
         e = self.tensors.get(name) or self.blobs.get(name)
         if e is None:
             raise UnknownTensor(f"unknown tensor or blob {name!r}")
+        return e
+
+    def verify(self, name: str, data: bytes | memoryview) -> None:
+        """Check a whole tensor's (or blob's) bytes against the header's crc32 and every chunk digest;
+        CorruptKnot on a mismatch."""
+        self.verify_crc(name, crc32(data), len(data))
+        self.verify_range(name, 0, len(data), data)
+
+    def verify_crc(self, name: str, crc: int, nbytes: int) -> None:
+        """The crc32 half of verify, from the crc32 of the bytes (e.g. a tensor frame's payload_crc32)."""
+        e = self._any_entry(name)
         kind = "tensor" if name in self.tensors else "blob"
         if nbytes != e.length:
             raise CorruptKnot(f"{kind} {name}: {nbytes} bytes, the knot header says {e.length}")
-        if e.crc32 is None:
-            return False
         if crc != e.crc32:
             raise CorruptKnot(f"{kind} {name}: crc32 0x{crc:08x} over {nbytes} bytes, the knot header says "
                               f"0x{e.crc32:08x}: the knot's bytes are corrupt or were changed without re-encoding")
-        return True
+
+    def chunk_span(self, name: str, rel_start: int, rel_end: int) -> tuple[int, int]:
+        """[rel_start, rel_end) of an entry's bytes widened to whole chunks: the [a, b) to read and verify."""
+        e = self._any_entry(name)
+        if not 0 <= rel_start <= rel_end <= e.length:
+            raise KnotError(f"{name}: bytes {rel_start}:{rel_end} out of range for an entry of {e.length} bytes")
+        c = self.chunk_bytes
+        return rel_start // c * c, min(e.length, -(-rel_end // c) * c)
+
+    def verify_range(self, name: str, rel_start: int, rel_end: int, data: bytes | memoryview) -> None:
+        """Check bytes [rel_start, rel_end) of an entry (chunk-aligned, as chunk_span gives) against its
+        chunk digests; CorruptKnot naming the chunk and its byte range on a mismatch."""
+        e = self._any_entry(name)
+        if self.chunk_span(name, rel_start, rel_end) != (rel_start, rel_end):
+            raise KnotError(f"{name}: bytes {rel_start}:{rel_end} are not whole chunks of {self.chunk_bytes} "
+                            f"(widen them with chunk_span)")
+        kind = "tensor" if name in self.tensors else "blob"
+        if len(data) != rel_end - rel_start:
+            raise CorruptKnot(f"{kind} {name}: {len(data)} bytes read for bytes {rel_start}:{rel_end}")
+        view, c, d = memoryview(data).cast("B"), self.chunk_bytes, CHUNK_DIGEST_BYTES
+        for a in range(rel_start, rel_end, c):
+            i = a // c
+            got = hashlib.sha256(view[a - rel_start:a - rel_start + c]).digest()[:d]
+            if got != e.chunks[i * d:(i + 1) * d]:
+                b = min(a + c, e.length)
+                raise CorruptKnot(f"{kind} {name}: chunk {i} (bytes {a}:{b} of the {kind}) has SHA-256 prefix "
+                                  f"{got.hex()}, the knot header says {e.chunks[i * d:(i + 1) * d].hex()}: the "
+                                  f"knot's bytes are corrupt or were changed without re-encoding")
 
     def check_size(self, file_size: int) -> None:
         """The stale-knot guard (seed section 5, WARNING)."""
@@ -201,43 +247,91 @@ class KnotHeader:
 
 # ---------------------------------------------------------------- writing
 
+@dataclass(frozen=True)
+class EntryChecksum:
+    crc32: int  # of the entry's bytes
+    chunks: str  # hex: CHUNK_DIGEST_BYTES of SHA-256 per CHUNK_BYTES chunk of the entry's bytes
+
+
+class EntryHasher:
+    """The crc32 and chunk digests of one entry's bytes, fed in pieces of any size (a writer's stream)."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
+        self.chunk_bytes = chunk_bytes
+        self.crc = 0
+        self._digests: list[bytes] = []
+        self._sha = hashlib.sha256()
+        self._filled = 0  # bytes of the current chunk hashed so far
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.crc = crc32(view, self.crc)
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self._filled)
+            self._sha.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_bytes:
+                self._end_chunk()
+
+    def _end_chunk(self) -> None:
+        self._digests.append(self._sha.digest()[:CHUNK_DIGEST_BYTES])
+        self._sha, self._filled = hashlib.sha256(), 0
+
+    def result(self) -> EntryChecksum:
+        if self._filled:  # the last chunk may be shorter
+            self._end_chunk()
+        return EntryChecksum(self.crc, b"".join(self._digests).hex())
+
+
+def checksum(data) -> EntryChecksum:
+    """The crc32 and chunk digests of an entry's bytes in hand."""
+    h = EntryHasher()
+    h.update(data)
+    return h.result()
+
+
 def build_metadata(
     architecture: str,
     hparams: Mapping[str, Any],
     tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
     blobs: Iterable[tuple[str, int, str]] = (),
     extra: Mapping[str, Any] | None = None,
-    checksums: Mapping[str, int] | None = None,
+    checksums: Mapping[str, EntryChecksum] | None = None,
 ) -> dict:
     """Metadata with offsets laid out contiguously: tensors in the given order, then blobs.
 
     tensors: (name, ggml_type, shape GGUF order, length bytes); blobs: (name, length, encoding);
-    checksums: tensor or blob name -> crc32 of its bytes (what the encoder writes for every one).
+    checksums: tensor or blob name -> its EntryChecksum, required for every one (EntryHasher, checksum).
     """
     checksums = checksums or {}
     missing = [k for k in HPARAM_KEYS if k not in hparams]
     if missing:
         raise KnotError(f"hparams lack {missing}")
     meta: dict[str, Any] = {"format": "knot", "version": VERSION, "architecture": architecture,
-                            "hparams": dict(hparams)}
+                            "chunk_bytes": CHUNK_BYTES, "hparams": dict(hparams)}
     if extra:
         meta.update(extra)
     offset = 0
     table: dict[str, dict] = {}
     for name, ggml_type, shape, length in tensors:
-        table[name] = {"type": ggml_type, "shape": list(shape), "offset": offset, "length": length}
-        if name in checksums:
-            table[name]["crc32"] = checksums[name]
+        table[name] = {"type": ggml_type, "shape": list(shape), "offset": offset, "length": length,
+                       **_checksum_fields(name, checksums)}
         offset += length
     meta["tensors"] = table
     blob_table: dict[str, dict] = {}
     for name, length, encoding in blobs:
-        blob_table[name] = {"offset": offset, "length": length, "encoding": encoding}
-        if name in checksums:
-            blob_table[name]["crc32"] = checksums[name]
+        blob_table[name] = {"offset": offset, "length": length, "encoding": encoding,
+                            **_checksum_fields(name, checksums)}
         offset += length
     meta["blobs"] = blob_table
     return meta
+
+
+def _checksum_fields(name: str, checksums: Mapping[str, EntryChecksum]) -> dict:
+    if name not in checksums:
+        raise KnotError(f"{name}: no checksum given; a version {VERSION} knot carries one for every tensor and blob")
+    return {"crc32": checksums[name].crc32, "chunks": checksums[name].chunks}
 
 
 def pack_header(metadata: Mapping[str, Any]) -> bytes:
@@ -267,6 +361,10 @@ def parse_header(buf: bytes, file_size: int | None = None) -> KnotHeader:
     """Parse a knot header from its leading bytes; with file_size, also run the stale guard."""
     need = header_nbytes(buf)
     magic, version, meta_len = PREAMBLE.unpack_from(buf)
+    if version < VERSION:
+        raise OldKnotVersion(f"knot format version {version} has no per-chunk checksums, and this reader reads "
+                             f"only version {VERSION}: re-encode it with `knot encode MODEL.gguf OUT.knot` "
+                             f"(`knot fetch-model --encode` re-encodes a cached one)")
     if version != VERSION:
         raise KnotError(f"unsupported knot version {version}; this reader knows version {VERSION}")
     if len(buf) < need:
@@ -277,13 +375,22 @@ def parse_header(buf: bytes, file_size: int | None = None) -> KnotHeader:
         raise KnotError(f"knot metadata is not valid JSON ({e}); stale or corrupt knot, re-encode it") from None
     if not isinstance(metadata, dict) or metadata.get("format") != "knot":
         raise NotAKnot("knot metadata lacks \"format\": \"knot\"")
-    tensors = _parse_tensor_table(metadata.get("tensors"))
-    blobs = {
-        name: BlobEntry(name, int(b["offset"]), int(b["length"]), str(b.get("encoding", "raw")),
-                        _parse_crc(name, b))
-        for name, b in (metadata.get("blobs") or {}).items()
-    }
-    header = KnotHeader(version, meta_len, need, metadata, tensors, blobs)
+    if metadata.get("version") != version:
+        raise KnotError(f"knot metadata says version {metadata.get('version')!r}, the preamble {version}")
+    chunk_bytes = metadata.get("chunk_bytes")
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 0 < chunk_bytes <= 1 << 30:
+        raise KnotError(f"knot metadata: chunk_bytes {chunk_bytes!r} is not an integer in (0, 2^30]")
+    tensors = _parse_tensor_table(metadata.get("tensors"), chunk_bytes)
+    blob_table = metadata.get("blobs", {})
+    if not isinstance(blob_table, dict):
+        raise KnotError("knot metadata: \"blobs\" is not a table")
+    blobs = {}
+    for name, b in blob_table.items():
+        length = int(b["length"])
+        blobs[name] = BlobEntry(name, int(b["offset"]), length, str(b.get("encoding", "raw")),
+                                _parse_crc(name, b), _parse_chunks(name, b, length, chunk_bytes))
+    digest = hashlib.sha256(bytes(buf[:need])).hexdigest()
+    header = KnotHeader(version, meta_len, need, digest, chunk_bytes, metadata, tensors, blobs)
     if file_size is not None:
         header.check_size(file_size)
     marker = buf[need - 1]
@@ -294,7 +401,7 @@ def parse_header(buf: bytes, file_size: int | None = None) -> KnotHeader:
     return header
 
 
-def _parse_tensor_table(table: Any) -> dict[str, TensorEntry]:
+def _parse_tensor_table(table: Any, chunk_bytes: int) -> dict[str, TensorEntry]:
     if not isinstance(table, dict):
         raise KnotError("knot metadata lacks a \"tensors\" table")
     out: dict[str, TensorEntry] = {}
@@ -305,8 +412,9 @@ def _parse_tensor_table(table: Any) -> dict[str, TensorEntry]:
         ggml_type = t.get("type", t.get("tensor_type"))
         if ggml_type is None:
             raise KnotError(f"tensor {name}: metadata has neither \"type\" nor \"tensor_type\"")
-        entry = TensorEntry(name, str(ggml_type), tuple(int(d) for d in t["shape"]),
-                            int(t["offset"]), int(t["length"]), _parse_crc(name, t))
+        length = int(t["length"])
+        entry = TensorEntry(name, str(ggml_type), tuple(int(d) for d in t["shape"]), int(t["offset"]), length,
+                            _parse_crc(name, t), _parse_chunks(name, t, length, chunk_bytes))
         if entry.offset != expect_offset:
             raise KnotError(f"tensor {name}: offset {entry.offset}, expected {expect_offset} "
                             f"(tensors lie contiguous in metadata order)")
@@ -320,14 +428,32 @@ def _parse_tensor_table(table: Any) -> dict[str, TensorEntry]:
     return out
 
 
-def _parse_crc(name: str, entry: Mapping[str, Any]) -> int | None:
-    """The optional "crc32" of a tensor or blob entry: an integer in [0, 2^32)."""
+def _parse_crc(name: str, entry: Mapping[str, Any]) -> int:
+    """The "crc32" of a tensor or blob entry: an integer in [0, 2^32)."""
     crc = entry.get("crc32")
-    if crc is None:
-        return None
     if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 1 << 32:
-        raise KnotError(f"tensor {name}: crc32 {crc!r} is not an unsigned 32-bit integer")
+        raise KnotError(f"{name}: crc32 {crc!r} is not an unsigned 32-bit integer")
     return crc
+
+
+def _parse_chunks(name: str, entry: Mapping[str, Any], length: int, chunk_bytes: int) -> bytes:
+    """The "chunks" of a tensor or blob entry: hex, CHUNK_DIGEST_BYTES per chunk of its length."""
+    text = entry.get("chunks")
+    if length < 0:
+        raise KnotError(f"{name}: length {length} is negative")
+    n = -(-length // chunk_bytes)
+    want = 2 * CHUNK_DIGEST_BYTES * n
+    if not isinstance(text, str) or len(text) != want:
+        got = f"{len(text)} hex digits" if isinstance(text, str) else repr(text)
+        raise KnotError(f"{name}: chunks is {got}, expected {want} ({n} chunks of {chunk_bytes} bytes over "
+                        f"{length} bytes, {CHUNK_DIGEST_BYTES} bytes each)")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if len(raw) != want // 2:  # fromhex also skips whitespace
+        raise KnotError(f"{name}: chunks is not {want} hexadecimal digits")
+    return raw
 
 
 ReadRange = Callable[[int, int], Awaitable[bytes]]

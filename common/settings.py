@@ -124,6 +124,12 @@ SETTINGS: tuple[Setting, ...] = (
        "(launcher: default qwen2.5-coder-0.5b)", reader_defaults={"launcher": None}),
     _s("KNOT_BUCKET", "binding", REQUIRED, "coordinator station shard layer_warden cobordism_warden drafter init",
        "the bucket holding the .knot (R2 binding; locally s3://BUCKET or dir:PATH)"),
+    _s("KNOT_DIGEST", "str", None, "coordinator station shard layer_warden cobordism_warden init launcher compose",
+       "the knot the cluster serves: its digest (SHA-256 of the header, which `knot encode` and `knot inspect` "
+       "print); another object under KNOT_KEY is refused (503) while the version loaded, if any, is served on. "
+       "Unset: the first version a service loads is pinned for the process's life. init: the local knot must "
+       "have it, and a bucket object without it is replaced. `knot cluster up` and `knot cluster reload` set "
+       "it to the model's (docs/reliability.md)"),
     _s("KNOT_CACHE_DIR", "str", None, "models", "where fetched and encoded models are cached "
        "(default $XDG_CACHE_HOME/knot, else ~/.cache/knot)"),
     _s("XDG_CACHE_HOME", "str", None, "models", "base of the default model cache"),

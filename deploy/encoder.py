@@ -1,7 +1,7 @@
 """GGUF -> .knot. Tensor bytes are copied verbatim: nothing is requantized.
 
-Two passes over the GGUF: the first computes each tensor's crc32 (the header, written first,
-carries them), the second copies the bytes. The CRC pass runs at ~2 GB/s.
+Two passes over the GGUF: the first computes each tensor's crc32 and chunk digests (the header,
+written first, carries them), the second copies the bytes. The first pass is SHA-256 bound.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import knot
-from common.integrity import crc32
 from deploy.gguf_import import read_gguf
 
 log = logging.getLogger(__name__)
@@ -25,8 +24,8 @@ def encode(gguf_path: str | Path, knot_path: str | Path, progress: bool | None =
     """Encode a GGUF into a knot at knot_path (written to a temp name, then renamed)."""
     model = read_gguf(gguf_path)
     tok_blob = knot.encode_tokenizer_blob(model.tokenizer)
-    checksums = {t.name: _crc32_chunked(model.raw(t)) for t in model.tensors}
-    checksums[knot.TOKENIZER_BLOB] = crc32(tok_blob)
+    checksums = {t.name: _checksum(model.raw(t)) for t in model.tensors}
+    checksums[knot.TOKENIZER_BLOB] = knot.checksum(tok_blob)
     metadata = knot.build_metadata(
         model.architecture,
         model.hparams,
@@ -62,9 +61,9 @@ def encode(gguf_path: str | Path, knot_path: str | Path, progress: bool | None =
     return header
 
 
-def _crc32_chunked(raw) -> int:
-    """crc32 of a tensor's bytes (a numpy view into the GGUF's mmap), in chunks."""
-    crc = 0
+def _checksum(raw) -> knot.EntryChecksum:
+    """crc32 and chunk digests of a tensor's bytes (a numpy view into the GGUF's mmap), in pieces."""
+    h = knot.EntryHasher()
     for a in range(0, len(raw), COPY_CHUNK_BYTES):
-        crc = crc32(raw[a:a + COPY_CHUNK_BYTES], crc)
-    return crc
+        h.update(raw[a:a + COPY_CHUNK_BYTES])
+    return h.result()

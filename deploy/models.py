@@ -182,11 +182,17 @@ def knot_cache_path(gguf_path: Path) -> Path:
     return cache_dir() / (gguf_path.name.removesuffix(".gguf") + ".knot")
 
 
-def _has_checksums(knot_path: Path) -> bool:
-    """False for a cached knot encoded before per-tensor crc32: it is encoded again."""
+def _current_format(knot_path: Path) -> bool:
+    """False for a cached knot this reader refuses (an older format version, or broken): it is encoded again."""
+    from common.knot import KnotError
     from deploy.knotfile import KnotFile
 
-    return not KnotFile(knot_path).header.unchecksummed
+    try:
+        KnotFile(knot_path)
+    except KnotError as e:
+        log.info("%s: encoding again (%s)", knot_path, e)
+        return False
+    return True
 
 
 def ensure_knot(name_or_path: str, progress: bool | None = None) -> Path:
@@ -198,7 +204,7 @@ def ensure_knot(name_or_path: str, progress: bool | None = None) -> Path:
         return p
     gguf_path = fetch(name_or_path, progress)
     out = knot_cache_path(gguf_path)
-    if out.is_file() and out.stat().st_mtime >= gguf_path.stat().st_mtime and _has_checksums(out):
+    if out.is_file() and out.stat().st_mtime >= gguf_path.stat().st_mtime and _current_format(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     encode(gguf_path, out, progress)

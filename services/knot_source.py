@@ -10,15 +10,22 @@ Every hop between services names the version it works on in the X-Knot-Etag head
 a service asked for another version than it serves checks the bucket, reloads when the bucket
 moved on, and otherwise refuses with KnotVersionMismatch (503, its own version in the header).
 So a forward that started on version A never uses a byte of version B (docs/runtime.md).
+
+Which knot a version may be is pinned by its digest (SHA-256 of the header, which commits to every
+chunk digest, so to every byte): KNOT_DIGEST, else the digest of the first version the service
+loaded. A version with another digest is refused (KnotNotPinned, 503) and the service serves on the
+version it had loaded; the operator moves the pin with `knot cluster reload` or KNOT_DIGEST.
 """
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, NoReturn, TypeVar
+import re
+from typing import Any, Awaitable, Callable, NoReturn, TypeVar
 
 from common.knot import CorruptKnot, KnotError, KnotHeader, read_header
 from common.models import Model, model_for
 from common.runtime import HttpError, NotFound, PreconditionFailed, ServiceUnavailable
+from common.settings import ConfigError, read
 from services.boot import BootCache
 
 log = logging.getLogger(__name__)
@@ -35,16 +42,41 @@ class KnotVersionMismatch(ServiceUnavailable):
 
 
 class KnotCorrupt(ServiceUnavailable):
-    """Bytes read from the bucket disagree with the knot header's crc32 for them."""
+    """Bytes read from the bucket disagree with the knot header's crc32 or chunk digests for them."""
+
+
+class KnotNotPinned(ServiceUnavailable):
+    """The knot in the bucket is not the one the service is pinned to (its digest differs)."""
+
+    def __init__(self, message: str, *, digest: str, headers: dict[str, str] | None = None):
+        super().__init__(message, headers=headers)
+        self.digest = digest  # the refused knot's
 
 
 # Error names (the "error" of a reply body) that fail a whole request: never degraded around.
-INTEGRITY_ERRORS = frozenset({KnotChanged.__name__, KnotVersionMismatch.__name__, KnotCorrupt.__name__})
+INTEGRITY_ERRORS = frozenset({KnotChanged.__name__, KnotVersionMismatch.__name__, KnotCorrupt.__name__,
+                              KnotNotPinned.__name__})
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_HOW_TO_REPIN = ("To serve the bucket's knot: `knot cluster reload` (or set KNOT_DIGEST to its digest and restart "
+                 "the services); to keep this one, upload it again")
+
+
+def read_pin(env: Any, reader: str) -> str:
+    """KNOT_DIGEST: the digest the knot must have, "" when unset (the first version loaded is pinned)."""
+    pin = read(env, "KNOT_DIGEST", reader) or ""
+    if pin and not _DIGEST.fullmatch(pin):
+        raise ConfigError(f"Config 'KNOT_DIGEST' must be 64 lowercase hex digits (the digest `knot inspect` "
+                          f"prints), got {pin!r}", name="KNOT_DIGEST")
+    return pin
 
 
 class KnotSource:
-    def __init__(self, bucket, knot_key: str):
+    def __init__(self, bucket, knot_key: str, pin: str = ""):
         self.bucket, self.knot_key = bucket, knot_key
+        self.pin = pin  # the digest the knot must have; "": any (the service's first load)
+        # (version, digest, pin) of a version in the bucket that the pin refused: serving_version asks again
+        # only when the bucket or the pin moves on
+        self.refused: tuple[str, str, str] | None = None
         self.etag = ""
         self.size = 0
         self.changed = False  # a read found another version in the bucket: reload before serving again
@@ -71,27 +103,58 @@ class KnotSource:
     def _changed(self, detail: str) -> NoReturn:
         self.changed = True
         log.warning("knot %s changed in the bucket (was version %s): %s", self.knot_key, self.etag, detail)
+        then = "the next one loads the new version, if it has the digest this service is pinned to"
+        if self.refused:
+            then = (f"the bucket's version {self.refused[0]!r} has digest {self.refused[1]}, refused: this service "
+                    f"is pinned to {self.digest}. {_HOW_TO_REPIN}")
         raise KnotChanged(f"knot {self.knot_key!r} changed in the bucket since this service loaded version "
                           f"{self.etag!r} ({detail}); the request is refused so that nothing mixes two versions, "
-                          f"and the next one loads the new version", headers={KNOT_ETAG_HEADER: self.etag})
+                          f"and {then}", headers={KNOT_ETAG_HEADER: self.etag})
+
+    @property
+    def digest(self) -> str:
+        """The loaded knot's digest ("" before header())."""
+        return "" if self._header is None else self._header.digest
 
     async def read_tensor(self, name: str) -> bytes:
-        """A whole tensor (or blob), checked against the header's crc32 when the knot carries one."""
+        """A whole tensor (or blob), checked against the header's crc32 and every chunk digest."""
         header = await self.header()
-        data = await self.read(*(header.tensor_range(name) if name in header.tensors else header.blob_range(name)))
+        data = await self.read(*header.entry_range(name))
         self.verify(name, data)
         return data
 
+    async def read_checked(self, name: str, rel_start: int, rel_end: int) -> bytes:
+        """Bytes [rel_start, rel_end) of a tensor or blob: one ranged read widened to whole chunks,
+        each checked against the header's digest (KnotCorrupt, 503, on a mismatch)."""
+        header = await self.header()
+        a, b = header.chunk_span(name, rel_start, rel_end)
+        base = header.entry_range(name)[0]
+        data = await self.read(base + a, base + b)
+        self._checked(lambda: header.verify_range(name, a, b, data))
+        return data if (a, b) == (rel_start, rel_end) else data[rel_start - a:rel_end - a]
+
+    async def read_rows(self, name: str, row_start: int, row_end: int) -> bytes:
+        """Rows [row_start, row_end) of a tensor, checked (read_checked)."""
+        header = await self.header()
+        start, end = header.row_range(name, row_start, row_end)
+        base = header.tensor_range(name)[0]
+        return await self.read_checked(name, start - base, end - base)
+
     def verify(self, name: str, data: bytes | memoryview | None = None, *, crc: int | None = None,
-               nbytes: int | None = None) -> bool:
-        """Check bytes (or their crc32 and length) against the header: True when checked, False when the
-        knot has no checksum for `name`; KnotCorrupt (503) on a mismatch."""
-        assert self._header is not None, "verify() before header()"
-        try:
-            if data is not None:
-                return self._header.verify(name, data)
+               nbytes: int | None = None) -> None:
+        """Check a whole entry's bytes against the header (crc32 and chunk digests), or only their crc32 and
+        length (a frame's payload_crc32); KnotCorrupt (503) on a mismatch."""
+        header = self._header
+        assert header is not None, "verify() before header()"
+        if data is not None:
+            self._checked(lambda: header.verify(name, data))
+        else:
             assert crc is not None and nbytes is not None
-            return self._header.verify_crc(name, crc, nbytes)
+            self._checked(lambda: header.verify_crc(name, crc, nbytes))
+
+    def _checked(self, check: Callable[[], None]) -> None:
+        try:
+            check()
         except CorruptKnot as e:
             self.corrupt_reads += 1
             log.error("knot %s version %s: %s", self.knot_key, self.etag, e)
@@ -112,10 +175,16 @@ class KnotSource:
                 return data
 
             try:
-                self._header = await read_header(read_range, file_size=meta.size)
+                header = await read_header(read_range, file_size=meta.size)
             except KnotError as e:  # shrunk, not a knot, stale: the service cannot run it (503, not 500)
                 raise KnotCorrupt(f"knot {self.knot_key!r} version {self.etag!r} cannot be read: {type(e).__name__}: "
                                   f"{e}; re-encode it (`knot encode`) and upload it again") from None
+            if self.pin and header.digest != self.pin:
+                raise KnotNotPinned(f"knot {self.knot_key!r} in the bucket (version {meta.etag!r}) has digest "
+                                    f"{header.digest}; this service is pinned to {self.pin}, so it does not serve "
+                                    f"it. {_HOW_TO_REPIN}", digest=header.digest,
+                                    headers={KNOT_ETAG_HEADER: meta.etag})
+            self._header = header
         return self._header
 
     async def model(self) -> Model:
@@ -140,17 +209,23 @@ class KnotSource:
 T = TypeVar("T")
 
 
-async def serving_version(cache: BootCache[T], key: str, boot: Callable[[], Awaitable[T]],
+
+async def serving_version(cache: BootCache[T], key: str, boot: Callable[[str], Awaitable[T]],
                           source_of: Callable[[T], KnotSource], want: str | None = None,
-                          check_bucket: bool = False) -> T:
+                          check_bucket: bool = False, pin: str = "") -> T:
     """The booted value for `key` that serves the knot version `want` (the caller's X-Knot-Etag).
 
     Reloads (boots again, replacing the cached value; requests in flight keep theirs) when a read
     found the knot replaced, when the caller works on another version than ours and the bucket moved
     on, or, with check_bucket, whenever the bucket holds another version. Raises
     KnotVersionMismatch when the caller's version is not the one the bucket holds.
+
+    boot(digest) loads the knot only if its digest is that one ("": any). The first boot takes `pin`
+    (KNOT_DIGEST); a reload takes `pin`, else the loaded version's digest. A version refused that way
+    (KnotNotPinned) leaves the loaded one served; one that reads corrupt (KnotCorrupt) is counted in
+    the loaded one's corrupt_reads, which /stats reports.
     """
-    value = await cache.get(key, boot)
+    value = await cache.get(key, lambda: boot(pin))
     src = source_of(value)
     if not (src.changed or check_bucket or (want and want != src.etag)):
         return value
@@ -166,12 +241,23 @@ async def serving_version(cache: BootCache[T], key: str, boot: Callable[[], Awai
         src.changed = True
         raise KnotChanged(f"knot {src.knot_key!r} is gone from the bucket (this service loaded version "
                           f"{src.etag!r})", headers={KNOT_ETAG_HEADER: src.etag})
-    if current != src.etag:
+    need = pin or src.digest
+    if current != src.etag and src.refused is not None and src.refused[::2] == (current, need):
+        src.changed = False  # refused before: serve on what we have (reads of the bucket fail, saying why)
+    elif current != src.etag:
         log.warning("knot %s: version %s -> %s in the bucket, reloading", src.knot_key, src.etag, current)
-        value = await cache.get(key, boot, stale=lambda v: source_of(v).etag != current)
-        src = source_of(value)
+        try:
+            value = await cache.get(key, lambda: boot(need), stale=lambda v: source_of(v).etag != current)
+        except KnotNotPinned as e:
+            src.refused, src.changed = (current, e.digest, need), False
+            log.error("knot %s: %s; serving on the loaded version %s", src.knot_key, e, src.etag)
+        except KnotCorrupt:
+            src.corrupt_reads += 1
+            raise
+        else:
+            src = source_of(value)
     else:
-        src.changed = False  # the same version is back (S3 etags of equal bytes are equal)
+        src.changed, src.refused = False, None  # the same version is back (S3 etags of equal bytes are equal)
     if want and want != src.etag:
         raise KnotVersionMismatch(f"the request works on knot version {want!r} of {src.knot_key!r}; this service "
                                   f"serves {src.etag!r}, the version the bucket holds",

@@ -25,7 +25,7 @@ from common.runtime import (BadGateway, BadRequest, Conflict, DurableObjectNames
                             Headers, MethodNotAllowed, NotFound, Request, Response, int_param)
 from common.settings import read
 from services.boot import BootCache
-from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
+from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 from services.peer import call
 
 KNOT_ID_HEADER = "X-Knot-Id"
@@ -107,9 +107,10 @@ Route = Callable[[Request, str], Awaitable[Response]]
 
 
 class WardenBase:
-    """A DO class: cls(state, env) with async fetch(request). Subclasses set FIELDS and ROUTES."""
+    """A DO class: cls(state, env) with async fetch(request). Subclasses set FIELDS, ROUTES and READER."""
 
     FIELDS: IdentityFields
+    READER: str  # who reads its settings (common/settings.py READERS)
     ROUTES: dict[tuple[str, str], str]  # (method, path prefix) -> method name; the rest of the path is passed
 
     def __init__(self, state: DurableObjectState, env: Env):
@@ -145,15 +146,16 @@ class WardenBase:
         if self.identity is not None and identity != self.identity:
             raise Conflict(f"warden is configured as {self.identity.name!r}, request is for {identity.name!r}")
 
-        async def load() -> Served:
-            source = KnotSource(self.env.KNOT_BUCKET, identity.knot_key)
+        async def load(pin: str) -> Served:
+            source = KnotSource(self.env.KNOT_BUCKET, identity.knot_key, pin)
             header, model = await source.header(), await source.model()
             self._validate(identity, header, model)
             return Served(source, header, model, self._caches(header, model, source, self._body))
 
         if self.identity is None:
             self._body = body or {}
-        served = await serving_version(self._served, identity.name, load, lambda s: s.source, knot_etag)
+        served = await serving_version(self._served, identity.name, load, lambda s: s.source, knot_etag,
+                                       pin=read_pin(self.env, self.READER))
         self.identity = identity
         return served
 

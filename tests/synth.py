@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,7 +171,19 @@ def rewrite_metadata(src: Path, dst: Path, edit) -> Path:
     return Path(dst)
 
 
-def strip_checksums(meta: dict) -> None:
-    """A rewrite_metadata edit: the knot as the encoder wrote it before per-tensor crc32."""
+def as_version_1(src: Path, dst: Path, crc32: bool = True) -> Path:
+    """Copy a knot as format version 1 wrote it: no chunk digests (with crc32=False, no crc32 either,
+    as before per-tensor checksums). The payload is untouched."""
+    buf = Path(src).read_bytes()
+    h = knot.parse_header(buf)
+    meta = json.loads(json.dumps(h.metadata))
+    meta["version"] = 1
+    del meta["chunk_bytes"]
     for entry in (*meta["tensors"].values(), *meta["blobs"].values()):
-        entry.pop("crc32", None)
+        del entry["chunks"]
+        if not crc32:
+            del entry["crc32"]
+    head = bytearray(knot.pack_header(meta))
+    struct.pack_into("<H", head, 4, 1)  # the preamble's version
+    Path(dst).write_bytes(bytes(head) + buf[h.payload_offset:])
+    return Path(dst)

@@ -23,4 +23,5 @@ def run(args) -> int:
     header = encode(src, args.out, progress=False if args.no_progress else None)
     print(f"{args.out}: {len(header.tensors)} tensors, payloadOffset {header.payload_offset}, "
           f"{header.expected_file_size} bytes")
+    print(f"digest {header.digest} (KNOT_DIGEST pins the cluster to it)")
     return 0

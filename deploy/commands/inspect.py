@@ -1,6 +1,6 @@
-"""knot inspect: header, hparams, tensor table, the stale check and the checksums of a knot.
+"""knot inspect: header, digest, hparams, tensor table, the stale check and the checksums of a knot.
 
-Exit status: 0, or 1 when --verify finds a tensor or blob whose bytes disagree with its crc32.
+Exit status: 0, or 1 when --verify finds a tensor or blob whose bytes disagree with its crc32 or a chunk digest.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from common import knot
 from deploy.knotfile import open_model
 
 NAME = "inspect"
-HELP = ("print a knot's header, hparams, tensor table, payload offset, stale-check result and checksums "
-        "(--verify: check every tensor's bytes)")
+HELP = ("print a knot's header, digest, hparams, tensor table, payload offset, stale-check result and "
+        "checksums (--verify: check every tensor's bytes)")
 
 
 def add_arguments(p) -> None:
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tensors", type=int, default=None, metavar="N",
                    help="show only the first N tensors of the table (default: all)")
     p.add_argument("--verify", action="store_true",
-                   help="read every tensor and blob and check its bytes against the header's crc32")
+                   help="read every tensor and blob and check its bytes against the header's crc32 and chunk digests")
 
 
 def run(args) -> int:
@@ -35,6 +35,7 @@ def run(args) -> int:
     size = model.path.stat().st_size
     print(f"file            {model.path} ({size} bytes)")
     print(f"format          knot v{h.version}, metaLen {h.meta_len}, payloadOffset {h.payload_offset}")
+    print(f"digest          {h.digest}  (SHA-256 of the header; KNOT_DIGEST pins it)")
     print(f"architecture    {h.architecture}  ({h.metadata.get('name', '')})")
     print(f"stale check     OK: {size} = payloadOffset {h.payload_offset} + payload {h.payload_nbytes}")
     bad = _checksums(model, h, args.verify)
@@ -58,21 +59,14 @@ def run(args) -> int:
 def _checksums(model, h: knot.KnotHeader, verify: bool) -> list[str]:
     """Print the checksum line; with verify, check every tensor and blob -> the mismatches."""
     entries = [*h.tensors.values(), *h.blobs.values()]
-    missing = h.unchecksummed
-    if len(missing) == len(entries):
-        print("checksums       absent: a knot from before per-tensor crc32; re-encode with `knot encode` to add them")
-        return []
-    present = f"crc32 on {len(entries) - len(missing)} of {len(entries)} tensors and blobs"
-    if missing:
-        present += f" (missing: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+    present = (f"crc32 and SHA-256 of {h.chunk_bytes // 1024} KiB chunks on {len(entries)} tensors and blobs "
+               f"({sum(len(e.chunks) for e in entries) // knot.CHUNK_DIGEST_BYTES} chunks)")
     if not verify:
         print(f"checksums       {present}; not verified (--verify reads every byte)")
         return []
     bad = []
     for e in entries:
-        if e.crc32 is None:
-            continue
-        start, end = h.tensor_range(e.name) if e.name in h.tensors else h.blob_range(e.name)
+        start, end = h.entry_range(e.name)
         try:
             h.verify(e.name, model.data[start:end])
         except knot.CorruptKnot as err:

@@ -133,7 +133,6 @@ def write_synth(out: str | Path, *, layers=28, hidden=3584, ffn=18944, heads=28,
     from tqdm import tqdm
 
     from common import knot
-    from common.integrity import crc32
     from common.quant import tensor_nbytes
 
     plan = tensor_plan(layers, hidden, ffn, heads, kv_heads, vocab)
@@ -146,12 +145,12 @@ def write_synth(out: str | Path, *, layers=28, hidden=3584, ffn=18944, heads=28,
     # The header (written first) carries each tensor's crc32: a first pass draws the same bytes from
     # the same seed to compute them.
     rng = np.random.default_rng(seed)
-    checksums = {knot.TOKENIZER_BLOB: crc32(tok_blob)}
+    checksums = {knot.TOKENIZER_BLOB: knot.checksum(tok_blob)}
     for name, t, shape in plan:
-        crc = 0
+        h = knot.EntryHasher()
         for chunk in tensor_chunks(name, t, shape, rng):
-            crc = crc32(chunk, crc)
-        checksums[name] = crc
+            h.update(chunk)
+        checksums[name] = h.result()
     metadata = knot.build_metadata(
         "qwen2", hparams, [(n, t, s, tensor_nbytes(t, s)) for n, t, s in plan],
         blobs=[(knot.TOKENIZER_BLOB, len(tok_blob), knot.TOKENIZER_ENCODING)],

@@ -3,11 +3,13 @@
     KNOT_MODEL   a registered model name (deploy.models) or a local .gguf/.knot path
     KNOT_KEY     the object key in the bucket
     KNOT_BUCKET  s3://BUCKET (S3_ENDPOINT_URL, AWS_* as for the services) or dir:PATH
+    KNOT_DIGEST  optional: the knot's digest the cluster is pinned to (the local knot must have it)
 (common/settings.py declares them; docs/configuration.md lists them.)
 
 Idempotent: an object already at KNOT_KEY whose header parses and whose size passes the
-stale-knot guard is left alone, so only the first start uploads; unless it carries no per-tensor
-checksums and the local knot does (a knot encoded before them is replaced once).
+stale-knot guard is left alone, so only the first start uploads (a knot of an older format
+version is refused by the reader, so it is replaced once); with KNOT_DIGEST, an object with
+another digest is replaced too.
 """
 from __future__ import annotations
 
@@ -40,20 +42,26 @@ def s3_settings(env: Mapping[str, str]) -> S3Settings:
                                                        "AWS_REGION", "S3_CONNECT_TIMEOUT_S", "S3_READ_TIMEOUT_S")))
 
 
-def knot_for(model: str) -> Path:
+def knot_for(model: str, pin: str = "") -> Path:
+    """The local knot to upload; with pin, it must have that digest (ConfigError otherwise)."""
     from deploy.models import ensure_knot  # fetch (pip) + encode, both cached
 
-    return ensure_knot(model)
+    path = ensure_knot(model)
+    digest = read_header_sync(_file_reader(path)).digest
+    if pin and digest != pin:
+        raise ConfigError(f"{path} has digest {digest}, KNOT_DIGEST pins {pin}: set KNOT_DIGEST to the model's "
+                          f"digest (`knot inspect {path}`) or KNOT_MODEL to the pinned model", name="KNOT_DIGEST")
+    return path
 
 
-def _valid_remote(read_range, size: int, model: str) -> bool:
+def _valid_remote(read_range, size: int, pin: str = "") -> bool:
     try:
         header = read_header_sync(read_range, file_size=size)
-    except KnotError as e:
+    except KnotError as e:  # an older format version too
         log.warning("the bucket's knot is unusable (%s): uploading again", e)
         return False
-    if header.unchecksummed and not read_header_sync(_file_reader(knot_for(model))).unchecksummed:
-        log.warning("the bucket's knot has no per-tensor checksums, the local one has: uploading again")
+    if pin and header.digest != pin:
+        log.warning("the bucket's knot has digest %s, KNOT_DIGEST pins %s: uploading again", header.digest, pin)
         return False
     return True
 
@@ -67,7 +75,7 @@ def _file_reader(path: Path):
     return read_range
 
 
-def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
+def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str, pin: str = "") -> str:
     s3 = s3_client(s3_settings(env))
     try:
         s3.head_bucket(Bucket=bucket)
@@ -83,9 +91,9 @@ def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
             r = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={a}-{min(b, size) - 1}")  # inclusive end
             return r["Body"].read()
 
-        if _valid_remote(read_range, size, model):
+        if _valid_remote(read_range, size, pin):
             return f"s3://{bucket}/{key} already present ({size} bytes), not uploading"
-    path = knot_for(model)
+    path = knot_for(model, pin)
     s3.upload_file(str(path), bucket, key, Config=TransferConfig(multipart_chunksize=MULTIPART_CHUNK_BYTES,
                                                                      max_concurrency=UPLOAD_CONCURRENCY))
     got = int(s3.head_object(Bucket=bucket, Key=key)["ContentLength"])
@@ -94,11 +102,11 @@ def upload_s3(env: Mapping[str, str], bucket: str, key: str, model: str) -> str:
     return f"uploaded {path} ({got} bytes) to s3://{bucket}/{key}"
 
 
-def upload_dir(root: Path, key: str, model: str) -> str:
+def upload_dir(root: Path, key: str, model: str, pin: str = "") -> str:
     dest = root / key
-    if dest.is_file() and _valid_remote(_file_reader(dest), dest.stat().st_size, model):
+    if dest.is_file() and _valid_remote(_file_reader(dest), dest.stat().st_size, pin):
         return f"{dest} already present, not copying"
-    path = knot_for(model)
+    path = knot_for(model, pin)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".partial")
     shutil.copyfile(path, tmp)
@@ -108,11 +116,12 @@ def upload_dir(root: Path, key: str, model: str) -> str:
 
 def run(env: Mapping[str, str]) -> str:
     model, key, url = (read(env, n, "init") for n in ("KNOT_MODEL", "KNOT_KEY", "KNOT_BUCKET"))
+    pin = read(env, "KNOT_DIGEST", "init") or ""
     bucket = parse_binding("KNOT_BUCKET", url)
     if bucket.scheme == "s3":
-        return upload_s3(env, bucket.target, key, model)
+        return upload_s3(env, bucket.target, key, model, pin)
     if bucket.scheme == "dir":
-        return upload_dir(Path(bucket.target), key, model)
+        return upload_dir(Path(bucket.target), key, model, pin)
     raise ConfigError(f"KNOT_BUCKET={url}: init knows s3:// and dir: buckets")
 
 

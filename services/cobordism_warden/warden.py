@@ -133,6 +133,7 @@ class RowCaches:
 
 class CobordismWarden(WardenBase):
     FIELDS = FIELDS
+    READER = "cobordism_warden"
     ROUTES = {
         ("POST", "/configure"): "configure",
         ("POST", "/tensors"): "tensors",
@@ -208,7 +209,7 @@ class CobordismWarden(WardenBase):
         entry = v.header.entry(tensor)
         ne0 = entry.shape[0]
         async with sem:
-            data = await v.source.read(*v.header.row_range(tensor, *run))  # pinned to the served version
+            data = await v.source.read_rows(tensor, *run)  # pinned to the served version, chunks checked
         nb = row_nbytes(entry.ggml_type, ne0, tensor)
         for i, row in enumerate(range(*run)):
             payload = data[i * nb:(i + 1) * nb]
@@ -308,7 +309,7 @@ class CobordismWarden(WardenBase):
                 if self.served is not v:  # another version is served now: its caches start empty
                     return
                 end = min(b, start + step)
-                data = bytes(await v.source.read(*v.header.row_range(c.embd, start, end)))  # pinned to v
+                data = bytes(await v.source.read_rows(c.embd, start, end))  # pinned to v, chunks checked
                 view = memoryview(data)
                 rows = [view[i * nb:(i + 1) * nb] for i in range(end - start)]
                 slab = Slab(v.source.etag, ggml_type, ne0, start, data, [crc32(r) for r in rows],

@@ -233,9 +233,10 @@ def policy_headers(*gens: ClusterGeneration) -> dict[str, str]:
 
 class Coordinator:
     def __init__(self, settings, cfg: ModelConfig, tokenizer: Tokenizer, pipeline: Pipeline, model_id: str,
-                 drafter: DrafterClient | None = None, capacity: list[StationCapacity] = ()):
+                 drafter: DrafterClient | None = None, capacity: list[StationCapacity] = (), knot_digest: str = ""):
         self.settings, self.cfg, self.tokenizer, self.pipeline = settings, cfg, tokenizer, pipeline
         self.model_id = model_id
+        self.knot_digest = knot_digest  # SHA-256 of the served knot's header (common/knot.py)
         self.drafter_client = drafter
         # The longest sequence this cluster runs: the model's context, or less where a station's
         # memory budget cannot hold that many tokens' KV caches (prompt and completion together).

@@ -53,7 +53,7 @@ from services.coordinator.generation import Coordinator, StationCapacity, policy
 from services.coordinator.params import parse_detokenize, parse_generate, parse_tokenize
 from services.coordinator.pipeline import Pipeline
 from services.drafter.client import DrafterClient
-from services.knot_source import KnotSource, serving_version
+from services.knot_source import KnotSource, read_pin, serving_version
 from services.offload import off_loop
 from services.station.client import StationClient
 
@@ -128,8 +128,8 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         raise ServiceUnavailable(f"coordinator config: {e}") from None
     key = repr(settings)
 
-    async def boot() -> _Booted:
-        source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
+    async def boot(pin: str) -> _Booted:
+        source = KnotSource(env.KNOT_BUCKET, settings.knot_key, pin)
         header, cfg = await source.header(), (await source.model()).cfg
         shards = [ShardSpec(i, a, b) for i, (_, a, b) in enumerate(settings.shards)]
         check_vocab_tiling(shards, cfg.vocab_size)
@@ -145,7 +145,7 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
                     for i, s in enumerate(station_stats)]
         blob = await source.read_tensor(TOKENIZER_BLOB)  # checked against the knot's crc32
         tokenizer = Tokenizer(decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding))
-        co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id, drafter, capacity)
+        co = Coordinator(settings, cfg, tokenizer, pipeline, settings.model_id, drafter, capacity, header.digest)
         co.note_station_stats(station_stats)
         await off_loop(lambda: tokenizer.max_token_bytes)  # a pass over the vocabulary, once
         log.info("coordinator booted on knot version %s: %d stations, %d shards, vocab %d, sequences up to %d "
@@ -158,7 +158,8 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         return _Booted(co, source)
 
     try:
-        return (await serving_version(_booted, key, boot, lambda b: b.source, check_bucket=check_version)).co
+        return (await serving_version(_booted, key, boot, lambda b: b.source, check_bucket=check_version,
+                                      pin=read_pin(env, "coordinator"))).co
     except TopologyError as e:  # a misconfigured cluster: not the client's fault, and not ready
         raise ServiceUnavailable(f"coordinator topology: {e}") from None
 

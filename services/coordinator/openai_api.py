@@ -358,7 +358,8 @@ async def _interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[byte
 
 def model_card(co: Coordinator) -> dict:
     return {"id": co.model_id, "object": "model", "created": co.created, "owned_by": "knot-cluster",
-            "context_length": co.cfg.context_length, "memory": memory_report(co.station_memory)}
+            "context_length": co.cfg.context_length, "knot_digest": co.knot_digest,
+            "memory": memory_report(co.station_memory)}
 
 
 def memory_report(plans: list[dict | None]) -> dict:

@@ -64,6 +64,7 @@ def resident_rule(model: Model) -> Callable[[str, int], bool]:
 
 class LayerWarden(WardenBase):
     FIELDS = FIELDS
+    READER = "layer_warden"
     ROUTES = {
         ("POST", "/configure"): "configure",
         ("GET", "/tensor/"): "tensor",

@@ -49,7 +49,7 @@ from services.batcher import Batcher
 from services.boot import BootCache
 from services.cobordism_warden.client import CobordismWardenClient
 from services.embed_cache import SealedRows
-from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
+from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +112,7 @@ class Shard:
         """The LM-head slice: one ranged read of rows [vocab_start, vocab_end), kept resident."""
         a, b = self.settings.vocab_start, self.settings.vocab_end
         e = self.header.entry(self.head_name)
-        data = await self.source.read(*self.header.row_range(self.head_name, a, b))  # pinned to our version
-        if (a, b) == (0, e.n_rows):  # the whole tensor: the knot's crc32 covers it
-            self.source.verify(self.head_name, data)
+        data = await self.source.read_rows(self.head_name, a, b)  # pinned to our version, chunks checked
         self.head = QTensor(f"{self.head_name}[{a}:{b}]", e.ggml_type, (e.shape[0], b - a),
                             resident_copy(data))  # on huge pages: every token's product streams it
         if self.warden is not None and not self.tied and self.settings.warm_warden:
@@ -155,7 +153,7 @@ class Shard:
         if fetch and self.warden is not None:
             out.update(await self._from_warden(fetch))
         for r in [r for r in fetch if r not in out]:
-            data = await self.source.read(*self.header.row_range(self.embd_name, r, r + 1))
+            data = await self.source.read_rows(self.embd_name, r, r + 1)  # its chunk (64 KiB) read and checked
             out[r] = dequantize_rows(data, self.embd.ggml_type, self.dim, self.embd_name)[0]
             self.stats["rows_from_r2"] += 1
         for r in fetch:
@@ -233,8 +231,8 @@ async def shard_for(env: Env, knot_etag: str | None = None) -> Shard:
     """The shard serving knot version knot_etag (a request's X-Knot-Etag; None: the loaded one)."""
     settings = ShardSettings.from_env(env)
 
-    async def boot() -> Shard:
-        source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
+    async def boot(pin: str) -> Shard:
+        source = KnotSource(env.KNOT_BUCKET, settings.knot_key, pin)
         header, model = await source.header(), await source.model()
         ns = read(env, "COBORDISM_WARDEN", "shard")
         warden = (None if ns is None else  # it must answer for our version
@@ -245,11 +243,13 @@ async def shard_for(env: Env, knot_etag: str | None = None) -> Shard:
                  ", float32 cached" if sh.head_f32 else "")
         return sh
 
-    return await serving_version(_booted, settings.boot_key, boot, lambda sh: sh.source, knot_etag)
+    return await serving_version(_booted, settings.boot_key, boot, lambda sh: sh.source, knot_etag,
+                                 pin=read_pin(env, "shard"))
 
 
 async def ready(env: Env) -> None:
     ShardSettings.from_env(env)
+    read_pin(env, "shard")
 
 
 def _frame(request: Request, mode: str) -> wire.Envelope:

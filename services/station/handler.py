@@ -57,7 +57,7 @@ from common.settings import ConfigError, default, read
 from common.topology import TopologyError
 from services.batcher import Batcher
 from services.boot import BootCache
-from services.knot_source import KNOT_ETAG_HEADER, KnotSource, serving_version
+from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 from services.layer_warden.client import LayerWardenClient
 from services.station.memory import (ForwardWeights, MemoryPlan, StationMemory, StationMemoryFull, describe_plan,
                                         plan_memory)
@@ -414,8 +414,8 @@ async def station_for(env: Env, ctx, knot_etag: str | None = None) -> Station:
     """The station serving knot version knot_etag (a request's X-Knot-Etag; None: the loaded one)."""
     settings = StationSettings.from_env(env)
 
-    async def boot() -> Station:
-        source = KnotSource(env.KNOT_BUCKET, settings.knot_key)
+    async def boot(pin: str) -> Station:
+        source = KnotSource(env.KNOT_BUCKET, settings.knot_key, pin)
         header, model = await source.header(), await source.model()
         ns = read(env, "LAYER_WARDEN", "station")
         warden = (None if ns is None else  # it must answer for our version
@@ -427,12 +427,14 @@ async def station_for(env: Env, ctx, knot_etag: str | None = None) -> Station:
         log.info("%s", describe_plan("station", (settings.layer_start, settings.layer_end), st.plan))
         return st
 
-    return await serving_version(_booted, settings.boot_key, boot, lambda st: st.loader.source, knot_etag)
+    return await serving_version(_booted, settings.boot_key, boot, lambda st: st.loader.source, knot_etag,
+                                 pin=read_pin(env, "station"))
 
 
 async def ready(env: Env) -> None:
     """Fail the start with a clear message when the configuration is wrong."""
     StationSettings.from_env(env)
+    read_pin(env, "station")
 
 
 async def fetch(request: Request, env: Env, ctx) -> Response:

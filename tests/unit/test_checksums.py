@@ -1,8 +1,8 @@
-"""Checksums of weight bytes: the knot's per-tensor crc32 (old knots still load), crc32_combine,
+"""Checksums of weight bytes: the knot's per-tensor crc32 and chunk digests (version 1 refused), crc32_combine,
 the seals of cache entries, the tensor frame's payload crc32, and the KV row value format."""
 from __future__ import annotations
 
-import json
+import hashlib
 import zlib
 
 import isal.isal_zlib
@@ -16,7 +16,7 @@ from common.integrity import CacheKey, crc32_combine, seal
 from deploy.cli import main
 from deploy.knotfile import open_model
 from services.embed_cache import decode_row, encode_row
-from tests.synth import rewrite_metadata, strip_checksums
+from tests.synth import as_version_1, rewrite_metadata
 
 KEY = CacheKey("the-clusters-internal-secret-of-43-characters")
 
@@ -92,15 +92,17 @@ def test_kv_row_value_is_checked_for_version_row_length_and_content():
 # ------------------------------------------------------------ the knot's checksums
 
 
-def test_encoder_writes_a_crc32_for_every_tensor_and_blob_and_they_hold(tiny_knot):
+def test_encoder_writes_a_crc32_and_chunk_digests_for_every_tensor_and_blob_and_they_hold(tiny_knot):
     data = tiny_knot.read_bytes()
     h = knot.parse_header(data, len(data))
-    assert h.unchecksummed == []
-    for name in h.tensors:
-        a, b = h.tensor_range(name)
-        assert h.tensors[name].crc32 == zlib.crc32(data[a:b]) and h.verify(name, data[a:b])
-    a, b = h.blob_range(knot.TOKENIZER_BLOB)
-    assert h.verify(knot.TOKENIZER_BLOB, data[a:b])
+    assert h.chunk_bytes == knot.CHUNK_BYTES
+    for name in [*h.tensors, *h.blobs]:
+        a, b = h.entry_range(name)
+        e = h.tensors.get(name) or h.blobs[name]
+        assert e.crc32 == zlib.crc32(data[a:b])
+        assert e.chunks == b"".join(hashlib.sha256(data[i:min(i + knot.CHUNK_BYTES, b)]).digest()[:8]
+                                    for i in range(a, b, knot.CHUNK_BYTES))
+        h.verify(name, data[a:b])
     a, b = h.tensor_range("blk.0.attn_q.weight")
     bad = bytearray(data[a:b])
     bad[10] ^= 1
@@ -108,14 +110,11 @@ def test_encoder_writes_a_crc32_for_every_tensor_and_blob_and_they_hold(tiny_kno
         h.verify("blk.0.attn_q.weight", bytes(bad))
 
 
-def test_a_knot_without_checksums_still_loads(tiny_knot, tmp_path):
-    old = rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)
-    h = open_model(old).header
-    assert sorted(h.unchecksummed) == sorted([*h.tensors, *h.blobs])
-    data = old.read_bytes()
-    a, b = h.tensor_range("output_norm.weight")
-    assert h.verify("output_norm.weight", data[a:b]) is False  # nothing to check against, not an error
-    assert open_model(old).tensor("output_norm.weight").dequantize().shape == (256,)
+@pytest.mark.parametrize("crc32", [True, False])
+def test_a_version_1_knot_is_refused_with_the_hint_to_re_encode(tiny_knot, tmp_path, crc32):
+    old = as_version_1(tiny_knot, tmp_path / "old.knot", crc32=crc32)
+    with pytest.raises(knot.OldKnotVersion, match=r"version 1 .* re-encode it with `knot encode"):
+        open_model(old)
 
 
 @pytest.mark.parametrize("crc", [-1, 1 << 32, "0xdead", 1.5, True])
@@ -127,6 +126,33 @@ def test_a_malformed_crc32_field_is_refused(tiny_knot, tmp_path, crc):
         open_model(rewrite_metadata(tiny_knot, tmp_path / "bad.knot", edit))
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda e: e.pop("chunks"), "chunks is None, expected 48"),
+    (lambda e: e.update(chunks=e["chunks"][:-16]), "chunks is 32 hex digits, expected 48"),
+    (lambda e: e.update(chunks=e["chunks"] + "00"), "chunks is 50 hex digits, expected 48"),
+    (lambda e: e.update(chunks="zz" + e["chunks"][2:]), "chunks is not 48 hexadecimal digits"),
+    (lambda e: e.update(chunks=" " + e["chunks"][1:]), "chunks is not 48 hexadecimal digits"),
+    (lambda e: e.update(chunks=7), "chunks is 7, expected 48"),
+])
+def test_a_malformed_chunks_field_is_refused(tiny_knot, tmp_path, edit, match):
+    def apply(meta):
+        # 512 rows of 256 Q8_0 = 139,264 bytes: 3 chunks of 64 KiB (the last shorter), 48 hex digits
+        assert meta["tensors"]["blk.0.ffn_up.weight"]["length"] == 139264
+        edit(meta["tensors"]["blk.0.ffn_up.weight"])
+
+    with pytest.raises(knot.KnotError, match="blk.0.ffn_up.weight: " + match):
+        open_model(rewrite_metadata(tiny_knot, tmp_path / "bad.knot", apply))
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, -1, "65536", 1.5, None, 1 << 31])
+def test_a_malformed_chunk_bytes_is_refused(tiny_knot, tmp_path, chunk_bytes):
+    def edit(meta):
+        meta["chunk_bytes"] = chunk_bytes
+
+    with pytest.raises(knot.KnotError, match="chunk_bytes .* is not an integer"):
+        open_model(rewrite_metadata(tiny_knot, tmp_path / "bad.knot", edit))
+
+
 def run_inspect(capsys, *argv):
     code = main(["inspect", *map(str, argv)])
     return code, capsys.readouterr().out
@@ -134,7 +160,8 @@ def run_inspect(capsys, *argv):
 
 def test_inspect_reports_checksums_and_verify_finds_corrupt_bytes(tiny_knot, tmp_path, capsys):
     code, out = run_inspect(capsys, tiny_knot, "--tensors", "0")
-    assert code == 0 and "crc32 on 28 of 28 tensors and blobs; not verified" in out
+    assert code == 0 and "crc32 and SHA-256 of 64 KiB chunks on 28 tensors and blobs" in out and "not verified" in out
+    assert f"digest          {knot.parse_header(tiny_knot.read_bytes()).digest}" in out
     code, out = run_inspect(capsys, tiny_knot, "--verify", "--tensors", "0")
     assert code == 0 and "verified: all valid" in out
 
@@ -150,21 +177,14 @@ def test_inspect_reports_checksums_and_verify_finds_corrupt_bytes(tiny_knot, tmp
     assert code == 1 and "verified: 1 MISMATCHED" in out
     assert "CORRUPT         tensor blk.1.ffn_up.weight: crc32" in out
 
-    old = rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)
-    code, out = run_inspect(capsys, old, "--verify", "--tensors", "0")
-    assert code == 0 and "checksums       absent" in out and "re-encode" in out
-    assert "crc32" not in json.dumps(open_model(old).header.metadata)
 
 
-def test_init_replaces_a_bucket_knot_without_checksums_once(tiny_knot, tmp_path):
+def test_init_replaces_a_version_1_bucket_knot_once(tiny_knot, tmp_path):
     from deploy.local.init import upload_dir
 
     bucket = tmp_path / "bucket"
     bucket.mkdir()
-    rewrite_metadata(tiny_knot, bucket / "m.knot", strip_checksums)  # what an older encoder uploaded
+    as_version_1(tiny_knot, bucket / "m.knot")  # what an older encoder uploaded
     assert upload_dir(bucket, "m.knot", str(tiny_knot)).startswith("copied")
     assert (bucket / "m.knot").read_bytes() == tiny_knot.read_bytes()
     assert upload_dir(bucket, "m.knot", str(tiny_knot)).endswith("already present, not copying")
-    old = rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)  # the model itself has none
-    rewrite_metadata(tiny_knot, bucket / "o.knot", strip_checksums)
-    assert upload_dir(bucket, "o.knot", str(old)).endswith("already present, not copying")

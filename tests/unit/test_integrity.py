@@ -24,7 +24,7 @@ from services.shard import handler as shard_handler
 from services.station import handler as station_handler
 from services.station.tensors import SealedTensor
 from tests.inprocess import FLUID_BUDGET_BYTES, FLUID_ONE_LAYER_BUDGET_BYTES, KNOT_KEY, KV_KEY, build_cluster
-from tests.synth import TinySpec, rewrite_metadata, strip_checksums, write_tiny_gguf
+from tests.synth import TinySpec, write_tiny_gguf
 
 PROMPT = "the def the"
 N = 8  # tokens generated per request
@@ -93,29 +93,70 @@ def warden(host, cls: str, name: str):
 # ------------------------------------------------------------ the knot replaced in the bucket
 
 
-async def test_a_replaced_knot_is_served_from_one_version_and_the_restored_one_gives_the_baseline(
-        tiny_knot, tmp_path, engine):
+@pytest.mark.parametrize("tensor", ["token_embd.weight", "output.weight"])
+async def test_a_knot_with_changed_rows_and_its_header_untouched_is_refused_and_counted(tiny_knot, tmp_path, engine,
+                                                                                       tensor):
+    """Issue 52's probe: the knot replaced under the same key, one row of the embedding (read by rows)
+    or of the LM head (read as each shard's slice) overwritten, the header untouched: the chunk
+    digests catch it on every read, so no reply carries a token; the original back gives the baseline."""
     c = await build_cluster(tiny_knot, tmp_path, 2, 3)
     baseline = await tokens(c)
     assert baseline == reference(engine)  # every tier now holds the prompt's rows
     ids = engine.tokenizer.encode(PROMPT)
-    # the prompt's last token's row, which decides the first generated token
-    changed = with_row_replaced(tiny_knot, tmp_path / "changed.knot", "token_embd.weight", ids[-1], ids[-1] + 1)
-    want_changed = reference(changed)
-    assert want_changed != baseline, "the changed row must change the tokens for this test to mean anything"
+    row = ids[-1] if tensor == "token_embd.weight" else baseline[0]  # the row that decides the first token
+    changed = with_row_replaced(tiny_knot, tmp_path / "changed.knot", tensor, row, row + 1)
+    assert reference(changed) != baseline, "the changed row must change the tokens for this test to mean anything"
+    assert parse_header(changed.read_bytes()).digest == parse_header(tiny_knot.read_bytes()).digest
 
     await c.bucket.put(KNOT_KEY, changed.read_bytes())
-    r = await c.generate(prompt=PROMPT, max_tokens=N)
-    if r.status == 200:  # served from the new version, every hop of it
-        assert r.json()["tokens"] == want_changed
-    else:  # or refused, saying why
-        assert r.status == 503 and "knot" in r.json()["message"], r.body
-        assert await tokens(c) == want_changed
+    for _ in range(2):  # the version is not mistaken for good on a second look
+        r = await c.generate(prompt=PROMPT, max_tokens=N)
+        assert r.status == 503, r.body
+        assert r.json()["error"] == "IntegrityFailure" and "KnotCorrupt" in r.json()["message"], r.body
+        assert re.search(rf"tensor {tensor}: chunk \d+ \(bytes \d+:\d+ of the tensor\)", r.json()["message"])
+    text = await metrics(c)
+    assert sum(counter(text, "knot_r2_corrupt_reads_total", service=f"shard_{i}") for i in range(3)) >= 2
 
     await c.bucket.put(KNOT_KEY, tiny_knot.read_bytes())  # the original back: nothing of the changed one stays
     assert await tokens(c) == baseline
-    text = await metrics(c)
-    assert counter(text, "knot_version_reloads_total") == 2
+    await c.drain()
+
+
+async def test_another_knot_under_the_key_is_refused_by_the_pin_and_the_loaded_one_served_on(tiny_knot, other_knot,
+                                                                                            tmp_path, engine):
+    """Issue 52, item 2: a self-consistent other knot uploaded under the key does not become the served
+    model. The services keep the version they loaded (every weight resident here: the same tokens);
+    what needs the bucket is refused naming both digests."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    baseline = await tokens(c)
+    ours, theirs = (parse_header(p.read_bytes()).digest for p in (tiny_knot, other_knot))
+    card = (await c.coordinator.fetch(Request("GET", "/v1/models"))).json()["data"][0]
+    assert card["knot_digest"] == ours
+    await c.bucket.put(KNOT_KEY, other_knot.read_bytes())
+    for _ in range(2):
+        assert await tokens(c) == baseline
+    card = (await c.coordinator.fetch(Request("GET", "/v1/models"))).json()["data"][0]
+    assert card["knot_digest"] == ours
+    # A prompt whose rows no tier holds: a read of the bucket, which holds the refused knot. The shard
+    # that reads it learns of the new object then (503); the next request checks it and names the refusal.
+    for _ in range(2):
+        r = await c.generate(prompt="tu re in de", max_tokens=N)
+        assert r.status == 503 and r.json()["error"] == "IntegrityFailure", r.body
+    assert f"digest {theirs}, refused: this service is pinned to {ours}" in r.json()["message"], r.body
+    await c.drain()
+
+
+async def test_a_knot_digest_setting_that_the_bucket_does_not_match_is_a_503_naming_both(tiny_knot, tmp_path):
+    ours = parse_header(tiny_knot.read_bytes()).digest
+    c = await build_cluster(tiny_knot, tmp_path, 1, 2, coordinator_vars={"KNOT_DIGEST": "ab" * 32})
+    r = await c.generate(prompt=PROMPT, max_tokens=N)
+    assert r.status == 503 and r.json()["error"] == "KnotNotPinned", r.body
+    assert f"has digest {ours}; this service is pinned to {'ab' * 32}" in r.json()["message"]
+    c.coordinator.env.update({"KNOT_DIGEST": "not-a-digest"})
+    r = await c.generate(prompt=PROMPT, max_tokens=N)
+    assert r.status == 503 and "KNOT_DIGEST" in r.json()["message"] and "64 lowercase hex" in r.json()["message"]
+    c.coordinator.env.update({"KNOT_DIGEST": ours})
+    assert (await c.generate(prompt=PROMPT, max_tokens=N)).status == 200
     await c.drain()
 
 
@@ -147,6 +188,16 @@ async def test_a_generation_never_mixes_two_knot_versions(tiny_knot, other_knot,
     r = await c.generate(prompt=PROMPT, max_tokens=N)
     assert r.status == 503, r.body
     assert r.json()["error"] == "IntegrityFailure" and "changed in the bucket" in r.json()["message"]
+    # Another model under the key is not what the services loaded: refused by the pin (KNOT_DIGEST unset:
+    # the first digest loaded), naming both digests and how to move the pin; never its tokens.
+    ours, theirs = (parse_header(p.read_bytes()).digest for p in (tiny_knot, other_knot))
+    for _ in range(2):
+        r = await c.generate(prompt=PROMPT, max_tokens=N)
+        assert r.status == 503 and r.json()["error"] == "IntegrityFailure", r.body
+        assert theirs in r.json()["message"] and ours in r.json()["message"], r.body
+        assert "knot cluster reload" in r.json()["message"] and "KNOT_DIGEST" in r.json()["message"]
+    for env in (c.coordinator.env, *c.station_envs, *(sh.env for sh in c.shards)):  # the operator's pin
+        env.update({"KNOT_DIGEST": theirs})
     assert await tokens(c) == reference(other_knot)
     await c.drain()
 
@@ -245,12 +296,9 @@ async def test_a_poisoned_cobordism_warden_entry_is_a_counted_miss(tiny_knot, tm
     await c.drain()
 
 
-@pytest.mark.parametrize("checksums", [True, False], ids=["knot-with-crc32", "knot-without"])
-async def test_a_poisoned_layer_warden_entry_is_a_counted_miss(tiny_knot, tmp_path, checksums):
-    """A valid frame of the right length with other bytes: the station finds it against the knot's
-    crc32; for a knot without checksums the warden finds it against its own seal."""
-    knot_path = tiny_knot if checksums else rewrite_metadata(tiny_knot, tmp_path / "old.knot", strip_checksums)
-    c = await build_cluster(knot_path, tmp_path, 1, 2, station_budget_bytes=FLUID_BUDGET_BYTES)  # fluid: phases come from the warden
+async def test_a_poisoned_layer_warden_entry_is_a_counted_miss(tiny_knot, tmp_path):
+    """A valid frame of the right length with other bytes: the station finds it against the knot's crc32."""
+    c = await build_cluster(tiny_knot, tmp_path, 1, 2, station_budget_bytes=FLUID_BUDGET_BYTES)  # fluid: phases come from the warden
     baseline = await tokens(c)
     assert baseline == reference(tiny_knot)
     w = warden(c.layer_wardens, "LayerWarden", f"{KNOT_KEY}|0-2")
@@ -266,14 +314,10 @@ async def test_a_poisoned_layer_warden_entry_is_a_counted_miss(tiny_knot, tmp_pa
     await c.drain()
     after = (await c.stations[0].fetch(Request("GET", "/stats"))).json()
     text = await metrics(c)
-    if checksums:  # the station refused the frame and read R2; the warden dropped the entry
-        assert after["invalidations"] == before["invalidations"] + 1 and after["r2_tensors"] == before["r2_tensors"] + 1
-        assert (await w.stats_dict())["rejects"] == {"reader": 1}
-        assert counter(text, "knot_cache_rejects_total", service="station_0", tier="layer_warden_frame") == 1
-    else:  # the warden refused its own entry and refetched it
-        assert after["invalidations"] == before["invalidations"]
-        assert (await w.stats_dict())["rejects"] == {"ram": 1}
-        assert counter(text, "knot_cache_rejects_total", service="station_0", tier="layer_warden_ram") == 1
+    # the station refused the frame and read R2; the warden dropped the entry
+    assert after["invalidations"] == before["invalidations"] + 1 and after["r2_tensors"] == before["r2_tensors"] + 1
+    assert (await w.stats_dict())["rejects"] == {"reader": 1}
+    assert counter(text, "knot_cache_rejects_total", service="station_0", tier="layer_warden_frame") == 1
     assert wire.decode_tensor(w.served.caches.peek(name)[1]).payload == frame.payload  # clean again
 
 

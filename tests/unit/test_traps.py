@@ -131,7 +131,7 @@ async def test_trap_encoder_reader_payload_offset_off_by_one(tiny_knot, tmp_path
     while (10 + len(js)) % 4 != 3:
         js += b" "
     stale = tmp_path / "stale.knot"
-    stale.write_bytes(knot.PREAMBLE.pack(knot.MAGIC, 1, len(js)) + js + bytes([knot.MARKER]) + buf[h.payload_offset:])
+    stale.write_bytes(knot.PREAMBLE.pack(knot.MAGIC, knot.VERSION, len(js)) + js + bytes([knot.MARKER]) + buf[h.payload_offset:])
     with pytest.raises(knot.StaleKnotError):
         await build_cluster(stale, tmp_path, 1, 1)  # open_model in the builder refuses it too
     c = await build_cluster(tiny_knot, tmp_path, 1, 1)

@@ -141,7 +141,7 @@ def test_stale_knot_is_refused_by_every_reader(mixed, tmp_path, capsys):
     while (10 + len(js)) % 4 != 3:
         js += b" "
     stale = tmp_path / "stale.knot"
-    stale.write_bytes(knot.PREAMBLE.pack(knot.MAGIC, 1, len(js)) + js + bytes([knot.MARKER])
+    stale.write_bytes(knot.PREAMBLE.pack(knot.MAGIC, knot.VERSION, len(js)) + js + bytes([knot.MARKER])
                       + buf[h.payload_offset:])
     with pytest.raises(knot.StaleKnotError):
         open_model(stale)
