@@ -192,6 +192,7 @@ class ClusterLayout:
         stations = tuple(split_layers(n_layers, n_stations))
         shards = tuple(split_vocab(vocab, n_shards))
         key = Knob("KNOT_KEY", knot_key)
+        pin = Knob("KNOT_DIGEST", "")  # the knot's digest the services serve; empty: the first they load
         bucket = Binding("KNOT_BUCKET", "bucket", "minio", BUCKET_NAME)
         layer_ns = Binding("LAYER_WARDEN", "durable_object", "layer-warden", "LayerWarden")
         row_ns = Binding("COBORDISM_WARDEN", "durable_object", "cobordism-warden", "CobordismWarden")
@@ -201,19 +202,21 @@ class ClusterLayout:
         services = [
             Service("minio", "bucket", None, {}),
             Service("redis", "kv", None, {}),
-            Service("init", "init", None, {"KNOT_MODEL": Knob("KNOT_MODEL", model_source), "KNOT_KEY": key},
+            Service("init", "init", None, {"KNOT_MODEL": Knob("KNOT_MODEL", model_source), "KNOT_KEY": key,
+                                           "KNOT_DIGEST": pin},
                     (bucket,), depends_on={"minio": "healthy"}),
             Service("layer-warden", "layer_warden", "services.layer_warden",
-                    {"MEMORY_BUDGET_BYTES": Knob("KNOT_LAYER_WARDEN_BUDGET_BYTES")}, (bucket, layer_ns), ("LayerWarden",),
+                    {"MEMORY_BUDGET_BYTES": Knob("KNOT_LAYER_WARDEN_BUDGET_BYTES"), "KNOT_DIGEST": pin},
+                    (bucket, layer_ns), ("LayerWarden",),
                     {"init": "completed"}),
             Service("cobordism-warden", "cobordism_warden", "services.cobordism_warden",
-                    {"MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "cobordism_warden")},
+                    {"MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "cobordism_warden"), "KNOT_DIGEST": pin},
                     (bucket, Binding("EMBED_CACHE", "kv", "redis", "embed-cache"), row_ns), ("CobordismWarden",),
                     {"init": "completed", "redis": "healthy"}),
         ]
         for s in stations:
             services.append(Service(f"station-{s.index}", "station", "services.station", {
-                "KNOT_KEY": key, "SPECIALIZATION_START_LAYER": str(s.layer_start),
+                "KNOT_KEY": key, "KNOT_DIGEST": pin, "SPECIALIZATION_START_LAYER": str(s.layer_start),
                 "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
                 "MEMORY_BUDGET_BYTES": Knob("STATION_MEMORY_BUDGET_BYTES"), "MEMORY_PROFILE": Knob("KNOT_PROFILE"),
                 "RESIDENT_MAX_BYTES": Knob("KNOT_RESIDENT_MAX_BYTES"),
@@ -222,7 +225,7 @@ class ClusterLayout:
                 (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
         for s in shards:
             services.append(Service(f"shard-{s.index}", "shard", "services.shard", {
-                "KNOT_KEY": key, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
+                "KNOT_KEY": key, "KNOT_DIGEST": pin, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
                 "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "shard"),
                 "ROW_CACHE_BYTES": dflt("ROW_CACHE_BYTES", "shard"), "WARM_WARDEN": Knob("KNOT_WARM_WARDEN")},
                 (bucket, row_ns), depends_on={"cobordism-warden": "healthy"}))
@@ -230,7 +233,8 @@ class ClusterLayout:
                 [(f"SHARD_{s.index}", f"shard-{s.index}") for s in shards]
         if draft_knot_key is not None:
             services.insert(3, Service("init-draft", "init", None, {
-                "KNOT_MODEL": Knob("KNOT_DRAFT_MODEL", draft_source), "KNOT_KEY": draft_knot_key},
+                "KNOT_MODEL": Knob("KNOT_DRAFT_MODEL", draft_source), "KNOT_KEY": draft_knot_key,
+                "KNOT_DIGEST": ""},  # the pin is the model's, not the draft model's
                 (bucket,), depends_on={"minio": "healthy"}))
             services.append(Service("drafter", "drafter", "services.drafter", {
                 "KNOT_KEY": draft_knot_key, "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "drafter"),
@@ -238,7 +242,7 @@ class ClusterLayout:
                 (bucket,), depends_on={"init-draft": "completed"}))
             peers.append(("DRAFTER", "drafter"))
         services.append(Service("coordinator", "coordinator", "services.coordinator", {
-            "KNOT_KEY": key,
+            "KNOT_KEY": key, "KNOT_DIGEST": pin,
             "STATIONS": ",".join(f"STATION_{s.index}" for s in stations),
             "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
             **{n: dflt(n, "coordinator") for n in ("SHARD_TIMEOUT_S", "STATION_TIMEOUT_S", "DRAFTER_TIMEOUT_S",

@@ -101,6 +101,20 @@ def choose_model(model: str | None, env: Mapping[str, str]) -> ModelChoice:
     raise LauncherError(f"--model {name}: neither a file nor a known model ({', '.join(models.MODELS)})")
 
 
+def model_digest(source: str) -> str:
+    """The digest of the knot init uploads for a model (fetched and encoded first if needed, as init
+    would): what KNOT_DIGEST pins every service to."""
+    from common.knot import read_header_sync
+    from deploy import models
+
+    with open(models.ensure_knot(source), "rb") as f:
+        def read_range(a: int, b: int) -> bytes:
+            f.seek(a)
+            return f.read(b - a)
+
+        return read_header_sync(read_range).digest
+
+
 def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8,
                draft: ModelChoice | None = None) -> ClusterLayout:
     """The cluster for a model (and a draft model's drafter); TopologyError (a clear message) when the
@@ -278,6 +292,9 @@ class Cluster:
                                 f"run `knot cluster down` first")
         if model:  # --model wins over KNOT_MODEL; an explicit KNOT_KEY still wins over the model's key
             base_env["KNOT_MODEL"] = choice.source
+        if not settings.read(base_env, "KNOT_DIGEST", "launcher"):  # the knot every service serves, init uploads
+            digest = base_env["KNOT_DIGEST"] = model_digest(choice.source)
+            log.info("%s: knot digest %s (KNOT_DIGEST)", choice.source, digest)
         kept = cluster_secrets.ensure(self.run_dir / SECRETS_FILE)
         for name, secret in kept.items():
             if not base_env.get(name):  # one set in the environment wins, as over compose's .env
@@ -393,6 +410,13 @@ class Cluster:
             servers.stop_pid(r.pid, r.stop_timeout_s)
             stopped.append(r.name)
         return stopped
+
+    def reload(self, model: str | None = None, env: Mapping[str, str] | None = None, **up_args) -> list[Running]:
+        """Serve another knot (or the bucket's new one): down, then up with KNOT_DIGEST the model's, so
+        init uploads it unless the bucket holds it already and every service is pinned to it."""
+        base_env = {k: v for k, v in (os.environ if env is None else env).items() if k != "KNOT_DIGEST"}
+        self.down()
+        return self.up(model, env=base_env, **up_args)
 
     def down(self) -> list[str]:
         sup = self.supervisor_pid()

@@ -24,6 +24,14 @@ def add_arguments(p) -> None:
                     "(default: $KNOT_PROFILE, else worker; one line per station says which applies)")
     up.add_argument("--base-port", type=int, help="ports base, base+1, ... (default: free ports; the "
                     "published service keeps its compose port)")
+    reload = sub.add_parser("reload", help="serve another knot, or the one now in the bucket: down, then up with "
+                            "the services pinned to the model's digest (init uploads it when the bucket holds "
+                            "another)")
+    reload.add_argument("--model", help="registered model name or .gguf/.knot path (default: $KNOT_MODEL, else "
+                        "the default model)")
+    add_layout_arguments(reload)
+    reload.add_argument("--profile", choices=("worker", "resident"), help="as for up")
+    reload.add_argument("--base-port", type=int, help="as for up")
     sub.add_parser("down", help="stop every service (server data and logs are kept)")
     sub.add_parser("status", help="show each service's pid, port and state")
 
@@ -46,9 +54,10 @@ def _table(rows: list[dict]) -> str:
 def run(args) -> int:
     cluster = Cluster(args.run_dir)
     try:
-        if args.cluster_action == "up":
-            running = cluster.up(model=args.model, base_port=args.base_port, n_stations=args.stations,
-                                 n_shards=args.shards, profile=args.profile, draft_model=args.draft_model)
+        if args.cluster_action in ("up", "reload"):
+            start = cluster.up if args.cluster_action == "up" else cluster.reload
+            running = start(model=args.model, base_port=args.base_port, n_stations=args.stations,
+                            n_shards=args.shards, profile=args.profile, draft_model=args.draft_model)
             print(_table(cluster.status()), file=sys.stderr)
             for line in cluster.memory_lines(running):
                 print(line, file=sys.stderr)
