@@ -117,13 +117,18 @@ class CacheKey:
     def __init__(self, secret: str, shared: bool = True):
         assert secret, "a cache key needs a secret"
         self.shared = shared
-        self._key = hmac.new(secret.encode("utf-8"), _KEY_LABEL, hashlib.sha256).digest()
+        key = hmac.new(secret.encode("utf-8"), _KEY_LABEL, hashlib.sha256).digest()
+        # keyed once, copied per MAC: 6 us a 1 KB row where a new HMAC object took 10.5 (the warm-up
+        # MACs every row of a shard's slice)
+        self._keyed = hmac.new(key, digestmod="sha256")
 
     def _start(self, tag: bytes, etag: str, name: str, nbytes: int, crc: int | None) -> "hmac.HMAC":
         e, n = etag.encode("utf-8"), name.encode("utf-8")
         form = b"C" if crc is None else b"S"  # content MAC, seal MAC: never the same message
-        return hmac.new(self._key, b"".join((tag, b"\0", form, _FIELD.pack(len(e)), e, _FIELD.pack(len(n)), n,
-                                              _LENGTHS.pack(nbytes, crc or 0))), hashlib.sha256)
+        h = self._keyed.copy()
+        h.update(b"".join((tag, b"\0", form, _FIELD.pack(len(e)), e, _FIELD.pack(len(n)), n,
+                           _LENGTHS.pack(nbytes, crc or 0))))
+        return h
 
     def content_mac(self, tag: bytes, etag: str, name: str, data) -> bytes:
         """The MAC of (tag, etag, name, length, content); data: any contiguous buffer."""

@@ -48,6 +48,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from common import wire
 from common.integrity import CacheKey, Seal, crc32
 from common.knot import KnotHeader, UnknownTensor
@@ -70,38 +72,50 @@ WARM_CHUNK_BYTES = 4 << 20  # one ranged read of the warm-up, kept as one slab
 # the shard lived on has lost its RAM, and no shard boots to call /warm).
 WARM_HEADER = "X-Knot-Warm"
 ROW_TAG = b"warden-row"  # the domain of a RAM row's MAC (named "{tensor}:{row}")
+SLAB_TAG = b"warden-slab"  # of a slab's MAC (named "{tensor}:slab:{start}"), over its rows' crc32s
 
 
 def row_name(tensor: str, row: int) -> str:
     return f"{tensor}:{row}"
 
 
+def slab_name(tensor: str, start: int) -> str:
+    return f"{tensor}:slab:{start}"
+
+
 @dataclass(frozen=True)
 class Slab:
     """Rows [start, start + len(crcs)) of the embedding as one RAM entry (the warm-up's): their raw
-    bytes as read at version `etag`, and each row's crc32 and MAC then, checked on every hit (as a row's seal is).
+    bytes as read at version `etag`, each row's crc32 then, and a MAC of those crc32s (the slab's
+    seal). A hit checks the seal once per request (check_seal) and the row's bytes against its crc32.
     One entry, not ~6,800 rows of objects: the warm-up of a 0.5B's eight slices cost ~1.7 s of CPU
-    with an entry per row, competing with the first requests' decode."""
+    with an entry per row, competing with the first requests' decode; a MAC per row would add
+    ~5-10 us a row of Python to it (~1 s for a 0.5B's 152k rows), one per slab ~20 us."""
 
     etag: str
     ggml_type: str
     ne0: int
     start: int
     data: bytes
-    crcs: list[int]
-    macs: list[bytes]  # CacheKey.content_mac(ROW_TAG, etag, row_name(tensor, row), the row's bytes)
+    crcs: np.ndarray  # uint32 (rows,)
+    mac: bytes  # CacheKey.content_mac(SLAB_TAG, etag, slab_name(tensor, start), crcs' bytes)
 
     @property
     def nbytes(self) -> int:
-        return len(self.data) + (8 + 32) * len(self.crcs)
+        return len(self.data) + self.crcs.nbytes + len(self.mac)
 
-    def frame(self, tensor: str, row: int, served_etag: str, key: CacheKey) -> tuple[wire.TensorFrame, str | None]:
-        """The row's frame, and what is wrong with it (None: it is what was read, at the served version)."""
+    def check_seal(self, tensor: str, served_etag: str, key: CacheKey) -> str | None:
+        """None when the crc32s are the ones sealed at the served version; else what is wrong."""
+        return key.problem(Seal(self.etag, 0, self.crcs.nbytes, self.mac), SLAB_TAG, slab_name(tensor, self.start),
+                           served_etag, self.crcs)
+
+    def frame(self, tensor: str, row: int) -> tuple[wire.TensorFrame, str | None]:
+        """The row's frame, and what is wrong with its bytes (None: they have the sealed crc32)."""
         i, nb = row - self.start, len(self.data) // len(self.crcs)
         payload = memoryview(self.data)[i * nb:(i + 1) * nb]
-        problem = key.problem(Seal(self.etag, self.crcs[i], nb, self.macs[i]), ROW_TAG, row_name(tensor, row),
-                              served_etag, payload)
-        return wire.TensorFrame(tensor, self.ggml_type, (self.ne0, 1), payload, row, self.crcs[i]), problem
+        want, got = int(self.crcs[i]), crc32(payload)
+        problem = None if got == want else f"row {row}: crc32 0x{got:08x}, sealed with 0x{want:08x}"
+        return wire.TensorFrame(tensor, self.ggml_type, (self.ne0, 1), payload, row, want), problem
 
 FIELDS = IdentityFields("vocab_start", "vocab_end", "X-Vocab-Start", "X-Vocab-End")
 
@@ -217,9 +231,10 @@ class CobordismWarden(WardenBase):
         if tensor == v.caches.embd and v.caches.kv is not None:
             v.caches.kv.put_rows(run[0], dequantize_rows(data, entry.ggml_type, ne0, tensor))
 
-    def _from_ram(self, v: Served, tensor: str, row: int, rejects: Counter) -> wire.TensorFrame | None:
+    def _from_ram(self, v: Served, tensor: str, row: int, rejects: Counter,
+                  sealed: dict[int, Slab]) -> wire.TensorFrame | None:
         if (tensor, row) not in v.caches.ram and tensor == v.caches.embd and "step" in v.caches.warm:
-            return self._from_slab(v, row, rejects)
+            return self._from_slab(v, row, rejects, sealed)
         hit = v.caches.ram.get((tensor, row))
         if hit is None:
             return None
@@ -236,12 +251,16 @@ class CobordismWarden(WardenBase):
         a, step = self.identity.start, v.caches.warm["step"]
         return v.caches.embd, "slab", a + (row - a) // step * step
 
-    def _from_slab(self, v: Served, row: int, rejects: Counter) -> wire.TensorFrame | None:
+    def _from_slab(self, v: Served, row: int, rejects: Counter, sealed: dict[int, Slab]) -> wire.TensorFrame | None:
+        """sealed: id -> slab, of the slabs whose seal this request checked already."""
         key = self._slab_key(v, row)
         slab = v.caches.ram.get(key)  # absent: a miss, as the row's would be
         if slab is None:
             return None
-        frame, problem = slab.frame(v.caches.embd, row, v.source.etag, v.caches.key)
+        problem = None if sealed.get(id(slab)) is slab else slab.check_seal(v.caches.embd, v.source.etag, v.caches.key)
+        if problem is None:
+            sealed[id(slab)] = slab
+            frame, problem = slab.frame(v.caches.embd, row)
         if problem is None:
             return frame
         rejects["ram"] += 1
@@ -258,8 +277,9 @@ class CobordismWarden(WardenBase):
         rejects: Counter = Counter()
         out: dict[int, wire.TensorFrame] = {}
         missing = []
+        sealed: dict[int, Slab] = {}
         for row in rows:  # L1
-            frame = self._from_ram(v, tensor, row, rejects)
+            frame = self._from_ram(v, tensor, row, rejects, sealed)
             if frame is None:
                 missing.append(row)
             else:
@@ -311,10 +331,9 @@ class CobordismWarden(WardenBase):
                 end = min(b, start + step)
                 data = bytes(await v.source.read_rows(c.embd, start, end))  # pinned to v, chunks checked
                 view = memoryview(data)
-                rows = [view[i * nb:(i + 1) * nb] for i in range(end - start)]
-                slab = Slab(v.source.etag, ggml_type, ne0, start, data, [crc32(r) for r in rows],
-                            [c.key.content_mac(ROW_TAG, v.source.etag, row_name(c.embd, start + i), r)
-                             for i, r in enumerate(rows)])
+                crcs = np.array([crc32(view[i:i + nb]) for i in range(0, len(data), nb)], np.uint32)
+                slab = Slab(v.source.etag, ggml_type, ne0, start, data, crcs,
+                            c.key.content_mac(SLAB_TAG, v.source.etag, slab_name(c.embd, start), crcs))
                 c.ram.put((c.embd, "slab", start), slab, slab.nbytes)
                 c.warm["rows"] += end - start
                 await asyncio.sleep(0)  # requests go between reads

@@ -185,8 +185,9 @@ async def test_a_forged_row_of_a_warm_slab_is_rejected_and_the_slab_dropped(tiny
     data = bytearray(slab.data)
     i = t - slab.start
     data[i * nb + 3] ^= 0x20
-    crcs = [crc32(data[j:j + nb]) for j in range(0, len(data), nb)]  # every crc32 right for the new bytes
-    ram.put(key, Slab(slab.etag, slab.ggml_type, slab.ne0, slab.start, bytes(data), crcs, slab.macs), slab.nbytes)
+    crcs = np.array([crc32(data[j:j + nb]) for j in range(0, len(data), nb)], np.uint32)  # right for the new bytes
+    assert crcs[i] != slab.crcs[i]
+    ram.put(key, Slab(slab.etag, slab.ggml_type, slab.ne0, slab.start, bytes(data), crcs, slab.mac), slab.nbytes)
     for row in engine.tokenizer.encode(PROMPT) + baseline:  # rows kept alone are looked up before the slab
         ram.pop(("token_embd.weight", row))
     shard_handler._booted.clear()
