@@ -44,7 +44,8 @@ def serve(port: int, reply_bytes: int) -> None:
     async def handler(request, env, ctx) -> Response:
         return Response.from_bytes(reply, "application/octet-stream")
 
-    rt = host.ServiceRuntime("shard", handler, Env(), BackgroundTasks("bench"), verifier=signing.Verifier(SECRET))
+    rt = host.ServiceRuntime("shard", handler, Env(), BackgroundTasks("bench"),
+                             verifier=signing.Verifier(SECRET, "shard", booted_at=time.time()))
     web.run_app(host.build_app(rt), host="127.0.0.1", port=port, print=None, access_log=None)
 
 
@@ -59,7 +60,7 @@ async def measure(port: int, calls: int, rounds: int, request_bytes: int, reply_
     from common.runtime import Request
     from deploy.local.bindings import Connections, Signer, buffered_fetch, http_fetch
 
-    signer, body = Signer(SECRET), os.urandom(request_bytes)
+    signer, body = Signer(SECRET, "shard"), os.urandom(request_bytes)
     url = f"http://127.0.0.1:{port}/sample"
     conns = Connections()
     out: dict[str, list] = {"aiohttp": [], "buffered": []}

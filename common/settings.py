@@ -234,7 +234,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_SERVICE", "str", REQUIRED, "host", "handler module this process serves, e.g. services.station"),
     _s("KNOT_SERVICE_NAME", "str", None, "host", "name in logs and /healthz (default: the module's last part)"),
     _s("KNOT_DURABLE_OBJECTS", "names", "", "host", "Durable Object classes of the module this process hosts"),
-    _s("KNOT_BINDINGS", "names", "", "host", "variables that hold binding URLs: s3://, dir:, redis://, "
+    _s("KNOT_BINDINGS", "names", "", "host launcher", "variables that hold binding URLs: s3://, dir:, redis://, "
        "memory:, do+http://, do+local:, http:// (docs/runtime.md)"),
     _s("KNOT_VARS", "names", "", "host", "variables passed to the handler as plain vars"),
     _s("HOST", "str", "0.0.0.0", "host", "listen address"),
@@ -294,9 +294,12 @@ SETTINGS: tuple[Setting, ...] = (
     # ------------------------------------------------------------ deployment
     _s("KNOT_PORT", "int", "8000", "compose tests", "host port the coordinator is published on", minimum=1,
        maximum=65535),
-    _s("MINIO_ROOT_USER", "str", "knot", "compose", "MinIO's user, and every service's AWS_ACCESS_KEY_ID"),
-    _s("MINIO_ROOT_PASSWORD", "str", "knot-secret-key", "compose",
-       "MinIO's password, and every service's AWS_SECRET_ACCESS_KEY"),
+    _s("MINIO_ROOT_USER", "str", REQUIRED, "launcher compose", "the bucket's S3 access key, generated per cluster "
+       "(deploy/cluster_secrets.py): MinIO's root user, SeaweedFS's one identity (`knot cluster up`, the offline "
+       "stand-in), every service's AWS_ACCESS_KEY_ID", reader_defaults={"launcher": None}),
+    _s("MINIO_ROOT_PASSWORD", "str", REQUIRED, "launcher compose", "the bucket's S3 secret key, generated per "
+       "cluster with MINIO_ROOT_USER: every service's AWS_SECRET_ACCESS_KEY; anonymous and other keys get 403",
+       reader_defaults={"launcher": None}),
     _s("KNOT_REDIS_PASSWORD", "str", REQUIRED, "host launcher compose",
        "the cluster's Redis password, generated per cluster (deploy/cluster_secrets.py: `knot cluster up` "
        "keeps it in its run directory, `knot secrets` writes .env for docker compose); never logged "

@@ -8,8 +8,7 @@ The file is dotenv text (NAME=value lines), so one format serves both deployment
   restart, so a restarted service still authenticates against the Redis the cluster runs, and to
   (and is trusted by) the cluster's other services;
 - `knot secrets` writes .env next to docker-compose.yml, which docker compose reads by itself (the
-  compose file refuses to start without the Redis password: ${NAME:?...}; without the internal
-  secret the services start, take unsigned calls, and say so in their logs).
+  compose file refuses to start without any of them: ${NAME:?...}).
 A value goes only into 0600 files and into the environment of our own processes (/proc/PID/environ
 is readable by the same user only): never into a process's arguments (`ps` shows those to every
 user), a log line, cluster.json or an exception message.
@@ -24,9 +23,16 @@ from pathlib import Path
 SECRETS: dict[str, str] = {
     "KNOT_REDIS_PASSWORD": "the cluster's Redis (the Workers KV stand-in): its requirepass, every client's AUTH",
     "KNOT_INTERNAL_SECRET": "every internal call's HMAC signature (common/signing.py): services refuse unsigned calls",
+    "MINIO_ROOT_USER": "the bucket's S3 access key: MinIO's root user, SeaweedFS's one identity (deploy/seaweedfs.py), "
+                       "every service's AWS_ACCESS_KEY_ID",
+    "MINIO_ROOT_PASSWORD": "the bucket's S3 secret key, with MINIO_ROOT_USER: anonymous and other keys get 403",
 }
 FILE_NAME = "secrets.env"  # in a run directory (`knot cluster up`, `python -m deploy.servers start`)
 NBYTES = 32  # token_urlsafe(32): 43 characters of [A-Za-z0-9_-], safe in a URL, a shell and a config file
+# The S3 keys as MinIO's own generator makes them (20 and 40 characters; letters and digits only:
+# an access key is part of SigV4's Credential=KEY/date/... field).
+ALNUM_LENGTHS = {"MINIO_ROOT_USER": 20, "MINIO_ROOT_PASSWORD": 40}
+ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 FILE_MODE = 0o600
 
 
@@ -34,7 +40,10 @@ class SecretsError(RuntimeError):
     pass
 
 
-def generate() -> str:
+def generate(name: str = "") -> str:
+    """A fresh value for the secret called name (its ALNUM_LENGTHS form, else token_urlsafe)."""
+    if name in ALNUM_LENGTHS:
+        return "".join(secrets.choice(ALNUM) for _ in range(ALNUM_LENGTHS[name]))
     return secrets.token_urlsafe(NBYTES)
 
 
@@ -80,6 +89,6 @@ def ensure(path: str | Path) -> dict[str, str]:
     values = read(path) if path.exists() else {}
     missing = [name for name in SECRETS if not values.get(name)]
     if missing:
-        values.update({name: generate() for name in missing})
+        values.update({name: generate(name) for name in missing})
         write(path, values)
     return {name: values[name] for name in SECRETS}

@@ -147,7 +147,9 @@ def value(v) -> str:
 
 # What the error of a required variable says (docker compose prints it when the variable is unset).
 REQUIRED_HINTS = {"KNOT_REDIS_PASSWORD": "the Redis password is generated per cluster; run knot secrets (writes .env)",
-                  "KNOT_INTERNAL_SECRET": "the signing key is per cluster; run knot secrets (writes .env)"}
+                  "KNOT_INTERNAL_SECRET": "the signing key is per cluster; run knot secrets (writes .env)",
+                  "MINIO_ROOT_USER": "the bucket's keys are per cluster; run knot secrets (writes .env)",
+                  "MINIO_ROOT_PASSWORD": "the bucket's keys are per cluster; run knot secrets (writes .env)"}
 
 
 def binding_url(b: Binding, owner: Service, layout: ClusterLayout) -> str:

@@ -167,12 +167,28 @@ def resolve_command(command: list[str]) -> list[str]:
     return list(command)
 
 
+def named_peers(environment: Mapping[str, str], addresses: Mapping[str, tuple[int, int]]) -> dict[str, str]:
+    """The service's bindings to other services (http:// and do+http://) at 127.0.0.1:PORT, each with
+    its peer's name as #NAME: the destination its calls are signed for (common/signing.py), which
+    the rewritten address no longer says."""
+    out = {}
+    for name in settings.read(environment, "KNOT_BINDINGS", "launcher"):
+        url = environment.get(name, "")
+        if "#" in url or not url.startswith(("http://", "https://", "do+http://")):
+            continue
+        peer = urlsplit(url.removeprefix("do+")).hostname
+        if peer in addresses:
+            out[name] = compose.rewrite_addresses({name: url}, addresses)[name] + f"#{peer}"
+    return out
+
+
 def process_env(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], port: int | None,
                 base_env: Mapping[str, str]) -> dict[str, str]:
     from deploy import models
 
     env = dict(base_env)
     env.update(compose.rewrite_addresses(spec.environment, addresses))
+    env.update(named_peers(spec.environment, addresses))
     if "KNOT_CACHE_DIR" in spec.environment:
         # The init container's cache is its volume (model-cache:/cache), a path that does not exist
         # here: a local process uses the local model cache, where `knot fetch-model` put the model.
@@ -340,21 +356,25 @@ class Cluster:
     def _recipe(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
                 base_env: Mapping[str, str]) -> dict:
         """How the supervisor starts it again: the same command, environment, port and log. The
-        secrets are not in it (the supervisor reads them from secrets.env): only their names."""
+        secrets' values are not in it (the supervisor reads them from secrets.env): for each variable
+        that holds one (AWS_SECRET_ACCESS_KEY holds MINIO_ROOT_PASSWORD's), the secret's name."""
         log_path = str(self.run_dir / "logs" / f"{spec.name}.log")
         if spec.kind in ("seaweedfs", "redis"):
             return {"kind": spec.kind, "dir": str(self.run_dir / spec.kind), "port": addresses[spec.name][1],
                     "log": log_path}
         recipe = process_recipe(spec, addresses, self.run_dir, base_env)
-        recipe["secrets"] = [n for n in cluster_secrets.SECRETS if n in recipe["env"]]
-        recipe["env"] = {k: v for k, v in recipe["env"].items() if k not in cluster_secrets.SECRETS}
+        secret_names = {base_env[n]: n for n in cluster_secrets.SECRETS if base_env.get(n)}
+        recipe["secrets"] = {k: secret_names[v] for k, v in recipe["env"].items() if v in secret_names}
+        recipe["env"] = {k: v for k, v in recipe["env"].items() if v not in secret_names}
         return recipe
 
     def _start(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
                base_env: Mapping[str, str]) -> Running:
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
-        if spec.kind == "seaweedfs":
-            s = servers.start_seaweedfs(self.run_dir / "seaweedfs", addresses[spec.name][1], log_path)
+        if spec.kind == "seaweedfs":  # closed: the keys compose gives MinIO (the cluster's, secrets.env)
+            s = servers.start_seaweedfs(self.run_dir / "seaweedfs", addresses[spec.name][1], log_path,
+                                        access_key=settings.read(base_env, "MINIO_ROOT_USER", "launcher"),
+                                        secret_key=settings.read(base_env, "MINIO_ROOT_PASSWORD", "launcher"))
         elif spec.kind == "redis":
             s = servers.start_redis(self.run_dir / "redis", addresses[spec.name][1], log_path,
                                     password=settings.read(base_env, "KNOT_REDIS_PASSWORD", "launcher"))
@@ -389,7 +409,8 @@ class Cluster:
 
     def signed(self, method: str, url: str, body: bytes = b"") -> dict[str, str]:
         """Headers that let a tool call one of this cluster's internal services directly (a station's
-        /stats, say): its signature with the cluster's secret; {} when the cluster has none."""
+        /stats, say): its signature with the cluster's secret, for the service cluster.json lists at
+        url's port; {} when the cluster has no secret."""
         from deploy.local.bindings import Signer
 
         path = self.run_dir / SECRETS_FILE
@@ -397,8 +418,11 @@ class Cluster:
         if not secret:
             return {}
         u = urlsplit(url)
-        return {SIGNATURE_HEADER: Signer(secret).header(method, (u.path or "/") + (f"?{u.query}" if u.query else ""),
-                                                        body)}
+        names = [r.name for r in self._load() if r.port is not None and r.port == u.port]
+        if not names:
+            raise LauncherError(f"{url}: no service of the cluster in {self.run_dir} listens on port {u.port}")
+        return {SIGNATURE_HEADER: Signer(secret, names[0]).header(method, (u.path or "/") +
+                                                                  (f"?{u.query}" if u.query else ""), body)}
 
     # -------------------------------------------------------- down / status
 

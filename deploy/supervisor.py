@@ -34,7 +34,7 @@ HEALTHY_S = 60.0  # up this long: the next crash is restarted after BACKOFF_S ag
 
 
 def write_recipes(run_dir: Path, recipes: dict[str, dict]) -> None:
-    """name -> {"kind": "process", "argv", "env", "cwd", "log", "secrets": [names]} |
+    """name -> {"kind": "process", "argv", "env", "cwd", "log", "secrets": {variable: secret's name}} |
     {"kind": "seaweedfs"|"redis", "dir", "port", "log"}; no secret's value (they stay in secrets.env)."""
     path = run_dir / RECIPES_FILE
     tmp = path.with_name(path.name + ".tmp")
@@ -49,13 +49,15 @@ def write_recipes(run_dir: Path, recipes: dict[str, dict]) -> None:
 
 def start(recipe: dict, secrets: dict[str, str] | None = None) -> int:
     """Start one service again -> its pid (a store's start waits until it answers). secrets: the
-    cluster's (secrets.env), for the names the recipe lists and Redis's password."""
+    cluster's (secrets.env): for the variables the recipe names, Redis's password and the bucket's keys."""
     kind, secrets = recipe["kind"], secrets or {}
     if kind == "process":
-        env = {**recipe["env"], **{n: secrets[n] for n in recipe.get("secrets", ())}}
+        env = {**recipe["env"], **{var: secrets[name] for var, name in recipe.get("secrets", {}).items()}}
         return servers.spawn(recipe["argv"], Path(recipe["log"]), env=env, cwd=recipe["cwd"])
     if kind == "seaweedfs":
-        return servers.start_seaweedfs(recipe["dir"], recipe["port"], recipe["log"]).pid
+        return servers.start_seaweedfs(recipe["dir"], recipe["port"], recipe["log"],
+                                       access_key=secrets["MINIO_ROOT_USER"],
+                                       secret_key=secrets["MINIO_ROOT_PASSWORD"]).pid
     if kind == "redis":
         return servers.start_redis(recipe["dir"], recipe["port"], recipe["log"],
                                    password=secrets["KNOT_REDIS_PASSWORD"]).pid

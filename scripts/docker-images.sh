@@ -69,6 +69,7 @@ t0=$(date +%s)
 ctx="$(mktemp -d)"
 trap 'rm -rf "$ctx"' EXIT
 cp "$CA_BUNDLE" "$ctx/ca-certificates.crt"
+cp deploy/seaweedfs.py "$ctx/seaweedfs.py"  # the SeaweedFS stand-in's command and healthcheck (stdlib only)
 build -f deploy/docker/base.Dockerfile --build-arg ROOTFS_IMAGE="$rootfs_image" -t "$BASE_IMAGE" "$ctx"
 say "$BASE_IMAGE ($(elapsed "$t0"))"
 

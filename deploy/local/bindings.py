@@ -193,17 +193,21 @@ _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "kee
 
 
 class Signer:
-    """Signs this host's internal calls with the cluster's secret (common/signing.py); never shows it."""
+    """Signs this host's calls to one service (`to`: its name, the destination the signature names)
+    with the cluster's secret (common/signing.py); never shows it."""
 
-    def __init__(self, secret: str):
-        self._secret = signing.check_secret(secret)
+    def __init__(self, secret: str, to: str):
+        if not to:
+            raise ValueError("a signer needs its destination's name (the service its calls go to)")
+        self._secret, self.to = signing.check_secret(secret), to
 
     def __repr__(self) -> str:
-        return "Signer(<secret>)"
+        return f"Signer(<secret>, to={self.to!r})"
 
     def header(self, method: str, target: str, body: bytes, do_name: str = "") -> str:
-        """target: the request line's path and query exactly as sent."""
-        return signing.sign(self._secret, method, target, body, time.time(), secrets.token_hex(16), do_name)
+        """target: the request line's path and query exactly as sent. Signed now, at every send."""
+        return signing.sign(self._secret, method, target, body, time.time(), secrets.token_hex(16), to=self.to,
+                            do_name=do_name)
 
 
 def _outgoing(url: str, request: Request, extra_headers: dict[str, str] | None,

@@ -349,17 +349,18 @@ def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.C
                               f"(KNOT_DURABLE_OBJECTS={','.join(settings.durable_objects)})", name=name)
         return LocalNamespace(do_host, b.target)
 
-    signer = Signer(settings.internal_secret) if settings.internal_secret else None
+    def signer(b: BindingURL) -> Signer | None:  # signs for the peer's name (#NAME, else its host name)
+        return Signer(settings.internal_secret, b.peer) if settings.internal_secret else None
 
     def service(b: BindingURL) -> HttpService:
-        return HttpService(session, b.url, timeout_s, signer)
+        return HttpService(session, b.target, timeout_s, signer(b))
 
     return open_binding(name, url, {
         "s3": lambda b: S3Bucket(settings.s3, b.target),
         "dir": lambda b: DirectoryBucket(b.target),
         "redis": lambda b: RedisKV(b.target, b.prefix, timeout_s, password=settings.redis_password),
         "memory": lambda b: MemoryKV(),
-        "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s, signer, reader),
+        "do+http": lambda b: HttpNamespace(session, b.base_url, b.target, timeout_s, signer(b), reader),
         "do+local": local_namespace,
         "http": service, "https": service,
     })
@@ -413,7 +414,10 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
         do_host.env = env
     # Exit callbacks run last-in first-out: wait_until work drains before any client closes.
     stack.push_async_callback(tasks.drain, settings.shutdown_timeout_s)
-    verifier = signing.Verifier(settings.internal_secret) if settings.internal_secret else None
+    # Its boot time, taken as it is about to serve: calls signed before it are refused (a replay
+    # of what the service's previous incarnation accepted; common/signing.py).
+    verifier = (signing.Verifier(settings.internal_secret, settings.name, booted_at=time.time())
+                if settings.internal_secret else None)
     if verifier is None and not svc.public:
         log.warning("%s: KNOT_INTERNAL_SECRET is unset: this internal service answers unsigned calls from "
                     "anyone who can reach its port (knot cluster up and knot secrets generate one)", settings.name)

@@ -10,6 +10,10 @@ turns the host's into HostSettings and says which binding URL schemes exist:
     do+http://HOST:PORT/CLASS        Durable Object namespace hosted by another process
     do+local:CLASS                   Durable Object namespace hosted by this process
     http://HOST:PORT                 service binding to another service
+
+An http or do+http URL may end in #NAME: the peer's service name, which its calls are signed for
+(common/signing.py; never sent). Without one, the host name is (docker-compose.yml's service
+names); `knot cluster up` adds #NAME where it rewrites a service's address to 127.0.0.1:PORT.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class BindingURL:
     target: str  # s3: the bucket; dir: the path; do+*: the class; redis: the URL without its query; http: the URL
     host: str | None = None  # the server or peer: redis, do+http, http(s)
     base_url: str = ""  # do+http: the hosting process's URL
+    peer: str = ""  # http(s), do+http: the service the calls go to (#NAME, else the host name)
     prefix: str = ""  # redis, memory: where this binding's keys live
 
 
@@ -56,10 +61,12 @@ def parse_binding(name: str, url: str) -> BindingURL:
         base, _, query = url.partition("?")
         params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
         return BindingURL(name, url, scheme, base, urlsplit(base).hostname, prefix=params.get("prefix", f"{name}:"))
+    address, _, peer = url.partition("#")
+    host = urlsplit(address.removeprefix("do+")).hostname
     if scheme == "do+http":
-        base_url, _, class_name = url.removeprefix("do+").rpartition("/")
-        return BindingURL(name, url, scheme, class_name, urlsplit(base_url).hostname, base_url)
-    return BindingURL(name, url, scheme, url, urlsplit(url).hostname)
+        base_url, _, class_name = address.removeprefix("do+").rpartition("/")
+        return BindingURL(name, url, scheme, class_name, host, base_url, peer=peer or host or "")
+    return BindingURL(name, url, scheme, address, host, peer=peer or host or "")
 
 
 def open_binding(name: str, url: str, openers: Mapping[str, Callable[[BindingURL], Any]]) -> Any:

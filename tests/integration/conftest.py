@@ -54,7 +54,10 @@ def run_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def s3_server(run_dir):
-    s = servers.start_seaweedfs(run_dir / "seaweedfs", log_path=run_dir / "logs" / "seaweedfs.log")
+    """SeaweedFS as the launcher starts it: with one S3 identity, the tests' CREDENTIALS, and no other."""
+    s = servers.start_seaweedfs(run_dir / "seaweedfs", log_path=run_dir / "logs" / "seaweedfs.log",
+                                access_key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                                secret_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
     yield s
     s.stop()
 
@@ -83,11 +86,13 @@ def redis_server(run_dir):
 def cluster_env(redis_server, run_dir) -> dict[str, str]:
     """What the test clusters are planned with: the S3 credentials and the cluster's secrets (the
     Redis password; the internal calls' signing key, which docker-compose.yml requires). `http`
-    signs the tests' own calls with that key, as the services sign theirs."""
-    global _SIGNER
-    secret = cluster_secrets.ensure(run_dir / launcher.SECRETS_FILE)["KNOT_INTERNAL_SECRET"]
-    _SIGNER = Signer(secret)
-    return {**CREDENTIALS, "KNOT_REDIS_PASSWORD": redis_server.password, "KNOT_INTERNAL_SECRET": secret}
+    signs the tests' own calls with that key, as the services sign theirs. The bucket's keys are
+    CREDENTIALS: the ones the S3 server enforces (compose's MINIO_ROOT_* become every AWS_*)."""
+    global _SECRET
+    _SECRET = cluster_secrets.ensure(run_dir / launcher.SECRETS_FILE)["KNOT_INTERNAL_SECRET"]
+    return {**CREDENTIALS, "MINIO_ROOT_USER": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "MINIO_ROOT_PASSWORD": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            "KNOT_REDIS_PASSWORD": redis_server.password, "KNOT_INTERNAL_SECRET": _SECRET}
 
 
 @pytest.fixture(scope="session")
@@ -183,19 +188,40 @@ def procs(run_dir, s3_server, redis_server, cluster_env, upload):
         p.stop_all()
 
 
-_SIGNER: Signer | None = None  # the test cluster's (cluster_env), once it is planned
+_SECRET: str | None = None  # the test cluster's signing key (cluster_env), once it is planned
+_NAMES: dict[str, str] = {}  # "127.0.0.1:PORT" -> the service there (ports are never handed out twice)
+
+
+def service_at(url: str) -> str | None:
+    """The name of the service listening at url's address (what a call to it is signed for), as its
+    unsigned /healthz says; None when nothing answers there."""
+    address = urlsplit(url).netloc
+    if address not in _NAMES:
+        try:
+            with urllib.request.urlopen(f"http://{address}/healthz", timeout=5.0) as r:
+                _NAMES[address] = json.loads(r.read())["service"]
+        except (OSError, ValueError, KeyError):
+            return None
+    return _NAMES[address]
+
+
+def signed_headers(method: str, url: str, body: bytes = b"", do_name: str = "", to: str | None = None) -> dict:
+    """The X-Knot-Signature for one call with the test cluster's key, for the service at url (or `to`)."""
+    u = urlsplit(url)
+    signer = Signer(_SECRET, to or service_at(url))
+    return {SIGNATURE_HEADER: signer.header(method, (u.path or "/") + (f"?{u.query}" if u.query else ""), body,
+                                            do_name)}
 
 
 def http(method: str, url: str, body: dict | bytes | None = None, headers: dict | None = None,
          timeout_s: float = 30.0, signed: bool = True) -> tuple[int, dict, bytes]:
-    """One call. Signed with the test cluster's key unless signed=False or the headers carry their own
-    signature: its internal services refuse unsigned calls (the public coordinator ignores it)."""
+    """One call. Signed with the test cluster's key for the service at url unless signed=False or the
+    headers carry their own signature: its internal services refuse unsigned calls (the public
+    coordinator ignores it)."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     headers = dict(headers or {})
-    if signed and _SIGNER is not None and SIGNATURE_HEADER not in headers:
-        u = urlsplit(url)
-        headers[SIGNATURE_HEADER] = _SIGNER.header(method, (u.path or "/") + (f"?{u.query}" if u.query else ""),
-                                                   data or b"", headers.get(DO_NAME_HEADER, ""))
+    if signed and _SECRET is not None and SIGNATURE_HEADER not in headers and service_at(url):
+        headers.update(signed_headers(method, url, data or b"", headers.get(DO_NAME_HEADER, "")))
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:

@@ -7,12 +7,14 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 
-from deploy import cluster_secrets, launcher, servers
+from deploy import cluster_secrets, launcher, seaweedfs, servers
 from deploy.local import compose
 from deploy.local.bindings import S3Settings, S3Bucket
 
@@ -30,7 +32,7 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
     try:
         assert up.returncode == 0, up.stderr
         state = json.loads((run_dir / "cluster.json").read_text())["services"]
-        planned = launcher.plan(launcher.default_layout(), {"KNOT_REDIS_PASSWORD": "any", "KNOT_INTERNAL_SECRET": "k" * 43})
+        planned = launcher.plan(launcher.default_layout(), cluster_secrets.read(run_dir / launcher.SECRETS_FILE))
         assert [s["name"] for s in state] == [s.name for s in planned]  # the process set is the file's
         by_name = {s["name"]: s for s in state}
         assert (by_name["minio"]["kind"], by_name["redis"]["kind"], by_name["init"]["kind"]) == \
@@ -64,11 +66,18 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
             if servers.pid_alive(s["pid"]) and s["kind"] != "oneshot":
                 assert password.encode() not in Path(f"/proc/{s['pid']}/cmdline").read_bytes(), s["name"]
 
-        # init uploaded the knot under the key derived from --model.
-        bucket = S3Bucket(S3Settings(by_name["minio"]["url"], "knot", "knot-secret-key"), "knots")
+        # init uploaded the knot under the key derived from --model, with the cluster's bucket keys,
+        # the only ones SeaweedFS takes (tests/integration/test_closed_bucket.py)
+        keys = cluster_secrets.read(secrets_file)
+        bucket = S3Bucket(S3Settings(by_name["minio"]["url"], keys["MINIO_ROOT_USER"], keys["MINIO_ROOT_PASSWORD"]),
+                          "knots")
         meta = asyncio.run(bucket.head("tiny.knot"))
         asyncio.run(bucket.close())
         assert meta is not None and meta.size == len(knot.data)
+        assert seaweedfs.anonymous_status(by_name["minio"]["url"]) == 403
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(by_name["minio"]["url"] + "/knots/tiny.knot", timeout=10).close()
+        assert refused.value.code == 403, "an anonymous GET of the knot"
     finally:
         down = knot_cli(run_dir, "down")
     assert down.returncode == 0, down.stderr
@@ -87,12 +96,14 @@ def test_cluster_up_status_down_and_upload_once(tmp_path, knot):
         assert knot_cli(run_dir, "down").returncode == 0
     # The password appears in no log, no state file and no output of the launcher.
     outputs = [up.stdout, up.stderr, status.stdout, status.stderr, again.stdout, again.stderr]
-    files = [p for p in run_dir.rglob("*") if p.is_file() and p.name not in ("secrets.env", "redis.conf")
+    files = [p for p in run_dir.rglob("*") if p.is_file() and p.name not in ("secrets.env", "redis.conf",
+                                                                             seaweedfs.IDENTITIES_FILE)
              and p.suffix in (".log", ".json", ".txt", "")]
     assert {"coordinator.log", "cobordism-warden.log", "redis.log", "init.log"} <= {p.name for p in files}
-    leaks = [str(p) for p in files if password.encode() in p.read_bytes()]
-    leaks += [f"output {i}" for i, text in enumerate(outputs) if password in text]
-    assert not leaks, leaks
+    for secret in (password, keys["MINIO_ROOT_PASSWORD"]):
+        leaks = [str(p) for p in files if secret.encode() in p.read_bytes()]
+        leaks += [f"output {i}" for i, text in enumerate(outputs) if secret in text]
+        assert not leaks, leaks
 
 
 def test_cluster_with_a_drafter_reads_the_prompt_ahead_and_changes_no_token(tmp_path, knot):

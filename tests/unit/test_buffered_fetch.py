@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 
 import pytest
 
@@ -34,7 +35,8 @@ async def handler(request: Request, env, ctx) -> Response:
 async def host():
     from aiohttp import web
 
-    rt = ServiceRuntime("station", handler, Env(), BackgroundTasks("test"), verifier=signing.Verifier(SECRET))
+    rt = ServiceRuntime("station", handler, Env(), BackgroundTasks("test"),
+                        verifier=signing.Verifier(SECRET, "station", booted_at=time.time()))
     runner = app_runner(build_app(rt))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -55,17 +57,17 @@ def answering_once(served: list):
 
 
 async def test_a_large_reply_arrives_whole_in_one_read_only_buffer_and_a_small_one_as_bytes(host):
-    r = await buffered_fetch(host + "/big", Request("GET", "/big"), 30, signer=Signer(SECRET))
+    r = await buffered_fetch(host + "/big", Request("GET", "/big"), 30, signer=Signer(SECRET, "station"))
     assert r.status == 200 and isinstance(r.body, memoryview) and r.body.readonly and r.body == BIG
     assert r.headers["Content-Type"] == "application/x-knot-tensor-batch" and "Content-Length" not in r.headers
     # a signed POST with a body and a query: the signature covers what is sent
     r = await buffered_fetch(host + "/echo?a=1&b=%20", Request("POST", "/echo", {}, b"frame"), 30,
-                             signer=Signer(SECRET))
+                             signer=Signer(SECRET, "station"))
     assert r.status == 200 and isinstance(r.body, bytes) and r.json() == {"path": "/echo", "query": "a=1&b=%20",
                                                                          "body": "frame"}
     # a caller's request id outside latin-1 crosses as aiohttp's client sent it (UTF-8 octets)
     r = await buffered_fetch(host + "/echo", Request("POST", "/echo", {"X-Request-Id": "réq-✓"}, b""), 30,
-                             signer=Signer(SECRET))
+                             signer=Signer(SECRET, "station"))
     assert r.status == 200, r.body
     # the host's own refusal (no signature) comes back as the 401 it is, with its JSON
     r = await buffered_fetch(host + "/echo", Request("POST", "/echo", {}, b"x"), 30)
@@ -73,7 +75,7 @@ async def test_a_large_reply_arrives_whole_in_one_read_only_buffer_and_a_small_o
 
 
 async def test_the_durable_object_binding_uses_it(host):
-    ns = HttpNamespace(None, host, "Echo", 30, Signer(SECRET))  # no aiohttp session is touched
+    ns = HttpNamespace(None, host, "Echo", 30, Signer(SECRET, "station"))  # no aiohttp session is touched
     r = await ns.get(ns.id_from_name("w")).fetch(Request("GET", "/stats"))
     assert r.status == 400 and "hosts no Durable Objects" in r.json()["message"]
 
@@ -85,7 +87,7 @@ async def test_unreachable_slow_and_wrong_peers_get_the_typed_errors(host):
     with pytest.raises(BadRequest, match="'X-Request-Id' holds a line break"):
         await buffered_fetch(host + "/x", Request("GET", "/x", {"X-Request-Id": "a\r\nX-Forged: 1"}), 5)
     with pytest.raises(GatewayTimeout, match="no answer within 0.3 s"):
-        await buffered_fetch(host + "/slow", Request("GET", "/slow"), 0.3, signer=Signer(SECRET))
+        await buffered_fetch(host + "/slow", Request("GET", "/slow"), 0.3, signer=Signer(SECRET, "station"))
 
     async def raw_server(reply: bytes):
         async def serve(reader, writer):
@@ -118,7 +120,7 @@ async def test_connections_are_kept_alive_and_a_closed_one_is_replaced(host, mon
     conns = Connections()
     try:
         for path in ("/big", "/echo", "/big"):
-            r = await buffered_fetch(host + path, Request("GET", path), 30, signer=Signer(SECRET), connections=conns)
+            r = await buffered_fetch(host + path, Request("GET", path), 30, signer=Signer(SECRET, "station"), connections=conns)
             assert r.status == 200 and (r.body == BIG if path == "/big" else r.json()["path"] == "/echo")
         assert conns.opened == 1, "three calls, one connection"
     finally:
@@ -156,7 +158,7 @@ async def test_a_service_binding_keeps_its_connections_and_never_sends_a_call_tw
     ServiceUnavailable rather than sending it again: a station's forward appends to its KV cache."""
     from deploy.local.bindings import HttpService
 
-    svc = HttpService(None, host, 30, Signer(SECRET))  # no aiohttp session is touched over http
+    svc = HttpService(None, host, 30, Signer(SECRET, "station"))  # no aiohttp session is touched over http
     try:
         for i in range(3):
             r = await svc.fetch(Request("POST", f"https://peer/forward?i={i}", {}, b"frame %d" % i))
@@ -195,7 +197,7 @@ async def test_a_connection_idle_past_max_idle_s_is_closed_not_reused(host):
     try:
         for dt in (0.0, 29.0, 31.0):  # reused after 29 s idle; after 31 s a new one
             now[0] += dt
-            r = await buffered_fetch(host + "/echo", Request("GET", "/echo"), 30, signer=Signer(SECRET),
+            r = await buffered_fetch(host + "/echo", Request("GET", "/echo"), 30, signer=Signer(SECRET, "station"),
                                      connections=conns)
             assert r.status == 200
         assert conns.opened == 2

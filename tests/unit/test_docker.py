@@ -12,7 +12,8 @@ from deploy.local import compose
 
 ROOT = compose.REPO_ROOT
 SIZE = re.compile(r"(\d+)([kmg])")
-SECRETS = {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43}  # what `knot secrets` writes to .env; compose refuses to start without them
+SECRETS = {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43,
+           "MINIO_ROOT_USER": "bucket-key", "MINIO_ROOT_PASSWORD": "bucket-secret-key"}  # what `knot secrets` writes to .env; compose refuses to start without them
 
 
 def size_bytes(text: str) -> int:
@@ -71,4 +72,7 @@ def test_offline_override_replaces_exactly_the_stores_with_the_images_the_script
     for s in override["services"].values():
         repo, tag = s["image"].split(":")
         assert f"{repo.split('/')[1]}:{tag}" in script, s["image"]
-        assert s["healthcheck"]["test"][:2] == ["CMD", "bash"]
+    assert override["services"]["redis"]["healthcheck"]["test"][:2] == ["CMD", "bash"]
+    # SeaweedFS's: a signed ListBuckets answers 200 and an anonymous one 403 (tests/unit/test_closed_bucket.py)
+    assert override["services"]["minio"]["healthcheck"]["test"][:4] == ["CMD", "python3",
+                                                                       "/usr/local/lib/knot/seaweedfs.py", "check"]

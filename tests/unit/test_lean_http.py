@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import pytest
 
@@ -52,7 +53,8 @@ def runtime(max_body_bytes: int = 1 << 20, ready_fails: bool = False) -> Service
             raise ConnectionError("the bucket does not answer")
 
     return ServiceRuntime("shard-0", handler, Env(), BackgroundTasks("test"), ready=ready,
-                          max_body_bytes=max_body_bytes, verifier=signing.Verifier(SECRET), access_log="errors")
+                          max_body_bytes=max_body_bytes, access_log="errors",
+                          verifier=signing.Verifier(SECRET, "shard-0", booted_at=time.time()))
 
 
 @pytest.fixture(params=SERVERS)
@@ -65,7 +67,7 @@ async def host(request):
 
 def signed(method: str, target: str, body: bytes = b"", **headers: str) -> bytes:
     """A raw request with the cluster's signature."""
-    sig = Signer(SECRET).header(method, target, body)
+    sig = Signer(SECRET, "shard-0").header(method, target, body)
     lines = [f"{method} {target} HTTP/1.1", "Host: test", f"Content-Length: {len(body)}",
              f"{signing.SIGNATURE_HEADER}: {sig}", *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
     return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
@@ -195,7 +197,7 @@ async def test_a_body_over_the_limit_is_413_and_never_reaches_the_handler(server
 
 async def test_a_chunked_body_reaches_the_handler_whole(host):
     body = b"part one;part two"
-    sig = Signer(SECRET).header("POST", "/c", body)
+    sig = Signer(SECRET, "shard-0").header("POST", "/c", body)
     data = (f"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n{signing.SIGNATURE_HEADER}: {sig}\r\n\r\n"
             .encode() + b"9\r\npart one;\r\n8\r\npart two\r\n0\r\n\r\n")
     [(status, _, reply)], _ = await exchange(host, data)
@@ -274,10 +276,10 @@ async def test_streamed_and_large_replies_arrive_whole(host):
     assert status == 200 and headers["transfer-encoding"] == "chunked"
     assert body == b"".join(f"chunk {i};".encode() for i in range(5))
     conns = Connections()
-    r = await buffered_fetch(host + "/big", Request("GET", "/big"), 30, signer=Signer(SECRET), connections=conns)
+    r = await buffered_fetch(host + "/big", Request("GET", "/big"), 30, signer=Signer(SECRET, "shard-0"), connections=conns)
     assert r.status == 200 and bytes(r.body) == BIG
     r = await buffered_fetch(host + "/small?q=1", Request("POST", "/small?q=1", body=b"b"), 30,
-                             signer=Signer(SECRET), connections=conns)
+                             signer=Signer(SECRET, "shard-0"), connections=conns)
     assert r.json()["query"] == {"q": "1"} and conns.opened == 1, "the same kept-alive connection"
     conns.close()
 

@@ -71,13 +71,15 @@ def test_the_profile_reaches_every_station_of_the_compose_plan():
     layout = ClusterLayout.build({"block_count": 28, "vocab_size": 151936}, 3, 4)
     for profile in ("worker", "resident"):
         specs = launcher.plan(layout, {"KNOT_PROFILE": profile, "KNOT_RESIDENT_MAX_BYTES": "123456789",
-                                       "KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43})
+                                       "KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43,
+                                       "MINIO_ROOT_USER": "bucket-key", "MINIO_ROOT_PASSWORD": "bucket-secret-key"})
         stations = [s for s in specs if s.name.startswith("station-")]
         assert len(stations) == 3
         for s in stations:
             assert s.environment["MEMORY_PROFILE"] == profile
             assert s.environment["RESIDENT_MAX_BYTES"] == "123456789"
-    default = [s for s in launcher.plan(layout, {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43}) if s.name.startswith("station-")]
+    default = [s for s in launcher.plan(layout, {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43,
+                                       "MINIO_ROOT_USER": "bucket-key", "MINIO_ROOT_PASSWORD": "bucket-secret-key"}) if s.name.startswith("station-")]
     assert {s.environment["MEMORY_PROFILE"] for s in default} == {"worker"}
     # docker compose's cap keeps a resident station under its container's 512m (the launcher sets its own)
     assert {s.environment["RESIDENT_MAX_BYTES"] for s in default} == {str(384 << 20)}

@@ -47,7 +47,8 @@ def test_up_refuses_a_published_port_another_process_holds(tmp_path):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         port = held.getsockname()[1]
-        specs = launcher.plan(layout, {"KNOT_PORT": str(port), "KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43})
+        specs = launcher.plan(layout, {"KNOT_PORT": str(port), "KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43,
+                                       "MINIO_ROOT_USER": "bucket-key", "MINIO_ROOT_PASSWORD": "bucket-secret-key"})
         with pytest.raises(launcher.LauncherError, match=f"port {port} .*in use.*KNOT_PORT"):
             launcher.Cluster(tmp_path).allocate(specs, None)
     assert launcher.Cluster(tmp_path).allocate(specs, None)["coordinator"][1] == port  # free again

@@ -18,7 +18,8 @@ from deploy.local.settings import HostSettings
 from deploy.local.topology import Topology
 
 SECRETS = {"KNOT_REDIS_PASSWORD": "redis-password-of-the-test",  # what deploy/cluster_secrets.py generates
-           "KNOT_INTERNAL_SECRET": "internal-calls-key-of-the-test-43-characters"}
+           "KNOT_INTERNAL_SECRET": "internal-calls-key-of-the-test-43-characters",
+           "MINIO_ROOT_USER": "bucket-key-of-the-test", "MINIO_ROOT_PASSWORD": "bucket-secret-key-of-the-test"}
 ENV = {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **SECRETS}
 
 
@@ -210,7 +211,7 @@ def test_binding_urls_are_parsed_in_one_place():
         "KV", "redis://r:6379/2?prefix=p:", "redis", "redis://r:6379/2", "r", prefix="p:")
     assert parse_binding("KV", "memory:").prefix == "KV:"  # default: the binding's name
     assert parse_binding("NS", "do+http://w:8080/LayerWarden") == BindingURL(
-        "NS", "do+http://w:8080/LayerWarden", "do+http", "LayerWarden", "w", "http://w:8080")
+        "NS", "do+http://w:8080/LayerWarden", "do+http", "LayerWarden", "w", "http://w:8080", peer="w")
     assert parse_binding("NS", "do+local:LayerWarden").target == "LayerWarden"
     assert parse_binding("S", "http://station-0:8080").host == "station-0"
     with pytest.raises(ConfigError, match="unknown scheme 'ftp'"):
@@ -257,11 +258,12 @@ def test_redis_requires_the_cluster_password_in_compose(doc):
     for name, svc in services.items():  # only the KV's users carry it
         has = "KNOT_REDIS_PASSWORD" in (svc.get("environment") or {})
         assert has == (name in ("redis", "cobordism-warden")), name
+    keys = {k: SECRETS[k] for k in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD")}  # the bucket's (test_closed_bucket.py)
     with pytest.raises(compose.ComposeError, match="KNOT_REDIS_PASSWORD is not set: .*knot secrets"):
-        plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot"})
+        plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **keys})
     # nor without the internal calls' signing key: a compose cluster never runs unauthenticated
     with pytest.raises(compose.ComposeError, match="KNOT_INTERNAL_SECRET is not set: .*knot secrets"):
-        plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot",
+        plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **keys,
                                 "KNOT_REDIS_PASSWORD": SECRETS["KNOT_REDIS_PASSWORD"]})
     for name, svc in raw.items():  # every one of our services requires it
         if "KNOT_SERVICE" in (svc.get("environment") or {}):

@@ -115,7 +115,8 @@ def test_every_variable_a_deployment_sets_is_declared_for_its_readers(counts):
     layout = default_layout() if counts == (2, 8) else ClusterLayout.build({"block_count": 4, "vocab_size": 99},
                                                                           *counts)
     process_readers = {"host", "kernels", "runtime"}
-    for spec in plan(layout, {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43}):
+    for spec in plan(layout, {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43,
+                          "MINIO_ROOT_USER": "bucket-key", "MINIO_ROOT_PASSWORD": "bucket-secret-key"}):
         service = layout.service(spec.name)
         if not service.is_worker and service.role != "init":
             continue  # MinIO's and Redis's own variables

@@ -18,7 +18,7 @@ def test_a_dead_service_is_restarted_with_backoff_and_recorded(tmp_path, monkeyp
     secret = "k" * 43
     cluster_secrets.write(tmp_path / cluster_secrets.FILE_NAME, {"KNOT_INTERNAL_SECRET": secret})
     recipe = {"kind": "process", "argv": [sys.executable, "-c", "import time; time.sleep(60)"],
-              "env": {"LC_ALL": "C"}, "secrets": ["KNOT_INTERNAL_SECRET"], "cwd": str(tmp_path),
+              "env": {"LC_ALL": "C"}, "secrets": {"KNOT_INTERNAL_SECRET": "KNOT_INTERNAL_SECRET"}, "cwd": str(tmp_path),
               "log": str(tmp_path / "logs" / "svc.log")}
     supervisor.write_recipes(tmp_path, {"svc": recipe})
     assert oct(os.stat(tmp_path / supervisor.RECIPES_FILE).st_mode & 0o777) == "0o600"
