@@ -115,7 +115,7 @@ class LayerWarden(WardenBase):
         crc = crc32(data) if entry.crc32 is None else entry.crc32
         frame = wire.encode_tensor(wire.TensorFrame(name, entry.ggml_type, entry.shape, data, payload_crc32=crc))
         frame = self._shared(frame)
-        s = Seal(v.source.etag, crc, len(data), self.key.seal_mac(FRAME_TAG, v.source.etag, name, len(data), crc))
+        s = self.key.seal(FRAME_TAG, name, v.source.etag, data, crc, content=False)
         v.caches.put(name, (s, frame), len(data))  # budget: tensor bytes (+ ~100 B)
         return frame
 
