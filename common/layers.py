@@ -39,12 +39,15 @@ def steps(model: Model, layer_start: int, layer_end: int) -> list[tuple[int, str
 
 
 async def run_layers(model: Model, x: np.ndarray, layer_start: int, layer_end: int, seqs: Sequences,
-                     weights: Weights, compute: Callable[..., Awaitable] | None = None) -> np.ndarray:
+                     weights: Weights, compute: Callable[..., Awaitable] | None = None,
+                     between: Callable[[], Awaitable[None]] | None = None) -> np.ndarray:
     """x (N, dim) -> (N, dim) f32 after layers [layer_start, layer_end); appends to every KV cache in seqs.
 
     compute(fn, *args) runs each phase's fn(*args) when given (a station runs it off the event loop
-    while its next phase loads); None: in place."""
+    while its next phase loads); None: in place. between() is awaited after every layer but the
+    last, where the state is the hidden (N, dim) alone (a station runs other frames there)."""
     state = np.ascontiguousarray(x, dtype=np.float32)
+    last = model.phases[-1]
     for layer, phase in steps(model, layer_start, layer_end):
         w = weights.load(layer, phase)
         if inspect.isawaitable(w):
@@ -57,6 +60,8 @@ async def run_layers(model: Model, x: np.ndarray, layer_start: int, layer_end: i
         finally:
             weights.done(layer, phase, w)
         del w  # the next phase loads with this one's weights already let go
+        if between is not None and phase == last and layer < layer_end - 1:
+            await between()
     return state
 
 

@@ -221,7 +221,8 @@ class ClusterLayout:
                 "MEMORY_BUDGET_BYTES": Knob("STATION_MEMORY_BUDGET_BYTES"), "MEMORY_PROFILE": Knob("KNOT_PROFILE"),
                 "RESIDENT_MAX_BYTES": Knob("KNOT_RESIDENT_MAX_BYTES"),
                 "SESSION_TTL_S": dflt("SESSION_TTL_S", "station"),
-                "MAX_BATCH": dflt("MAX_BATCH", "station"), "PREFETCH": Knob("KNOT_PREFETCH")},
+                "MAX_BATCH": dflt("MAX_BATCH", "station"), "PREFETCH": Knob("KNOT_PREFETCH"),
+                "INTERLEAVE_ROWS": Knob("KNOT_INTERLEAVE_ROWS")},
                 (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
         for s in shards:
             services.append(Service(f"shard-{s.index}", "shard", "services.shard", {

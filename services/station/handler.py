@@ -22,6 +22,13 @@ Batched decode: decode frames of different requests that arrive while a forward 
 stacked into the next forward (services/batcher.py), so each weight is read once per step for
 all of them; attention and the KV caches stay per session.
 
+Fair scheduling (docs/api.md): a prefill frame of more than INTERLEAVE_ROWS rows pauses after
+each of its layers while frames of at most that many rows wait (other generations' decode steps,
+short prompts); they run there (services/batcher.py interject), so a decode step waits for one
+layer of a long prompt's chunk, not the chunk. Each session's rows are computed as they would be
+alone, so no token changes. An interjected frame whose KV caches and activations do not fit the
+budget beside the paused one waits for it to end instead.
+
 Fluid memory (seed section 2): the layer loop (common/layers.py) loads, runs and evicts each
 phase of each layer in turn. A phase's tensors stay only when the budget has room for them after
 the activations and the KV caches (services/station/memory.py); with the default 128 MiB that
@@ -40,6 +47,7 @@ refuses longer prompts before any work.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -55,7 +63,7 @@ from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
 from common.settings import ConfigError, default, read
 from common.topology import TopologyError
-from services.batcher import Batcher
+from services.batcher import LATER, Batcher
 from services.boot import BootCache
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 from services.layer_warden.client import LayerWardenClient
@@ -68,6 +76,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "station")
 DEFAULT_SESSION_TTL_S = default("SESSION_TTL_S", "station")
 DEFAULT_MAX_BATCH = default("MAX_BATCH", "station")  # decode frames per batched forward
+DEFAULT_INTERLEAVE_ROWS = default("INTERLEAVE_ROWS", "station")  # frames that run between a long prefill's layers
 PASS_FLOOR_ROWS = 32  # idle sessions are evicted before a prefill runs in passes of fewer rows
 
 
@@ -87,6 +96,7 @@ class StationSettings:
     profile: str = "worker"
     resident_max_bytes: int | None = None
     prefetch: bool = True
+    interleave_rows: int = 64
 
     @property
     def boot_key(self) -> str:
@@ -100,7 +110,7 @@ class StationSettings:
 
         s = cls(get("KNOT_KEY"), get("SPECIALIZATION_START_LAYER"), get("SPECIALIZATION_END_LAYER"),
                 get("SPECIALIZATION_ROLE"), get("MEMORY_BUDGET_BYTES"), get("SESSION_TTL_S"), get("MAX_BATCH"),
-                get("MEMORY_PROFILE"), get("RESIDENT_MAX_BYTES"), get("PREFETCH") == "on")
+                get("MEMORY_PROFILE"), get("RESIDENT_MAX_BYTES"), get("PREFETCH") == "on", get("INTERLEAVE_ROWS"))
         if not 0 <= s.layer_start < s.layer_end:
             raise ConfigError(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative",
                               name="SPECIALIZATION_END_LAYER")
@@ -143,9 +153,11 @@ class Station:
         self.forward_s = 0.0  # time in the layer loop, and the part of it spent waiting for tensors
         self.load_wait_s = 0.0
         self.refused_frames = 0
-        # One forward at a time (memory is accounted for one); decode frames that arrive while it
-        # runs are batched into the next.
-        self.batcher = Batcher(self._run_batch, self._batchable, max_batch=settings.max_batch)
+        # One forward at a time (memory is accounted for one, plus one interjected between the
+        # layers of a long prefill); decode frames that arrive while it runs are batched into the next.
+        self.batcher = Batcher(self._run_batch, self._batchable, max_batch=settings.max_batch,
+                               interjects=self._interjects)
+        self.paused: list[tuple[wire.Envelope, Session]] = []  # a long prefill's frame, between two of its layers
 
     async def boot(self) -> None:
         """Load the role's resident set: the small tensors of our layers (norms, biases), output_norm on exit."""
@@ -191,7 +203,9 @@ class Station:
 
     def _expire(self) -> None:
         now = self.clock()
-        for rid in [r for r, s in self.sessions.items() if now - s.last_used > self.settings.session_ttl_s]:
+        paused = {env.request_id for env, _ in self.paused}
+        for rid in [r for r, s in self.sessions.items()
+                    if now - s.last_used > self.settings.session_ttl_s and r not in paused]:
             del self.sessions[rid]
             self.sessions_evicted += 1
             log.info("session %s expired after %.0f s idle", rid, self.settings.session_ttl_s)
@@ -225,8 +239,17 @@ class Station:
         """A forward's frames of N rows: the request body, the rows the layers run on, the reply."""
         return 3 * 4 * N * self.cfg.dim
 
+    def _frames(self, N: int) -> int:
+        """frame_bytes(N), plus a paused prefill's frames (what reserve() holds for it; 0 when none)."""
+        return self.memory.frame_bytes + self.frame_bytes(N)
+
     def kv_after(self, runs: list[tuple[wire.Envelope, Session]]) -> int:
-        """Every session's KV bytes once the frames of `runs` have been appended (reallocations included)."""
+        """Every session's KV bytes once the frames of `runs` have been appended (reallocations included).
+        Between the layers of a paused prefill: its reservation (every session once it has run) plus
+        what `runs` append."""
+        if self.paused:
+            return self.memory.kv_after_bytes + sum(sess.kv.nbytes_after(self.layers, env.array.shape[0]) -
+                                                    sess.kv.nbytes for env, sess in runs)
         batch = {id(sess) for _, sess in runs}
         idle = sum(s.kv.nbytes for s in self.sessions.values() if id(s) not in batch)
         return idle + sum(sess.kv.nbytes_after(self.layers, env.array.shape[0]) for env, sess in runs)
@@ -246,7 +269,7 @@ class Station:
         S = max(env.seq_len for env, _ in runs)
         keep = {env.request_id for env, _ in runs}
         while True:
-            with self.memory.reserve(self.kv_after(runs), self.frame_bytes(N)):
+            with self.memory.reserve(self.kv_after(runs), self._frames(N)):
                 t = self.memory.rows_per_pass(N, S, self.phase_bytes)
             idle = [r for r in self.sessions if r not in keep]
             if t >= min(N, PASS_FLOOR_ROWS) or not idle:
@@ -256,7 +279,9 @@ class Station:
             log.warning("session %s evicted: the KV caches leave no room for a forward of %d rows", idle[0], N)
 
     def _fit_sessions(self, keep: set[str]) -> None:
-        """Evict least recently used sessions (never those in `keep`) while KV caches overflow half the budget."""
+        """Evict least recently used sessions (never those in `keep`, nor a paused prefill's) while KV
+        caches overflow half the budget."""
+        keep = keep | {env.request_id for env, _ in self.paused}
         # half the configured budget: in the resident profile that is what is left beside the layers
         while self.kv_bytes > self.settings.budget_bytes // 2 and len(self.sessions) > len(keep):
             rid = next(r for r in self.sessions if r not in keep)
@@ -290,23 +315,52 @@ class Station:
     def _batchable(item: tuple[wire.Envelope, object]) -> bool:
         return item[0].mode == "decode"
 
+    def _interjects(self, item: tuple[wire.Envelope, object]) -> bool:
+        """A frame short enough to run between two layers of a longer prefill frame."""
+        return item[0].array.shape[0] <= self.settings.interleave_rows
+
+    def _pauses(self, runs: list[tuple[wire.Envelope, Session]]) -> bool:
+        """A forward that lets short frames run between its layers: one prefill frame longer than
+        INTERLEAVE_ROWS, not itself interjected (0: none)."""
+        if self.paused or len(runs) != 1 or self.settings.interleave_rows == 0:
+            return False
+        env = runs[0][0]
+        return env.mode == "prefill" and env.array.shape[0] > self.settings.interleave_rows
+
     async def _run_batch(self, items: list[tuple[wire.Envelope, object]]) -> list:
         """The Batcher's callback: one forward over every frame that can still run; per-frame
         errors (unknown session) go to that frame's caller only."""
+        outer_wait_until = self.loader.wait_until
         self.loader.wait_until = items[0][1].wait_until  # invalidations belong to a request's ctx
-        self._expire()
+        try:
+            return await self._run_items(items)
+        finally:
+            if self.paused:  # interjected: the paused forward's request again
+                self.loader.wait_until = outer_wait_until
+
+    async def _run_items(self, items: list[tuple[wire.Envelope, object]]) -> list:
+        if not self.paused:
+            self._expire()
         results: list = [None] * len(items)
         runs: list[tuple[int, wire.Envelope, Session]] = []
         for i, (env, _) in enumerate(items):
-            if any(env.request_id == e.request_id for _, e, _ in runs):
+            if any(env.request_id == e.request_id for _, e, _ in runs) or \
+                    any(env.request_id == e.request_id for e, _ in self.paused):
                 results[i] = Conflict(f"request {env.request_id}: two frames of one session in flight")
                 continue
             try:
                 runs.append((i, env, self._session(env)))
             except UnknownSession as e:
                 results[i] = e
-        # A batch whose frames do not fit the budget together runs them one after another.
-        t = self._rows_per_pass([(env, sess) for _, env, sess in runs]) if len(runs) > 1 else None
+        pairs = [(env, sess) for _, env, sess in runs]
+        if self.paused and runs:  # interjected: in one pass beside the paused forward, else after it
+            if not self._fit_beside_paused(pairs):
+                for i, _, _ in runs:
+                    results[i] = LATER  # nothing is evicted for an interjected frame
+                return results
+            t = sum(env.array.shape[0] for env, _ in pairs)
+        else:  # a batch whose frames do not fit the budget together runs them one after another
+            t = self._rows_per_pass(pairs) if len(runs) > 1 else None
         together = t is None or t == sum(env.array.shape[0] for _, env, _ in runs)
         for group in ([runs] if together else [[r] for r in runs]) if runs else []:
             try:
@@ -322,7 +376,8 @@ class Station:
     async def _forward(self, runs: list[tuple[wire.Envelope, Session]], t: int | None = None) -> list[wire.Envelope]:
         """Frames of distinct sessions -> their output frames: one pass over the layers, or for a
         single frame that does not fit at once, passes of as many rows as fit (t: _rows_per_pass(runs),
-        when the caller has it already)."""
+        when the caller has it already). A long prefill frame lets short frames run between its
+        layers (_pauses)."""
         t = self._rows_per_pass(runs) if t is None else t
         N = sum(env.array.shape[0] for env, _ in runs)
         S = max(env.seq_len for env, _ in runs)  # the longest attention span in the batch
@@ -339,18 +394,19 @@ class Station:
                 f"(STATION_MEMORY_BUDGET_BYTES in compose) or run more stations")
         xs = [env.array for env, _ in runs]
         h = np.concatenate(xs) if len(xs) > 1 else np.array(xs[0], dtype=np.float32)  # (N, dim), writable
+        pauses = runs if self._pauses(runs) else None
         try:
-            with self.memory.reserve(self.kv_after(runs), self.frame_bytes(N)):
+            with self.memory.reserve(self.kv_after(runs), self._frames(N)):
                 if t == N:
                     seqs = [(sess.kv, np.arange(env.position, env.seq_len, dtype=np.int64)) for env, sess in runs]
-                    h = await self._run_layers(h, seqs, N, S)
+                    h = await self._run_layers(h, seqs, N, S, pauses)
                 else:  # one frame, in passes of t rows, each through every layer
                     (env, sess), = runs
                     self.split_frames += 1
                     for r in range(0, N, t):
                         p0, p1 = env.position + r, env.position + min(r + t, N)
                         h[r:r + t] = await self._run_layers(h[r:r + t], [(sess.kv, np.arange(p0, p1, dtype=np.int64))],
-                                                            p1 - p0, p1)
+                                                            p1 - p0, p1, pauses)
         except BaseException:
             # A half-applied forward leaves the KV caches inconsistent: forget those sessions.
             for env, _ in runs:
@@ -373,14 +429,38 @@ class Station:
             a = b
         return out
 
-    async def _run_layers(self, h: np.ndarray, seqs, T: int, S: int) -> np.ndarray:
-        """h (T, dim) through our layers for these sequences (within reserve()), prefetching when the plan does."""
+    def _fit_beside_paused(self, runs: list[tuple[wire.Envelope, Session]]) -> bool:
+        """Whether interjected frames run in one pass beside the paused prefill's reservation, with
+        nothing kept and nothing evicted."""
+        N = sum(env.array.shape[0] for env, _ in runs)
+        S = max(env.seq_len for env, _ in runs)
+        with self.memory.reserve(self.kv_after(runs), self._frames(N)):
+            return self.memory.rows_per_pass(N, S, self.phase_bytes) == N
+
+    async def _run_layers(self, h: np.ndarray, seqs, T: int, S: int,
+                          pauses: list[tuple[wire.Envelope, Session]] | None = None) -> np.ndarray:
+        """h (T, dim) through our layers for these sequences (within reserve()), prefetching when the
+        plan does. pauses: the forward's runs, when short frames may run between its layers."""
         a, b = self.settings.layer_start, self.settings.layer_end
         t0 = time.perf_counter()
         async with ForwardWeights(self.memory, self.loader, T, S, steps(self.model, a, b), self.plan.prefetch) as weights:
+
+            async def between() -> None:
+                await asyncio.sleep(0)  # frames that arrived during the layer reach the queue
+                if not self.batcher.interject_waiting():
+                    return
+                await weights.pause()  # no prefetched phase held while another forward runs
+                self.paused = pauses
+                try:
+                    await self.batcher.interject()
+                finally:
+                    self.paused = []
+                await asyncio.sleep(0)  # their callers send the replies before the next layer
+
             try:
                 return await run_layers(self.model, h, a, b, seqs, weights,
-                                        compute=weights.compute if weights.prefetching else None)
+                                        compute=weights.compute if weights.prefetching else None,
+                                        between=between if pauses else None)
             finally:
                 self.prefetched_phases += weights.prefetched
                 self.forward_s += time.perf_counter() - t0

@@ -171,12 +171,15 @@ class StationMemory:
     @contextlib.contextmanager
     def reserve(self, kv_after_bytes: int, frame_bytes: int) -> Iterator[None]:
         """For one forward: count the KV caches at what they will hold once it has appended (the
-        largest reallocation included), and its frames, from its first phase on."""
+        largest reallocation included), and its frames, from its first phase on. Nested (a frame
+        run between the layers of a paused one): the caller's figures include the paused forward's,
+        which hold again afterwards."""
+        outer = self.kv_after_bytes, self.frame_bytes
         self.kv_after_bytes, self.frame_bytes = kv_after_bytes, frame_bytes
         try:
             yield
         finally:
-            self.kv_after_bytes = self.frame_bytes = 0
+            self.kv_after_bytes, self.frame_bytes = outer
 
     def fixed_bytes(self, T: int, S: int) -> int:
         """Everything a phase needs besides its own tensors and the kept ones."""
@@ -416,6 +419,11 @@ class ForwardWeights:
             await asyncio.sleep(0)
             return await off_loop(fn, *args)
         return fn(*args)
+
+    async def pause(self) -> None:
+        """Before another forward runs between two of this one's layers: let go of the phase being
+        prefetched (it is loaded again when this forward goes on), so only that forward loads."""
+        await self._drop_next()
 
     async def _drop_next(self) -> None:
         """Cancel a prefetch the forward will not use, and let go of whatever it loaded."""

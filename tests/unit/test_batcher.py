@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from services.batcher import Batcher
+from services.batcher import LATER, Batcher
 
 
 class Recorder:
@@ -74,3 +74,93 @@ async def test_a_cancelled_caller_does_not_cancel_the_others():
 def test_max_batch_must_be_positive():
     with pytest.raises(ValueError, match="max_batch"):
         Batcher(Recorder(), max_batch=0)
+
+
+class Steps:
+    """A run() whose "long" items take several steps and let short items interject between them."""
+
+    def __init__(self, batcher_box: list, steps: int = 4, later: set = frozenset()):
+        self.box, self.steps, self.later = batcher_box, steps, later
+        self.log: list = []
+        self.paused = False
+
+    async def __call__(self, items):
+        if items == ["long"]:
+            for k in range(self.steps):
+                self.log.append(("long", k))
+                await asyncio.sleep(0.01)  # one step
+                self.paused = True
+                await self.box[0].interject()
+                self.paused = False
+            return ["long done"]
+        self.log.append(tuple(items))
+        return [LATER if self.paused and i in self.later else f"{i} done" for i in items]
+
+
+def short(item) -> bool:
+    return item != "long"
+
+
+async def test_short_items_run_between_the_steps_of_a_long_one():
+    """Fair scheduling: items submitted while a long item runs run at its next step boundary (the
+    batchable ones as one batch), not after it; the long one goes on afterwards."""
+    box: list = []
+    run = Steps(box)
+    b = Batcher(run, batchable=lambda i: i.startswith("d"), interjects=short)
+    box.append(b)
+    done: list = []
+
+    async def submit(i):
+        r = await b.submit(i)
+        done.append(i)
+        return r
+
+    long = asyncio.ensure_future(submit("long"))
+    await asyncio.sleep(0.005)  # the long item's first step runs
+    firsts = [asyncio.ensure_future(submit(i)) for i in ("d1", "p1", "d2")]
+    await asyncio.gather(*firsts)
+    assert not long.done(), "the short items finished while the long one still ran"
+    assert await long == "long done"
+    assert done[-1] == "long" and set(done[:3]) == {"d1", "p1", "d2"}
+    # between step 0 and step 1: the decodes as one batch, the unbatchable one alone
+    i = run.log.index(("long", 0))
+    assert run.log[i + 1:i + 3] == [("d1", "d2"), ("p1",)] and run.log[i + 3] == ("long", 1)
+    assert b.stats()["interjected_items"] == 3
+
+
+async def test_items_that_are_not_short_wait_and_later_items_wait_for_the_end():
+    """Only what `interjects` admits runs between steps; an item run() answers LATER for waits at
+    the front of the queue until the long item has ended, then runs."""
+    box: list = []
+    run = Steps(box, later={"d9"})
+    b = Batcher(run, batchable=lambda i: i.startswith("d"), interjects=lambda i: i.startswith("d"))
+    box.append(b)
+    long = asyncio.ensure_future(b.submit("long"))
+    await asyncio.sleep(0.005)
+    other = asyncio.ensure_future(b.submit("p-long"))  # not short: after the long one
+    deferred = asyncio.ensure_future(b.submit("d9"))
+    assert await deferred == "d9 done" and await long == "long done" and await other == "p-long done"
+    # d9 was tried once between steps, answered LATER, and ran once the long item had ended, before p-long
+    assert run.log.index(("d9",)) < run.log.index(("long", 1)) and run.log.count(("d9",)) == 2
+    assert run.log[-2:] == [("d9",), ("p-long",)]
+    assert b.stats()["interjected_items"] == 0
+
+
+async def test_a_failing_interjected_item_fails_alone():
+    box: list = []
+
+    async def run(items):
+        if items == ["long"]:
+            await asyncio.sleep(0.01)
+            await box[0].interject()
+            await asyncio.sleep(0.01)
+            return ["long done"]
+        raise RuntimeError("the short batch failed")
+
+    b = Batcher(run, interjects=short)
+    box.append(b)
+    long = asyncio.ensure_future(b.submit("long"))
+    await asyncio.sleep(0.005)
+    with pytest.raises(RuntimeError, match="short batch"):
+        await b.submit("d1")
+    assert await long == "long done"
