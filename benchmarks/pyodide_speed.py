@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from common import matmul as mm  # noqa: E402
 from deploy import models, wrangler  # noqa: E402
 from deploy.commands.deploy import model_shape  # noqa: E402
-from tests.cloudflare.test_pyodide import run_harness  # noqa: E402
+from tests.cloudflare.test_pyodide import SECRET, run_harness  # noqa: E402
 from tests.inprocess import build_cluster  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
@@ -63,10 +63,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         out = tmp / "deploy"
-        wrangler.write(out, wrangler.plan(n_layers, vocab, "model.knot", args.stations))
+        wrangler.write(out, wrangler.plan(n_layers, vocab, "model.knot", args.stations, public=True), public=True)
         gen = {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": PROMPT, "max_tokens": args.tokens}}
         cfg = {"mounts": {"/deploy": str(out)}, "deploy": str(out), "deploy_mount": "/deploy", "bucket": "knots",
-               "knot_key": "model.knot", "knot": str(knot),
+               "knot_key": "model.knot", "knot": str(knot), "secrets": {"KNOT_INTERNAL_SECRET": SECRET},
                "python_path": ["/deploy/knot-coordinator/src", "/deploy/knot-coordinator/python_modules", "/sdk"],
                "requests": [{**gen, "body": {"prompt": PROMPT, "max_tokens": 1}}, gen]}
         t0 = time.perf_counter()

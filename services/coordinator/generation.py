@@ -34,6 +34,7 @@ from common.sampling import SamplingParams
 from common.shard_sampling import RowSummary, decide
 from common.speculative import Drafter, PromptLookup, SpeculationParams, TripCost, default_max_draft
 from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
+from services.coordinator import subrequests
 from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
 from services.coordinator.metrics import CoordinatorMetrics
@@ -59,6 +60,8 @@ class ClusterGeneration(Generation):
     timeout_s: float = math.inf  # the deadline's length, for messages
     shard_failure: str = "fail"  # pipeline.SHARD_FAILURE_POLICIES
     frames: list[Frame] = field(default_factory=list)  # every trip the stations applied, in order
+    subrequests: subrequests.Counter | None = None  # its invocation's (services/coordinator/subrequests.py)
+    asked_tokens: int = 0  # max_tokens as asked; max_tokens itself may be bounded by the subrequests left
 
 
 class ClusterEngine:
@@ -95,7 +98,9 @@ class ClusterEngine:
                 self._replaying(gen, e, len(ids))
         gen.frames[:] = [("prefill", a, b, False, ()) for a, b in chunks]
         gen.cached = len(ids)
-        return (await self._rows(gen, h, len(ids) - 1, ids))[-1]
+        rows = (await self._rows(gen, h, len(ids) - 1, ids))[-1]
+        self._bound(gen)
+        return rows
 
     async def next_logits(self, gen: ClusterGeneration, token: int, history: list[int]) -> np.ndarray:
         return (await self.verify_logits(gen, [token], history))[0]
@@ -113,7 +118,18 @@ class ClusterEngine:
             h = await self._replay(gen, context, [*gen.frames, frame])
         gen.frames.append(frame)
         gen.cached = pos + len(tokens)
-        return await self._rows(gen, h, pos, context)
+        rows = await self._rows(gen, h, pos, context)
+        self._bound(gen)
+        return rows
+
+    def cost(self, gen: ClusterGeneration) -> subrequests.HopCost:
+        """The most subrequests each of gen's hops costs the coordinator."""
+        return subrequests.HopCost(len(self.pipeline.stations), len(self.pipeline.shards),
+                                   gen.speculation.source == "draft_model")
+
+    def _bound(self, gen: ClusterGeneration) -> None:
+        """After a trip: the tokens gen may still take within its invocation's subrequests."""
+        subrequests.bound(gen, gen.subrequests, self.cost(gen), gen.speculation.max_draft if gen.speculation.on else 0)
 
     async def _forward(self, gen: ClusterGeneration, frame: Frame) -> np.ndarray:
         """One decode trip through the embedding and the stations -> the exit's rows (T, dim)."""
@@ -204,6 +220,9 @@ def summary(gen: ClusterGeneration) -> dict:
         "shard_failure": gen.shard_failure,
         "degraded_shards": [d.as_json() for d in gen.degraded],
         "replays": gen.replays,
+        # why it ended before max_tokens, when it did: "subrequests" (the plan's per-invocation limit)
+        "limited_by": subrequests.LIMITED_BY if subrequests.limited(gen) else None,
+        "subrequests": gen.subrequests.as_json() if gen.subrequests is not None else None,
     }
 
 
@@ -228,6 +247,8 @@ def policy_headers(*gens: ClusterGeneration) -> dict[str, str]:
     missing = dict.fromkeys(f"{d.shard}:{d.vocab_start}-{d.vocab_end}" for gen in gens for d in gen.degraded)
     if missing:
         out[DEGRADED_HEADER] = ",".join(missing)
+    if any(subrequests.limited(gen) for gen in gens):
+        out[subrequests.LIMITED_HEADER] = subrequests.LIMITED_BY
     return out
 
 
@@ -300,7 +321,8 @@ class Coordinator:
         timeout_s = self.settings.request_timeout_s
         return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
                                  speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
-                                 timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure)
+                                 timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure,
+                                 subrequests=subrequests.current())
 
     def prepare_choices(self, g: GenerateRequest, n: int) -> list[ClusterGeneration]:
         """prepare(g), and n - 1 more generations like it (the OpenAI endpoints' n): the same prompt
@@ -319,7 +341,8 @@ class Coordinator:
         return [first] + [
             ClusterGeneration(list(first.prompt_ids), first.max_tokens, sampling(i), g.stop, g.logprobs,
                               request_id=uuid.uuid4().hex, speculation=first.speculation, deadline=first.deadline,
-                              timeout_s=first.timeout_s, shard_failure=first.shard_failure)
+                              timeout_s=first.timeout_s, shard_failure=first.shard_failure,
+                              subrequests=first.subrequests)
             for i in range(1, n)]
 
     def encode(self, g: GenerateRequest, add_generation_prompt: bool = True) -> tuple[list[int], str]:
@@ -413,6 +436,9 @@ class Coordinator:
         """common.generation's loop over the cluster, with the metrics and the KV release around it."""
         outcome = None
         t_last = 0.0
+        counter, cost = gen.subrequests, self.engine.cost(gen)
+        subrequests.enter(counter)  # and after every yield: a stream's reader may resume us from another task
+        subrequests.reserve(gen, counter, cost)
         try:
             async with contextlib.aclosing(generate_events(self.engine, gen, self.tokenizer, time.perf_counter,
                                                            self.drafter(gen), self.engine.trip_cost)) as events:
@@ -427,6 +453,7 @@ class Coordinator:
                     else:
                         outcome = gen.finish_reason
                     yield ev
+                    subrequests.enter(counter)
         except BaseException as e:
             if outcome is None:
                 outcome = "cancelled" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else "error"
@@ -434,6 +461,8 @@ class Coordinator:
                          type(e).__name__)
             raise
         finally:
+            subrequests.enter(counter)
+            subrequests.finish(counter, cost)
             ctx.wait_until(self.pipeline.release(gen.request_id))  # free the stations' KV caches, however we ended
             if gen.speculation.source == "draft_model" and self.drafter_client.checked:  # (else it holds nothing)
                 ctx.wait_until(self._release_draft(gen.request_id))

@@ -47,7 +47,8 @@ from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
 from services.boot import BootCache
-from services.coordinator import openai_api
+from services.coordinator import openai_api, subrequests
+from services.coordinator.subrequests import counted
 from services.coordinator.errors import InvalidAPIKey, openai_error_response
 from services.coordinator.generation import Coordinator, StationCapacity, policy_headers, summary
 from services.coordinator.params import parse_detokenize, parse_generate, parse_tokenize
@@ -129,13 +130,13 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
     key = repr(settings)
 
     async def boot(pin: str) -> _Booted:
-        source = KnotSource(env.KNOT_BUCKET, settings.knot_key, pin)
+        source = KnotSource(counted(env.KNOT_BUCKET), settings.knot_key, pin)
         header, cfg = await source.header(), (await source.model()).cfg
         shards = [ShardSpec(i, a, b) for i, (_, a, b) in enumerate(settings.shards)]
         check_vocab_tiling(shards, cfg.vocab_size)
-        bindings = {i: getattr(env, name) for i, (name, _, _) in enumerate(settings.shards)}
+        bindings = {i: counted(getattr(env, name)) for i, (name, _, _) in enumerate(settings.shards)}
         ordered = [(s, bindings[s.index]) for s in sorted(shards, key=lambda s: s.vocab_start)]
-        stations = [getattr(env, name) for name in settings.stations]
+        stations = [counted(getattr(env, name)) for name in settings.stations]
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
                             settings.station_timeout_s, settings.peer_wait_s, settings.retry_after_s, source.etag,
                             settings.row_cache_bytes)
@@ -190,7 +191,7 @@ async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> 
     binding = read(env, "DRAFTER", "coordinator")
     if binding is None:
         return None
-    client = DrafterClient(binding, settings.drafter_timeout_s, vocab_size=vocab_size)
+    client = DrafterClient(counted(binding), settings.drafter_timeout_s, vocab_size=vocab_size)
     try:  # a hung drafter holds the boot no longer than a peer that is down holds a request
         await client.check(min(settings.drafter_timeout_s, settings.peer_wait_s))
     except (HttpError, TimeoutError) as e:  # not a fault yet (cooling): it may still be booting
@@ -283,6 +284,8 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
 
 
 async def fetch(request: Request, env: Env, ctx) -> Response:
+    # this invocation's subrequests, counted through the bindings (counted() at boot) and bounded
+    subrequests.begin(read(env, "SUBREQUEST_LIMIT", "coordinator"))
     path = request.path
     if path.startswith("/v1/"):
         return await _openai(request, env, ctx)

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
+from services.coordinator import subrequests
 from services.coordinator.generation import Coordinator, policy_headers
 from services.coordinator.params import (GenerateRequest, chat_message, fim_suffix, number, sampling_params,
                                          shard_failure, speculation_request, stop_strings)
@@ -198,6 +199,12 @@ class Shape:
             return {}
         return {"shard_failure": "degrade", "degraded_shards": [d.as_json() for g in self.gens for d in g.degraded]}
 
+    def limits(self) -> dict:
+        """Why choices ended before max_tokens, when one did: the coordinator's subrequest limit (per invocation)."""
+        if not any(subrequests.limited(g) for g in self.gens):
+            return {}
+        return {"limited_by": subrequests.LIMITED_BY, "subrequests": self.gens[0].subrequests.as_json()}
+
     def usage(self) -> dict:
         """The prompt once, the completions of every choice."""
         prompt, completion = len(self.gens[0].prompt_ids), sum(len(g.token_ids) for g in self.gens)
@@ -236,13 +243,13 @@ class Shape:
             body = {"message": {"role": "assistant", "content": g.text}} if self.opts.chat else {"text": g.text}
             choices.append({"index": i, **body, "logprobs": self.logprobs(i, ev), "finish_reason": g.finish_reason})
         body = self._envelope("chat.completion" if self.opts.chat else "text_completion", choices)
-        return {**body, "usage": self.usage(), **self.degradation()}
+        return {**body, "usage": self.usage(), **self.degradation(), **self.limits()}
 
     def chunk(self, i: int, text: str | None, finish: str | None = None, events: list[TokenEvent] = (),
               role: bool = False) -> dict:
         """One stream chunk of choice i; the one that finishes carries the degradation fields too."""
         lp = self.logprobs(i, list(events)) if events else None
-        extra = self.degradation() if finish else {}
+        extra = {**self.degradation(), **self.limits()} if finish else {}
         if self.opts.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else {}
             if text:

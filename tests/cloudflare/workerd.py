@@ -249,8 +249,9 @@ class DurableObjectNamespace(JsProxy):
 class Cloud:
     """The Workers of a `knot deploy cloudflare` output, wired by their wrangler.json, in one process."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, secrets: dict[str, str] | None = None):
         self.out = out
+        self.secrets = dict(secrets or {})  # what `wrangler secret put` gives every Worker's env
         self.configs = {d.name: json.loads((d / "wrangler.json").read_text())
                         for d in sorted(out.iterdir()) if (d / "wrangler.json").is_file()}
         self.buckets: dict[str, R2Bucket] = {}
@@ -278,7 +279,7 @@ class Cloud:
     def env(self, worker: str) -> JsObject:
         if worker not in self._envs:
             cfg = self.configs[worker]
-            props: dict[str, Any] = dict(cfg.get("vars", {}))
+            props: dict[str, Any] = {**cfg.get("vars", {}), **self.secrets}
             for b in cfg.get("r2_buckets", []):
                 props[b["binding"]] = self.bucket(b["bucket_name"])
             for b in cfg.get("kv_namespaces", []):

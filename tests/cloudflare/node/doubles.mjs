@@ -156,9 +156,10 @@ export class DurableObjectNamespace {
 
 // The Workers of a `knot deploy cloudflare` output, wired by their wrangler.json.
 export class Cloud {
-  constructor(pyodide, configs) {
+  constructor(pyodide, configs, secrets = {}) {
     this.pyodide = pyodide;
     this.configs = configs;  // worker name -> wrangler.json object
+    this.secrets = secrets;  // name -> value: what `wrangler secret put` gives every Worker's env
     this.buckets = new Map();
     this.kvs = new Map();
     this.objects = new Map();
@@ -175,7 +176,7 @@ export class Cloud {
   env(worker) {
     if (!this.envs.has(worker)) {
       const cfg = this.configs[worker];
-      const env = { ...(cfg.vars ?? {}) };
+      const env = { ...(cfg.vars ?? {}), ...this.secrets };
       for (const b of cfg.r2_buckets ?? []) env[b.binding] = this.bucket(b.bucket_name);
       for (const b of cfg.kv_namespaces ?? []) {
         if (!this.kvs.has(b.id)) this.kvs.set(b.id, new KvNamespace(this.isPyProxy));

@@ -56,7 +56,7 @@ if (cfg.deploy) {
     const file = join(cfg.deploy, name, "wrangler.json");
     if (existsSync(file)) configs[name] = JSON.parse(readFileSync(file, "utf8"));
   }
-  const cloud = new Cloud(pyodide, configs);
+  const cloud = new Cloud(pyodide, configs, cfg.secrets ?? {});
   for (const name of Object.keys(configs)) {
     const modName = checks.load_worker(name, `${cfg.deploy_mount}/${name}/src/entry.py`);
     cloud.modules.set(name, pyodide.pyimport(modName));
@@ -67,6 +67,10 @@ if (cfg.deploy) {
     t0 = t();
     const init = { method: r.method ?? "POST", headers: { "Content-Type": "application/json" } };
     if (r.body !== undefined) init.body = JSON.stringify(r.body);
+    if (r.signed) {  // as another Worker's binding signs it (deploy/cloudflare/bindings.py), for r.worker
+      init.headers["X-Knot-Signature"] = checks.signature(cfg.secrets.KNOT_INTERNAL_SECRET, init.method, r.path,
+                                                          init.body ?? "", r.worker);
+    }
     const res = await cloud.dispatch(r.worker, new Request(`https://${r.worker}${r.path}`, init));
     const out = { status: res.status, content_type: res.headers.get("content-type"), chunks: 0 };
     if (r.stream) {
