@@ -167,6 +167,12 @@ SETTINGS: tuple[Setting, ...] = (
     _s("REQUEST_TIMEOUT_S", "float", "600", "coordinator compose",
        "every request's deadline, queueing included: past it a 504 (a stream ends with an error event)",
        positive=True),
+    _s("BUCKET_CHECK_TIMEOUT_S", "float", "2", "coordinator",
+       "how long a generation waits for the bucket's knot version (one HEAD, to follow a replaced knot); past it, "
+       "or when the bucket fails, the loaded version is served and /readyz says so", positive=True),
+    _s("BUCKET_CHECK_BACKOFF_S", "float", "30", "coordinator",
+       "after a failed check of the bucket's knot version, requests serve the loaded version without checking "
+       "for this long; then one checks again", minimum=0),
     _s("SHARD_FAILURE", "choice", "fail", "coordinator compose",
        "a shard still down after PEER_WAIT_S: fail (503 naming the missing vocabulary range) or degrade (the "
        "seed's allSettled merge: its tokens embed as zeros, its logits are -inf; every reply says so); a request "
@@ -257,6 +263,11 @@ SETTINGS: tuple[Setting, ...] = (
        positive=True),
     _s("KNOT_SHUTDOWN_TIMEOUT_S", "float", "30", "host", "on SIGTERM, how long wait_until work may drain",
        positive=True),
+    _s("KNOT_HEADER_TIMEOUT_S", "float", "60", "host", "a connection must deliver a request's line and headers "
+       "within this long of its start or of the previous reply (the idle time of a kept-alive connection too), "
+       "else it is closed: a slow or half-open client holds a connection no longer", positive=True),
+    _s("KNOT_BODY_TIMEOUT_S", "float", "60", "host", "a request's body must arrive in full within this long of its "
+       "headers, else 408 and the connection is closed", positive=True),
     _s("KNOT_LOG_FORMAT", "choice", "json", "host launcher", "log lines as json or text", choices=("json", "text"),
        reader_defaults={"launcher": "text"}),
     _s("KNOT_ACCESS_LOG", "choice", "all", "host compose",

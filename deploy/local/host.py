@@ -92,6 +92,10 @@ class ServiceRuntime:
     verifier: signing.Verifier | None = None
     # Large replies to callers that read KNOT_SHM_DIR go through it (deploy/local/shm.py); None: sockets only.
     shm: ReplyBuffers | None = None
+    # A request's line and headers must arrive within header_timeout_s of the connection's start or of
+    # the previous reply (else the connection is closed), its body within body_timeout_s (else 408).
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
 
 
 # ---------------------------------------------------------------- translation
@@ -115,7 +119,24 @@ async def to_runtime_request(request: web.Request, url: str | None = None) -> Re
         if not request.raw_path.startswith("/"):  # the absolute form is for proxies
             raise web.HTTPBadRequest(reason=f"request target {request.raw_path[:80]!r} is not a path")
         url = f"http://{request.host}{request.raw_path}"
-    return Request(request.method, url, Headers(request.headers.items()), await request.read())
+    return Request(request.method, url, Headers(request.headers.items()), await read_body(request))
+
+
+class BodyTimeout(HttpError):
+    """The request's body did not arrive within KNOT_BODY_TIMEOUT_S of its headers."""
+
+    status = 408
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, within the runtime's body_timeout_s (408 past it: a slow client holds nothing longer)."""
+    timeout_s = request.app[RUNTIME].body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(reason=f"the request body did not arrive within {timeout_s:g} s "
+                                            f"(KNOT_BODY_TIMEOUT_S)") from None
 
 
 def reply_headers(resp: Response) -> dict[str, str]:
@@ -259,7 +280,7 @@ async def signed_calls(request: web.Request, handler) -> web.StreamResponse:
     401 for any other, before the handler runs."""
     rt = request.app[RUNTIME]
     if must_be_signed(rt, request.path):  # the body is read only then
-        err = signature_refusal(rt, request.method, request.raw_path, await request.read(), request.headers)
+        err = signature_refusal(rt, request.method, request.raw_path, await read_body(request), request.headers)
         if err is not None:
             return to_aiohttp_response(error_response(err, request_id_var.get()))
     return await handler(request)
@@ -279,17 +300,18 @@ async def ready_body(rt: ServiceRuntime) -> tuple[dict, int]:
     if rt.ready is not None:
         checks["service"] = lambda: rt.ready(rt.env)
 
-    async def run(fn) -> str | None:
+    async def run(fn) -> tuple[bool, str]:
+        """-> (passed, "ok" or the check's note, or the failure)."""
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                await fn()
-            return None
+                note = await fn()  # a check may say how it passed (the coordinator: serving unverified)
+            return True, note if isinstance(note, str) else "ok"
         except Exception as e:  # noqa: BLE001 - any failure means "not ready", reported by name
-            return f"{type(e).__name__}: {e}"
+            return False, f"{type(e).__name__}: {e}"
 
     results = dict(zip(checks, await asyncio.gather(*(run(f) for f in checks.values()))))
-    failed = {k: v for k, v in results.items() if v is not None}
-    body = {"ready": not failed, "service": rt.name, "checks": {k: v or "ok" for k, v in results.items()}}
+    failed = [k for k, (passed, _) in results.items() if not passed]
+    body = {"ready": not failed, "service": rt.name, "checks": {k: v for k, (_, v) in results.items()}}
     return body, 503 if failed else 200
 
 
@@ -423,13 +445,16 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
                     "anyone who can reach its port (knot cluster up and knot secrets generate one)", settings.name)
     return ServiceRuntime(settings.name, svc.handler, env, tasks, do_host, svc.ready, checks,
                           access_log=settings.access_log, max_body_bytes=settings.max_body_bytes or svc.max_body_bytes,
-                          public=svc.public, verifier=verifier, shm=shm)
+                          public=svc.public, verifier=verifier, shm=shm, header_timeout_s=settings.header_timeout_s,
+                          body_timeout_s=settings.body_timeout_s)
 
 
 def app_runner(app: web.Application) -> web.AppRunner:
     """The runner every app is served with (a public service's handlers are cancelled on disconnect)."""
+    # keepalive_timeout: aiohttp closes a connection that has not delivered a whole request head this
+    # long after its start or its previous reply (idle or half-open alike); its own default is an hour.
     return web.AppRunner(app, handle_signals=False, shutdown_timeout=30.0, access_log=None,
-                         handler_cancellation=app[RUNTIME].public)
+                         handler_cancellation=app[RUNTIME].public, keepalive_timeout=app[RUNTIME].header_timeout_s)
 
 
 async def serve_apps(apps: list[tuple[web.Application, str, int]], on_ready: Callable[[], None] | None = None,

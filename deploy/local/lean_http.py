@@ -19,7 +19,9 @@ bad lengths and chunked bodies are its job). Per request, as the aiohttp app:
     - large replies through shared memory to callers that offer it (host.shm_plan), else the
       socket; a streaming reply in chunked encoding.
 Requests on one connection are answered in order. A malformed request gets a 400 naming what
-is wrong and the connection is closed. The Host header, which no signature covers, never enters
+is wrong and the connection is closed. A request's head must arrive within KNOT_HEADER_TIMEOUT_S
+of the connection's start or previous reply (else the connection is closed), its body within
+KNOT_BODY_TIMEOUT_S of its head (else 408). The Host header, which no signature covers, never enters
 the URL a handler sees; a reply header holding a line break is never sent (a 500 instead). An internal handler is never cancelled when its caller
 goes away (the aiohttp app does the same for internal services): it finishes what it started.
 
@@ -38,7 +40,7 @@ import httptools
 
 from common.runtime import (BadRequest, Context, Headers, HttpError, InternalError, PayloadTooLarge, Request, Response,
                             aclose_stream, call_handler, error_response)
-from deploy.local.host import (UNSIGNED_PATHS, health_body, log_access, must_be_signed, ready_body, reply_headers,
+from deploy.local.host import (UNSIGNED_PATHS, BodyTimeout, health_body, log_access, must_be_signed, ready_body, reply_headers,
                                shm_plan, signature_refusal)
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
 
@@ -49,9 +51,9 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10  # the request line and headers together (aiohttp: 8190 a line)
 MAX_HEADERS = 100
-KEEPALIVE_S = 75.0  # an idle connection is closed after this long (aiohttp's keepalive_timeout)
 JOIN_BODY_BYTES = 256 << 10  # a reply up to this size goes out with its head in one write
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 413: "Payload Too Large",
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 408: "Request Timeout",
+            413: "Payload Too Large",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -78,7 +80,8 @@ class _Connection(asyncio.Protocol):
         self.queue: deque[_Parsed] = deque()
         self.worker: asyncio.Task | None = None
         self.closing = False  # no more requests are read; close once the queue is answered
-        self.idle: asyncio.TimerHandle | None = None
+        self.idle: asyncio.TimerHandle | None = None  # closes the connection: no whole request head in time
+        self.body_timer: asyncio.TimerHandle | None = None  # refuses a body that does not arrive in time (408)
         self.can_write: asyncio.Future | None = None  # set while the transport's buffer is full
 
     # ---------------------------------------------------------------- asyncio.Protocol
@@ -91,8 +94,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
         self.closing = True
-        if self.idle is not None:
-            self.idle.cancel()
+        for timer in (self.idle, self.body_timer):
+            if timer is not None:
+                timer.cancel()
         if self.can_write is not None and not self.can_write.done():
             self.can_write.set_result(None)  # a writer waiting on it finds the transport closing (_drain)
 
@@ -107,9 +111,6 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError:
@@ -118,8 +119,8 @@ class _Connection(asyncio.Protocol):
             self._refuse(BadRequest("protocol upgrades are not served here"))
         except httptools.HttpParserError as e:
             self._refuse(BadRequest(f"malformed HTTP request: {e}"))
-        if self.worker is None:
-            self._arm_idle()  # a request that stops arriving half way is dropped as an idle one
+        if self.worker is None and self.current is None:
+            self._arm_idle()  # between requests; a head that stops arriving half way keeps its first deadline
 
     def eof_received(self) -> bool:
         self.closing = True
@@ -145,6 +146,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         p = self.current
+        if self.idle is not None:  # the head is in; its body has body_timeout_s
+            self.idle.cancel()
+            self.idle = None
+        self.body_timer = asyncio.get_running_loop().call_later(self.rt.body_timeout_s, self._body_late)
         p.method = self.parser.get_method().decode("ascii", "replace")
         p.keep_alive = self.parser.should_keep_alive()
         length = next((v for k, v in p.headers if k.lower() == "content-length"), None)
@@ -162,6 +167,9 @@ class _Connection(asyncio.Protocol):
         self.current.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
         self._queue(self.current)
         self.current = None
 
@@ -210,8 +218,14 @@ class _Connection(asyncio.Protocol):
                 self._arm_idle()
 
     def _arm_idle(self) -> None:
-        if self.idle is None and not self.closing:
-            self.idle = asyncio.get_running_loop().call_later(KEEPALIVE_S, self.transport.close)
+        """The next request's head must arrive within header_timeout_s (idle and slow clients alike)."""
+        if self.idle is None and self.body_timer is None and not self.closing:
+            self.idle = asyncio.get_running_loop().call_later(self.rt.header_timeout_s, self.transport.close)
+
+    def _body_late(self) -> None:
+        self.body_timer = None
+        self._refuse(BodyTimeout(f"the request body did not arrive within {self.rt.body_timeout_s:g} s "
+                                 f"(KNOT_BODY_TIMEOUT_S)"))
 
     async def _answer(self, p: _Parsed) -> None:
         headers = Headers(p.headers)

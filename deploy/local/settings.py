@@ -105,6 +105,8 @@ class HostSettings:
     redis_password: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
     internal_secret: str | None = field(default=None, repr=False)  # a secret: kept out of repr and logs
     shm_dir: str | None = None  # large replies through shared memory (deploy/local/shm.py)
+    header_timeout_s: float = 60.0  # a request's line and headers, from the connection's start or last reply
+    body_timeout_s: float = 60.0  # a request's body, from its headers
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "HostSettings":
@@ -145,6 +147,8 @@ class HostSettings:
             redis_password=redis_password(bindings, get("KNOT_REDIS_PASSWORD")),
             internal_secret=get("KNOT_INTERNAL_SECRET"),
             shm_dir=get("KNOT_SHM_DIR") or None,
+            header_timeout_s=get("KNOT_HEADER_TIMEOUT_S"),
+            body_timeout_s=get("KNOT_BODY_TIMEOUT_S"),
         )
 
     def handler_vars(self) -> dict[str, str]:

@@ -86,6 +86,8 @@ class CoordinatorSettings:
     sample_top: int = default("SHARD_SAMPLE_TOP", "coordinator")  # 0: the shards send full slices
     row_cache_bytes: int = default("EMBED_ROW_CACHE_BYTES", "coordinator")  # 0: every embed is a hop
     drafter_timeout_s: float = default("DRAFTER_TIMEOUT_S", "coordinator")  # and auto's wait after a drafter fault
+    bucket_check_timeout_s: float = default("BUCKET_CHECK_TIMEOUT_S", "coordinator")  # the knot version's HEAD
+    bucket_check_backoff_s: float = default("BUCKET_CHECK_BACKOFF_S", "coordinator")  # no HEAD after one failed
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
@@ -104,7 +106,7 @@ class CoordinatorSettings:
                    get("PEER_WAIT_S"), get("REQUEST_TIMEOUT_S"), get("SHARD_FAILURE"),
                    get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"), get("RETRY_AFTER_S"), get("MODEL_NAME"),
                    get("SPECULATION"), get("SPEC_MAX_DRAFT"), get("SHARD_SAMPLE_TOP"), get("EMBED_ROW_CACHE_BYTES"),
-                   get("DRAFTER_TIMEOUT_S"))
+                   get("DRAFTER_TIMEOUT_S"), get("BUCKET_CHECK_TIMEOUT_S"), get("BUCKET_CHECK_BACKOFF_S"))
 
     @property
     def model_id(self) -> str:
@@ -156,10 +158,13 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         if previous is not None:  # a reload on a new knot version: counters and the queue carry on
             co.admission, co.metrics = previous.co.admission, previous.co.metrics
             co.metrics.knot_reloads.inc()
+        co.metrics.watch_bucket(source)
         return _Booted(co, source)
 
     try:
         return (await serving_version(_booted, key, boot, lambda b: b.source, check_bucket=check_version,
+                                      check_timeout_s=settings.bucket_check_timeout_s,
+                                      check_backoff_s=settings.bucket_check_backoff_s,
                                       pin=read_pin(env, "coordinator"))).co
     except TopologyError as e:  # a misconfigured cluster: not the client's fault, and not ready
         raise ServiceUnavailable(f"coordinator topology: {e}") from None
@@ -200,9 +205,12 @@ async def _drafter(env: Env, settings: CoordinatorSettings, vocab_size: int) -> 
     return client
 
 
-async def ready(env: Env) -> None:
-    """Readiness: the configuration parses and the topology checks pass (boots the coordinator)."""
-    await coordinator_for(env)
+async def ready(env: Env) -> str | None:
+    """Readiness: the configuration parses and the topology checks pass (boots the coordinator). ->
+    a note for /readyz while the loaded knot version is served unverified (the bucket's version
+    check failed), else None."""
+    source = (await coordinator_for(env)).metrics.source
+    return None if source is None else source.bucket_check.note(source.etag)
 
 
 async def _counted(co: Coordinator, endpoint: str, run: Callable[[], Awaitable[Response]]) -> Response:

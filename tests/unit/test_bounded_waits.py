@@ -112,3 +112,109 @@ async def test_a_request_past_its_deadline_is_a_504_not_a_peer_down(cluster):
                                           {"Content-Type": "application/json"},
                                           b'{"prompt": "the def the", "max_tokens": 2}'))
     assert r.status == 504 and r.json()["error"]["type"] == "server_error", r.body
+
+
+async def test_a_bucket_that_hangs_is_checked_once_then_left_off_the_request_path(cluster):
+    """Every generation asks the bucket for the knot's version (one HEAD). A bucket that hangs (S3
+    stopped) costs one request BUCKET_CHECK_TIMEOUT_S; the next ones serve the loaded version at
+    once for BUCKET_CHECK_BACKOFF_S, and /readyz and /metrics say so. Then one request checks again."""
+    c = cluster
+    baseline = (await c.generate(prompt=PROMPT, max_tokens=3)).json()["tokens"]
+    await _booted(c, BUCKET_CHECK_TIMEOUT_S="0.4", BUCKET_CHECK_BACKOFF_S="1.5")
+    real_head, heads, cont = c.bucket.head, [], asyncio.Event()
+
+    async def stopped(key):
+        heads.append(key)
+        await cont.wait()
+        return await real_head(key)
+
+    c.bucket.head = stopped
+    r, took = await timed(c, prompt=PROMPT, max_tokens=3)
+    assert r.status == 200 and r.json()["tokens"] == baseline, r.body
+    assert 0.4 <= took < 2.0 and len(heads) == 1, (took, heads)
+    for _ in range(3):
+        r, took = await timed(c, prompt=PROMPT, max_tokens=3)
+        assert r.status == 200 and r.json()["tokens"] == baseline and took < 0.4, (r.body, took)
+    assert len(heads) == 1, "no HEAD on the request path within the backoff"
+    note = await co.ready(c.coordinator.env)
+    assert note is not None and "unverified" in note and "3 requests served without it" in note, note
+    metrics = (await c.coordinator.fetch(Request("GET", "https://coordinator/metrics"))).text()
+    assert 'knot_bucket_version_check{what="failing"} 1.0' in metrics, metrics
+    assert 'knot_bucket_version_check{what="skipped"} 3.0' in metrics
+    cont.set()  # SIGCONT
+    c.bucket.head = real_head
+    await asyncio.sleep(1.5)  # the backoff: the next request checks again, and passes
+    r = await c.generate(prompt=PROMPT, max_tokens=3)
+    assert r.status == 200 and r.json()["tokens"] == baseline
+    assert await co.ready(c.coordinator.env) is None
+    metrics = (await c.coordinator.fetch(Request("GET", "https://coordinator/metrics"))).text()
+    assert 'knot_bucket_version_check{what="failing"} 0.0' in metrics
+
+
+# ---------------------------------------------------------------- slow clients, on both HTTP servers
+
+
+async def echo(request: Request, env, ctx) -> Response:
+    return Response.from_json({"body": bytes(request.body).decode()})
+
+
+def slow_runtime(public: bool) -> "ServiceRuntime":
+    from common.runtime import Env
+    from deploy.local.host import ServiceRuntime
+    from deploy.local.tasks import BackgroundTasks
+
+    return ServiceRuntime("svc", echo, Env(), BackgroundTasks("test"), public=public, access_log="errors",
+                          header_timeout_s=0.6, body_timeout_s=0.6)
+
+
+async def closed_within(reader: asyncio.StreamReader, bound_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes -> (the bytes, seconds it took); fails past bound_s."""
+    t0, got = time.monotonic(), b""
+    async with asyncio.timeout(bound_s):
+        while chunk := await reader.read(65536):
+            got += chunk
+    return got, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("server,public", [("aiohttp", True), ("aiohttp", False), ("lean", False)])
+async def test_slow_clients_are_cut_off_after_the_header_and_body_bounds(server, public):
+    from tests.hosts import serve
+
+    url, close = await serve(slow_runtime(public), server)
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        # a slowloris: a byte of the head every 0.2 s, never done
+        reader, writer = await asyncio.open_connection(host, int(port))
+        t0 = time.monotonic()
+        for b in b"POST /x HTTP/1.1\r\nHost: t\r\nX-Slow: ":
+            if reader.at_eof() or writer.is_closing() or time.monotonic() - t0 > 3:
+                break
+            writer.write(bytes([b]))
+            await asyncio.sleep(0.2)
+        got, _ = await closed_within(reader, 3.0)
+        assert got == b"" and time.monotonic() - t0 < 2.0, (got, time.monotonic() - t0)
+        writer.close()
+        # half-open: connected, nothing sent
+        reader, writer = await asyncio.open_connection(host, int(port))
+        got, took = await closed_within(reader, 3.0)
+        assert got == b"" and 0.5 <= took < 1.5, took
+        writer.close()
+        # a head in full, then a body that never comes: 408 (then aiohttp drains what still comes for
+        # its lingering_time, 10 s, before it closes; the lean server closes at once)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        t0 = time.monotonic()
+        writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\nabc")
+        async with asyncio.timeout(3.0):
+            got = await reader.readuntil(b"KNOT_BODY_TIMEOUT_S")
+        assert got.startswith(b"HTTP/1.1 408") and 0.5 <= time.monotonic() - t0 < 1.5, (got, time.monotonic() - t0)
+        if server == "lean":
+            await closed_within(reader, 1.0)
+        writer.close()
+        # a prompt client is served, and its kept-alive connection closes after the idle bound
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi")
+        got, took = await closed_within(reader, 3.0)
+        assert got.startswith(b"HTTP/1.1 200") and b'{"body":"hi"}' in got and 0.5 <= took < 1.5, (got, took)
+        writer.close()
+    finally:
+        await close()
