@@ -34,8 +34,8 @@ CHUNK_BYTES = 64 * 1024  # what the writers use; a reader takes the header's "ch
 CHUNK_DIGEST_BYTES = 8  # the leading bytes of each chunk's SHA-256 kept in the header
 MARKER = 0x40  # "FP64 codec marker" byte that sits just before the payload
 PREAMBLE = struct.Struct("<4sHI")  # magic, version, metaLen -> 10 bytes
-# First fetch of a reader. The real models' headers are ~40 KB; a larger
-# header costs one more ranged read (the seed's two-fetch case).
+# First fetch of a reader. The real models' headers are larger (158 KB for the 0.5B, most of it
+# chunk digests): they cost one more ranged read (the seed's two-fetch case).
 PROBE_BYTES = 64 * 1024
 
 HPARAM_KEYS = (

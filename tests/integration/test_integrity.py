@@ -1,13 +1,16 @@
 """Issues 12 and 52 on real processes (the coordinator, 2 stations, 8 shards and both wardens as
-docker-compose.yml defines them, on SeaweedFS and Redis): a knot replaced in the bucket is served
-from one version or refused, and once the original is back the tokens are the baseline's again
-(no stale Redis rows); a Redis value of the right length but the wrong content is detected,
+docker-compose.yml defines them, on SeaweedFS and Redis): a knot replaced in the bucket with rows of
+the LM head or of the embedding overwritten (the header untouched) is refused on every request and
+counted, never a token; another, self-consistent knot under the key is refused by the pin (the
+digest the services loaded); once the original is back the tokens are the baseline's again (no
+stale Redis rows); a Redis value of the right length but the wrong content is detected,
 counted, refetched, and the tokens stay the baseline's; so is a row forged with the Redis password
 and a right crc32 but without the cluster's secret, before and after the services restart."""
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,12 +18,14 @@ import redis
 
 from common.integrity import CacheKey
 from common.knot import parse_header
+from deploy.encoder import encode
 from common.quant import dequantize_rows
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
 from deploy.local.bindings import s3_client
 from services.embed_cache import decode_row, encode_row, row_key
-from tests.integration.conftest import BUCKET, http, pipeline_services, wait_for
+from tests.integration.conftest import BUCKET, SPEC, http, pipeline_services, wait_for
+from tests.synth import write_tiny_gguf
 
 KNOT_KEY = "integrity.knot"
 PROMPT = "the def the"
@@ -52,8 +57,8 @@ def reference(path) -> list[int]:
     return e.generate(e.tokenizer.encode(PROMPT), SamplingParams(), max_tokens=N).token_ids
 
 
-def generate(cluster) -> tuple[int, dict]:
-    status, _, raw = http("POST", cluster.url("coordinator") + "/generate", {"prompt": PROMPT, "max_tokens": N},
+def generate(cluster, prompt: str = PROMPT) -> tuple[int, dict]:
+    status, _, raw = http("POST", cluster.url("coordinator") + "/generate", {"prompt": prompt, "max_tokens": N},
                           timeout_s=120)
     return status, json.loads(raw)
 
@@ -85,38 +90,43 @@ def kv_rows(redis_server, etag: str) -> dict[int, bytes]:
         r.close()
 
 
-def test_a_replaced_knot_is_served_from_one_version_and_the_original_comes_back_clean(cluster, knot, s3, tmp_path,
-                                                                                      redis_server, cluster_env):
+@pytest.mark.parametrize("tensor", ["output.weight", "token_embd.weight"])
+def test_a_knot_with_rows_overwritten_is_refused_on_every_request_and_the_original_comes_back_clean(
+        cluster, knot, s3, tmp_path, redis_server, cluster_env, tensor):
     baseline = tokens(cluster)
     assert baseline == reference(knot.path)
     etag = s3.head_object(Bucket=BUCKET, Key=KNOT_KEY)["ETag"].strip('"')
-    # The issue's probe: the same knot, same size, one embedding row overwritten (the prompt's last
-    # token's, which decides the first generated token), uploaded over the original.
+    # The issue's probe: the same knot, same size, the header untouched, one row overwritten with the
+    # next one's bytes: the LM head's row of the first generated token (every shard reads its head
+    # slice by range), or the embedding row of the prompt's last token (rows are read by range).
     ids = LocalEngine.open(knot.path).tokenizer.encode(PROMPT)
+    row = ids[-1] if tensor == "token_embd.weight" else baseline[0]
     h = parse_header(knot.data)
     data = bytearray(knot.data)
-    a, b = h.row_range("token_embd.weight", ids[-1], ids[-1] + 1)
-    c, d = h.row_range("token_embd.weight", ids[-1] + 1, ids[-1] + 2)
+    a, b = h.row_range(tensor, row, row + 1)
+    c, d = h.row_range(tensor, row + 1, row + 2)
     data[a:b] = data[c:d]
     changed = tmp_path / "changed.knot"
     changed.write_bytes(bytes(data))
-    want_changed = reference(changed)
-    assert want_changed != baseline, "the changed row must change the tokens for this test to mean anything"
+    assert reference(changed) != baseline, "the changed row must change the tokens for this test to mean anything"
+    assert parse_header(bytes(data)).digest == h.digest  # the pin cannot see it: the chunk digests must
 
+    corrupt = metric(cluster, "knot_r2_corrupt_reads_total")
+    reloads = metric(cluster, "knot_version_reloads_total")
     s3.put_object(Bucket=BUCKET, Key=KNOT_KEY, Body=bytes(data))
-    status, body = generate(cluster)
-    if status == 200:  # served from the new version, by every service
-        assert body["tokens"] == want_changed, "not the new version's tokens: a stale or mixed version was served"
-    else:  # or refused, saying why
-        assert status == 503 and "knot" in body["message"], body
-    assert metric(cluster, "knot_version_reloads_total") == 1
+    for _ in range(3):  # never a token from it, however often asked
+        status, body = generate(cluster)
+        assert status == 503 and body["error"] == "IntegrityFailure", body
+        assert "KnotCorrupt" in body["message"] and f"tensor {tensor}: chunk " in body["message"], body
+    assert metric(cluster, "knot_r2_corrupt_reads_total") >= corrupt + 3  # counted: each refusal read it
+    assert metric(cluster, "knot_version_reloads_total") == reloads + 1  # the coordinator's
 
     s3.put_object(Bucket=BUCKET, Key=KNOT_KEY, Body=knot.data)  # the original back (the same etag as before)
     assert s3.head_object(Bucket=BUCKET, Key=KNOT_KEY)["ETag"].strip('"') == etag
     assert tokens(cluster) == baseline
-    assert metric(cluster, "knot_version_reloads_total") == 2
-    # Redis holds, under the original's version, only the original's rows (the bug: the changed row
-    # was cached there for 24 h and served after the restore).
+    assert metric(cluster, "knot_version_reloads_total") == reloads + 2
+    # Redis holds, under the original's version, only the original's rows (issue 12: a changed row was
+    # cached there for 24 h and served after the restore).
     e = h.tensors["token_embd.weight"]
     rows = kv_rows(redis_server, etag)
     assert ids[-1] in rows
@@ -125,6 +135,35 @@ def test_a_replaced_knot_is_served_from_one_version_and_the_original_comes_back_
         np.testing.assert_array_equal(decode_row(cluster_key(cluster_env), row_key(f"{KNOT_KEY}@{etag}", row), value,
                                                  etag, row, e.shape[0]),
                                       dequantize_rows(knot.data[a:b], e.ggml_type, e.shape[0])[0])
+
+
+def test_another_knot_under_the_key_is_refused_by_the_pin(cluster, knot, s3, tmp_path_factory):
+    """A self-consistent knot of another model uploaded under the key (KNOT_DIGEST unset: every service
+    pinned the digest it loaded first). What the services hold is served on; what needs the bucket is
+    a 503 naming both digests; never the other model's tokens. The original back serves everything."""
+    baseline = tokens(cluster)
+    d = tmp_path_factory.mktemp("other")
+    other = d / "other.knot"
+    encode(write_tiny_gguf(d / "other.gguf", replace(SPEC, seed=1)), other, progress=False)
+    ours, theirs = parse_header(knot.data).digest, parse_header(other.read_bytes()).digest
+    _, _, raw = http("GET", cluster.url("coordinator") + "/v1/models")
+    assert json.loads(raw)["data"][0]["knot_digest"] == ours
+
+    s3.put_object(Bucket=BUCKET, Key=KNOT_KEY, Body=other.read_bytes())
+    assert tokens(cluster) == baseline  # the loaded version: every row this prompt needs is held
+    _, _, raw = http("GET", cluster.url("coordinator") + "/v1/models")
+    assert json.loads(raw)["data"][0]["knot_digest"] == ours
+    fresh = "tu re in de"  # rows no tier holds: a read of the bucket, which holds the refused knot
+    for _ in range(3):
+        status, body = generate(cluster, fresh)
+        assert status == 503 and body["error"] == "IntegrityFailure", body
+    assert f"digest {theirs}, refused: this service is pinned to {ours}" in body["message"], body
+    assert "knot cluster reload" in body["message"]
+
+    s3.put_object(Bucket=BUCKET, Key=KNOT_KEY, Body=knot.data)
+    assert tokens(cluster) == baseline
+    status, body = generate(cluster, fresh)
+    assert status == 200, body
 
 
 def test_a_poisoned_redis_value_is_detected_counted_and_refetched(cluster, knot, s3, procs, redis_server, cluster_env):
