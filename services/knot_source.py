@@ -18,8 +18,11 @@ version it had loaded; the operator moves the pin with `knot cluster reload` or 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, NoReturn, TypeVar
 
 from common.knot import CorruptKnot, KnotError, KnotHeader, read_header
@@ -85,6 +88,7 @@ class KnotSource:
         self.header_bytes_read = 0
         self.corrupt_reads = 0
         self._header: KnotHeader | None = None
+        self.bucket_check = BucketCheck()  # serving_version's checks of the bucket's version (check_bucket)
 
     async def read(self, start: int, end: int) -> bytes:
         """Bytes [start, end) of the knot at the booted version: one HTTP Range request (If-Match)."""
@@ -208,17 +212,47 @@ class KnotSource:
 
 T = TypeVar("T")
 
+BUCKET_CHECK_TIMEOUT_S = 2.0  # defaults of serving_version's check_timeout_s and check_backoff_s
+BUCKET_CHECK_BACKOFF_S = 30.0
+
+
+@dataclass
+class BucketCheck:
+    """serving_version's checks of the version the bucket holds (check_bucket): once one failed, none
+    is on a request's path for the backoff, and the loaded version is served meanwhile, unverified."""
+
+    failed_at: float | None = None  # time.monotonic() of the last failure; None: the last check passed
+    error: str = ""
+    failures: int = 0
+    skipped: int = 0  # requests served the loaded version without a check: one failed recently, or is running
+    running: bool = False
+
+    def due(self, now: float, backoff_s: float) -> bool:
+        return not self.running and (self.failed_at is None or now - self.failed_at >= backoff_s)
+
+    def note(self, etag: str) -> str | None:
+        """What /readyz says while the bucket's version cannot be checked; None when it can."""
+        if self.failed_at is None:
+            return None
+        return (f"serving the loaded knot version {etag!r} unverified: the bucket's version check failed "
+                f"{time.monotonic() - self.failed_at:.0f} s ago ({self.error}); {self.skipped} requests served "
+                f"without it")
 
 
 async def serving_version(cache: BootCache[T], key: str, boot: Callable[[str], Awaitable[T]],
                           source_of: Callable[[T], KnotSource], want: str | None = None,
-                          check_bucket: bool = False, pin: str = "") -> T:
+                          check_bucket: bool = False, check_timeout_s: float = BUCKET_CHECK_TIMEOUT_S,
+                          check_backoff_s: float = BUCKET_CHECK_BACKOFF_S, pin: str = "") -> T:
     """The booted value for `key` that serves the knot version `want` (the caller's X-Knot-Etag).
 
     Reloads (boots again, replacing the cached value; requests in flight keep theirs) when a read
     found the knot replaced, when the caller works on another version than ours and the bucket moved
     on, or, with check_bucket, whenever the bucket holds another version. Raises
     KnotVersionMismatch when the caller's version is not the one the bucket holds.
+
+    check_bucket's check waits check_timeout_s at most; once one failed (the bucket unreachable or
+    slow), requests serve the loaded version without one for check_backoff_s (src.bucket_check).
+    Why: with S3 stopped, a head() takes the binding's whole timeout (70 s), every request.
 
     boot(digest) loads the knot only if its digest is that one ("": any). The first boot takes `pin`
     (KNOT_DIGEST); a reload takes `pin`, else the loaded version's digest. A version refused that way
@@ -227,16 +261,28 @@ async def serving_version(cache: BootCache[T], key: str, boot: Callable[[str], A
     """
     value = await cache.get(key, lambda: boot(pin))
     src = source_of(value)
-    if not (src.changed or check_bucket or (want and want != src.etag)):
+    needed = src.changed or (want and want != src.etag)  # the bucket's answer decides this request
+    if not (needed or check_bucket):
         return value
+    check = src.bucket_check
+    if not needed and not check.due(time.monotonic(), check_backoff_s):
+        check.skipped += 1
+        return value
+    check.running = True
     try:
-        current = await src.bucket_etag()
-    except HttpError as e:  # the bucket is unreachable: our pinned version is still consistent
-        if src.changed or (want and want != src.etag):
+        async with asyncio.timeout(None if needed else check_timeout_s):
+            current = await src.bucket_etag()
+    except (HttpError, TimeoutError) as e:  # the bucket is unreachable: our pinned version is still consistent
+        check.failed_at, check.failures = time.monotonic(), check.failures + 1
+        check.error = f"{type(e).__name__}: {e}" if str(e) else f"no answer within {check_timeout_s:g} s"
+        if needed:
             raise
-        log.warning("knot %s: cannot check the bucket's version, serving the loaded %s: %s", src.knot_key,
-                    src.etag, e)
+        log.warning("knot %s: cannot check the bucket's version (%s), serving the loaded %s; the next check in "
+                    "%g s", src.knot_key, check.error, src.etag, check_backoff_s)
         return value
+    finally:
+        check.running = False
+    check.failed_at = None
     if current is None:
         src.changed = True
         raise KnotChanged(f"knot {src.knot_key!r} is gone from the bucket (this service loaded version "

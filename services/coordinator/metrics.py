@@ -135,6 +135,7 @@ class CoordinatorMetrics:
     def __init__(self, admission) -> None:
         self.enabled = CollectorRegistry is not None
         self.services = ServiceStats()  # the stations' and shards' last /stats, whether or not they are exposed
+        self.source = None  # the KnotSource of the version served (watch_bucket)
         if not self.enabled:
             return  # every instrument is an _Uncounted (__getattr__)
         r = self.registry = CollectorRegistry()  # per coordinator, never the process-global one
@@ -180,6 +181,12 @@ class CoordinatorMetrics:
         Gauge(f"{PREFIX}_requests_active", "generations running", registry=r).set_function(lambda: admission.active)
         Gauge(f"{PREFIX}_requests_queued", "requests waiting for a slot", registry=r).set_function(
             lambda: admission.queued)
+        bucket = Gauge(f"{PREFIX}_bucket_version_check", "the bucket's knot version check (every generation's, "
+                       "BUCKET_CHECK_*): failing 1 while the loaded version is served unverified; failures and "
+                       "skipped (requests served without a check) count since that version was loaded", ["what"],
+                       registry=r)
+        for what in ("failing", "failures", "skipped"):
+            bucket.labels(what).set_function(lambda what=what: self._bucket_check(what))
         r.register(self.services)
 
     def __getattr__(self, name: str):
@@ -187,6 +194,16 @@ class CoordinatorMetrics:
         if name.startswith("_") or self.__dict__.get("enabled", True):
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return _Uncounted()
+
+    def watch_bucket(self, source) -> None:
+        """Report source's bucket version checks (services/knot_source.py BucketCheck) from now on."""
+        self.source = source
+
+    def _bucket_check(self, what: str) -> float:
+        check = None if self.source is None else self.source.bucket_check
+        if check is None:
+            return 0.0
+        return float(check.failed_at is not None) if what == "failing" else float(getattr(check, what))
 
     def observe_speculation(self, gen) -> None:
         """A finished generation's decode trips, and its drafts by source (common.generation.Generation)."""
