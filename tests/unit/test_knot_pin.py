@@ -60,3 +60,21 @@ def test_init_uploads_the_pinned_knot_over_another_and_refuses_a_local_knot_with
     with pytest.raises(ConfigError, match=f"has digest {theirs}, KNOT_DIGEST pins {ours}"):
         upload_dir(bucket, "m.knot", str(other_knot), ours)
     assert not (bucket / "m.knot").exists()
+
+
+def test_the_model_cache_encodes_again_a_cached_knot_of_format_version_1(tmp_path, monkeypatch):
+    """`knot fetch-model --encode` (models.ensure_knot) notices a cached knot the reader refuses."""
+    import os
+
+    from deploy import models
+    from tests.synth import as_version_1
+
+    monkeypatch.setenv("KNOT_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = models.ensure_knot(str(gguf))
+    assert out == models.knot_cache_path(gguf) and parse_header(out.read_bytes()).version == 2
+    current = out.read_bytes()
+    as_version_1(out, out)
+    os.utime(out, (gguf.stat().st_mtime + 10,) * 2)  # newer than the GGUF: only its version makes it stale
+    assert models.ensure_knot(str(gguf)) == out
+    assert out.read_bytes() == current
