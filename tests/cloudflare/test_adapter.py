@@ -14,6 +14,7 @@ from common.runtime import Env, NotFound, PreconditionFailed, RangeNotSatisfiabl
 from deploy import wrangler
 from deploy.cloudflare import bindings, convert
 from deploy.cloudflare.entry import worker_entrypoint
+from services.coordinator import subrequests
 from deploy.knotfile import open_model
 from tests.cloudflare import fakejs
 from tests.cloudflare import webapi
@@ -165,7 +166,7 @@ async def _echo(request: Request, env: Env, ctx) -> Response:
 class _OneWorker(Cloud):
     def __init__(self, handler):
         self.configs, self.pending, self.objects, self._envs = {}, [], {}, {}
-        self._module = type("M", (), {"Default": worker_entrypoint(handler)})
+        self._module = type("M", (), {"Default": worker_entrypoint(handler, public=True)})
         self._envs["echo"] = JsObject({"KNOT_BINDINGS": "{}", "KNOT_VARS": ""})
 
     def module(self, worker):
@@ -289,14 +290,17 @@ def deployment(tiny_knot, tmp_path):
     return _deploy(tiny_knot, tmp_path / "out")
 
 
-def _deploy(tiny_knot, out, **shard_vars) -> Cloud:
+SECRET = "adapter-test-internal-secret-0123456789abcdef"  # as `wrangler secret put` gives every Worker
+
+
+def _deploy(tiny_knot, out, public: bool = True, secrets: dict | None = None, **shard_vars) -> Cloud:
     hp = open_model(tiny_knot).header.hparams
-    workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4)
+    workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4, public=public)
     for w in workers:
         if w.role == "shard":
             w.vars.update(shard_vars)
-    wrangler.write(out, workers)
-    cloud = Cloud(out)
+    wrangler.write(out, workers, public=public)
+    cloud = Cloud(out, {"KNOT_INTERNAL_SECRET": SECRET} if secrets is None else secrets)
     cloud.bucket("knots").objects["model.knot"] = tiny_knot.read_bytes()
     return cloud
 
@@ -308,6 +312,11 @@ def _clear_boot_caches():
 
     for m in (co, sh, st):
         m._booted.clear()
+
+
+def _signed(worker: str, method: str, path: str, body: bytes = b"", secret: str = SECRET) -> dict:
+    """The headers another Worker's binding sends with this call (deploy/cloudflare/bindings.Signer)."""
+    return dict(bindings.Signer(secret, worker).signed(Request(method, path, body=body)).headers.items())
 
 
 async def _json(resp) -> dict:
@@ -431,7 +440,8 @@ async def test_bad_input_is_a_4xx_and_the_workers_survive(deployment):
     bad = await deployment.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST", b"{not json",
                                  {"Content-Type": "application/json"})
     assert bad.status == 400 and "JSON" in (await _json(bad))["message"]
-    frame = await deployment.fetch("knot-shard-0", "https://knot-shard-0/embed", "POST", b"garbage")
+    frame = await deployment.fetch("knot-shard-0", "https://knot-shard-0/embed", "POST", b"garbage",
+                                   _signed("knot-shard-0", "POST", "/embed", b"garbage"))
     assert frame.status == 400 and "malformed envelope" in (await _json(frame))["message"]
     ok = await deployment.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
                                 json.dumps({"prompt": "the", "max_tokens": 2}).encode())
@@ -456,3 +466,142 @@ def test_configs_fit_the_isolate_and_bind_what_the_handlers_read(tiny_knot, tmp_
     co = workers[-1].config()
     assert co["vars"]["STATIONS"] == "STATION_0,STATION_1"
     assert json.loads(co["vars"]["KNOT_BINDINGS"])["STATION_1"] == "do-service:qwen2.5-coder-0.5b.knot|12-24"
+
+
+# ---------------------------------------------------------------- locked down: signatures, secrets, the API key
+
+
+async def test_internal_workers_answer_only_calls_signed_for_them(deployment):
+    """A leaked route is still refused: an internal Worker (and a Durable Object behind it) answers only
+    calls signed with the cluster's secret for that Worker, once each."""
+    url = "https://knot-shard-0/stats"
+    unsigned = await deployment.fetch("knot-shard-0", url)
+    assert unsigned.status == 401 and "X-Knot-Signature" in (await _json(unsigned))["message"]
+    headers = _signed("knot-shard-0", "GET", "/stats")
+    ok = await deployment.fetch("knot-shard-0", url, headers=headers)
+    assert ok.status == 200 and (await _json(ok))["vocab_start"] == 0
+    again = await deployment.fetch("knot-shard-0", url, headers=headers)  # the same call, replayed
+    assert again.status == 401 and "already used" in (await _json(again))["message"]
+    elsewhere = await deployment.fetch("knot-shard-0", url, headers=_signed("knot-shard-1", "GET", "/stats"))
+    assert elsewhere.status == 401 and "another service" in (await _json(elsewhere))["message"]
+    forged = await deployment.fetch("knot-shard-0", url, headers=_signed("knot-shard-0", "GET", "/stats",
+                                                                        secret="x" * 43))
+    assert forged.status == 401 and "does not match" in (await _json(forged))["message"]
+    changed = await deployment.fetch("knot-shard-0", "https://knot-shard-0/stats?x=1",
+                                     headers=_signed("knot-shard-0", "GET", "/stats"))
+    assert changed.status == 401
+    # a station's Worker forwards to its Durable Object, which checks the call its stub signed again
+    station = await deployment.fetch("knot-station-0", "https://knot-station-0/stats",
+                                     headers=_signed("knot-station-0", "GET", "/stats"))
+    assert station.status == 200 and (await _json(station))["layer_start"] == 0
+    assert (await deployment.fetch("knot-station-0", "https://knot-station-0/stats")).status == 401
+    assert await deployment.drain() == []
+
+
+async def test_a_worker_without_its_secret_refuses_every_call(tiny_knot, tmp_path):
+    cloud = _deploy(tiny_knot, tmp_path / "out", secrets={})
+    shard = await cloud.fetch("knot-shard-0", "https://knot-shard-0/stats", headers=_signed("knot-shard-0", "GET",
+                                                                                             "/stats"))
+    body = await _json(shard)
+    assert shard.status == 503 and "KNOT_INTERNAL_SECRET" in body["message"] and "wrangler secret put" in body["message"]
+    co = await cloud.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                           json.dumps({"prompt": "the", "max_tokens": 2}).encode())
+    assert co.status == 503 and "KNOT_INTERNAL_SECRET" in (await _json(co))["message"]
+
+
+async def test_the_coordinator_wants_its_api_key_unless_public(tiny_knot, tmp_path):
+    body = json.dumps({"prompt": "the", "max_tokens": 2}).encode()
+    url = "https://knot-coordinator/generate"
+    unset = _deploy(tiny_knot, tmp_path / "unset", public=False)  # the key's `wrangler secret put` not run yet
+    r = await unset.fetch("knot-coordinator", url, "POST", body)
+    assert r.status == 503 and "KNOT_API_KEY" in (await _json(r))["message"]
+    key = "k" * 43
+    cloud = _deploy(tiny_knot, tmp_path / "keyed", public=False,
+                    secrets={"KNOT_INTERNAL_SECRET": SECRET, "KNOT_API_KEY": key})
+    _clear_boot_caches()
+    r = await cloud.fetch("knot-coordinator", url, "POST", body)
+    assert r.status == 401
+    r = await cloud.fetch("knot-coordinator", url, "POST", body, {"Authorization": f"Bearer {key}"})
+    assert r.status == 200 and len((await _json(r))["tokens"]) == 2
+    assert await cloud.drain() == []
+
+
+def test_no_coordinator_without_an_api_key_is_written_unless_public(tmp_path):
+    workers = wrangler.plan(24, 151936, "m.knot", public=True)  # a coordinator without KNOT_API_KEY
+    with pytest.raises(wrangler.DeployError, match="--public"):
+        wrangler.write(tmp_path / "out", workers)
+    assert not (tmp_path / "out").exists()
+    leaky = wrangler.plan(24, 151936, "m.knot")
+    leaky[0].exposed = True  # a warden on workers.dev
+    with pytest.raises(wrangler.DeployError, match="knot-layer-warden: an internal Worker with workers_dev True"):
+        wrangler.write(tmp_path / "out", leaky)
+
+
+# ---------------------------------------------------------------- the subrequest limit
+
+
+async def test_a_generation_ends_with_length_before_the_subrequest_limit(tiny_knot, tmp_path):
+    """With SUBREQUEST_LIMIT small, a generation stops with finish_reason "length", says why, and
+    its tokens are the first ones of the unlimited generation; the count never passes the limit."""
+    body = {"prompt": "def the", "max_tokens": 30, "speculation": "off"}
+    free = _deploy(tiny_knot, tmp_path / "free")
+    _clear_boot_caches()
+    await free.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST", json.dumps(body).encode())
+    want = await _json(await free.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                                        json.dumps(body).encode()))
+    assert len(want["tokens"]) == 30 and want["limited_by"] is None
+    assert want["subrequests"]["limit"] == wrangler.PLAN_SUBREQUESTS["paid"]
+    per_token = 1 + 2 + 4  # one shard embeds the token, 2 stations, 4 LM-head slices
+    assert want["subrequests"]["used"] <= 1 + 2 * per_token + 4 + 29 * per_token  # the head, prompt, tokens
+
+    out = tmp_path / "limited"
+    hp = open_model(tiny_knot).header.hparams
+    limit = 100
+    workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4, public=True,
+                            subrequest_limit=limit)
+    wrangler.write(out, workers, public=True)
+    cloud = Cloud(out, {"KNOT_INTERNAL_SECRET": SECRET})
+    cloud.bucket("knots").objects["model.knot"] = tiny_knot.read_bytes()
+    _clear_boot_caches()
+    for _ in range(2):  # the first also pays for the coordinator's boot
+        resp = await cloud.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                                 json.dumps(body).encode())
+        got = await _json(resp)
+        assert resp.status == 200, got
+        assert got["finish_reason"] == "length" and got["limited_by"] == "subrequests"
+        assert resp.headers.get("x-knot-limited-by") == "subrequests"
+        assert 0 < len(got["tokens"]) < 30 and got["tokens"] == want["tokens"][:len(got["tokens"])]
+        assert got["subrequests"]["used"] + 2 <= limit  # the stations' releases still fit
+        # it stopped only when one more trip (at most per_token: the embedding row cache saves some) would not fit
+        assert got["subrequests"]["used"] + 2 + per_token > limit, got["subrequests"]
+    assert await cloud.drain() == []
+
+
+async def test_a_streamed_generation_says_why_it_ended_at_the_subrequest_limit(tiny_knot, tmp_path):
+    """A stream is read by the runtime's pulls, not the request's task: the generation still counts into
+    its invocation, and its last chunk says why it ended."""
+    hp = open_model(tiny_knot).header.hparams
+    limit = 100
+    out = tmp_path / "limited"
+    wrangler.write(out, wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4,
+                                      public=True, subrequest_limit=limit), public=True)
+    cloud = Cloud(out, {"KNOT_INTERNAL_SECRET": SECRET})
+    cloud.bucket("knots").objects["model.knot"] = tiny_knot.read_bytes()
+    _clear_boot_caches()
+    await cloud.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                      json.dumps({"prompt": "the", "max_tokens": 1}).encode())  # boots the coordinator
+    resp = await cloud.fetch("knot-coordinator", "https://knot-coordinator/v1/completions", "POST",
+                             json.dumps({"prompt": "def the", "max_tokens": 30, "stream": True}).encode(),
+                             {"Content-Type": "application/json"})
+    assert resp.status == 200
+    subrequests.begin(None)  # the runtime's pulls run in another context than the request's
+    reader, raw = resp.body.getReader(), b""
+    while not (got := await reader.read()).done:
+        raw += got.value.to_bytes()
+    events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    last = events[-1]
+    assert last["choices"][0]["finish_reason"] == "length" and last["limited_by"] == "subrequests", last
+    assert 0 < last["subrequests"]["used"] and last["subrequests"]["used"] + 2 <= limit, last
+    text = "".join(ev["choices"][0]["text"] for ev in events)
+    assert text and raw.endswith(b"data: [DONE]\n\n")
+    assert await cloud.drain() == []

@@ -32,6 +32,7 @@ from tests.unit.test_speculative import CODE, LOOKUP_CASES
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "node" / "harness.mjs"
 PROMPT = "def the"
+SECRET = "pyodide-test-internal-secret-0123456789abcdef"  # what `wrangler secret put` would give each Worker
 MAX_TOKENS = 10
 
 
@@ -93,11 +94,11 @@ def pyodide_run(tiny_knot, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pyodide")
     hp = open_model(tiny_knot).header.hparams
     out = tmp / "deploy"
-    workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4)
+    workers = wrangler.plan(int(hp["block_count"]), int(hp["vocab_size"]), "model.knot", 2, 4, public=True)
     for w in workers:  # two shards' wardens warm their slices, two send rows down the tiers to KV
         if w.name in ("knot-shard-0", "knot-shard-1"):
             w.vars["WARM_WARDEN"] = "off"
-    wrangler.write(out, workers)
+    wrangler.write(out, workers, public=True)
     chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS, "stream": True,
             "logprobs": True}
     config = {
@@ -106,16 +107,17 @@ def pyodide_run(tiny_knot, tmp_path_factory):
         "dequant": f"/data/{dequant_cases(tmp / 'dequant.npz').name}",
         "tokenizer": f"/data/{tokenizer_case(trained_data(), corpus()[:80], tmp / 'tok.json').name}",
         "deploy": str(out), "deploy_mount": "/deploy", "bucket": "knots", "knot_key": "model.knot",
-        "knot": str(tiny_knot),
+        "knot": str(tiny_knot), "secrets": {"KNOT_INTERNAL_SECRET": SECRET},
         "requests": [
             {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": PROMPT, "max_tokens": MAX_TOKENS}},
             {"worker": "knot-coordinator", "path": "/v1/chat/completions", "body": chat, "stream": True},
             {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": 7}},
-            {"worker": "knot-station-0", "path": "/stats", "method": "GET"},
+            {"worker": "knot-station-0", "path": "/stats", "method": "GET", "signed": True},
             {"worker": "knot-coordinator", "path": "/v1/completions", "body": CHOICES, "stream": True},
             *({"worker": "knot-coordinator", "path": "/generate",
                "body": {"prompt": CODE, "max_tokens": SPECULATIVE_TOKENS, **sampling,
                         **({} if spec is None else {"speculation": spec})}} for sampling, spec in LOOKUP_CASES),
+            {"worker": "knot-station-0", "path": "/stats", "method": "GET"},  # unsigned: refused
         ],
     }
     return run_harness(config, tmp)
@@ -145,7 +147,7 @@ def test_pure_python_tokenizer_equals_tokenizers_under_pyodide(pyodide_run):
 async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyodide_run, tiny_knot, tmp_path,
                                                                             numpy_matmul):
     """CPython on the numpy matmul path, as Pyodide runs (the C kernels sum in another order)."""
-    gen, stream, bad, stats, choices, *speculative = pyodide_run["requests"]
+    gen, stream, bad, stats, choices, *speculative, unsigned = pyodide_run["requests"]
     _clear_boot_caches()
     cluster = await build_cluster(tiny_knot, tmp_path, n_stations=2, n_shards=4)
     want = (await cluster.generate(prompt=PROMPT, max_tokens=MAX_TOKENS)).json()
@@ -169,7 +171,8 @@ async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyo
     assert stream["wait_until_failures"] == []
     # bad input: a 400 naming the problem, and the Workers go on
     assert bad["status"] == 400 and "prompt" in json.loads(bad["text"])["message"]
-    assert stats["status"] == 200 and json.loads(stats["text"])["layer_start"] == 0
+    assert stats["status"] == 200 and json.loads(stats["text"])["layer_start"] == 0  # signed for knot-station-0
+    assert unsigned["status"] == 401 and "X-Knot-Signature" in json.loads(unsigned["text"])["message"]
     # n = 2, streamed: each choice's chunks make the text of its seed's generation
     assert choices["status"] == 200 and choices["text"].endswith("data: [DONE]\n\n"), choices["text"][-300:]
     events = [json.loads(e[6:]) for e in choices["text"].split("\n\n") if e.startswith("data: {")]
