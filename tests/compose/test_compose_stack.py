@@ -82,6 +82,33 @@ def test_internal_services_refuse_unsigned_calls_inside_the_network(stack):
     assert len(lines) == 4 and all(ln.split(" ")[1] == "401" and "X-Knot-Signature" in ln for ln in lines), out
 
 
+def test_a_call_for_one_station_is_refused_by_its_sibling_and_the_bucket_is_closed(stack):
+    """Issue 52 items 4 and 5 in containers: a call signed (with the cluster's key) for station-0 gets
+    401 from station-1 and 200 from station-0; the bucket (MinIO, or the offline SeaweedFS) answers
+    403 to anonymous PUTs, GETs and ranged GETs from inside the network."""
+    code = ("import os, urllib.request, urllib.error\n"
+            "from deploy.local.bindings import Signer\n"
+            "h = Signer(os.environ['KNOT_INTERNAL_SECRET'], 'station-0').header('GET', '/stats', b'')\n"
+            "key = os.environ['KNOT_KEY']\n"
+            "calls = [('station-1', 'GET', 'http://station-1:8080/stats', {'X-Knot-Signature': h}, None),\n"
+            "         ('station-0', 'GET', 'http://station-0:8080/stats', {'X-Knot-Signature': h}, None),\n"
+            "         ('put', 'PUT', 'http://minio:9000/knots/' + key, {}, b'evil'),\n"
+            "         ('get', 'GET', 'http://minio:9000/knots/' + key, {}, None),\n"
+            "         ('ranged', 'GET', 'http://minio:9000/knots/' + key, {'Range': 'bytes=0-9'}, None),\n"
+            "         ('list', 'GET', 'http://minio:9000/', {}, None)]\n"
+            "for name, method, url, headers, data in calls:\n"
+            "    try:\n"
+            "        r = urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=10)\n"
+            "        print(name, r.status)\n"
+            "    except urllib.error.HTTPError as e:\n"
+            "        print(name, e.code)\n")
+    out = stack.compose("exec", "-T", "shard-1", "python", "-c", code)
+    got = dict(ln.split(" ", 1) for ln in out.strip().splitlines()
+               if ln.split(" ", 1)[0] in ("station-1", "station-0", "put", "get", "ranged", "list"))
+    assert got == {"station-1": "401", "station-0": "200", "put": "403", "get": "403", "ranged": "403",
+                   "list": "403"}, out
+
+
 def test_greedy_tokens_equal_knot_generate(stack, knot_generate, capsys):
     cases = ((PROMPT, 32, "off"), ("import numpy as np\n", 16, "off"), (CODE_PROMPT, 48, "prompt_lookup"))
     for prompt, n, spec in cases:
