@@ -37,6 +37,7 @@ from common import wire
 from common.runtime import BadGateway, GatewayTimeout, HttpError, Request, ServiceUnavailable
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
+from services.coordinator import subrequests
 from services.embed_cache import SealedRows
 from services.peer import PEER_URL, IntegrityFailure, PeerError
 from services.shard.client import ShardClient
@@ -229,8 +230,12 @@ class Pipeline:
 
         Why: a stopped (SIGSTOP) or wedged process still accepts connections, so its calls neither
         fail nor end before their timeout (STATION_TIMEOUT_S: minutes); a computing one answers the
-        probes (its forward runs between them), so a long forward is not taken for a hang."""
-        if client is None or (binding := getattr(client, "binding", None)) is None:
+        probes (its forward runs between them), so a long forward is not taken for a hang. Not
+        under a subrequest limit (Cloudflare): a probe would be a subrequest the generation's budget
+        does not hold, and the platform bounds a hung Worker's call itself."""
+        counter = subrequests.current()
+        if (client is None or (binding := getattr(client, "binding", None)) is None
+                or (counter is not None and counter.limit is not None)):
             return await attempt()
         loop = asyncio.get_running_loop()
         now = time.monotonic()

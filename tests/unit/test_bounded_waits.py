@@ -218,3 +218,13 @@ async def test_slow_clients_are_cut_off_after_the_header_and_body_bounds(server,
         writer.close()
     finally:
         await close()
+
+
+async def test_no_probes_under_a_subrequest_limit(cluster):
+    """On Cloudflare (SUBREQUEST_LIMIT) a probe would spend the generation's subrequests: none is sent."""
+    c = cluster
+    booted = await _booted(c, SUBREQUEST_LIMIT="10000")
+    busy = Busy(booted.pipeline.stations[0].binding, 0.8)
+    booted.pipeline.stations[0].binding = busy
+    r = await c.generate(prompt=PROMPT, max_tokens=2)
+    assert r.status == 200 and busy.probes == 0, (r.body, busy.probes)
