@@ -13,7 +13,7 @@ from common import settings as table
 from deploy import cluster_secrets, servers
 from deploy.commands.cluster import add_layout_arguments
 from deploy.launcher import choose_model, default_run_dir, layout_for, plan
-from deploy.local import init, logs
+from deploy.local import init, logs, memory
 from deploy.local.host import build_app, serve_apps, serve_one
 from deploy.local.settings import HostSettings, parse_binding
 from deploy.local.topology import Topology
@@ -37,10 +37,12 @@ def run(args) -> int:
     if not args.embedded:
         settings = HostSettings.from_env(os.environ)
         logs.configure(settings.name, settings.log_format, logging.DEBUG if args.verbose else logging.INFO)
+        memory.trim_after_full_collections()  # a knot reload's memory goes back to the system
         asyncio.run(serve_one(settings))
         return 0
     logs.configure("embedded", table.read(os.environ, "KNOT_LOG_FORMAT", "launcher"),
                    logging.DEBUG if args.verbose else logging.INFO)
+    memory.trim_after_full_collections()
     return asyncio.run(_embedded(args))
 
 

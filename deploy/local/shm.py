@@ -43,8 +43,11 @@ The caller checks the seals itself, maps the file read-only and takes its crc32 
 caller holds that map, the file (its inode) cannot go, so a later reply naming the same inode names
 the same bytes: the caller uses its map and its crc32 again, with no pass over the bytes. A peer can
 still name a wrong block; the frames' crc32s catch that as they catch a wrong reply buffer. What the
-caller holds goes once unused for HOLD_SECONDS (or past MAX_HELD_BYTES), at its next reply naming
-blocks: a block the host dropped lives on until then.
+caller holds goes once unused for HOLD_SECONDS (or past MAX_HELD_BYTES), or once its host has closed
+the descriptor that named it (the host dropped it, e.g. a LayerWarden that loaded a new knot
+version: no reply can name it again), at its next reply naming blocks. Why the last: a resident
+station's LayerWarden names each block once per version, so without it the station held the old
+version's blocks beside the new ones after a reload (~120 MB more for a 0.5B's half).
 
 The host pins a reply's blocks with its connection until that connection carries its next request
 or closes, so the caller always finds what a reply names; the block's descriptor closes when the
@@ -87,6 +90,7 @@ _BLOCK_NAME = re.compile(r"\Aknot-blk-([0-9]{1,10})-([0-9]{1,10})-([0-9]{1,20})\
 BLOCK_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 HOLD_SECONDS = 30.0  # a checked block nobody named for this long is let go (its host may have dropped it)
 MAX_HELD_BYTES = 16 << 30  # and the least recently named go past this many bytes (address space, not copies)
+ALIVE_CHECK_S = 1.0  # at most this often, held blocks whose host closed their descriptor are let go
 _names = itertools.count()
 MAX_PIECES = 1024  # a reply's pieces (a LayerWarden batch is at most 256 frames and a header)
 MAX_PIECES_CHARS = 16 << 10  # longer piece lists are not sent: the blocks' bytes go into the buffer instead
@@ -407,9 +411,10 @@ class ReplyReader:
         _readers.add(self)
         self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # name -> (inode, size, read-only map)
         # (st_dev, st_ino) of each sealed block checked -> [read-only view of its map, crc32, bytes,
-        # when last named], least recently named first
+        # when last named, its host's descriptor as /proc/<pid>/fd/<fd>], least recently named first
         self._held: OrderedDict[tuple[int, int], list] = OrderedDict()
         self.held_bytes = 0
+        self._alive_checked = 0.0  # time.monotonic() of _let_go's last look at the hosts' descriptors
         self.checked_blocks = 0  # blocks mapped and checked (a crc32 pass each)
         self.held_hits = 0  # blocks named again while held (no pass over their bytes)
         self.replies = 0
@@ -508,20 +513,33 @@ class ReplyReader:
             os.close(fd)
         view = np.frombuffer(m, np.uint8)  # read-only, as the map is
         crc = _crc32_split(view)
-        self._held[key] = [view, crc, n, now]
+        self._held[key] = [view, crc, n, now, f"/proc/{pid}/fd/{fd_number}"]
         self.held_bytes += n
         self.checked_blocks += 1
         return view, crc
 
     def _let_go(self, now: float) -> None:
-        """Drop the blocks nobody named for HOLD_SECONDS, and the least recently named past
-        MAX_HELD_BYTES (the views handed out keep their own maps)."""
+        """Drop the blocks nobody named for HOLD_SECONDS, the least recently named past
+        MAX_HELD_BYTES, and (every ALIVE_CHECK_S) those whose host closed the descriptor that named
+        them (the views handed out keep their own maps)."""
         while self._held:
             key, held = next(iter(self._held.items()))
             if held[3] >= now - HOLD_SECONDS and self.held_bytes <= MAX_HELD_BYTES:
                 break
             del self._held[key]
             self.held_bytes -= held[2]
+        if now - self._alive_checked < ALIVE_CHECK_S:
+            return
+        self._alive_checked = now
+        for key, held in list(self._held.items()):
+            try:
+                st = os.stat(held[4])
+                alive = (st.st_dev, st.st_ino) == key
+            except OSError:  # the host closed it, or exited
+                alive = False
+            if not alive:  # its name now means another file, or none: no reply can name this block again
+                del self._held[key]
+                self.held_bytes -= held[2]
 
     def stats(self) -> dict:
         return {"replies": self.replies, "reused": self.reused, "checked_blocks": self.checked_blocks,

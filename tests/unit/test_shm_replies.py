@@ -424,6 +424,34 @@ def test_a_held_block_is_checked_once_and_let_go_when_unused(tmp_path, monkeypat
     reader.close()
 
 
+def test_a_held_block_whose_host_closed_it_is_let_go_at_the_next_reply(tmp_path, monkeypatch):
+    """A block its host dropped (the descriptor that named it closed: a LayerWarden on a new knot
+    version) can never be named again: the reader lets it go at its next reply naming blocks, not
+    HOLD_SECONDS later, so a reload does not leave the old version's blocks mapped (issue 52)."""
+    import gc
+
+    import numpy as np
+
+    from deploy.local import shm
+
+    monkeypatch.setattr(shm, "ALIVE_CHECK_S", 0.0)
+    blocks = shm.SharedBlocks()
+    rng = np.random.default_rng(5)
+    datas = [rng.bytes(SHM_MIN_BYTES), rng.bytes(SHM_MIN_BYTES + 8)]
+    kept = [blocks.keep(x) for x in datas]
+    names = [blocks.region(k)[0] for k in kept]
+    reader = ReplyReader(tmp_path)
+    parts = reader.assemble(",".join(f"{n}:{len(x)}" for n, x in zip(names, datas)), b"")
+    assert reader.stats()["held_blocks"] == 2
+    del kept[0]  # the host's last view of block 0: its descriptor closes
+    gc.collect()
+    assert blocks.stats()["blocks"] == 1
+    reader.assemble(f"{names[1]}:{len(datas[1])}", b"")
+    assert reader.stats()["held_blocks"] == 1 and reader.held_bytes == len(datas[1])
+    assert bytes(parts[0]) == datas[0], "a view handed out keeps its own map"
+    reader.close()
+
+
 def test_a_reply_buffer_copy_reuses_a_buffer_only_once_nothing_holds_it(tmp_path):
     """The reader copies a reply buffer into the buffer of an earlier copy only after every view of
     that copy (a frame's payload, an array over it) is gone: a body still held is never written over."""
