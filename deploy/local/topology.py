@@ -78,7 +78,8 @@ class Topology:
                        if st.durable_objects else None)
             self.runtimes[s.name] = ServiceRuntime(s.name, svc.handler, Env(), tasks, do_host, svc.ready,
                                                  max_body_bytes=st.max_body_bytes or svc.max_body_bytes,
-                                                 public=svc.public)
+                                                 public=svc.public, header_timeout_s=st.header_timeout_s,
+                                                 body_timeout_s=st.body_timeout_s)
             stack.push_async_callback(tasks.drain, st.shutdown_timeout_s)
         for s in self.specs:
             st, rt = self.settings[s.name], self.runtimes[s.name]
