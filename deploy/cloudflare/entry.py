@@ -40,8 +40,6 @@ from deploy.cloudflare.bindings import (DO_NAME_HEADER, INTERNAL_SECRET, JsConte
 from deploy.cloudflare.convert import request_from_js, response_to_js
 
 REQUEST_ID_HEADER = "X-Request-Id"
-
-
 SERVICE_NAME_VAR = "KNOT_SERVICE_NAME"  # the Worker's own name: what its callers sign for
 _verifiers: dict[tuple[str, str], signing.Verifier] = {}  # per isolate: the nonces it accepted
 
