@@ -149,7 +149,7 @@ def upload(args: argparse.Namespace, out: Path, knot_key: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy import r2_upload, wrangler
+    from deploy import cluster_secrets, r2_upload, wrangler
 
     n_layers, vocab_size, knot_key = model_shape(args.model)
     knot_key = args.knot_key or knot_key
@@ -160,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         dirs = wrangler.write(out, workers, args.public, command_line(args, out))
-    except wrangler.DeployError as e:
+        names = secrets(out, args.public)
+    except (wrangler.DeployError, cluster_secrets.SecretsError) as e:
         print(f"knot deploy cloudflare: {e}", file=sys.stderr)
         return 2
-    names = secrets(out, args.public)
     for d in dirs:
         print(d)
     sizes = station_bytes(args.model, args.stations)
