@@ -248,7 +248,7 @@ class ClusterLayout:
             "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
             **{n: dflt(n, "coordinator") for n in ("SHARD_TIMEOUT_S", "STATION_TIMEOUT_S", "DRAFTER_TIMEOUT_S",
                                                    "MAX_CONCURRENT_REQUESTS", "MAX_QUEUED_REQUESTS", "RETRY_AFTER_S",
-                                                   "SPECULATION")},
+                                                   "SPECULATION", "BUCKET_CHECK_TIMEOUT_S", "BUCKET_CHECK_BACKOFF_S")},
             # what a deployer chooses per cluster: how long to wait for a restart, the deadline, the
             # shard-failure policy, the public API's key
             **{n: Knob(n) for n in ("PEER_WAIT_S", "REQUEST_TIMEOUT_S", "SHARD_FAILURE", "KNOT_API_KEY",
