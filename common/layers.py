@@ -44,11 +44,11 @@ async def run_layers(model: Model, x: np.ndarray, layer_start: int, layer_end: i
     """x (N, dim) -> (N, dim) f32 after layers [layer_start, layer_end); appends to every KV cache in seqs.
 
     compute(fn, *args) runs each phase's fn(*args) when given (a station runs it off the event loop
-    while its next phase loads); None: in place. between() is awaited after every layer but the
-    last, where the state is the hidden (N, dim) alone (a station runs other frames there)."""
+    while its next phase loads); None: in place. between() is awaited between two phases, with
+    no weights held (a station runs other frames there)."""
     state = np.ascontiguousarray(x, dtype=np.float32)
-    last = model.phases[-1]
-    for layer, phase in steps(model, layer_start, layer_end):
+    order = steps(model, layer_start, layer_end)
+    for layer, phase in order:
         w = weights.load(layer, phase)
         if inspect.isawaitable(w):
             w = await w
@@ -60,7 +60,7 @@ async def run_layers(model: Model, x: np.ndarray, layer_start: int, layer_end: i
         finally:
             weights.done(layer, phase, w)
         del w  # the next phase loads with this one's weights already let go
-        if between is not None and phase == last and layer < layer_end - 1:
+        if between is not None and (layer, phase) != order[-1]:
             await between()
     return state
 

@@ -230,7 +230,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("MAX_BATCH", "int", "16", "station", "decode frames of concurrent requests stacked into one forward",
        minimum=1),
     _s("INTERLEAVE_ROWS", "int", "64", "station", "fair scheduling: frames of at most this many rows (decode steps, "
-       "short prompts) run between two layers of a longer prefill chunk instead of waiting for all of it "
+       "short prompts) run between two phases of a longer prefill chunk instead of waiting for all of it "
        "(docs/api.md); 0: every frame waits for the one running", minimum=0),
     _s("PREFETCH", "choice", "on", "station", "a fluid station loads the next phase's tensors while one computes, "
        "when its budget has room for two phases (/stats memory.prefetch says whether it does)",
@@ -338,7 +338,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_PREFETCH", "choice", "on", "compose", "every station's PREFETCH (on: a fluid station loads the "
        "next phase while one computes)", choices=("on", "off")),
     _s("KNOT_INTERLEAVE_ROWS", "int", "64", "compose", "every station's INTERLEAVE_ROWS (fair scheduling: frames of "
-       "at most this many rows run between the layers of a longer prefill chunk; 0: off)", minimum=0),
+       "at most this many rows run between the phases of a longer prefill chunk; 0: off)", minimum=0),
     _s("KNOT_WARM_WARDEN", "choice", "on", "compose", "every shard's WARM_WARDEN (on: a booting shard has its "
        "CobordismWarden read its slice of the embedding into RAM)", choices=("on", "off")),
     _s("KNOT_SHARD_THREADS", "int", "1", "compose",

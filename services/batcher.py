@@ -12,7 +12,7 @@ to that item's caller only. If `run` itself raises, every caller of that batch g
 Items that are not batchable run alone, in arrival order with the rest.
 
 Fair scheduling (issue 52): a long item's run may call `interject()` between its steps (a
-station, between two layers of a long prefill chunk). The items waiting then that `interjects`
+station, between two phases of a long prefill chunk). The items waiting then that `interjects`
 admits (short ones) run at that point, grouped as _take groups them, instead of waiting for the
 whole long item; those that arrive meanwhile wait for the next such point. run() may answer
 LATER for an interjected item (it cannot run beside the paused one): it waits, at the front of

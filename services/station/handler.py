@@ -23,11 +23,12 @@ stacked into the next forward (services/batcher.py), so each weight is read once
 all of them; attention and the KV caches stay per session.
 
 Fair scheduling (docs/api.md): a prefill frame of more than INTERLEAVE_ROWS rows pauses after
-each of its layers while frames of at most that many rows wait (other generations' decode steps,
-short prompts); they run there (services/batcher.py interject), so a decode step waits for one
-layer of a long prompt's chunk, not the chunk. Each session's rows are computed as they would be
-alone, so no token changes. An interjected frame whose KV caches and activations do not fit the
-budget beside the paused one waits for it to end instead.
+each phase of its layers while frames of at most that many rows wait (other generations' decode
+steps, short prompts); they run there (services/batcher.py interject), so a decode step waits for
+one phase of a long prompt's chunk, not the chunk. Each session's rows are computed as they would
+be alone, so no token changes. An interjected frame whose KV caches and activations do not fit
+the budget beside the paused one (its reservation and the activations it carries to its next
+phase) waits for it to end instead.
 
 Fluid memory (seed section 2): the layer loop (common/layers.py) loads, runs and evicts each
 phase of each layer in turn. A phase's tensors stay only when the budget has room for them after
@@ -76,7 +77,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET_BYTES = default("MEMORY_BUDGET_BYTES", "station")
 DEFAULT_SESSION_TTL_S = default("SESSION_TTL_S", "station")
 DEFAULT_MAX_BATCH = default("MAX_BATCH", "station")  # decode frames per batched forward
-DEFAULT_INTERLEAVE_ROWS = default("INTERLEAVE_ROWS", "station")  # frames that run between a long prefill's layers
+DEFAULT_INTERLEAVE_ROWS = default("INTERLEAVE_ROWS", "station")  # frames that run between a long prefill's phases
 PASS_FLOOR_ROWS = 32  # idle sessions are evicted before a prefill runs in passes of fewer rows
 
 
@@ -157,7 +158,8 @@ class Station:
         # layers of a long prefill); decode frames that arrive while it runs are batched into the next.
         self.batcher = Batcher(self._run_batch, self._batchable, max_batch=settings.max_batch,
                                interjects=self._interjects)
-        self.paused: list[tuple[wire.Envelope, Session]] = []  # a long prefill's frame, between two of its layers
+        self.paused: list[tuple[wire.Envelope, Session]] = []  # a long prefill's frame, between two of its phases
+        self.paused_bytes = 0  # the activations it holds meanwhile, at most (its phases' temporaries)
 
     async def boot(self) -> None:
         """Load the role's resident set: the small tensors of our layers (norms, biases), output_norm on exit."""
@@ -240,12 +242,13 @@ class Station:
         return 3 * 4 * N * self.cfg.dim
 
     def _frames(self, N: int) -> int:
-        """frame_bytes(N), plus a paused prefill's frames (what reserve() holds for it; 0 when none)."""
-        return self.memory.frame_bytes + self.frame_bytes(N)
+        """frame_bytes(N), plus a paused prefill's frames (what reserve() holds for it; 0 when none)
+        and the activations it carries to its next phase."""
+        return self.memory.frame_bytes + self.frame_bytes(N) + self.paused_bytes
 
     def kv_after(self, runs: list[tuple[wire.Envelope, Session]]) -> int:
         """Every session's KV bytes once the frames of `runs` have been appended (reallocations included).
-        Between the layers of a paused prefill: its reservation (every session once it has run) plus
+        Between two phases of a paused prefill: its reservation (every session once it has run) plus
         what `runs` append."""
         if self.paused:
             return self.memory.kv_after_bytes + sum(sess.kv.nbytes_after(self.layers, env.array.shape[0]) -
@@ -316,11 +319,11 @@ class Station:
         return item[0].mode == "decode"
 
     def _interjects(self, item: tuple[wire.Envelope, object]) -> bool:
-        """A frame short enough to run between two layers of a longer prefill frame."""
+        """A frame short enough to run between two phases of a longer prefill frame."""
         return item[0].array.shape[0] <= self.settings.interleave_rows
 
     def _pauses(self, runs: list[tuple[wire.Envelope, Session]]) -> bool:
-        """A forward that lets short frames run between its layers: one prefill frame longer than
+        """A forward that lets short frames run between its phases: one prefill frame longer than
         INTERLEAVE_ROWS, not itself interjected (0: none)."""
         if self.paused or len(runs) != 1 or self.settings.interleave_rows == 0:
             return False
@@ -377,7 +380,7 @@ class Station:
         """Frames of distinct sessions -> their output frames: one pass over the layers, or for a
         single frame that does not fit at once, passes of as many rows as fit (t: _rows_per_pass(runs),
         when the caller has it already). A long prefill frame lets short frames run between its
-        layers (_pauses)."""
+        phases (_pauses)."""
         t = self._rows_per_pass(runs) if t is None else t
         N = sum(env.array.shape[0] for env, _ in runs)
         S = max(env.seq_len for env, _ in runs)  # the longest attention span in the batch
@@ -440,22 +443,22 @@ class Station:
     async def _run_layers(self, h: np.ndarray, seqs, T: int, S: int,
                           pauses: list[tuple[wire.Envelope, Session]] | None = None) -> np.ndarray:
         """h (T, dim) through our layers for these sequences (within reserve()), prefetching when the
-        plan does. pauses: the forward's runs, when short frames may run between its layers."""
+        plan does. pauses: the forward's runs, when short frames may run between its phases."""
         a, b = self.settings.layer_start, self.settings.layer_end
         t0 = time.perf_counter()
         async with ForwardWeights(self.memory, self.loader, T, S, steps(self.model, a, b), self.plan.prefetch) as weights:
 
             async def between() -> None:
-                await asyncio.sleep(0)  # frames that arrived during the layer reach the queue
+                await asyncio.sleep(0)  # frames that arrived during the phase reach the queue
                 if not self.batcher.interject_waiting():
                     return
                 await weights.pause()  # no prefetched phase held while another forward runs
-                self.paused = pauses
+                self.paused, self.paused_bytes = pauses, self.memory.activation_bytes(T, S)
                 try:
                     await self.batcher.interject()
                 finally:
-                    self.paused = []
-                await asyncio.sleep(0)  # their callers send the replies before the next layer
+                    self.paused, self.paused_bytes = [], 0
+                await asyncio.sleep(0)  # their callers send the replies before the next phase
 
             try:
                 return await run_layers(self.model, h, a, b, seqs, weights,

@@ -172,7 +172,7 @@ class StationMemory:
     def reserve(self, kv_after_bytes: int, frame_bytes: int) -> Iterator[None]:
         """For one forward: count the KV caches at what they will hold once it has appended (the
         largest reallocation included), and its frames, from its first phase on. Nested (a frame
-        run between the layers of a paused one): the caller's figures include the paused forward's,
+        run between two phases of a paused one): the caller's figures include the paused forward's,
         which hold again afterwards."""
         outer = self.kv_after_bytes, self.frame_bytes
         self.kv_after_bytes, self.frame_bytes = kv_after_bytes, frame_bytes
@@ -421,7 +421,7 @@ class ForwardWeights:
         return fn(*args)
 
     async def pause(self) -> None:
-        """Before another forward runs between two of this one's layers: let go of the phase being
+        """Before another forward runs between two of this one's phases: let go of the phase being
         prefetched (it is loaded again when this forward goes on), so only that forward loads."""
         await self._drop_next()
 

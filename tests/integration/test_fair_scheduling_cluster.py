@@ -1,7 +1,7 @@
 """Fair scheduling on real processes (issue 52): the default layout (2 stations, 8 shards) on real
 SeaweedFS and Valkey, serving a synthetic model of 16 layers. A short request sent while a
 2,048-token prompt is being prefilled (eight chunks of 256) finishes while that prefill still
-runs: its frames go between the layers of the long prompt's chunks (INTERLEAVE_ROWS). Both have
+runs: its frames go between the phases of the long prompt's chunks (INTERLEAVE_ROWS). Both have
 the single-process engine's tokens."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.integration.conftest import http, pipeline_services, wait_for
 from tests.synth import TinySpec, write_tiny_gguf
 
 KNOT_KEY = "fair.knot"
-# 8 layers a station and matrices of 1024: a layer of a 256-row chunk is a small part of the chunk
+# 8 layers a station and matrices of 1024: a phase of a 256-row chunk is a small part of the chunk
 SPEC = TinySpec(n_layers=16, hidden=1024, ffn=1536, n_head=8, n_kv_head=2, context=4096, seed=7)
 LONG_TOKENS = 2048  # eight prefill chunks
 SHORT_TOKENS = 8

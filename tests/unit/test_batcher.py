@@ -83,12 +83,18 @@ class Steps:
         self.box, self.steps, self.later = batcher_box, steps, later
         self.log: list = []
         self.paused = False
+        self.first_step = asyncio.Event()  # set once the long item's first step runs
+        self.go = asyncio.Event()  # ... which ends when the test sets this
 
     async def __call__(self, items):
         if items == ["long"]:
             for k in range(self.steps):
                 self.log.append(("long", k))
-                await asyncio.sleep(0.01)  # one step
+                if k == 0:
+                    self.first_step.set()
+                    await self.go.wait()
+                else:
+                    await asyncio.sleep(0.01)  # one step
                 self.paused = True
                 await self.box[0].interject()
                 self.paused = False
@@ -99,6 +105,12 @@ class Steps:
 
 def short(item) -> bool:
     return item != "long"
+
+
+async def queued(b: Batcher, n: int) -> None:
+    """Until n items wait in b's queue (the submissions just started have reached it)."""
+    while len(b._waiting) < n:
+        await asyncio.sleep(0)
 
 
 async def test_short_items_run_between_the_steps_of_a_long_one():
@@ -116,8 +128,10 @@ async def test_short_items_run_between_the_steps_of_a_long_one():
         return r
 
     long = asyncio.ensure_future(submit("long"))
-    await asyncio.sleep(0.005)  # the long item's first step runs
+    await run.first_step.wait()
     firsts = [asyncio.ensure_future(submit(i)) for i in ("d1", "p1", "d2")]
+    await queued(b, 3)
+    run.go.set()
     await asyncio.gather(*firsts)
     assert not long.done(), "the short items finished while the long one still ran"
     assert await long == "long done"
@@ -136,9 +150,11 @@ async def test_items_that_are_not_short_wait_and_later_items_wait_for_the_end():
     b = Batcher(run, batchable=lambda i: i.startswith("d"), interjects=lambda i: i.startswith("d"))
     box.append(b)
     long = asyncio.ensure_future(b.submit("long"))
-    await asyncio.sleep(0.005)
+    await run.first_step.wait()
     other = asyncio.ensure_future(b.submit("p-long"))  # not short: after the long one
     deferred = asyncio.ensure_future(b.submit("d9"))
+    await queued(b, 2)
+    run.go.set()
     assert await deferred == "d9 done" and await long == "long done" and await other == "p-long done"
     # d9 was tried once between steps, answered LATER, and ran once the long item had ended, before p-long
     assert run.log.index(("d9",)) < run.log.index(("long", 1)) and run.log.count(("d9",)) == 2
@@ -149,9 +165,12 @@ async def test_items_that_are_not_short_wait_and_later_items_wait_for_the_end():
 async def test_a_failing_interjected_item_fails_alone():
     box: list = []
 
+    started, go = asyncio.Event(), asyncio.Event()
+
     async def run(items):
         if items == ["long"]:
-            await asyncio.sleep(0.01)
+            started.set()
+            await go.wait()
             await box[0].interject()
             await asyncio.sleep(0.01)
             return ["long done"]
@@ -160,7 +179,10 @@ async def test_a_failing_interjected_item_fails_alone():
     b = Batcher(run, interjects=short)
     box.append(b)
     long = asyncio.ensure_future(b.submit("long"))
-    await asyncio.sleep(0.005)
+    await started.wait()
+    short_one = asyncio.ensure_future(b.submit("d1"))
+    await queued(b, 1)
+    go.set()
     with pytest.raises(RuntimeError, match="short batch"):
-        await b.submit("d1")
-    assert await long == "long done"
+        await short_one
+    assert not long.done() and await long == "long done"

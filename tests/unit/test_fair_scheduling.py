@@ -1,5 +1,5 @@
 """Fair scheduling at a station (issue 52): a short frame that arrives while a long prefill chunk
-runs goes between two of its layers (INTERLEAVE_ROWS), and every frame's rows are the bits they
+runs goes between two of its phases (INTERLEAVE_ROWS), and every frame's rows are the bits they
 are alone. On the real handler of an in-process cluster, a small synthetic model."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from services.station.client import StationClient
 from tests.inprocess import build_cluster
 from tests.synth import TinySpec, write_tiny_gguf
 
-# six layers on one station: five points between layers where a short frame may go
+# six layers on one station, four phases each: points between phases where a short frame may go
 SPEC = TinySpec(n_layers=6, hidden=64, ffn=128, n_head=4, n_kv_head=2, context=2048, seed=5)
 LONG_ROWS = 200  # a prefill chunk longer than INTERLEAVE_ROWS
 
@@ -55,9 +55,9 @@ async def in_order(*calls) -> tuple[list[int], list[wire.Envelope]]:
 
 
 @pytest.mark.parametrize("interleave_rows, short_first", [("64", True), ("0", False)])
-async def test_a_decode_step_runs_between_the_layers_of_a_long_prefill(knot, tmp_path, interleave_rows, short_first):
+async def test_a_decode_step_runs_between_the_phases_of_a_long_prefill(knot, tmp_path, interleave_rows, short_first):
     """A decode step submitted with a 200-row prefill chunk finishes first: it runs after the
-    chunk's first layer. With INTERLEAVE_ROWS=0 it waits for the whole chunk, as before. Either
+    chunk's first phase. With INTERLEAVE_ROWS=0 it waits for the whole chunk, as before. Either
     way both replies are the bits each frame gives alone."""
     c = await build_cluster(knot, tmp_path, 1, 1, station_vars={"INTERLEAVE_ROWS": interleave_rows})
     st = StationClient(c.stations[0], 30.0)
@@ -77,7 +77,7 @@ async def test_a_decode_step_runs_between_the_layers_of_a_long_prefill(knot, tmp
 
 
 async def test_short_prompts_interject_and_longer_frames_wait(knot, tmp_path):
-    """A prefill of at most INTERLEAVE_ROWS rows (a short prompt) goes between the layers too; one
+    """A prefill of at most INTERLEAVE_ROWS rows (a short prompt) goes between the phases too; one
     of more rows waits for the running chunk, and a frame of the paused session is refused (409)."""
     c = await build_cluster(knot, tmp_path, 1, 1, station_vars={"INTERLEAVE_ROWS": "64"})
     st = StationClient(c.stations[0], 30.0)
