@@ -7,6 +7,9 @@ threads, each with a heap (an arena) of its own. A 0.5B shard reads its 18 MB he
 knot reload, on whichever thread is free, and freed that many bytes each time that its RSS kept:
 +17 MiB per reload until every thread's arena held one (benchmarks/reload_rss.py). A reload ends
 with a full collection (services/boot.py), and malloc_trim(0) after it hands the freed pages back.
+It cannot shrink a thread arena's top, though (glibc trims only the main arena's), and there the
+freed read stayed: so the host keeps one arena (M_ARENA_MAX 1), shared by its few threads (the S3
+pool, off_loop's), which mostly wait for the GIL or the network rather than for malloc's lock.
 
 Full collections are otherwise rare in these processes (CPython starts one when the objects that
 survived into the oldest generation have grown by a quarter), so the trims cost nothing per request.
@@ -33,6 +36,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 _trim = _malloc_trim()
+M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
 
 
 def _trim_after(phase: str, info: dict) -> None:
@@ -42,10 +46,12 @@ def _trim_after(phase: str, info: dict) -> None:
 
 
 def trim_after_full_collections() -> bool:
-    """From now on, every full collection of this process ends with malloc_trim(0). Whether libc has it."""
+    """From now on, every full collection of this process ends with malloc_trim(0), and threads share
+    one malloc arena (call it before threads start). Whether libc has malloc_trim."""
     if _trim is None:
         log.info("this C library has no malloc_trim: freed heap memory stays with the process until reused")
         return False
+    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_ARENA_MAX, 1)
     if _trim_after not in gc.callbacks:
         gc.callbacks.append(_trim_after)
     return True

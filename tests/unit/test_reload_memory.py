@@ -88,6 +88,17 @@ async def test_a_value_held_through_a_reload_goes_at_the_next_one(tiny_knot, tmp
     assert ref() is None
 
 
+async def test_a_reload_keeps_a_tokenizer_of_the_same_bytes(tiny_knot, tmp_path):
+    """The coordinator's tokenizer is built once per distinct tokenizer blob, not once per reload."""
+    c = await build_cluster(tiny_knot, tmp_path, 1, 2)
+    await tokens(c)
+    (before,) = booted()["coordinator"]
+    await reload(c, tiny_knot.read_bytes())
+    (after,) = booted()["coordinator"]
+    assert after.co is not before.co and after.source.etag != before.source.etag
+    assert after.co.tokenizer is before.co.tokenizer
+
+
 async def test_memory_does_not_grow_with_reloads(tiny_knot, tmp_path, no_auto_gc):
     """tracemalloc (numpy's buffers included) after 6 reloads against after 1: less than one version's
     tensors more, where every reload used to keep another version's."""
