@@ -37,12 +37,12 @@ def run(args) -> int:
     if not args.embedded:
         settings = HostSettings.from_env(os.environ)
         logs.configure(settings.name, settings.log_format, logging.DEBUG if args.verbose else logging.INFO)
-        memory.trim_after_full_collections()  # a knot reload's memory goes back to the system
+        memory.trim_after_full_collections(os.environ)  # a knot reload's memory goes back to the system
         asyncio.run(serve_one(settings))
         return 0
     logs.configure("embedded", table.read(os.environ, "KNOT_LOG_FORMAT", "launcher"),
                    logging.DEBUG if args.verbose else logging.INFO)
-    memory.trim_after_full_collections()
+    memory.trim_after_full_collections(os.environ)
     return asyncio.run(_embedded(args))
 
 

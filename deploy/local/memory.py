@@ -9,7 +9,10 @@ knot reload, on whichever thread is free, and freed that many bytes each time th
 with a full collection (services/boot.py), and malloc_trim(0) after it hands the freed pages back.
 It cannot shrink a thread arena's top, though (glibc trims only the main arena's), and there the
 freed read stayed: so the host keeps one arena (M_ARENA_MAX 1), shared by its few threads (the S3
-pool, off_loop's), which mostly wait for the GIL or the network rather than for malloc's lock.
+pool, off_loop's), which mostly wait for the GIL or the network rather than for malloc's lock. Not
+where MALLOC_MMAP_THRESHOLD_ is set (the stations and the LayerWarden, deploy/compose_file.py
+KEEP_HEAP): those keep freed blocks for reuse on purpose, and their RSS stayed flat over reloads
+with their arenas.
 
 Full collections are otherwise rare in these processes (CPython starts one when the objects that
 survived into the oldest generation have grown by a quarter), so the trims cost nothing per request.
@@ -21,7 +24,9 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-from typing import Callable
+from typing import Callable, Mapping
+
+from common.settings import read
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +50,15 @@ def _trim_after(phase: str, info: dict) -> None:
         _trim(0)
 
 
-def trim_after_full_collections() -> bool:
-    """From now on, every full collection of this process ends with malloc_trim(0), and threads share
-    one malloc arena (call it before threads start). Whether libc has malloc_trim."""
+def trim_after_full_collections(env: Mapping[str, str]) -> bool:
+    """From now on, every full collection of this process ends with malloc_trim(0), and, unless env
+    keeps the heap (MALLOC_MMAP_THRESHOLD_), threads share one malloc arena (call it before threads
+    start). Whether libc has malloc_trim."""
     if _trim is None:
         log.info("this C library has no malloc_trim: freed heap memory stays with the process until reused")
         return False
-    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_ARENA_MAX, 1)
+    if not read(env, "MALLOC_MMAP_THRESHOLD_", "runtime"):
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_ARENA_MAX, 1)
     if _trim_after not in gc.callbacks:
         gc.callbacks.append(_trim_after)
     return True

@@ -127,8 +127,8 @@ def test_the_local_host_trims_the_heap_after_each_full_collection(monkeypatch):
     saved = list(gc.callbacks)  # the interpreter's own list: changed in place, restored after
     gc.callbacks.clear()
     try:
-        assert memory.trim_after_full_collections()
-        assert memory.trim_after_full_collections() and gc.callbacks == [memory._trim_after], "installed once"
+        assert memory.trim_after_full_collections({})
+        assert memory.trim_after_full_collections({}) and gc.callbacks == [memory._trim_after], "installed once"
         gc.collect(0)
         assert calls == []
         gc.collect()
