@@ -97,7 +97,7 @@ class StationSettings:
     profile: str = "worker"
     resident_max_bytes: int | None = None
     prefetch: bool = True
-    interleave_rows: int = 64
+    interleave_rows: int = DEFAULT_INTERLEAVE_ROWS
 
     @property
     def boot_key(self) -> str:
@@ -154,8 +154,8 @@ class Station:
         self.forward_s = 0.0  # time in the layer loop, and the part of it spent waiting for tensors
         self.load_wait_s = 0.0
         self.refused_frames = 0
-        # One forward at a time (memory is accounted for one, plus one interjected between the
-        # layers of a long prefill); decode frames that arrive while it runs are batched into the next.
+        # One forward at a time (memory is accounted for one, plus one interjected between two
+        # phases of a long prefill); decode frames that arrive while it runs are batched into the next.
         self.batcher = Batcher(self._run_batch, self._batchable, max_batch=settings.max_batch,
                                interjects=self._interjects)
         self.paused: list[tuple[wire.Envelope, Session]] = []  # a long prefill's frame, between two of its phases
