@@ -107,3 +107,33 @@ async def test_tokens_equal_the_single_process_with_a_short_request_during_a_lon
         want = engine.generate(body["prompt_tokens"], SamplingParams(**params), max_tokens=n)
         assert body["tokens"] == want.token_ids
     await c.drain()
+
+
+async def test_a_frame_that_does_not_fit_beside_the_paused_chunk_waits_for_it(knot, tmp_path):
+    """A budget that holds the 200-row chunk, and a 64-row prompt after it, but not that prompt
+    beside the paused chunk (as the station accounts them): the prompt waits for the chunk to end
+    (LATER), with no 413 and nothing evicted, and the budget holds throughout."""
+    from services.station import handler as station
+    from tests.inprocess import KNOT_KEY
+
+    c = await build_cluster(knot, tmp_path / "probe", 1, 1)
+    await StationClient(c.stations[0], 30.0).forward(frame("w", "prefill", 0, rows(1, 9)))  # boots it
+    st = station._booted.peek(f"{KNOT_KEY}|solo|0-{SPEC.n_layers}")
+    act, kv = st.memory.activation_bytes, st.model.new_kv()
+    chunk = (st.memory.resident_bytes + kv.nbytes_after(st.layers, LONG_ROWS) + st.frame_bytes(LONG_ROWS) +
+             act(LONG_ROWS, LONG_ROWS) + st.memory.tile_bytes + st.phase_bytes)  # the chunk alone, one pass
+    beside = kv.nbytes_after(st.layers, 64) + st.frame_bytes(64) + act(64, 64)  # what the prompt adds to it
+    budget = chunk + beside // 2
+    await c.drain()
+
+    c = await build_cluster(knot, tmp_path / "tight", 1, 1, station_budget_bytes=budget,
+                            station_vars={"INTERLEAVE_ROWS": "64"})
+    cl = StationClient(c.stations[0], 30.0)
+    finished, (long_out, short_out) = await in_order(cl.forward(frame("a", "prefill", 0, rows(LONG_ROWS, 1))),
+                                                     cl.forward(frame("p", "prefill", 0, rows(64, 4))))
+    assert finished == [0, 1]
+    s = await stats(c.stations[0])
+    assert s["interjected_items"] == 0 and s["split_frames"] == 0 and s["refused_frames"] == 0, s
+    assert s["sessions"] == 2 and s["sessions_evicted"] == 0 and s["peak_accounted_bytes"] <= budget, s
+    assert short_out.array.shape == (1, SPEC.hidden)
+    await c.drain()
