@@ -3,9 +3,12 @@
 Acceptance (issue 3), per model and prompt:
   * token ids of the prompt equal llama.cpp's (tokenize with special=True, no BOS);
   * the argmax at the last prompt position is the same;
-  * greedy generation gives the same N_GEN ids, except after a step where llama.cpp's own top-2
-    gap is below NEAR_TIE (llama.cpp flips there between its own kernels): a divergence at step i
-    is excused when some step <= i had a llama.cpp gap < NEAR_TIE ("strict": at step i itself);
+  * greedy generation gives the same N_GEN ids, except where llama.cpp's own top-2 gap at the
+    divergent step is within llama.cpp's spread: how far its top-2 margin moves between its own
+    configurations (flash attention on/off, the prefix token by token instead of one batch, one
+    thread instead of two), teacher-forced on the same prompts and measured on the machine at
+    hand, and never below SPREAD_FLOOR, the largest self-flip measured on the classes met
+    (docs/fidelity.md). A wrong head row or a swapped phase is not excused (test_the_rule_catches_*);
   * at every step compared (same context on both sides), the logits of llama.cpp's top 10
     tokens are within TOP10_TOL of ours, or, past it, within llama.cpp's own difference between
     its flash-attention kernels on the same prompts (measured on the machine, as for the greedy ids).
@@ -30,7 +33,10 @@ from deploy.llamacpp import open_llama
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 N_GEN = 32
-NEAR_TIE = 0.1
+NEAR_TIE = 0.1  # the table's "near tie" column only; the greedy rule uses the measured spread
+# llama.cpp parted from itself at gaps up to 0.24 (1.5B, HumanEval, its prefix batched against token
+# by token, on an AVX2-only Zen 3); data and the machines in docs/fidelity.md, "The greedy rule".
+SPREAD_FLOOR = 0.25
 TOP10_TOL = 0.5
 MODELS = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
@@ -96,11 +102,8 @@ class PromptResult:
 
     @property
     def greedy_ok(self) -> bool:
-        return self.diverged_at is None or self.min_gap < NEAR_TIE
-
-    @property
-    def greedy_ok_strict(self) -> bool:
-        return self.diverged_at is None or self.gap_at_divergence < NEAR_TIE
+        """Within the floor of the greedy rule (the test widens it to the spread it measures)."""
+        return self.diverged_at is None or self.gap_at_divergence <= SPREAD_FLOOR
 
     @property
     def accepted(self) -> bool:
@@ -176,6 +179,71 @@ def llama_vs_itself(llm, llm_other, ids: list[int], n_gen: int = N_GEN) -> dict:
     return follow(ref_logits, ref_gen, first, step)
 
 
+# llama.cpp's configurations other than the reference (flash attention off, the prefix as one batch,
+# 2 threads): (name, open_llama overrides, prefix token by token)
+ALTERNATES = (
+    ("flash attention on", {"flash_attn": True}, False),
+    ("prefix token by token", {}, True),
+    ("1 thread", {"n_threads": 1, "n_threads_batch": 1}, False),
+)
+
+
+def margin_drift(ref_logits: list[np.ndarray], ref_gen: list[int], llm_other, ids: list[int],
+                 token_by_token: bool) -> dict:
+    """Teacher-forced on the reference's ids: at each step, how far another llama.cpp configuration
+    moves the reference's top-2 margin (logit of its top token minus its runner-up), and the first
+    step where that configuration's argmax differs (with the reference's gap there)."""
+    llm_other.reset()
+    for t in ([[i] for i in ids] if token_by_token else [ids]):
+        llm_other.eval(t)
+    drift, flip = [], None
+    for i, ref in enumerate(ref_logits):
+        lg = np.array(llm_other.scores[llm_other.n_tokens - 1], dtype=np.float32)
+        b, a = np.argsort(ref)[-2:]  # a: the reference's top token, b: its runner-up
+        drift.append(abs(float(ref[a] - ref[b]) - float(lg[a] - lg[b])))
+        if flip is None and int(np.argmax(lg)) != ref_gen[i]:
+            flip = (i, _gap(ref))
+        if i + 1 < len(ref_gen):
+            llm_other.eval([ref_gen[i]])
+    return {"max_drift": max(drift), "flip": flip}
+
+
+def llama_spread(name: str, llm, texts: list[str]) -> dict:
+    """llama.cpp's own spread on this machine: the largest drift of its top-2 margin between its
+    reference configuration and each alternate, over the texts (and each alternate's self-flips)."""
+    refs = []
+    for text in texts:
+        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        refs.append((ids, *llama_greedy(llm, ids, N_GEN)))
+    out = {}
+    for label, overrides, token_by_token in ALTERNATES:
+        kw = dict(n_ctx=1024, n_threads=2, n_threads_batch=2, logits_all=True, flash_attn=False,
+                  verbose=False, seed=0)
+        kw.update(overrides)
+        other = open_llama(_model_path(name), **kw) if overrides else llm
+        try:
+            runs = [margin_drift(lg, gen, other, ids, token_by_token) for ids, lg, gen in refs]
+        finally:
+            if other is not llm:
+                other.close()
+        out[label] = {"max_drift": max(r["max_drift"] for r in runs),
+                      "flips": [r["flip"] for r in runs if r["flip"] is not None]}
+    return {"by_config": out, "spread": max(c["max_drift"] for c in out.values())}
+
+
+def prompt_texts(engine) -> list[str]:
+    """PROMPTS as llama.cpp is given them (chat prompts rendered by the model's template)."""
+    tok = engine.tokenizer
+    return [tok.render_chat([{"role": "user", "content": t}], add_generation_prompt=True) if chat else t
+            for _, t, chat in PROMPTS]
+
+
+def unexcused(results: list["PromptResult"], bound: float) -> list[tuple]:
+    """The greedy rule: divergences at a step where llama.cpp's gap exceeds `bound`."""
+    return [(r.name, r.diverged_at, round(r.gap_at_divergence, 3)) for r in results
+            if r.diverged_at is not None and r.gap_at_divergence > bound]
+
+
 def open_pair(name: str):
     _import_llama()
     from deploy.engine_local import LocalEngine
@@ -238,32 +306,30 @@ def test_last_prompt_argmax_equal(results):
     assert [r.name for r in results if not r.last_argmax_equal] == []
 
 
-def test_greedy_ids_equal_except_after_near_ties(pair, results):
-    """Equal greedy ids, except after a near-tie step (llama.cpp's top-2 gap < 0.1), where llama.cpp
-    itself flips between its attention kernels. A divergence at a wider gap is excused only when
-    llama.cpp's own kernels flip there too: llama.cpp with flash attention on, against itself with
-    it off, diverges at the same step or earlier (measured here, not assumed)."""
+@pytest.fixture(scope="module")
+def spread(pair):
+    """llama.cpp's spread on this machine for this model (measured once, only where a test needs it)."""
     name, llm, engine = pair
-    bad = [r for r in results if not r.greedy_ok]
-    if not bad:
+    cache = {}
+
+    def get() -> dict:
+        if not cache:
+            cache.update(llama_spread(name, llm, prompt_texts(engine)))
+            print(f"\n{name}: llama.cpp's top-2 margin drift between its configurations: "
+                  + ", ".join(f"{k} {v['max_drift']:.3f}" for k, v in cache["by_config"].items()))
+        return cache
+    return get
+
+
+def test_greedy_ids_equal_except_within_llamacpps_own_spread(pair, results, spread):
+    """Equal greedy ids, except at a step where llama.cpp's top-2 gap is within its own spread: how
+    far its configurations move that margin on this machine (measured here when needed), and never
+    below SPREAD_FLOOR. A bound grounded in llama.cpp's noise, not in one of its kernels' choices."""
+    if not unexcused(results, SPREAD_FLOOR):
         return
-    llm_fa = open_llama(_model_path(name), n_ctx=1024, n_threads=2, n_threads_batch=2,
-                        logits_all=True, flash_attn=True, verbose=False, seed=0)
-    try:
-        unexcused = []
-        for r in bad:
-            _, text, chat = next(p for p in PROMPTS if p[0] == r.name)
-            if chat:
-                text = engine.tokenizer.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
-            own = llama_vs_itself(llm, llm_fa, llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
-            if own["diverged_at"] is None or own["diverged_at"] > r.diverged_at:
-                unexcused.append((r.name, r.diverged_at, r.gap_at_divergence, own["diverged_at"]))
-            else:
-                print(f"\n{name} {r.name}: diverged at step {r.diverged_at} (llama.cpp gap {r.gap_at_divergence:.3f}); "
-                      f"llama.cpp flash-attn on vs off diverges at step {own['diverged_at']}: excused")
-        assert unexcused == [], "(prompt, our divergence step, llama.cpp's gap there, llama.cpp FA-on divergence)"
-    finally:
-        llm_fa.close()
+    measured = spread()
+    bound = max(SPREAD_FLOOR, measured["spread"])
+    assert unexcused(results, bound) == [], f"(prompt, step, llama.cpp's gap there) past {bound:.3f}: {measured}"
 
 
 def test_top10_logits_within_tolerance(pair, results):
@@ -289,6 +355,68 @@ def test_top10_logits_within_tolerance(pair, results):
         llm_fa.close()
     print(f"\n{name}: top-10 max {worst:.3f} past {TOP10_TOL}; llama.cpp FA on vs off: {max(own):.3f}")
     assert worst <= max(own), ([(r.name, round(r.top10_max, 3)) for r in results], [round(x, 3) for x in own])
+
+
+class _HeadRowSwapped:
+    """An engine whose LM head gives token `x` the logit of row `y`: a wrong row in one shard's slice."""
+
+    def __init__(self, engine, x: int, y: int):
+        self.engine, self.x, self.y = engine, x, y
+        self.tokenizer = engine.tokenizer
+
+    def _wrong(self, lg: np.ndarray) -> np.ndarray:
+        lg = np.array(lg, copy=True)
+        lg[self.x] = lg[self.y]
+        return lg
+
+    def new_kv(self):
+        return self.engine.new_kv()
+
+    def prefill(self, ids, kv):
+        return self._wrong(self.engine.prefill(ids, kv))
+
+    def decode(self, t, kv, pos):
+        return self._wrong(self.engine.decode(t, kv, pos))
+
+
+def _first_confident_step(llm, text: str, min_gap: float) -> tuple[int, int]:
+    """(step, token): the first step of llama.cpp's greedy run whose token is new and chosen by more
+    than min_gap, so that losing that token's logit must change the greedy ids there."""
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+    logits, gen = llama_greedy(llm, ids, N_GEN)
+    for i, (lg, t) in enumerate(zip(logits, gen)):
+        if t not in gen[:i] and _gap(lg) > min_gap:
+            return i, t
+    raise AssertionError(f"no step of {text!r} is chosen by more than {min_gap}")
+
+
+# on the small model only: the rule is the same for both
+@pytest.mark.parametrize("pair", [MODELS[0]], indirect=True)
+def test_the_rule_catches_a_wrong_row_in_a_shards_head_slice(pair, spread):
+    """One head row wrong (the slot of a token llama.cpp picks gets another token's product): the
+    greedy rule must fail it, with the bound as wide as this machine's measured spread."""
+    name, llm, engine = pair
+    bound = max(SPREAD_FLOOR, spread()["spread"])
+    _, text, _ = PROMPTS[0]
+    step, x = _first_confident_step(llm, text, 2 * bound)
+    bad = compare_prompt(llm, _HeadRowSwapped(engine, x, y=0), *PROMPTS[0])
+    assert bad.diverged_at is not None and bad.diverged_at <= step
+    assert unexcused([bad], bound) != [], (bad, bound)
+
+
+# on the small model only: the rule is the same for both
+@pytest.mark.parametrize("pair", [MODELS[0]], indirect=True)
+def test_the_rule_catches_a_swapped_phase(pair, spread, monkeypatch):
+    """RoPE's rotation with cos and sin swapped (a swapped phase): caught by the greedy rule or,
+    where the ids still agree, by the top-10 logits tolerance."""
+    name, llm, engine = pair
+    from common.models import qwen2
+
+    table = qwen2.rope_cos_sin  # feeds both the kernels' rope_qkv and numpy's rope_neox
+    monkeypatch.setattr(qwen2, "rope_cos_sin", lambda positions, hd, base: table(positions, hd, base)[::-1])
+    bound = max(SPREAD_FLOOR, spread()["spread"])
+    bad = [compare_prompt(llm, engine, *p) for p in PROMPTS[:3]]
+    assert unexcused(bad, bound) != [] or max(r.top10_max for r in bad) > TOP10_TOL, (bad, bound)
 
 
 # ------------------------------------------------------------------ script: the table for docs/fidelity.md
@@ -329,8 +457,19 @@ def main(argv: list[str]) -> int:
             div = "-" if r.diverged_at is None else f"{r.diverged_at} ({r.gap_at_divergence:.3f})"
             print(f"| {r.name} | {r.n_prompt} | {r.ids_equal} | {r.last_argmax_equal} | {r.n_same}/{N_GEN} | {div} "
                   f"| {r.min_gap:.3f} | {r.top10_max:.3f} | {r.top10_mean:.3f} "
-                  f"| {'yes' if r.accepted else 'NO'}{'' if r.greedy_ok_strict else ' (not strict)'} "
+                  f"| {'yes' if r.accepted else 'NO'} "
                   f"| {f['n_same']}/{N_GEN}{fa_div(f)}, {f['top10_max']:.3f} / {f['top10_mean']:.3f} |")
+        sp = llama_spread(name, llm, prompt_texts(engine))
+        print(f"\nllama.cpp's top-2 margin drift against its reference configuration (teacher-forced, "
+              f"{len(PROMPTS)} prompts x {N_GEN} steps): spread {sp['spread']:.3f}\n")
+        print("| configuration | max drift | its own flips (step, gap) |")
+        print("|---|---|---|")
+        for label, c in sp["by_config"].items():
+            flips = ", ".join(f"{i} ({g:.3f})" for i, g in c["flips"]) or "none"
+            print(f"| {label} | {c['max_drift']:.3f} | {flips} |")
+        print(f"\ngreedy rule's bound here: max(SPREAD_FLOOR {SPREAD_FLOOR}, spread) = "
+              f"{max(SPREAD_FLOOR, sp['spread']):.3f}; largest gap at our divergences: "
+              f"{max([r.gap_at_divergence for r in rs if r.diverged_at is not None], default=0.0):.3f}")
         print(f"\nmean of top-10 mean abs: ours {np.mean([r.top10_mean for r in rs]):.3f}, "
               f"llama.cpp FA on vs off {np.mean([f['top10_mean'] for f in fa]):.3f}")
         for r in rs:
