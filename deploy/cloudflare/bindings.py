@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 from typing import Any, Awaitable
 
 import js
-from pyodide.ffi import JsException, to_js
+from pyodide.ffi import JsException, JsProxy, to_js
 
 from common import signing
 from common.runtime import (BadGateway, DurableObjectId, Env, ObjectBody, ObjectMeta, PreconditionFailed,
@@ -57,7 +57,11 @@ INTERNAL_SECRET = "KNOT_INTERNAL_SECRET"  # signs and verifies internal calls (t
 
 
 def raw(binding: Any) -> Any:
-    """The JS object behind the SDK's wrappers (_EnvWrapper, _BindingWrapper, _FetcherWrapper)."""
+    """The JS object behind the SDK's wrappers (_EnvWrapper, _BindingWrapper, _FetcherWrapper). A JS
+    object is returned as it is: a service binding (a Fetcher) answers every property name with an RPC
+    stub, so probing it for `_binding` would give a stub whose fetch is refused as an RPC call."""
+    if isinstance(binding, JsProxy):
+        return binding
     for attr in ("_binding", "_env"):
         inner = getattr(binding, attr, None)
         if inner is not None:
@@ -220,15 +224,20 @@ class ServiceBinding:
 
 
 class DurableObjectStub:
-    def __init__(self, stub: Any, id: DurableObjectId, what: str, signer: Signer | None = None):
-        self._stub, self.id, self._what, self._signer = stub, id, what, signer
+    """A JS stub is got anew for every call: workerd binds a stub to the request that got it and
+    refuses it in another ("Cannot perform I/O on behalf of a different request"), while a booted
+    handler keeps its stubs across requests."""
+
+    def __init__(self, ns: Any, id: DurableObjectId, what: str, signer: Signer | None = None):
+        self._ns, self.id, self._what, self._signer = ns, id, what, signer
 
     async def fetch(self, request: Request) -> Response:
         request = request.with_url(request.url)
         request.headers[DO_NAME_HEADER] = self.id.name
         if self._signer is not None:
             request = self._signer.signed(request, self.id.name)
-        return await _fetch(f"{self._what} {self.id.name!r} {request.method} {request.path}", self._stub, request)
+        stub = self._ns.get(self._ns.idFromName(self.id.name))
+        return await _fetch(f"{self._what} {self.id.name!r} {request.method} {request.path}", stub, request)
 
 
 class DurableObjectNamespace:
@@ -241,7 +250,7 @@ class DurableObjectNamespace:
         return DurableObjectId(name, str(self._ns.idFromName(name).toString()))
 
     def get(self, id: DurableObjectId) -> DurableObjectStub:
-        return DurableObjectStub(self._ns.get(self._ns.idFromName(id.name)), id, f"Durable Object {self.name}",
+        return DurableObjectStub(self._ns, id, f"Durable Object {self.name}",
                                  self._signer)
 
 

@@ -85,7 +85,8 @@ def response_to_js(response: Response) -> Any:
     elif response.status in NULL_BODY_STATUSES:
         body = None
     else:
-        body = response.body
+        # an ArrayBuffer: the runtime's workers.Response of Pyodide 0.27's era refuses bytes (newer SDKs take both)
+        body = to_js(response.body).buffer
     return WorkersResponse(body, status=response.status, headers=headers)
 
 
