@@ -297,18 +297,22 @@ def readme(workers: list[Worker], upload_command: str = "knot deploy cloudflare 
                          for w in workers)
     n_stations = sum(w.role == "station" for w in workers)
     n_shards = sum(w.role == "shard" for w in workers)
-    longest = longest_generations(n_stations, n_shards)
     limit = coordinator.vars.get("SUBREQUEST_LIMIT", "")
+    if n_stations and n_shards:
+        longest = longest_generations(n_stations, n_shards)
+        cost = (f", and a generated token costs {HopCost(n_stations, n_shards).trip(1)} subrequests of the coordinator\n"
+                f"({n_stations} stations, {n_shards} shards and one embedding call), so one generation runs at most\n"
+                f"{longest['paid']} tokens on Paid and {longest['free']} on Free (SUBREQUEST_LIMIT={limit} here: a longer "
+                f"one ends\nwith finish_reason \"length\" and limited_by \"subrequests\").")
+    else:  # a partial set of Workers (no stations or no shards): no per-token cost to state
+        cost = "."
     auth = f" -H \"Authorization: Bearer $(grep '^{API_KEY}=' {SECRETS_FILE} | cut -d= -f2-)\"" \
         if API_KEY in coordinator.secrets else ""
     return f"""# Deploying knot-cluster to Cloudflare Python Workers
 
 Written by `knot deploy cloudflare`; docs/cloudflare.md in the repository explains every choice.
 Needs a Workers **Paid** plan: each Worker and Durable Object request may use up to {CPU_MS // 1000} s of CPU
-(`limits.cpu_ms`), and a generated token costs {HopCost(n_stations, n_shards).trip(1)} subrequests of the coordinator
-({n_stations} stations, {n_shards} shards and one embedding call), so one generation runs at most
-{longest["paid"]} tokens on Paid and {longest["free"]} on Free (SUBREQUEST_LIMIT={limit} here: a longer one ends
-with finish_reason "length" and limited_by "subrequests").
+(`limits.cpu_ms`){cost}
 
 Only `{coordinator.name}` is published (workers.dev); every other Worker has `workers_dev = false`, no
 preview URLs and no route, and answers only calls signed with the cluster's secret. The secrets are in

@@ -148,8 +148,11 @@ class HopCost:
     def longest(self, limit: int, n_prompt: int = 1, overhead: int = 1) -> int:
         """The most tokens one generation gets within limit subrequests (after `overhead` calls of the
         request itself: the bucket's version check), without drafts."""
+        per_token = self.trip(1)
+        if per_token == 0:
+            raise ValueError(f"{self}: a layout without stations or shards makes no trips to count")
         left = limit - overhead - self.release() - self.prompt(n_prompt)
-        return 0 if left < 0 else 1 + left // self.trip(1)
+        return 0 if left < 0 else 1 + left // per_token
 
 
 def reserve(gen: Any, counter: Counter | None, cost: HopCost) -> None:
