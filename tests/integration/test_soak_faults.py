@@ -12,7 +12,7 @@ import os
 from benchmarks import soak
 from deploy import launcher, servers
 
-MINUTES = 1.2
+MINUTES = 1.0
 PEER_WAIT_S = 2.0
 REQUEST_TIMEOUT_S = 30.0
 LONG_TOKENS = (200,)  # the tiny model's context is 256
@@ -35,7 +35,7 @@ def test_each_fault_under_load_gives_no_wrong_token_no_500_no_hang(tmp_path, kno
     record_property("soak_faults", {n: e["requests"] for n, e in faults.items()})
     print("outcomes:", result["by_outcome"])
     for name, e in faults.items():
-        print(f"{name}: {e['requests']}; lifted after {e['lifted_s']} s, baseline after {e['recovered_s']} s")
+        print(name, {k: v for k, v in e.items() if k != "t"})
 
     assert result["failures"] == [] and result["hung_workers"] == 0, result["failures"]
     assert list(faults) == list(soak.NEW_FAULTS)
@@ -43,10 +43,11 @@ def test_each_fault_under_load_gives_no_wrong_token_no_500_no_hang(tmp_path, kno
     assert result["longest_request_s"] < result["hang_s"]
     assert result["by_outcome"].get("200", 0) > 20 and result["by_outcome"].get("4xx", 0) > 0, result["by_outcome"]
     assert result["long_prompt_tokens"][0] >= 150, result["long_prompt_tokens"]
-    # each fault was what it says: the station stopped past PEER_WAIT_S gave 503s; the forged rows were
-    # in Redis; the replaced knot was refused as IntegrityFailure; the PUT and the replay refused
+    # each fault was what it says: the station stopped past PEER_WAIT_S gave 503s; forged rows were
+    # read from Redis and rejected; the replaced knot was refused as IntegrityFailure; the PUT and the
+    # replay were refused
     assert faults["stop-station"]["requests"].get("503", 0) > 0, faults["stop-station"]
-    assert faults["forge-kv"]["forged_rows"] > 0, faults["forge-kv"]
+    assert faults["forge-kv"]["forged_rows"] > 0 and faults["forge-kv"]["kv_rejects_after"] > 0, faults["forge-kv"]
     assert faults["replace-knot"]["refused_after_s"] is not None, faults["replace-knot"]
     assert faults["anonymous-put"]["status"] == 403 and faults["anonymous-put"]["object_unchanged"]
     assert (faults["replay"]["sibling_status"], faults["replay"]["own_status"]) == (401, 200), faults["replay"]
