@@ -87,10 +87,10 @@ def workers_sdk() -> Path:
     return d
 
 
-def node_modules() -> Path:
-    """`npm ci` of tests/cloudflare/node into the cache, keyed by the lock file's hash."""
-    lock = NODE_PROJECT / "package-lock.json"
-    key = hashlib.sha256(lock.read_bytes() + (NODE_PROJECT / "package.json").read_bytes()).hexdigest()[:16]
+def node_modules(project: Path = NODE_PROJECT) -> Path:
+    """`npm ci` of a node project (tests/cloudflare/node by default) into the cache, keyed by its lock file's hash."""
+    lock = project / "package-lock.json"
+    key = hashlib.sha256(lock.read_bytes() + (project / "package.json").read_bytes()).hexdigest()[:16]
     d = root() / f"npm-{key}"
     marker = d / ".installed"
     if marker.is_file():
@@ -101,7 +101,7 @@ def node_modules() -> Path:
     tmp = Path(tempfile.mkdtemp(dir=root(), prefix="npm-partial-"))
     try:
         for f in ("package.json", "package-lock.json"):
-            shutil.copy(NODE_PROJECT / f, tmp / f)
+            shutil.copy(project / f, tmp / f)
         # --ignore-scripts: wrangler's dependencies' postinstall steps download nothing we need
         # (esbuild and workerd come as platform packages).
         proc = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"],
