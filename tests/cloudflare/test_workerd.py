@@ -42,7 +42,9 @@ CANCEL_RELEASE = (
     "under workerd (miniflare 4.20250803.1), a client that disconnects mid-stream ends the coordinator's "
     "invocation without the release of its station sessions: the generation stops (4 station forwards of "
     "200), but the station Durable Object still holds the request's session 30 s later, until SESSION_TTL_S "
-    "or eviction; the CPython and Pyodide doubles call the stream's cancel and release (docs/cloudflare.md)")
+    "or eviction: workerd never calls the response ReadableStream's cancel (a log line in convert._Pump.cancel "
+    "never appears), so the generation's cleanup never runs; the CPython and Pyodide doubles call it "
+    "(docs/cloudflare.md)")
 
 
 def _free_port() -> int:
