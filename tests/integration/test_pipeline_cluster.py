@@ -136,7 +136,7 @@ def test_corrupted_warden_frame_is_invalidated_and_read_from_r2(cluster, engine)
     cluster.stop("station-0")
     # Fluid station (little room to keep tensors): phases are loaded through the proxy.
     cluster.specs["station-0"] = dataclasses.replace(original, environment={
-        **original.environment, "LAYER_WARDEN": f"do+http://127.0.0.1:{proxy.port}/LayerWarden",
+        **original.environment, "LAYER_WARDEN": f"do+http://127.0.0.1:{proxy.port}/LayerWarden#layer-warden",  # signed for the warden
         "MEMORY_BUDGET_BYTES": str(FLUID_BUDGET_BYTES)})
     try:
         cluster.start("station-0")
