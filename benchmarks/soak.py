@@ -82,6 +82,9 @@ HANG_MARGIN_S = 60.0  # past REQUEST_TIMEOUT_S, a request with no answer hangs
 RECOVERY_S = 300.0  # after a fault is lifted, the baseline tokens again within this
 FAULT_CHECK_TIMEOUT_S = 120.0  # a replaced knot refused within this
 FORGED_KEY = CacheKey("a-forgers-secret-which-is-not-the-clusters")
+# The coordinator keeps no embedding rows and a booting shard has its warden read nothing ahead: after
+# forge-kv's kills, the prompts' rows are read from the KV, where the forged ones are.
+ROW_PATH_ENV = {"EMBED_ROW_CACHE_BYTES": "0", "KNOT_WARM_WARDEN": "off"}
 KV_PREFIX = "EMBED_CACHE:"  # where the CobordismWarden's KV binding keeps its keys (its name, deploy/local/settings.py)
 
 
@@ -543,10 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=str(Path(tempfile.gettempdir()) / "knot-soak"))
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs"))
     args = p.parse_args(argv)
-    # EMBED_ROW_CACHE_BYTES=0: the coordinator keeps no embedding rows, so the shards and the
-    # CobordismWarden (and, after forge-kv's kills, the KV) serve every prompt's rows.
     env = {**os.environ, "KNOT_PORT": str(servers.free_ports(1)[0]), "PEER_WAIT_S": str(args.peer_wait_s),
-           "REQUEST_TIMEOUT_S": str(args.request_timeout_s), "EMBED_ROW_CACHE_BYTES": "0"}
+           "REQUEST_TIMEOUT_S": str(args.request_timeout_s), **ROW_PATH_ENV}
     env.pop("KNOT_KEY", None)
     cluster = launcher.Cluster(Path(args.run_dir))
     print(f"starting the cluster in {args.run_dir}", flush=True)

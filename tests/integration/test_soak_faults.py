@@ -20,7 +20,7 @@ LONG_TOKENS = (200,)  # the tiny model's context is 256
 
 def test_each_fault_under_load_gives_no_wrong_token_no_500_no_hang(tmp_path, knot, record_property):
     env = {**os.environ, "KNOT_PORT": str(servers.free_ports(1)[0]), "PEER_WAIT_S": str(PEER_WAIT_S),
-           "REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S), "EMBED_ROW_CACHE_BYTES": "0"}
+           "REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S), **soak.ROW_PATH_ENV}
     env.pop("KNOT_KEY", None)
     env.pop("KNOT_DIGEST", None)
     cluster = launcher.Cluster(tmp_path / "cluster")
