@@ -49,7 +49,8 @@ def test_every_tensor_byte_equals_the_gguf(real):
     for t in reader.tensors:
         raw = reader.data[t.data_offset:t.data_offset + t.n_bytes]
         assert np.array_equal(model.tensor(t.name).data, raw), t.name
-    assert h.payload_offset < 64 * 1024, "the header stays small: one probe reads it"
+    # knot v2's chunk digests (16 hex digits per 64 KiB) take it past the 64 KiB probe: two reads
+    assert h.payload_offset < 512 * 1024, "the header stays small: the probe and one more read"
     tok = model.tokenizer_data()
     assert len(tok["tokens"]) == 151936 and len(tok["merges"]) == 151387
 
