@@ -66,20 +66,26 @@ def read(path: str | Path) -> dict[str, str]:
     return out
 
 
-def write(path: str | Path, values: dict[str, str]) -> None:
+def write_private(path: str | Path, data: bytes) -> None:
     """Atomically, mode 0600 from the first byte (the file is never readable by others, not even briefly)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)  # a leftover tmp file keeps its old mode through O_CREAT
-        text = "# Generated per cluster by deploy/cluster_secrets.py: keep it private (mode 600).\n"
-        text += "".join(f"{k}={v}\n" for k, v in values.items())
-        os.write(fd, text.encode())
+        os.write(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def write(path: str | Path, values: dict[str, str]) -> None:
+    """The secrets as KEY=value lines, through write_private."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "# Generated per cluster by deploy/cluster_secrets.py: keep it private (mode 600).\n"
+    text += "".join(f"{k}={v}\n" for k, v in values.items())
+    write_private(path, text.encode())
 
 
 def ensure(path: str | Path) -> dict[str, str]:

@@ -49,6 +49,7 @@ def write_identities(path: str, access_key: str, secret_key: str) -> None:
         raise ValueError("the bucket needs an access key and a secret key (deploy/cluster_secrets.py)")
     config = {"identities": [{"name": IDENTITY_NAME, "actions": list(ACTIONS),
                               "credentials": [{"accessKey": access_key, "secretKey": secret_key}]}]}
+    # deploy.cluster_secrets.write_private's steps: this file is copied alone into the stand-in image
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

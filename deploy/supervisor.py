@@ -36,15 +36,7 @@ HEALTHY_S = 60.0  # up this long: the next crash is restarted after BACKOFF_S ag
 def write_recipes(run_dir: Path, recipes: dict[str, dict]) -> None:
     """name -> {"kind": "process", "argv", "env", "cwd", "log", "secrets": {variable: secret's name}} |
     {"kind": "seaweedfs"|"redis", "dir", "port", "log"}; no secret's value (they stay in secrets.env)."""
-    path = run_dir / RECIPES_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, json.dumps(recipes).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    cluster_secrets.write_private(run_dir / RECIPES_FILE, json.dumps(recipes).encode())
 
 
 def start(recipe: dict, secrets: dict[str, str] | None = None) -> int:

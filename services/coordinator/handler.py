@@ -152,9 +152,9 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         blob_sha256 = hashlib.sha256(blob).digest()
         previous = _booted.peek(key)
         if previous is not None and previous.tokenizer_sha256 == blob_sha256:
-            # A reload whose tokenizer is the same bytes keeps the one built. Why: each build of the
-            # 0.5B's beside the previous one left ~4 MiB of the heap fragmented for good, malloc_trim
-            # or not: the coordinator's RSS +21% over 10 reloads (benchmarks/reload_rss.py).
+            # A reload whose tokenizer is the same bytes keeps the one built: each new build beside the
+            # previous one left its heap fragmented for good, malloc_trim or not, and the coordinator's
+            # RSS grew with every reload (benchmarks/reload_rss.py measures it).
             tokenizer = previous.co.tokenizer
         else:
             tokenizer = Tokenizer(decode_tokenizer_blob(blob, header.blobs[TOKENIZER_BLOB].encoding))
