@@ -336,7 +336,9 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
     Why services come here too: a coordinator makes ten calls per decode step, on the token's path
     between its hops, and this client costs its caller ~0.6x aiohttp's CPU per small call
     (benchmarks/hop_client.py: 422 against 710 us on a 2 GHz Xeon)."""
-    target, headers = _outgoing(url, request, extra_headers, signer)
+    target, headers = _outgoing(url, request, extra_headers, None)
+    if signer is not None:  # signed below, per attempt; never a signature the request came with
+        headers = {k: v for k, v in headers.items() if k.lower() != signing.SIGNATURE_HEADER.lower()}
     if target.scheme != "http" or target.host is None:
         raise ValueError(f"buffered_fetch: {url}: plain http:// only")
     body = request.body or b""
@@ -348,9 +350,16 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
             *([] if connections is not None else ["Connection: close"]), f"Content-Length: {len(body)}",
             *(f"{k}: {v}" for k, v in headers.items()), *([f"{SHM_HEADER}: {shm.offer}"] if shm is not None else []),
             *([f"{PID_NS_HEADER}: {shm.pid_ns}"] if shm is not None and shm.pid_ns is not None else [])]
-    message = "\r\n".join(head).encode("utf-8") + b"\r\n\r\n"  # header octets as aiohttp sends them
-    if len(body) <= _JOIN_BODY_BYTES:  # one send; a prefill chunk's hidden states (MBs) are not copied
-        message, body = message + body, b""
+    join = len(body) <= _JOIN_BODY_BYTES  # one send; a prefill chunk's hidden states (MBs) are not copied
+
+    def message() -> bytes:
+        """The request's head (and a small body), signed now: after the connection is made, so a
+        connect that waits for a restarting peer (a SYN resent a second later) cannot carry a call
+        signed before the peer's boot, which it refuses as a replay (common/signing.py)."""
+        signed = head if signer is None else [*head, f"{signing.SIGNATURE_HEADER}: " + signer.header(
+            request.method, target.raw_path_qs, body, headers.get(DO_NAME_HEADER, ""))]
+        return "\r\n".join(signed).encode("utf-8") + b"\r\n\r\n" + (body if join else b"")
+
     peer = (target.host, target.port)
     loop = asyncio.get_running_loop()
     sock = None
@@ -364,8 +373,8 @@ async def buffered_fetch(url: str, request: Request, timeout_s: float | None,
                     if connections is not None:
                         connections.opened += 1
                 try:
-                    await loop.sock_sendall(sock, message)
-                    if body:
+                    await loop.sock_sendall(sock, message())
+                    if body and not join:
                         await loop.sock_sendall(sock, body)
                     status, reply_headers, body_out, keep = await _read_reply(loop, sock)
                 except (_Stale, ConnectionResetError, BrokenPipeError) as e:

@@ -203,3 +203,35 @@ async def test_a_connection_idle_past_max_idle_s_is_closed_not_reused(host):
         assert conns.opened == 2
     finally:
         conns.close()
+
+
+async def test_a_call_is_signed_after_its_connect_so_a_peer_booting_meanwhile_takes_it(monkeypatch):
+    """The compose CI's restart case: a connect to a restarting peer waits (its SYN resent a second
+    later) while the peer boots; a signature made before the connect would predate the peer's boot
+    and be refused as a replay of its previous incarnation's calls."""
+    from aiohttp import web
+
+    real_connect = bindings._connect
+    peer: dict = {}
+
+    async def connect_while_it_boots(loop, addr, what):
+        # The peer boots only now, as our SYN waits: its boot time is after the call began.
+        await asyncio.sleep(2 * signing.BOOT_SKEW_S)
+        rt = ServiceRuntime("station", handler, Env(), BackgroundTasks("test"),
+                            verifier=signing.Verifier(SECRET, "station", booted_at=time.time()))
+        peer["runner"] = runner = app_runner(build_app(rt))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", addr[1]).start()
+        return await real_connect(loop, addr, what)
+
+    with socket.socket() as s:  # a free port for the peer to come up on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(bindings, "_connect", connect_while_it_boots)
+    try:
+        r = await buffered_fetch(f"http://127.0.0.1:{port}/echo", Request("POST", "/echo", {}, b"x"), 30,
+                                 signer=Signer(SECRET, "station"), connections=bindings.Connections())
+    finally:
+        await peer["runner"].cleanup()
+    assert r.status == 200, r.body
+    assert r.json()["body"] == "x"
