@@ -41,8 +41,9 @@ the drift. --llama-once measures it once, at the start.
 
 The machine (deploy.machine: the CPU, its family and model, the vector features the kernels and
 llama.cpp choose by, the CPUs this process may use, memory, the kernel, and the matmul kernels
-chosen) is printed first and above the table, and written to --json as "machine": a ratio belongs
-to the machine it was measured on.
+chosen) is printed first and above the table: a ratio belongs to the machine it was measured on.
+--json FILE appends the table to FILE as records (deploy/records.py), each with that machine and the
+command, e.g. to benchmarks/results/<machine class>.jsonl.
 
 Benchmarks are records, never tests: nothing here asserts a speed.
 """
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import threading
@@ -145,6 +147,32 @@ def render_table(figures: list[Figure]) -> str:
     return "\n".join([line(rows[0]), sep] + [line(r) for r in rows[1:]])
 
 
+def bench_records(figures: list[Figure], machine: dict, command: str, date: str, model: str,
+                  note: str = "") -> list[dict]:
+    """The table as records (deploy/records.py): per figure ours, llama.cpp's ("<name>, llama.cpp") and
+    their ratio ("<name>, ours / llama.cpp", unit "x"), each where measured. MiB figures are stored
+    in bytes ("B") and shares in percent ("%")."""
+    from deploy import records
+
+    def one(metric: str, value: float, unit: str) -> dict:
+        if unit == "MiB":
+            unit = "B"  # Figure keeps bytes and prints MiB
+        elif unit == "%":
+            value = round(value * 100, 3)
+        return records.record(date, machine, command, metric, value, unit, note, model=model)
+
+    out = []
+    for f in figures:
+        if f.ours is not None:
+            out.append(one(f.name, f.ours, f.unit))
+        if f.llama is not None:
+            out.append(one(f"{f.name}, llama.cpp", f.llama, f.unit))
+        r = ratio(f.ours, f.llama)
+        if r is not None:
+            out.append(one(f"{f.name}, ours / llama.cpp", round(r, 4), "x"))
+    return out
+
+
 def per_token(before: dict[str, int], after: dict[str, int], tokens: int) -> float | None:
     """Sum of the counters' deltas over the tokens generated between the two readings."""
     if tokens <= 0:
@@ -208,7 +236,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "path, same vocabulary) and measure the speculation source draft_model")
     p.add_argument("--spec-repeats", type=positive_int, default=2, metavar="N",
                    help="runs of each speculation measurement; the best is reported (default 2)")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the raw measurements to FILE")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also append the figures to FILE as records, one JSON object a line (deploy/records.py; "
+                   "benchmarks/results/README.md)")
     p.add_argument("--long-prompts", type=positive_ints, default="", metavar="N,N",
                    help="also measure the prefill of prompts of these token counts, e.g. 2048,8192,30000 "
                         "(the cluster's stations need the budget for their KV caches)")
@@ -714,6 +744,14 @@ def run(args: argparse.Namespace) -> int:
         for line in describe_fluid(fluid["rates"], fluid["copy_gb_s"]):
             print(f"fluid {line}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": host, "cluster": cl, "fluid": fluid, "local": local, "llama": ll},
-                                              indent=1, default=str))
+        from deploy import records
+
+        argv = getattr(args, "argv", None)
+        command = "knot " + shlex.join(argv) if argv else "knot bench"
+        note = (f"{args.tokens} tokens, prompt {len(long_ids)} tokens, llama.cpp {args.threads} threads"
+                + ("" if not runs else f", llama.cpp decode {min(runs):.2f}-{max(runs):.2f} tok/s over the run"))
+        recs = bench_records(figures, records.machine_of(host), command, time.strftime("%Y-%m-%d", time.gmtime()),
+                             model, note)
+        records.append(Path(args.json), recs)
+        progress(f"{len(recs)} records appended to {args.json}")
     return 0

@@ -167,3 +167,32 @@ def test_bench_refuses_bad_counts_before_it_starts_anything(argv, needle, capsys
     args = build_parser().parse_args(["bench", "--concurrency", "", "--long-prompts", "2048, 8192"])
     assert args.concurrency == [] and args.long_prompts == [2048, 8192] and args.tokens == 64
     assert build_parser().parse_args(["bench"]).concurrency == [1, 4, 8]
+
+
+def test_bench_records_parse_as_records_with_the_machine_command_and_ratios(tmp_path):
+    from deploy import records
+    from deploy.commands.bench import bench_records
+
+    described = {"cpu": "AMD EPYC", "family": 25, "model": 17, "features": ["AVX2", "AVX-512F"], "cpus": 2,
+                 "mem_total_bytes": 2**34, "system": "Linux 6", "kernels": "avx512 kernels, 2 threads"}
+    figs = [Figure("decode", 42.8, 47.0, "tok/s"), Figure("ttft", 55.0, None, "ms"),
+            Figure("acceptance, code prompt, prompt lookup", 0.13, None, "%"),
+            Figure("peak RSS station-0", 300 * 2**20, None, "MiB"), Figure("R2 bytes per token", None, None, "B")]
+    recs = bench_records(figs, records.machine_of(described), "knot bench --tokens 64", "2026-12-06",
+                         "qwen2.5-coder-0.5b", "64 tokens")
+    path = tmp_path / "results" / "zen4.jsonl"
+    records.append(path, recs)
+    records.append(path, recs[:1])  # appends, never overwrites
+    back = records.read(path)
+    assert len(back) == len(recs) + 1 and back[:len(recs)] == recs
+    by = {r["metric"]: r for r in back}
+    assert set(by) == {"decode", "decode, llama.cpp", "decode, ours / llama.cpp", "ttft",
+                       "acceptance, code prompt, prompt lookup", "peak RSS station-0"}  # no row without a value
+    assert (by["decode"]["value"], by["decode"]["unit"]) == (42.8, "tok/s")
+    assert by["decode, ours / llama.cpp"]["value"] == round(42.8 / 47.0, 4) and by["decode, ours / llama.cpp"]["unit"] == "x"
+    assert (by["acceptance, code prompt, prompt lookup"]["value"], by["peak RSS station-0"]["unit"]) == (13.0, "B")
+    r = by["ttft"]
+    assert (r["date"], r["command"], r["model"], r["note"]) == ("2026-12-06", "knot bench --tokens 64",
+                                                                "qwen2.5-coder-0.5b", "64 tokens")
+    assert r["machine"]["isa"] == ["AVX2", "AVX-512F"] and (r["machine"]["family"], r["machine"]["model"]) == (25, 17)
+    assert records.machine_class(r["machine"]) == "Zen 4"

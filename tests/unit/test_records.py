@@ -1,0 +1,61 @@
+"""deploy/records.py: the shape of a benchmark record, and every committed record in that shape."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy import records
+
+ROOT = Path(__file__).resolve().parents[2]
+ZEN4 = {"cpu": "AMD EPYC", "family": 25, "model": 17, "isa": ["AVX2", "AVX-512F", "AVX-512 VNNI"]}
+GOOD = {"date": "2026-12-05", "machine": ZEN4, "command": "knot bench", "metric": "decode", "value": 42.8,
+        "unit": "tok/s", "note": ""}
+
+
+def test_every_committed_record_has_the_schema():
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.jsonl"))
+    assert files, "benchmarks/results holds the records docs/performance.md quotes"
+    for f in files:
+        assert records.read(f), f"{f} is empty"
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"date": "2026-12-5"}, "YYYY-MM-DD"),
+    ({"value": "42.8"}, "expected a number"),
+    ({"value": True}, "expected a number"),
+    ({"machine": {"cpu": "AMD EPYC"}}, "expected an object with"),
+    ({"machine": {**ZEN4, "family": "25"}}, "integer or null"),
+    ({"metric": ""}, "must not be empty"),
+    ({"speed": 1}, "unknown fields"),
+])
+def test_a_bad_record_is_refused_naming_the_field(change, needle):
+    with pytest.raises(records.RecordError, match=needle):
+        records.check({**GOOD, **change})
+
+
+def test_a_missing_field_is_named():
+    bad = dict(GOOD)
+    del bad["note"]
+    with pytest.raises(records.RecordError, match="lacks note"):
+        records.check(bad)
+
+
+def test_read_names_the_bad_line(tmp_path):
+    records.append(tmp_path / "r.jsonl", [GOOD])
+    with (tmp_path / "r.jsonl").open("a") as f:
+        f.write('{"date": "2026-12-05"}\n')
+    with pytest.raises(records.RecordError, match=r"r.jsonl:2: record lacks"):
+        records.read(tmp_path / "r.jsonl")
+
+
+@pytest.mark.parametrize("cpu, family, model, isa, want", [
+    ("AMD EPYC 7551 32-Core Processor", 23, 1, ["AVX2"], "Zen 1"),
+    ("AMD EPYC 7B13", 25, 1, ["AVX2"], "Zen 3"),
+    ("AMD EPYC", 25, 17, ["AVX2", "AVX-512F", "AVX-512 VNNI"], "Zen 4"),
+    ("AMD EPYC", 26, 2, ["AVX2", "AVX-512F", "AVX-512 VNNI"], "Zen 5"),
+    ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", 6, 143, ["AVX2", "AVX-512F", "AMX"], "Intel AVX-512"),
+    ("Intel(R) Core(TM) i7", 6, 158, ["AVX2"], "AVX2"),
+])
+def test_machine_class(cpu, family, model, isa, want):
+    assert records.machine_class({"cpu": cpu, "family": family, "model": model, "isa": isa}) == want
