@@ -17,7 +17,7 @@ import time
 import pytest
 
 from common import settings
-from tests.integration.conftest import http
+from tests.integration.conftest import http, metric
 
 MODEL = "qwen2.5-coder-0.5b"
 
@@ -80,13 +80,7 @@ class Stack:
 
     def metric(self, name: str) -> float:
         """The sum of a coordinator metric's samples (all labels)."""
-        status, _, raw = http("GET", self.url + "/metrics")
-        assert status == 200, raw
-        total = 0.0
-        for line in raw.decode().splitlines():
-            if line.startswith(name) and line[len(name)] in " {":
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric(self.url, name)
 
 
 @pytest.fixture(scope="session")

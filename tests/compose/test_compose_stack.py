@@ -210,6 +210,7 @@ class DockerStats:
 
     def __init__(self, names: dict[str, str]):  # container id -> service
         self.names, self.peak = names, {s: 0 for s in names.values()}
+        self.rounds = {s: 0 for s in names.values()}  # rows read per service
         self.proc = subprocess.Popen(["docker", "stats", "--format", "{{json .}}", *names], stdout=subprocess.PIPE,
                                      text=True)
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -227,6 +228,12 @@ class DockerStats:
             service = self.names.get(row["Container"])
             if service and m:
                 self.peak[service] = max(self.peak[service], int(float(m[1]) * self.UNITS[m[2]]))
+                self.rounds[service] += 1
+
+    def next_round(self, timeout_s: float = 60) -> None:
+        """Until every container has had one more row than now."""
+        seen = dict(self.rounds)
+        wait_for(lambda: all(self.rounds[s] > n for s, n in seen.items()), timeout_s, "a round of docker stats")
 
     def close(self):
         self.proc.kill()
@@ -254,13 +261,13 @@ def test_peak_memory_stays_within_each_limit_for_512_prompt_and_64_decode(stack,
     assert len(prompt) == 512
     stats = DockerStats({d["Id"]: s for s, d in docs.items()})
     try:
-        time.sleep(3)  # a first round for every container
+        stats.next_round()  # a first round for every container
         status, _, raw = http("POST", stack.url + "/v1/completions",
                               {"model": MODEL, "prompt": prompt, "max_tokens": 64}, timeout_s=900)
         assert status == 200, raw
         usage = json.loads(raw)["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (512, 64), usage
-        time.sleep(3)  # the last round after the reply
+        stats.next_round()  # the last round after the reply
     finally:
         stats.close()
     rows = []

@@ -6,7 +6,6 @@ No mocks of S3 or Redis. Everything listens on free 127.0.0.1 ports and is stopp
 from __future__ import annotations
 
 import json
-import time
 from contextlib import contextmanager
 import urllib.error
 import urllib.request
@@ -26,6 +25,7 @@ from deploy.local import compose
 from deploy.local.bindings import S3Settings, Signer, s3_client
 from deploy.local.durable import DO_NAME_HEADER
 from tests.synth import TinySpec, write_tiny_gguf
+from tests.waits import wait_for  # noqa: F401  (the integration tests import it from here)
 
 BUCKET = "knots"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "knot", "AWS_SECRET_ACCESS_KEY": "knot-secret-key", "AWS_REGION": "us-east-1"}
@@ -230,14 +230,15 @@ def http(method: str, url: str, body: dict | bytes | None = None, headers: dict 
         return e.code, dict(e.headers), e.read()
 
 
-def wait_for(check, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not met within {timeout_s} s")
+def metric(url: str, name: str) -> float:
+    """The sum of a service's /metrics samples of `name` (all labels)."""
+    status, _, raw = http("GET", url + "/metrics")
+    assert status == 200, raw
+    total = 0.0
+    for line in raw.decode().splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 PIPELINE = ["station-0", "station-1", *(f"shard-{i}" for i in range(8)), "coordinator"]

@@ -41,13 +41,15 @@ def test_request_id_propagates_through_a_service_binding(procs):
     assert '"request_id": "rid-42"' in log and '"path": "/echo"' in log
 
 
-def test_durable_object_is_unique_and_keeps_request_order(procs):
-    """8 requests, sent 30 ms apart, each holding the instance 100 ms: no interleaving, arrival order."""
+def test_durable_object_is_unique_and_keeps_request_order(procs, redis_server):
+    """8 requests, each holding the instance 300 ms and each sent once the one before it has started
+    (so it arrives while that one holds the instance): no interleaving, arrival order."""
     name = f"seq-{uuid.uuid4().hex[:8]}"
 
     def send(i):
-        time.sleep(0.03 * i)
-        return http("POST", procs.url("probe") + f"/seq/{name}?i={i}&sleep_s=0.1")
+        if i:
+            wait_for(lambda: kv_get(redis_server, "probe:", f"seq:{name}:{i - 1}"), 60, f"request {i - 1} started")
+        return http("POST", procs.url("probe") + f"/seq/{name}?i={i}&sleep_s=0.3")
 
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(send, range(8)))

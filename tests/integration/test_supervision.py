@@ -9,7 +9,7 @@ import time
 
 from deploy import launcher, servers
 
-from .conftest import http
+from .conftest import http, metric, wait_for
 from .test_launcher import knot_cli
 
 PROMPT = "the def the"
@@ -52,7 +52,8 @@ def test_each_kind_of_service_killed_mid_generation_comes_back(tmp_path, knot, r
             result: dict = {}
             t = threading.Thread(target=lambda: result.update(zip(("code", "body"), generate(url))))
             t.start()
-            time.sleep(0.3)  # the request is under way
+            wait_for(lambda: metric(url, "knot_requests_active") >= 1 or not t.is_alive(), timeout_s=60,
+                     what="the request under way")
             os.kill(row["pid"], signal.SIGKILL)
             t0 = time.monotonic()
             while not recovered(cluster, name, row["restarts"] + 1):

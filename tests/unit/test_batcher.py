@@ -7,13 +7,21 @@ from services.batcher import LATER, Batcher
 
 
 class Recorder:
-    def __init__(self, fail_on=None, delay=0.01):
+    """A forward that takes time, so newcomers queue up; with gated=True each batch runs until the
+    test opens `gate` (and `running` is set once a batch is under way)."""
+
+    def __init__(self, fail_on=None, delay=0.01, gated=False):
         self.calls: list[list] = []
         self.fail_on, self.delay = fail_on, delay
+        self.running, self.gate = asyncio.Event(), asyncio.Event() if gated else None
 
     async def __call__(self, items):
         self.calls.append(list(items))
-        await asyncio.sleep(self.delay)  # a forward that takes time: newcomers queue up
+        self.running.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        else:
+            await asyncio.sleep(self.delay)
         if self.fail_on in items and self.fail_on == "boom-all":
             raise RuntimeError("the whole batch failed")
         return [ValueError(f"bad {i}") if i == self.fail_on else i * 10 for i in items]
@@ -29,11 +37,13 @@ async def test_concurrent_items_share_batches_and_get_their_own_results():
 
 
 async def test_items_arriving_during_a_batch_form_the_next_one():
-    run = Recorder(delay=0.05)
+    run = Recorder(gated=True)
     b = Batcher(run)
     first = asyncio.ensure_future(b.submit(1))
-    await asyncio.sleep(0.01)  # batch [1] is running
+    await run.running.wait()  # batch [1] is running
     later = [asyncio.ensure_future(b.submit(i)) for i in (2, 3, 4)]
+    await queued(b, 3)
+    run.gate.set()
     assert await asyncio.gather(first, *later) == [10, 20, 30, 40]
     assert run.calls == [[1], [2, 3, 4]]
 
@@ -61,11 +71,14 @@ async def test_a_batch_error_reaches_every_caller_of_that_batch_and_the_batcher_
 
 
 async def test_a_cancelled_caller_does_not_cancel_the_others():
-    run = Recorder(delay=0.05)
+    run = Recorder(gated=True)
     b = Batcher(run)
     a, c = asyncio.ensure_future(b.submit(1)), asyncio.ensure_future(b.submit(2))
-    await asyncio.sleep(0.01)
+    await run.running.wait()
+    assert run.calls == [[1, 2]]  # one batch, under way
     a.cancel()  # its client went away mid-batch
+    await asyncio.sleep(0)
+    run.gate.set()
     assert await c == 20
     with pytest.raises(asyncio.CancelledError):
         await a

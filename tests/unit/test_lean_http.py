@@ -19,6 +19,7 @@ from deploy.local.bindings import Connections, Signer, buffered_fetch
 from deploy.local.host import ServiceRuntime
 from deploy.local.tasks import BackgroundTasks
 from tests.hosts import SERVERS, serve
+from tests.waits import until
 
 SECRET = "k" * 43
 BIG = os.urandom(5 * (1 << 20) + 777)  # more than a socket takes at once: the writes wait for the reader
@@ -289,7 +290,7 @@ async def test_closing_lets_a_request_in_progress_finish(server):
     CALLS.clear()
     url, close = await serve(runtime(), server)
     call = asyncio.ensure_future(exchange(url, signed("GET", "/slow")))
-    await asyncio.sleep(0.1)  # the handler is asleep
+    await until(lambda: any(r.path == "/slow" for r in CALLS), what="the handler under way")  # and asleep
     await close()
     [(status, _, reply)], closed = await call
     assert status == 200 and json.loads(reply)["path"] == "/slow" and closed

@@ -17,6 +17,7 @@ from deploy.local.host import ServiceRuntime, build_app
 from deploy.local.tasks import BackgroundTasks
 from services.coordinator import handler as co_handler
 from tests.inprocess import build_cluster
+from tests.waits import until
 
 PROMPT = "the def the"
 
@@ -397,7 +398,8 @@ async def test_queue_bound_gives_429_with_retry_after(cluster, engine):
     first = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stream": True})
     # `first` holds the only slot until its stream ends; the next request waits in the queue,
     queued = asyncio.create_task(post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}))
-    await asyncio.sleep(0.05)
+    co = await co_handler.coordinator_for(cluster.coordinator.env)
+    await until(lambda: co.admission.queued == 1, what="the second request queued")
     assert not queued.done()
     # and one more finds the queue full.
     r = await post(cluster, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
