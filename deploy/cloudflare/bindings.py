@@ -42,6 +42,7 @@ from pyodide.ffi import JsException, JsProxy, to_js
 from common import signing
 from common.runtime import (BadGateway, DurableObjectId, Env, ObjectBody, ObjectMeta, PreconditionFailed,
                             RangeNotSatisfiable, Request, Response, ServiceUnavailable)
+from services import tracing
 from deploy.cloudflare.convert import absolute, as_bytes, js_object, request_to_js, response_from_js
 
 log = logging.getLogger(__name__)
@@ -364,7 +365,8 @@ def env_from_js(js_env: Any) -> Env:
             bindings[name] = DurableObjectService(DurableObjectNamespace(b, name, signer(name)), instance)
     values = {n: js_var(js_env, n) for n in _names(js_env, VARS_VAR)}
     values.update(secrets)  # as the local host's handler_vars: the internal secret keys the wardens' caches
-    return Env(bindings, {n: v for n, v in values.items() if v is not None})
+    # every call carries the request's traceparent (services/tracing.py)
+    return Env({n: tracing.traced(b, n) for n, b in bindings.items()}, {n: v for n, v in values.items() if v is not None})
 
 
 def request_id(request: Request) -> str:

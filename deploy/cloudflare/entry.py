@@ -35,6 +35,7 @@ from workers import DurableObject, WorkerEntrypoint
 
 from common import signing
 from common.runtime import DurableObjectId, Env, Handler, Request, ServiceUnavailable, State, call_handler
+from services import tracing
 from deploy.cloudflare.bindings import (DO_NAME_HEADER, INTERNAL_SECRET, JsContext, env_from_js, js_var, raw,
                                         request_id, secrets_from_js, signed_target)
 from deploy.cloudflare.convert import request_from_js, response_to_js
@@ -89,7 +90,8 @@ async def serve(handler: Handler, js_request: Any, env: Env, ctx: Any,
     rid = request_id(request)
     if verifier is not None:
         handler = _signed(handler, verifier)
-    response = await call_handler(handler, request, env, ctx, rid)
+    # a call with a traceparent returns its own calls' spans to the caller (services/tracing.py)
+    response = await call_handler(tracing.serving(handler), request, env, ctx, rid)
     response.headers.setdefault(REQUEST_ID_HEADER, rid)
     return response_to_js(response)
 

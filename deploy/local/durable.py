@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.runtime import DurableObjectId, Env, NotFound, Request, Response, State, call_handler, error_response
+from services import tracing
 from deploy.local.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class DurableObjectHost:
             return error_response(e)
         async with inst.lock:  # the input gate: one request at a time per instance
             inst.requests += 1
-            return await call_handler(lambda r, e, c: inst.obj.fetch(r), request, self.env, None)
+            return await call_handler(tracing.serving(lambda r, e, c: inst.obj.fetch(r)), request, self.env, None)
 
     def stats(self) -> dict[str, Any]:
         return {f"{c}|{n}": i.requests for (c, n), i in self._instances.items()}

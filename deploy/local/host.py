@@ -31,6 +31,7 @@ from common import settings as table
 from common import signing
 from common.runtime import (BadRequest, Context, Env, Handler, Headers, HttpError, Request, Response, aclose_stream,
                             call_handler, error_response)
+from services import tracing
 from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket, Signer
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, MemoryKV
@@ -64,7 +65,7 @@ def load_service(module_path: str) -> ServiceModule:
     handler = getattr(module, "fetch", None)
     if handler is None:
         raise ConfigError(f"service module {module_path} has no fetch(request, env, ctx)")
-    return ServiceModule(handler, dict(getattr(module, "DURABLE_OBJECTS", {})), getattr(module, "ready", None),
+    return ServiceModule(tracing.serving(handler), dict(getattr(module, "DURABLE_OBJECTS", {})), getattr(module, "ready", None),
                          int(getattr(module, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)),
                          bool(getattr(module, "PUBLIC", False)))
 
@@ -423,7 +424,7 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
             stack.push_async_callback(b.close)
         if hasattr(b, "ping"):
             checks[name] = b.ping
-        bindings[name] = b
+        bindings[name] = tracing.traced(b, name)  # its calls carry a request's traceparent
     shm = None
     if settings.shm_dir is not None:
         allow_descriptors()  # each shared block this process keeps or holds is a descriptor

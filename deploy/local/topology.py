@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from common.runtime import Env
+from services import tracing
 from deploy.local import compose
 from deploy.local.durable import DurableObjectHost, LocalNamespace
 from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
@@ -84,7 +85,7 @@ class Topology:
         for s in self.specs:
             st, rt = self.settings[s.name], self.runtimes[s.name]
             rt.env.update(st.handler_vars())
-            rt.env.update({n: self._binding(s.name, n, u) for n, u in st.bindings.items()})
+            rt.env.update({n: tracing.traced(self._binding(s.name, n, u), n) for n, u in st.bindings.items()})
             check_settings(s.name, st.service, rt.env)
             if rt.do_host is not None:
                 rt.do_host.env = rt.env

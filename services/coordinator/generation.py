@@ -34,6 +34,7 @@ from common.sampling import SamplingParams
 from common.shard_sampling import RowSummary, decide
 from common.speculative import Drafter, PromptLookup, SpeculationParams, TripCost, default_max_draft
 from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
+from services import tracing
 from services.coordinator import subrequests
 from services.coordinator.admission import Admission
 from services.coordinator.errors import InvalidParam
@@ -62,6 +63,7 @@ class ClusterGeneration(Generation):
     frames: list[Frame] = field(default_factory=list)  # every trip the stations applied, in order
     subrequests: subrequests.Counter | None = None  # its invocation's (services/coordinator/subrequests.py)
     asked_tokens: int = 0  # max_tokens as asked; max_tokens itself may be bounded by the subrequests left
+    trace: tracing.Scope | None = None  # where its hops record their spans (services/tracing.py)
 
 
 class ClusterEngine:
@@ -270,6 +272,7 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(self.admission)
         self.engine = ClusterEngine(pipeline, self.metrics.observe_hop, settings.sample_top)
         self.station_memory: list[dict | None] = []  # each station's /stats "memory", last known
+        self.in_flight: dict[str, ClusterGeneration] = {}  # by request id, while events() runs them
 
     def note_station_stats(self, stats: list[dict | None]) -> None:
         """Keep the stations' memory plans (at boot, and at each /metrics scrape for those that answered)."""
@@ -322,7 +325,7 @@ class Coordinator:
         return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
                                  speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
                                  timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure,
-                                 subrequests=subrequests.current())
+                                 subrequests=subrequests.current(), trace=tracing.current())
 
     def prepare_choices(self, g: GenerateRequest, n: int) -> list[ClusterGeneration]:
         """prepare(g), and n - 1 more generations like it (the OpenAI endpoints' n): the same prompt
@@ -438,7 +441,9 @@ class Coordinator:
         t_last = 0.0
         counter, cost = gen.subrequests, self.engine.cost(gen)
         subrequests.enter(counter)  # and after every yield: a stream's reader may resume us from another task
+        tracing.enter(gen.trace)
         subrequests.reserve(gen, counter, cost)
+        self.in_flight[gen.request_id] = gen
         try:
             async with contextlib.aclosing(generate_events(self.engine, gen, self.tokenizer, time.perf_counter,
                                                            self.drafter(gen), self.engine.trip_cost)) as events:
@@ -454,6 +459,7 @@ class Coordinator:
                         outcome = gen.finish_reason
                     yield ev
                     subrequests.enter(counter)
+                    tracing.enter(gen.trace)
         except BaseException as e:
             if outcome is None:
                 outcome = "cancelled" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else "error"
@@ -462,7 +468,9 @@ class Coordinator:
             raise
         finally:
             subrequests.enter(counter)
+            tracing.enter(gen.trace)
             subrequests.finish(counter, cost)
+            self.in_flight.pop(gen.request_id, None)
             ctx.wait_until(self.pipeline.release(gen.request_id))  # free the stations' KV caches, however we ended
             if gen.speculation.source == "draft_model" and self.drafter_client.checked:  # (else it holds nothing)
                 ctx.wait_until(self._release_draft(gen.request_id))

@@ -12,6 +12,7 @@ stations, gathers the LM-head slices and samples (seed sections 1-3).
     POST /detokenize             {"tokens"} -> {"prompt"}
     GET  /metrics                Prometheus text format (metrics.py)
     GET  /topology               the stations and shards it chains
+    GET  /                       the cluster page; GET /cluster, /traces, /traces/<id>: its data (console.py)
 
 Every generation goes through generation.Coordinator.events() and the admission queue, has a
 deadline (REQUEST_TIMEOUT_S) and runs under a shard-failure policy (SHARD_FAILURE, or the body's
@@ -48,7 +49,7 @@ from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
 from services.boot import BootCache
-from services.coordinator import openai_api, subrequests
+from services.coordinator import console, openai_api, subrequests
 from services.coordinator.subrequests import counted
 from services.coordinator.errors import InvalidAPIKey, openai_error_response
 from services.coordinator.generation import Coordinator, StationCapacity, policy_headers, summary
@@ -165,7 +166,7 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
                  "tokens%s", source.etag, len(stations), len(shards), cfg.vocab_size, co.context_tokens,
                  ", a draft model" if drafter else "")
         if previous is not None:  # a reload on a new knot version: counters and the queue carry on
-            co.admission, co.metrics = previous.co.admission, previous.co.metrics
+            co.admission, co.metrics, co.in_flight = previous.co.admission, previous.co.metrics, previous.co.in_flight
             co.metrics.knot_reloads.inc()
         co.metrics.watch_bucket(source)
         return _Booted(co, source, blob_sha256)
@@ -293,7 +294,7 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
             g, opts = parse(await off_loop(request.json))
             return await openai_api.complete(co, g, opts, ctx)
 
-        return await _counted(co, endpoint, run)
+        return await console.traced(request, f"POST {path}", lambda: _counted(co, endpoint, run))
     except Exception as e:  # noqa: BLE001 - OpenAI's error shape, with the runtime's status mapping
         if status_for(e) >= 500:
             log.warning("%s %s failed: %s: %s", method, request.path, type(e).__name__, e)
@@ -306,13 +307,19 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     path = request.path
     if path.startswith("/v1/"):
         return await _openai(request, env, ctx)
+    if path == "/" and request.method == "GET":
+        # The page is code, no data: everything it shows comes through the endpoints below, each with
+        # the API key, which its login form keeps in the tab's sessionStorage (docs/operations.md).
+        return console.page_response()
     _authorized(request, env)
     if path == "/generate" and request.method == "POST":
         co = await coordinator_for(env, check_version=True)
-        return await _counted(co, "generate", lambda: _generate(request, co, ctx))
+        return await console.traced(request, "POST /generate",
+                                    lambda: _counted(co, "generate", lambda: _generate(request, co, ctx)))
     if path in ("/tokenize", "/detokenize") and request.method == "POST":
         co = await coordinator_for(env, check_version=True)
-        return await _counted(co, path.lstrip("/"), lambda: _tokenize(request, co))
+        return await console.traced(request, f"POST {path}",
+                                    lambda: _counted(co, path.lstrip("/"), lambda: _tokenize(request, co)))
     if path == "/metrics" and request.method == "GET":
         co = await coordinator_for(env)
         await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
@@ -329,6 +336,8 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
                         "context_length": co.cfg.context_length},
             "max_sequence_tokens": co.context_tokens,
         })
+    if console.serves(request):
+        return await console.fetch(request, env, lambda: coordinator_for(env))
     raise NotFound(f"{request.method} {path}: the coordinator serves POST /generate, POST /v1/completions, "
                    f"POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /metrics, "
-                   f"GET /topology")
+                   f"GET /topology, GET /traces, GET / (the cluster page), GET /cluster")

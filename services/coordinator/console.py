@@ -1,0 +1,183 @@
+"""The operator's view: per-request traces and the cluster's live state, for the page at GET /.
+
+    GET /                 the cluster page (page.py): static HTML, CSS and JS, no data in it
+    GET /cluster          the topology, each service's health and /stats, the coordinator's counters and
+                          the requests in flight; gathered at most every SNAPSHOT_TTL_S, however many poll
+    GET /traces           the ring's traces, newest first: id, root span, spans, in flight
+    GET /traces/<id>      one trace's spans, in start order
+
+A generation request's trace (services/tracing.py) starts in traced(): under the client's traceparent
+or a new one, its id in the reply's X-Trace-Id header.
+
+The topology is a list of nodes, each a role (station, shard, ...) with its place in the model (a
+layer range, a vocabulary slice) and its replicas: one per binding today, so a later replicated
+range lists several and the page draws each.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from typing import Any, Awaitable, Callable
+
+from common.runtime import BadRequest, Env, MethodNotAllowed, NotFound, Request, Response, aclose_stream
+from services import tracing
+from services.coordinator import page
+
+SNAPSHOT_TTL_S = 1.0  # pollers within this share one gathering of the services' /stats
+TRACES = tracing.Ring()
+_TRACE_PATH = re.compile(r"/traces/([0-9a-f]{32})")
+
+
+async def traced(request: Request, name: str, run: Callable[[], Awaitable[Response]]) -> Response:
+    """run() as a request's server span in TRACES; a streamed reply's span ends with its stream."""
+    scope = tracing.begin(TRACES, request.headers, name)
+    try:
+        resp = await run()
+    except BaseException as e:
+        tracing.end(TRACES, scope, tracing.outcome(e))
+        raise
+    resp.headers[tracing.TRACE_ID_HEADER] = scope.trace_id
+    if resp.stream is None:
+        tracing.end(TRACES, scope, str(resp.status))
+    else:
+        resp.stream = _ending(resp.stream, scope, str(resp.status))
+    return resp
+
+
+async def _ending(stream, scope: tracing.Scope, status: str):
+    try:
+        async for chunk in stream:
+            yield chunk
+    except BaseException as e:
+        status = tracing.outcome(e)
+        raise
+    finally:
+        await aclose_stream(stream)
+        tracing.end(TRACES, scope, status)
+
+
+def serves(request: Request) -> bool:
+    return request.path in ("/cluster", "/traces") or request.path.startswith("/traces/")
+
+
+def page_response() -> Response:
+    # no-store: a new deployment's page is never served from a stale cache
+    return Response.from_bytes(page.HTML.encode("utf-8"), "text/html; charset=utf-8",
+                               headers={"Cache-Control": "no-store"})
+
+
+async def fetch(request: Request, env: Env, coordinator: Callable[[], Awaitable[Any]]) -> Response:
+    if request.method != "GET":
+        raise MethodNotAllowed(f"{request.method} {request.path}: use GET")
+    path = request.path
+    if path == "/traces":
+        return Response.from_json({"traces": [_brief(t) for t in TRACES.recent()]})
+    if path.startswith("/traces/"):
+        m = _TRACE_PATH.fullmatch(path)
+        if m is None:
+            raise BadRequest(f"{path}: a trace id is 32 lowercase hex digits")
+        trace = TRACES.get(m.group(1))
+        if trace is None:
+            raise NotFound(f"trace {m.group(1)} is not in the last {TRACES.size} traces")
+        return Response.from_json(trace.as_json())
+    return Response.from_json(await snapshot(await coordinator()))
+
+
+def _brief(t: tracing.Trace) -> dict:
+    roots = [s for s in t.spans if s.peer == "coordinator" and s.span_id is not None]
+    return {"trace_id": t.trace_id, "started_at": t.started_at, "in_flight": t.open > 0, "spans": len(t.spans),
+            "name": roots[-1].name if roots else None,
+            "duration_ms": round(roots[-1].duration_s * 1e3, 3) if roots else None,
+            "status": roots[-1].status if roots else None}
+
+
+# ---------------------------------------------------------------- GET /cluster
+
+
+class _Snapshots:
+    """The last snapshot and when it was taken; one gathering at a time."""
+
+    def __init__(self) -> None:
+        self.value: dict | None = None
+        self.at = -math.inf
+        self.lock = asyncio.Lock()
+
+
+_snapshots = _Snapshots()
+
+
+async def snapshot(co) -> dict:
+    async with _snapshots.lock:
+        if time.monotonic() - _snapshots.at >= SNAPSHOT_TTL_S:
+            await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
+            co.note_station_stats(co.metrics.services.stations)
+            co.metrics.note_row_cache(co.pipeline)
+            _snapshots.value, _snapshots.at = _gathered(co), time.monotonic()
+        return {**_snapshots.value, "in_flight": _in_flight(co), "now": time.time()}
+
+
+def _health(stats: dict | None) -> str:
+    return "down" if stats is None else "ready"
+
+
+def _gathered(co) -> dict:
+    stations, shards = co.metrics.services.stations, co.metrics.services.shards
+    nodes: list[dict] = [{"role": "coordinator", "name": "coordinator", "replicas": [
+        {"binding": "coordinator", "health": "ready", "stats": {"model": co.model_id, "knot_etag": co.pipeline.knot_etag,
+                                                                "context_tokens": co.context_tokens}}]}]
+    for i, (name, st) in enumerate(zip(co.settings.stations, stations)):
+        rng = [int(st["layer_start"]), int(st["layer_end"])] if st else None
+        nodes.append({"role": "station", "name": f"station {i}", "layers": rng, "replicas": [
+            {"binding": name, "health": _health(st), "stats": st}]})
+    for (spec, _), (name, _, _), st in zip(co.pipeline.shards, co.settings.shards, shards):
+        nodes.append({"role": "shard", "name": f"shard {spec.index}", "vocab": [spec.vocab_start, spec.vocab_end],
+                      "replicas": [{"binding": name, "health": _health(st), "stats": st}]})
+    # The wardens are the stations' and shards' peers, not the coordinator's: seen through their /stats.
+    for role, peers in (("layer_warden", stations), ("cobordism_warden", shards)):
+        seen = [s for s in peers if s is not None and any(k.startswith("warden_") for k in s)]
+        nodes.append({"role": role, "name": role.replace("_", " "), "replicas": [
+            {"binding": role.upper(), "health": "ready" if seen else "unknown",
+             "stats": {k: sum(s[k] for s in seen if isinstance(s.get(k), (int, float)))
+                       for k in sorted({k for s in seen for k in s if k.startswith("warden_")})}}]})
+    source = co.metrics.source
+    note = None if source is None else source.bucket_check.note(source.etag)
+    nodes.append({"role": "bucket", "name": "bucket", "replicas": [
+        {"binding": "KNOT_BUCKET", "health": "degraded" if note else "ready", "stats": {"note": note}}]})
+    if co.drafter_client is not None:
+        nodes.append({"role": "drafter", "name": "drafter", "replicas": [
+            {"binding": "DRAFTER", "health": "degraded" if co.drafter_client.cooling() else "ready", "stats": None}]})
+    return {"model": co.model_id, "hparams": {"n_layer": co.cfg.n_layer, "vocab_size": co.cfg.vocab_size},
+            "nodes": nodes, "samples": _samples(co.metrics)}
+
+
+def _samples(metrics) -> dict[str, dict[str, float]]:
+    """The coordinator's Prometheus samples (histogram buckets left out): name -> {"k=v,...": value}."""
+    out: dict[str, dict[str, float]] = {}
+    if not metrics.enabled:
+        return out
+    for family in metrics.registry.collect():
+        for s in family.samples:
+            if s.name.endswith("_bucket") or s.name.endswith("_created"):
+                continue
+            v = float(s.value)
+            labels = ",".join(f"{k}={v_}" for k, v_ in sorted(s.labels.items()))
+            out.setdefault(s.name, {})[labels] = v if math.isfinite(v) else None
+    return out
+
+
+def _in_flight(co) -> list[dict]:
+    now = time.perf_counter()
+    return [{"request_id": rid, "trace_id": g.trace.trace_id if g.trace else None,
+             "prompt_tokens": len(g.prompt_ids), "tokens": len(g.token_ids), "max_tokens": g.max_tokens,
+             "elapsed_s": round(now - g.t0, 3), "replays": g.replays,
+             "at": _where(g.trace)} for rid, g in list(co.in_flight.items())]
+
+
+def _where(scope: tracing.Scope | None) -> str | None:
+    """The peer of the request's last recorded call: where it is now, about."""
+    if scope is None or not scope.sink.spans:
+        return None
+    last = scope.sink.spans[-1]
+    return f"{last.peer} {last.name}"
