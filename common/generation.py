@@ -5,9 +5,10 @@
         TokenEvent(id, text, logprobs)   # one per sampled token; text is what it released
         FinishEvent(reason, text)        # last: "stop" | "length" (OpenAI's reasons), plus any held-back tail
 
-The engine computes logits (the Engine protocol below): deploy/engine_local.LocalEngine runs the
-whole model in this process, services/coordinator/generation.ClusterEngine runs the pipeline of
-stations and shards. Everything else is here, once: sampling, speculative decoding (a drafter
+The engine computes rows of logits (the Engine protocol below; common.sampling.Row):
+deploy/engine_local.LocalEngine runs the whole model in this process,
+services/coordinator/generation.ClusterEngine runs the pipeline of stations and shards.
+Everything else is here, once: sampling (each row samples itself), speculative decoding (a drafter
 proposes tokens, one engine trip verifies them all: common/speculative.py), the
 end-of-generation token, stop strings with hold-back for streaming, max_tokens, the finish
 reason and the record. The clock is passed in (common/ reads none).
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Protocol, Se
 
 import numpy as np
 
-from common.sampling import Sampler, SamplingParams
+from common.sampling import Row, Sampler, SamplingParams, TokenLogprobs, as_row
 from common.speculative import Draft, Drafter, DraftLength, Primes, SpeculationParams, TripCost, verify
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class Generation:
     shard_sampled: int = field(default=0, compare=False)  # the cluster: LM-head calls decided from the shards' summaries
     full_rows: int = field(default=0, compare=False)  # ... and those that fetched the full slices after all
     sampler_key: int = field(default=0, compare=False)  # the sampler's noise key (the shards draw with it too)
+    # constrained decoding: the ids that may follow a sequence (prompt + generated), bool (vocab,);
+    # None (the callable, or what it returns): any. The engines mask their rows with it.
+    allowed: Callable[[Sequence[int]], np.ndarray | None] | None = field(default=None, compare=False)
 
     @property
     def prefill_s(self) -> float:
@@ -94,29 +98,24 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What computes the logits of a generation. It may keep state per gen.request_id (KV caches).
-    A row may instead be the shards' summary of it (common/shard_sampling.RowSummary, the cluster):
-    the Sampler and token_logprobs take either."""
+    """What computes a generation's rows (common.sampling.Row): the whole logits (LogitsRow, the
+    single process) or the shards' summaries of them (shard_sampling.RowSummary, the cluster),
+    masked where gen.allowed says (constrained decoding). It may keep state per gen.request_id
+    (KV caches)."""
 
-    async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
-        """Logits (vocab,) f32 after ids, the whole sequence from position 0 (a prompt, or a replay)."""
+    async def prompt_logits(self, gen: Generation, ids: list[int]) -> Row:
+        """The row after ids, the whole sequence from position 0 (a prompt, or a replay)."""
         ...
 
-    async def next_logits(self, gen: Generation, token: int, history: list[int]) -> np.ndarray:
-        """Logits (vocab,) f32 after one more token: history ends with it, at position len(history) - 1."""
+    async def next_logits(self, gen: Generation, token: int, history: list[int]) -> Row:
+        """The row after one more token: history ends with it, at position len(history) - 1."""
         ...
 
-    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray:
-        """Logits (len(tokens), vocab) f32 after each of tokens: context ends with them, the first at
-        position len(context) - len(tokens). Positions the caches hold from there on (an earlier
-        trip's rejected drafts) are dropped first; so does next_logits."""
+    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> Sequence[Row]:
+        """The rows after each of tokens: context ends with them, the first at position
+        len(context) - len(tokens). Positions the caches hold from there on (an earlier trip's
+        rejected drafts) are dropped first; so does next_logits."""
         ...
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    logprob: float  # log-probability of the sampled token under the model (raw logits, before sampling)
-    top: tuple[tuple[int, float], ...]  # the most likely tokens and their logprobs, best first
 
 
 @dataclass(frozen=True)
@@ -132,20 +131,9 @@ class FinishEvent:
     text: str  # the tail released at the end
 
 
-def token_logprobs(logits: np.ndarray, tid: int, top_n: int) -> TokenLogprobs:
-    """logits (vocab,) float32, -inf where a shard is degraded -> log-softmax of tid and the top_n best.
-    A row that is the shards' summary (common/shard_sampling.RowSummary) holds what this needs."""
-    if not isinstance(logits, np.ndarray):
-        return TokenLogprobs(*logits.logprobs(tid, top_n))
-    m = float(logits.max())
-    lse = m + float(np.log(np.exp(logits - m, dtype=np.float64).sum()))
-    top: tuple[tuple[int, float], ...] = ()
-    if top_n > 0:
-        n = min(top_n, logits.shape[0])
-        idx = np.argpartition(-logits, n - 1)[:n]
-        idx = idx[np.argsort(-logits[idx], kind="stable")]
-        top = tuple((int(i), float(logits[i]) - lse) for i in idx)
-    return TokenLogprobs(float(logits[tid]) - lse, top)
+def token_logprobs(row: Row | np.ndarray, tid: int, top_n: int) -> TokenLogprobs:
+    """A row (or logits (vocab,) float32, -inf where a shard is degraded) -> log-softmax of tid and the top_n best."""
+    return as_row(row).logprobs(tid, top_n)
 
 
 async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer", clock: Callable[[], float],
@@ -168,10 +156,10 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
     primed = drafter.prime(gen, list(history)) if draft_len is not None and gen.max_tokens > 1 and \
         isinstance(drafter, Primes) else None
     try:
-        logits = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None
+        row = await engine.prompt_logits(gen, history) if gen.max_tokens > 0 else None
         gen.t_first = clock()
-        # The tokens the last engine call decided, each with the logits row it was sampled from.
-        decided = [(sampler(logits, history), logits)] if gen.max_tokens > 0 else []
+        # The tokens the last engine call decided, each with the row it was sampled from.
+        decided = [(sampler(row, history), row)] if gen.max_tokens > 0 else []
         while decided:
             for tid, row in decided:
                 gen.decode_steps += 1 if gen.trips else 0
@@ -206,7 +194,7 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
 
 async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list[int], drafter: Drafter | None,
                 draft_len: DraftLength | None, cost: TripCost | None = None,
-                clock: Callable[[], float] | None = None) -> list[tuple[int, np.ndarray]]:
+                clock: Callable[[], float] | None = None) -> list[tuple[int, Row]]:
     """One engine call after the prompt's: the last token, and the drafts if there are any -> the
     tokens it decides, each with its row. With a cost, the clock times the trip: a plain trip's
     time goes into cost, a drafting trip's (its drafting included) to draft_len."""

@@ -16,6 +16,15 @@ position, id) (SplitMix64, below), never a generator's running state. Hence
     compares it with the token this sampler gives there: the output is the same with or
     without drafts, and the decisions at different positions use independent noise.
 (llama.cpp draws with mt19937 from a running state, so seeded draws differ from its.)
+
+What the sampler takes is a Row: one position's next-token distribution as an engine returns it.
+    LogitsRow        the whole row of logits (the single process; the cluster's full slices)
+    RowSummary       the shards' summary of it (common/shard_sampling.py; the cluster)
+Each samples (Sampler(params)(row, history, position) calls row.sample), gives logprobs, and
+applies a mask: row.masked(allowed), allowed a bool (vocab,) of the ids that may come next
+(constrained decoding), is the row whose logits are -inf outside it, so a masked id has
+probability 0 and the rest keep the chain above. A summary that cannot say what the masked whole
+row would (shard_sampling.decide) sends the engine to the full slices.
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -155,11 +164,12 @@ def min_p(logits: np.ndarray, p: float) -> np.ndarray:
 
 def scale(x: np.ndarray, temperature: float) -> np.ndarray:
     """The kept logits divided by the temperature: float32, or float64 gaps to the best logit
-    when x / T overflows float32 (inf - inf is NaN in a softmax)."""
+    when x / T overflows float32 (inf - inf is NaN in a softmax), up or, for every kept logit
+    (all negative, as a mask may leave them), down."""
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         t32 = np.float32(temperature)  # inf past float32's range: z is then 0, as x / T is (uniform)
         z = x / t32
-        if t32 == 0 or np.isposinf(z).any():
+        if t32 == 0 or (np.isinf(z.max()) and x.max() > -np.inf):
             z = (x.astype(np.float64) - x.max()) / temperature
     return z
 
@@ -212,6 +222,95 @@ def gumbel_argmax(z: np.ndarray, key: int, stream: int, position: int, offset: i
     return int(kept[i]) + offset, float(v[i])
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float  # log-probability of the sampled token under the model (raw logits, before sampling)
+    top: tuple[tuple[int, float], ...]  # the most likely tokens and their logprobs, best first
+
+
+class Row(Protocol):
+    """One position's next-token distribution, as an engine returns it (module docstring)."""
+
+    def sample(self, sampler: Sampler, history: Sequence[int], position: int) -> int:
+        """The token the sampler takes here; history = the sequence up to this row's input token."""
+        ...
+
+    def logprobs(self, tid: int, top_n: int) -> TokenLogprobs:
+        """log-softmax of tid and of the top_n best ids (raw logits: no bias, penalties or filters)."""
+        ...
+
+    def masked(self, allowed: np.ndarray) -> Row:
+        """This row with the logits of the ids outside allowed (bool (vocab,)) at -inf."""
+        ...
+
+
+def mask_from_bitset(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A bitset of allowed ids (uint32 words, id i at bit i % 32 of word i // 32, as llguidance's
+    token masks) -> bool (vocab_size,)."""
+    bits = np.unpackbits(np.asarray(words, "<u4").view(np.uint8), bitorder="little")
+    if bits.size < vocab_size:
+        raise ValueError(f"a bitset of {bits.size} bits for a vocabulary of {vocab_size}")
+    return bits[:vocab_size].astype(bool)
+
+
+def row_masks(allowed: Callable[[Sequence[int]], np.ndarray | None] | None, seq: Sequence[int],
+              n_rows: int) -> list[np.ndarray | None]:
+    """allowed(sequence) -> bool (vocab,) | None (Generation.allowed; None: no constraint), for
+    the n_rows rows whose input tokens end seq: row j's sequence is seq without its last
+    n_rows - 1 - j tokens (a trip's drafts)."""
+    if allowed is None:
+        return [None] * n_rows
+    return [allowed(seq[:len(seq) - (n_rows - 1 - j)]) for j in range(n_rows)]
+
+
+def apply_masks(rows: Sequence[Row], masks: Sequence[np.ndarray | None]) -> list[Row]:
+    return [r if m is None else r.masked(m) for r, m in zip(rows, masks)]
+
+
+@dataclass(frozen=True, eq=False)
+class LogitsRow:
+    """The whole row: logits (vocab,) float32, -inf where a degraded shard or a mask left an id out."""
+    logits: np.ndarray
+
+    def sample(self, sampler: Sampler, history: Sequence[int], position: int) -> int:
+        z = sampler.scores(self.logits, history)
+        if not sampler.params.greedy:
+            return sampler.draw(z, position)
+        tid = int(np.argmax(z))  # the lowest id of equal maxima
+        if z[tid] == -np.inf:
+            raise ValueError("no token is kept: every logit is -inf")
+        return tid
+
+    def probs(self, sampler: Sampler, history: Sequence[int] = ()) -> np.ndarray:
+        """(vocab,) float64: the distribution a token is drawn from (one-hot on the argmax when greedy)."""
+        z = sampler.scores(self.logits, history)
+        if sampler.params.greedy:
+            out = np.zeros(z.shape[0], np.float64)
+            out[int(np.argmax(z))] = 1.0
+            return out
+        return softmax(z)
+
+    def logprobs(self, tid: int, top_n: int) -> TokenLogprobs:
+        x = self.logits
+        m = float(x.max())
+        lse = m + float(np.log(np.exp(x - m, dtype=np.float64).sum()))
+        top: tuple[tuple[int, float], ...] = ()
+        if top_n > 0:
+            idx = top_indices(x, min(top_n, x.shape[0]))  # on a tie the lowest id first, as the summaries
+            idx = idx[x[idx] > -np.inf]  # an id of probability 0 (masked, degraded) is never among the best
+            top = tuple((int(i), float(x[i]) - lse) for i in idx)
+        return TokenLogprobs(float(x[tid]) - lse, top)
+
+    def masked(self, allowed: np.ndarray) -> LogitsRow:
+        assert allowed.shape == self.logits.shape and allowed.dtype == bool, f"{allowed.shape=} {allowed.dtype=}"
+        return LogitsRow(np.where(allowed, self.logits, np.float32(-np.inf)))
+
+
+def as_row(x: Row | np.ndarray) -> Row:
+    """An array of logits (vocab,) is a LogitsRow; a Row is itself."""
+    return LogitsRow(x) if isinstance(x, np.ndarray) else x
+
+
 class Sampler:
     """Stateless but for its key: one per generated sequence."""
 
@@ -228,14 +327,9 @@ class Sampler:
             return x
         return scale(min_p(top_p(top_k(x, p.top_k), p.top_p), p.min_p), p.temperature)
 
-    def probs(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+    def probs(self, row: LogitsRow | np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
         """(vocab,) float64: the distribution a token is drawn from (one-hot on the argmax when greedy)."""
-        z = self.scores(logits, history)
-        if self.params.greedy:
-            out = np.zeros(z.shape[0], np.float64)
-            out[int(np.argmax(z))] = 1.0
-            return out
-        return softmax(z)
+        return as_row(row).probs(self, history)
 
     def draw(self, z: np.ndarray, position: int, stream: int = DRAW) -> int:
         """The Gumbel-max draw from softmax(z) at a position (z: scores, -inf = never)."""
@@ -247,14 +341,7 @@ class Sampler:
     def uniform(self, position: int, stream: int = ACCEPT) -> float:
         return float(uniform(self.key, stream, position, np.zeros(1, np.int64))[0])
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), position: int | None = None) -> int:
-        """logits (vocab,) f32, history = prompt + generated ids so far -> the next id, the token at
-        `position` (default len(history)) of the sequence. A row that is not an array is the shards'
-        summary of one (common/shard_sampling.RowSummary): it decides, with the penalties applied shard-side."""
-        position = len(history) if position is None else position
-        if not isinstance(logits, np.ndarray):
-            return logits.sample(self.params, self.key, position)
-        z = self.scores(logits, history)
-        if self.params.greedy:
-            return int(np.argmax(z))
-        return self.draw(z, position)
+    def __call__(self, row: Row | np.ndarray, history: Sequence[int] = (), position: int | None = None) -> int:
+        """A row (or logits (vocab,) f32), history = prompt + generated ids so far -> the next id, the
+        token at `position` (default len(history)) of the sequence."""
+        return as_row(row).sample(self, history, len(history) if position is None else position)

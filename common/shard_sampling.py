@@ -30,11 +30,16 @@ lies within ~1e-15 of top_p.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from common.sampling import DRAW, SamplingParams, apply_penalties, gumbel, gumbel_argmax, min_p, scale, top_indices, top_p
+from common import wire
+from common.sampling import (DRAW, Sampler, SamplingParams, TokenLogprobs, apply_penalties, gumbel, gumbel_argmax,
+                             min_p, scale, top_indices, top_p)
+
+if TYPE_CHECKING:
+    from common.generation import Generation
 
 # stats columns of a slice's summary, per row (float64)
 MAX, LSE, BEST_ID, BEST_SCORE, BEST_LOGIT = range(5)
@@ -105,23 +110,24 @@ class SliceSummary:
 
 @dataclass
 class RowSummary:
-    """One row of logits as the merged summaries of the slices that answered."""
+    """One row of logits as the merged summaries of the slices that answered (a sampling.Row)."""
     ids: np.ndarray     # (m,) int64, every candidate, in (-logit, id) order
     logits: np.ndarray  # (m,) float32
     trusted: int        # ids[:trusted] is the prefix of the whole row's (-logit, id) order
     floors: np.ndarray  # (s,) float32: the last sent logit of each truncated slice
-    max: np.float32     # of the whole row
-    lse: float          # log-sum-exp of the whole row (float64); NaN where not asked for (SampleSpec.lse)
+    max: np.float32     # of the whole row; NaN where unknown (a mask left no trusted candidate)
+    lse: float          # log-sum-exp of the whole row (float64); NaN where not asked for (SampleSpec.lse) or unknown
     best: tuple[int, float, float] | None  # (id, z + g, logit) of the slices' best draw; None: not drawn
     vocab_size: int
     position: int       # where this row's token goes
     token: int | None = None  # decided (decide), set by the engine
+    complete: bool = False  # set by masked(): every allowed id is a candidate, nothing held back
 
-    def sample(self, params: SamplingParams, key: int, position: int) -> int:
+    def sample(self, sampler: Sampler, history: Sequence[int], position: int) -> int:
         """The Sampler's call on this row (history is applied shard-side)."""
         assert position == self.position, f"row for position {self.position} sampled at {position}"
         if self.token is None:
-            self.token = decide(self, params, key)
+            self.token = decide(self, sampler.params, sampler.key)
             assert self.token is not None, "a row the summaries cannot decide reached the sampler"
         return self.token
 
@@ -132,12 +138,40 @@ class RowSummary:
         assert self.best is not None and self.best[0] == tid, f"token {tid} is not among the candidates"
         return self.best[2]
 
-    def logprobs(self, tid: int, top_n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-        """(log-softmax of tid, the top_n best with theirs); top_n <= trusted (the engine asked for enough)."""
-        assert top_n <= self.trusted, f"{top_n} logprobs from {self.trusted} trusted candidates"
-        assert not np.isnan(self.lse), "logprobs of a row whose log-sum-exp was not asked for"
+    def serves(self, top_n: int | None) -> bool:
+        """Whether logprobs(_, top_n) can be given (None: none asked for)."""
+        return top_n is None or (not np.isnan(self.lse) and (top_n <= self.trusted or self.complete))
+
+    def logprobs(self, tid: int, top_n: int) -> TokenLogprobs:
+        """(log-softmax of tid, the top_n best with theirs); the engine asked for enough (serves)."""
+        assert self.serves(top_n), f"{top_n} logprobs from {self.trusted} trusted candidates, lse {self.lse}"
         top = tuple((int(i), float(v) - self.lse) for i, v in zip(self.ids[:top_n], self.logits[:top_n]))
-        return self.logit(tid) - self.lse, top
+        return TokenLogprobs(self.logit(tid) - self.lse, top)
+
+    def masked(self, allowed: np.ndarray) -> RowSummary:
+        """The summary of the masked row, from this one's candidates alone:
+            - the candidates: those allowed, in the same order; the trusted prefix: the allowed ones
+              of this one's (the masked row's order is the whole order without the masked ids);
+            - the max: the first trusted allowed candidate's logit (unknown if there is none);
+            - the slices' best draw: kept if its id is allowed (the best of all is the best of the
+              allowed then), else unknown;
+            - complete when every allowed id is a candidate: then nothing of nonzero probability is
+              held back, so the log-sum-exp is the candidates' and a draw may run over them.
+        The slices' log-sum-exps are of unmasked logits: unknown otherwise (no logprobs, no top_p
+        without top_k). decide returns None where this is not enough: the full slices, masked."""
+        assert allowed.shape == (self.vocab_size,) and allowed.dtype == bool, f"{allowed.shape=} {allowed.dtype=}"
+        keep = allowed[self.ids]
+        ids, x = self.ids[keep], self.logits[keep]
+        complete = ids.size == int(np.count_nonzero(allowed))
+        trusted = ids.size if complete else int(np.count_nonzero(keep[:self.trusted]))
+        lse = np.nan
+        if complete and ids.size:
+            m = float(x[0])
+            lse = m + float(np.log(np.exp(x - np.float32(m), dtype=np.float64).sum()))
+        best = self.best if self.best is not None and allowed[self.best[0]] else None
+        return RowSummary(ids, x, trusted, self.floors[:0] if complete else self.floors,
+                          x[0] if trusted else np.float32(np.nan), lse, best, self.vocab_size, self.position,
+                          complete=complete)
 
 
 def merge(slices: Sequence[SliceSummary], vocab_size: int, position: int) -> list[RowSummary]:
@@ -174,33 +208,39 @@ def decide(row: RowSummary, p: SamplingParams, key: int) -> int | None:
     if p.logit_bias:  # the slices' summaries are of unbiased logits: a biased id may be missing from them
         return None
     if p.greedy:
-        return int(row.ids[0])
+        return int(row.ids[0]) if row.trusted else None
     n = None  # kept: the first n merged candidates; None: the whole row
     if 0 < p.top_k < row.vocab_size:
-        if p.top_k > row.trusted:
+        if p.top_k > row.trusted and not row.complete:
             return None
-        n = p.top_k
+        n = min(p.top_k, row.trusted)
     if p.top_p < 1.0:
         if n is not None:
             n = int(np.flatnonzero(np.isfinite(top_p(row.logits[:n], p.top_p))).size)
         else:
+            if np.isnan(row.lse):  # a masked row's, unless complete (RowSummary.masked)
+                return None
             # probabilities of the whole row: exp(x - max) / sum, the sum from the slices' log-sum-exps
-            assert not np.isnan(row.lse), "top_p over a row whose log-sum-exp was not asked for"
             prob = np.exp(row.logits[:row.trusted].astype(np.float64) - np.float64(row.max) - (row.lse - row.max))
             n = int(np.searchsorted(np.cumsum(prob), p.top_p)) + 1
             if n > row.trusted:
                 return None
     if p.min_p > 0.0:
         if n is None:
+            if not row.trusted:  # a masked row's max is unknown
+                return None
             thr = row.max + np.log(p.min_p)  # min_p's threshold: the whole row's max + log(min_p)
             if (row.floors >= thr).any():
                 return None  # a slice may hold back a token that high
             n = row.trusted
         kept = np.isfinite(min_p(row.logits[:n], p.min_p))
     elif n is None:
-        if row.best is None:
+        if row.best is not None:
+            return row.best[0]  # every token may be drawn: the best of the slices' own draws
+        if not row.complete or not row.trusted:
             return None
-        return row.best[0]  # every token may be drawn: the best of the slices' own draws
+        n = row.trusted  # a masked row whose every allowed id is a candidate: the draw over them
+        kept = np.ones(n, bool)
     else:
         kept = np.ones(n, bool)
     ids, x = row.ids[:n][kept], row.logits[:n][kept]
@@ -209,3 +249,40 @@ def decide(row: RowSummary, p: SamplingParams, key: int) -> int | None:
     z = scale(x, p.temperature)
     v = z.astype(np.float64) + gumbel(key, DRAW, row.position, ids)
     return int(ids[int(np.argmax(v))])
+
+
+def sample_spec(gen: Generation, seq: Sequence[int], n_rows: int, sample_top: int, vocab_size: int,
+                masked: bool = False) -> wire.SampleSpec | None:
+    """What the shards send of each of n_rows rows (seq: the sequence up to the last row's input
+    token), or None where the sampler needs the full slices: a sampled draft model's accept/reject
+    rule (the whole distribution), logprobs of raw logits under penalties (the shards send penalized
+    ones), more candidates than a shard may send, a logit bias (the coordinator applies it, so the
+    wire to the shards stays as it is). sample_top: SHARD_SAMPLE_TOP (0: never summaries). masked:
+    a row has a mask (Generation.allowed), so even greedy asks for sample_top candidates (the best
+    may be masked; RowSummary.masked says what the masked summary decides)."""
+    p = gen.sampling
+    if sample_top == 0 or (gen.speculation.source == "draft_model" and not p.greedy) or p.logit_bias:
+        return None
+    if gen.logprobs is not None and p.penalized:
+        return None
+    # Greedy decides from each slice's best candidate alone; more are for logprobs, filters and masks.
+    top = max(1, gen.logprobs or 0) if p.greedy and not masked else max(sample_top, p.top_k, gen.logprobs or 0)
+    if top > wire.MAX_SAMPLE_TOP:
+        return None
+    history: Sequence[int] = []
+    if p.penalized:  # row j's window: the last penalty_last_n tokens up to its input
+        history = seq if p.penalty_last_n < 0 else seq[-(p.penalty_last_n + n_rows - 1):]
+    no_filter = not 0 < p.top_k < vocab_size and p.top_p >= 1.0 and p.min_p <= 0.0
+    # the log-sum-exps serve top_p's cut and logprobs only
+    lse = gen.logprobs is not None or (not p.greedy and p.top_p < 1.0)
+    return wire.SampleSpec(top, p.temperature, gen.sampler_key, not p.greedy and no_filter,
+                           p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                           p.penalty_last_n, tuple(history), lse)
+
+
+def decided(rows: Sequence[RowSummary], gen: Generation) -> bool:
+    """Decide every row's token (RowSummary.token) -> whether the summaries serve them all: each
+    decided, and its logprobs known where asked for; False: fetch the full slices."""
+    for r in rows:
+        r.token = decide(r, gen.sampling, gen.sampler_key)
+    return all(r.token is not None and r.serves(gen.logprobs) for r in rows)

@@ -35,7 +35,7 @@ import numpy as np
 
 from common.kvcache import KVCache, largest, prefill_chunks
 from common.runtime import PayloadTooLarge
-from common.sampling import DRAFT, Sampler, SamplingParams, softmax
+from common.sampling import DRAFT, Row, Sampler, SamplingParams, softmax
 
 if TYPE_CHECKING:
     from common.generation import Generation
@@ -468,9 +468,11 @@ class DraftLength:
             self.slow = 0
 
 
-def verify(sampler: Sampler, rows: np.ndarray, context: list[int], draft: Draft) -> tuple[list[int], int]:
-    """rows (k + 1, vocab): the logits after context[-1] and after each of the k drafted tokens (or
-    the shards' summaries of them, common/shard_sampling.py: point-mass drafts only)
+def verify(sampler: Sampler, rows: Sequence[Row] | np.ndarray, context: list[int], draft: Draft) -> tuple[list[int], int]:
+    """rows: the k + 1 rows (common.sampling.Row; or logits (k + 1, vocab)) after context[-1] and
+    after each of the k drafted tokens, masked where the generation is constrained (so a draft
+    outside the mask is rejected: it has probability 0); a sampled draft model's are LogitsRows
+    (its rule needs the whole distribution; shard_sampling.sample_spec asks for the full slices)
     -> (the tokens this trip decides: the accepted drafts, then the replacement or the bonus;
     how many drafts were accepted)."""
     k = len(draft.tokens)

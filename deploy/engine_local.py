@@ -24,7 +24,7 @@ from common.layers import forward_tokens, phase_loader
 from common.matmul import get_kernel
 from common.models import PhaseWeights, model_for
 from common.quant import Arena, QTensor
-from common.sampling import SamplingParams
+from common.sampling import LogitsRow, Row, SamplingParams, apply_masks, row_masks
 from common.speculative import (DRAFT_HEAD_IDS, Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost,
                                 draft_vocab_runs, narrows_head)
 from common.sync import iterate_sync
@@ -187,25 +187,25 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ generation
 
-    async def prompt_logits(self, gen: Generation, ids: list[int]) -> np.ndarray:
+    async def prompt_logits(self, gen: Generation, ids: list[int]) -> Row:
         """The Engine protocol (common.generation): from position 0, so a fresh KV cache."""
         kv = self._sessions[gen.request_id] = self.new_kv()
         out = self.prefill(ids, kv)
         gen.cached = len(ids)
-        return out
+        return apply_masks([LogitsRow(out)], row_masks(gen.allowed, ids, 1))[0]
 
-    async def next_logits(self, gen: Generation, token: int, history: list[int]) -> np.ndarray:
+    async def next_logits(self, gen: Generation, token: int, history: list[int]) -> Row:
         return (await self.verify_logits(gen, [token], history))[0]
 
-    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> np.ndarray:
-        """The Engine protocol: logits (len(tokens), vocab) after each of tokens, one forward."""
+    async def verify_logits(self, gen: Generation, tokens: list[int], context: list[int]) -> list[Row]:
+        """The Engine protocol: the rows after each of tokens, one forward."""
         kv = self._sessions[gen.request_id]
         pos = len(context) - len(tokens)
         if kv.n_positions() > pos:  # an earlier trip's rejected drafts
             kv.truncate(pos)
-        out = self.forward(tokens, kv, pos, all_logits=True)
+        out = self.forward(tokens, kv, pos, all_logits=True)  # (len(tokens), vocab)
         gen.cached = pos + len(tokens)
-        return out
+        return apply_masks([LogitsRow(x) for x in out], row_masks(gen.allowed, context, len(tokens)))
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
                  max_tokens: int = 128, stop: Sequence[str] = (),

@@ -28,10 +28,9 @@ import numpy as np
 from common.generation import FinishEvent, Generation, TokenEvent, generate_events
 from common.kvcache import prefill_chunks
 from common.models import ModelConfig
-from common import wire
 from common.runtime import HttpError, ServiceUnavailable
-from common.sampling import SamplingParams
-from common.shard_sampling import RowSummary, decide
+from common.sampling import LogitsRow, Row, SamplingParams, apply_masks, row_masks
+from common.shard_sampling import decided, sample_spec
 from common.speculative import Drafter, PromptLookup, SpeculationParams, TripCost, default_max_draft
 from common.tokenizer import Tokenizer, TokenizerError, TooManyTokens
 from services import tracing
@@ -88,7 +87,7 @@ class ClusterEngine:
         return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
                     gen.degraded, gen.timeout_s)
 
-    async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> np.ndarray:
+    async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> Row:
         """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined
         through the stations."""
         chunks = prefill_chunks(len(ids))
@@ -100,14 +99,14 @@ class ClusterEngine:
                 self._replaying(gen, e, len(ids))
         gen.frames[:] = [("prefill", a, b, False, ()) for a, b in chunks]
         gen.cached = len(ids)
-        rows = (await self._rows(gen, h, len(ids) - 1, ids))[-1]
+        row = (await self._rows(gen, h, len(ids) - 1, ids))[-1]
         self._bound(gen)
-        return rows
+        return row
 
-    async def next_logits(self, gen: ClusterGeneration, token: int, history: list[int]) -> np.ndarray:
+    async def next_logits(self, gen: ClusterGeneration, token: int, history: list[int]) -> Row:
         return (await self.verify_logits(gen, [token], history))[0]
 
-    async def verify_logits(self, gen: ClusterGeneration, tokens: list[int], context: list[int]) -> np.ndarray:
+    async def verify_logits(self, gen: ClusterGeneration, tokens: list[int], context: list[int]) -> list[Row]:
         """One trip for tokens (the last one and the drafts) -> their rows; the stations drop what they
         hold from their position on first (an earlier trip's rejected drafts). When a station lost our
         session, every frame the stations had applied runs again exactly (_replay), then this one."""
@@ -161,46 +160,20 @@ class ClusterEngine:
             except SessionLost as e:  # lost again during the replay: once more from position 0
                 self._replaying(gen, e, len(context))
 
-    async def _rows(self, gen: ClusterGeneration, h: np.ndarray, pos: int,
-                    seq: list[int]) -> np.ndarray | list[RowSummary]:
+    async def _rows(self, gen: ClusterGeneration, h: np.ndarray, pos: int, seq: list[int]) -> list[Row]:
         """h (T, dim), the first row's input token at pos, seq the sequence up to the last row's input
-        token -> the rows the sampler takes: the shards' summaries when they decide every row's token
-        (common/shard_sampling.py), else the logits (T, vocab) of the full slices."""
+        token -> the rows the sampler takes, masked where gen is constrained: the shards' summaries
+        when they decide every row's token (common/shard_sampling.py), else the full slices' logits."""
         p, call = self.pipeline, self._call(gen)
-        spec = self._sample_spec(gen, seq, h.shape[0])
+        masks = row_masks(gen.allowed, seq, h.shape[0])
+        spec = sample_spec(gen, seq, h.shape[0], self.sample_top, p.vocab_size, any(m is not None for m in masks))
         if spec is not None:
-            rows = await p.sample(call, h, pos, spec)
-            for r in rows:
-                r.token = decide(r, gen.sampling, gen.sampler_key)
-            if all(r.token is not None for r in rows):
+            rows = apply_masks(await p.sample(call, h, pos, spec), masks)
+            if decided(rows, gen):
                 gen.shard_sampled += 1
                 return rows
-            gen.full_rows += 1  # top_p / min_p reached past what a slice sent: the full slices after all
-        return await p.logits(call, h, pos)
-
-    def _sample_spec(self, gen: Generation, seq: list[int], n_rows: int) -> wire.SampleSpec | None:
-        """What the shards send of each row, or None where the sampler needs the full slices: a sampled
-        draft model's accept/reject rule (the whole distribution), logprobs of raw logits under
-        penalties (the shards send penalized ones), more candidates than a shard may send, a logit
-        bias (the coordinator applies it, so the wire to the shards stays as it is)."""
-        p = gen.sampling
-        if self.sample_top == 0 or (gen.speculation.source == "draft_model" and not p.greedy) or p.logit_bias:
-            return None
-        if gen.logprobs is not None and p.penalized:
-            return None
-        # Greedy decides from each slice's best candidate alone; more are for logprobs and filters.
-        top = max(1, gen.logprobs or 0) if p.greedy else max(self.sample_top, p.top_k, gen.logprobs or 0)
-        if top > wire.MAX_SAMPLE_TOP:
-            return None
-        history: list[int] = []
-        if p.penalized:  # row j's window: the last penalty_last_n tokens up to its input
-            history = seq if p.penalty_last_n < 0 else seq[-(p.penalty_last_n + n_rows - 1):]
-        no_filter = not 0 < p.top_k < self.pipeline.vocab_size and p.top_p >= 1.0 and p.min_p <= 0.0
-        # the log-sum-exps serve top_p's cut and logprobs only
-        lse = gen.logprobs is not None or (not p.greedy and p.top_p < 1.0)
-        return wire.SampleSpec(top, p.temperature, gen.sampler_key, not p.greedy and no_filter,
-                               p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                               p.penalty_last_n, tuple(history), lse)
+            gen.full_rows += 1  # top_p / min_p / a mask reached past what a slice sent: the full slices after all
+        return apply_masks([LogitsRow(x) for x in await p.logits(call, h, pos)], masks)
 
 
 def summary(gen: ClusterGeneration) -> dict:
