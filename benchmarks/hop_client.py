@@ -6,7 +6,7 @@ step's hidden state (896 floats for the 0.5B) with its slice's summary. This pro
 signed calls in a row through each client the local bindings have, in alternating rounds, and
 prints the caller's CPU and wall time per call (medians of the rounds) and their ratio:
 
-    aiohttp      deploy/local/bindings.http_fetch (the service bindings' client before 2026-12-03)
+    aiohttp      deploy/local/bindings.http_fetch (the service bindings' client before buffered_fetch)
     buffered     deploy/local/bindings.buffered_fetch on kept-alive Connections (HttpService now)
 
     python benchmarks/hop_client.py [--calls 2000] [--rounds 3]

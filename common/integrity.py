@@ -3,7 +3,7 @@
 One checksum everywhere: CRC-32 (zlib's, the IEEE polynomial). The knot's per-tensor checksums,
 the tensor frames and envelopes of common/wire.py and the seals of the caches all use it, through
 `crc32` below, the one place the implementation is chosen: ISA-L's (the `isal` package,
-PCLMUL-folded, ~24 GB/s on this 2-core machine) where it imports, zlib's (~2 GB/s) otherwise. Both
+PCLMUL-folded, about ten times zlib's speed: benchmarks/fluid_copy.py) where it imports, zlib's otherwise. Both
 compute the same values, so nothing stored or sent depends on which ran; Pyodide (Cloudflare's
 Python Workers) has no isal and takes zlib's. It detects corruption and stale or misfiled entries, not a
 forger: an attacker who can write a cache can also write a matching CRC. What a forger cannot do

@@ -50,9 +50,8 @@ def largest(fits: Callable[[int], bool], hi: int) -> int:
 def default_kv_dtype() -> np.dtype:
     """The cache's storage type: float16 where the C attention kernels run (they read it as fast as
     float32, and it halves a session's bytes, as llama.cpp's f16 cache), float32 on numpy's path
-    (Workers, KNOT_KERNELS=off), whose float16 -> float64 copies cost about twice float32's (4.5
-    against 2.3 ns an element, measured): there a station's decode over 1,500 keys would pay ~0.8
-    ms more per layer for the halved bytes."""
+    (Workers, KNOT_KERNELS=off), whose float16 -> float64 copies cost about twice float32's: there
+    a long context's decode would pay more for the halved bytes than it saves."""
     kern = get_attention_kernel()
     return kern.cache_dtype if kern is not None else np.dtype(np.float32)
 

@@ -89,9 +89,8 @@ def resident_copy(data) -> np.ndarray:
 
     Why copy bytes already in memory: a bytes object from a read sits on 4 KiB pages, while a
     huge_buffer from 4 MiB on sits on transparent huge pages. A decode product streams its weights
-    from DRAM once per token, and over 4 KiB pages the TLB misses show: one thread over the 1.5B's
-    24 MB Q6_K head slice (a shard's) took 2.0 ms from such a copy against 2.7 ms from the bytes,
-    and the 1.5B's layer products 35-36 ms against 44-46 (docs/performance.md). Without huge pages
+    from DRAM once per token, and over 4 KiB pages the TLB misses show (benchmarks/bench_kernels.py;
+    docs/performance.md, "Levers tried"). Without huge pages
     (Pyodide, THP off) it is a plain copy.
     Read-only, as the bytes were: nothing may change weights in place."""
     src = np.frombuffer(data, dtype=np.uint8)
@@ -108,8 +107,8 @@ class Arena:
     process's); the caller must copy again only the same bytes, since a product may be reading them.
 
     Why: a single process's weights are views of the model file's map, on 4 KiB pages, and the
-    0.5B's layer tensors are all 0.08-3.6 MB, under what numpy puts on huge pages by itself. Its
-    decode ran 7-9% faster from one arena than from the map (docs/performance.md)."""
+    0.5B's layer tensors are all under 4 MiB, what numpy puts on huge pages by itself; its decode
+    runs faster from one arena than from the map (docs/lab/2026-12-05-single-process-weights-huge-pages-kernel.md)."""
 
     ALIGN = 64
 

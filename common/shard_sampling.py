@@ -57,7 +57,7 @@ def summarize(x: np.ndarray, offset: int, top: int, params: SamplingParams, key:
     """x (T, n) float32 logits of ids [offset, offset + n) -> ids (T, t) int32, logits (T, t) float32,
     stats (T, N_STATS) float64 with t = min(top, n). Row j's input token is at position + j: its
     token is drawn at position + j + 1, its penalties see row_history(history, T, j). lse=False
-    leaves the LSE column NaN (a float64 exp over the slice: ~150 us of 19k ids on a Zen 1 core)."""
+    leaves the LSE column NaN and skips its float64 exp over the whole slice."""
     T, n = x.shape
     t = min(top, n)
     ids = np.empty((T, t), np.int32)

@@ -44,18 +44,12 @@ SOURCES = ("off", "prompt_lookup", "draft_model")
 MAX_DRAFT = 32  # tokens one trip may verify besides the last one
 # Prompt lookup's n-gram bounds. Why not 1 at the bottom: a lone repeated token (a bracket, a
 # space) predicts little, and its failed drafts cost verify rows and start the back-off
-# (DraftLength) that then skips the long matches after it. Replaying the bench's three prompts'
-# greedy outputs through the drafter (0.5B, a verify row at 0.3 of a trip) gave code 0.93 ->
-# 0.94, chat 0.93 -> 1.12, code edit 1.90 -> 2.14 times the decode without speculation.
+# (DraftLength) that then skips the long matches after it (benchmarks/draft_replay.py).
 NGRAM_MAX, NGRAM_MIN = 3, 2
 # Tokens drafted per trip at most, by source, where neither SPEC_MAX_DRAFT nor the request says.
 # Why fewer for the draft model: its drafts cost a forward each in series, and a verify trip's rows
-# past the kernels' pass of 8 cost a whole pass more. The 1.5B cluster's drafted prompts, 6 against
-# 8, seven interleaved rounds on an AMD EPYC (2026-12-04): code 17.2-29.6 (median 27.6, 29.0 in
-# two sweeps) against 17.3-27.4 tok/s (25.6, 27.1), ahead in 6 of 7; chat ahead in 5 of 7 (medians
-# 17.5 and 20.4 against 17.1 and 19.5); an Intel machine's sweep also had 6 ahead of 8 (12.2 and
-# 9.56 against 9.60 and 9.51). Prompt lookup's drafts cost only their verify rows, and a code
-# edit's long copies pay for 8 (the 0.5B: 74.8-88.6 tok/s at 8, 73.4-84.6 at 6; docs/performance.md).
+# past the kernels' pass of 8 cost a whole pass more; prompt lookup's drafts cost only their verify
+# rows, and an edit's long copies pay for 8 (knot bench; docs/performance.md, "Levers tried").
 DEFAULT_MAX_DRAFT = {"prompt_lookup": 8, "draft_model": 6}
 
 
@@ -155,13 +149,8 @@ def lookup(context: Sequence[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min
 # estimates. The rule reads only the draft model's own distribution, so the accept/reject rule
 # (verify) still keeps the target's. Why the product, not each draft's own probability (Hugging
 # Face's assistant_confidence_threshold, 0.4, which this used before): benchmarks/draft_replay.py
-# replays the 1.5B's greedy tokens against the 0.5B's drafts from every position, with a trip cost
-# model (a plain trip 54 ms, a verify row 14, a drafted token 15: the 1.5B cluster's). On eight
-# HumanEval-style prompts and five chats, 64 tokens each, none of them the bench's, code went from
-# 1.350 to 1.424 times the plain decode and chat from 1.098 to 1.104; on the bench's prompts code
-# 1.39 -> 1.47, chat 1.09 -> 1.19, code edit 1.52 -> 1.62. With other costs (rows 10-18 ms, drafts
-# 12-18) code gained 4.6-6.0%; chat lost 2.3% where drafts are cheapest and gained up to 2.9%
-# elsewhere (docs/performance.md).
+# replays the 1.5B's greedy tokens against the 0.5B's drafts from every position through a trip
+# cost model; the product gained on code and on the held-out prompts under every cost tried.
 DRAFT_CONFIDENCE = 0.4
 
 
@@ -170,17 +159,16 @@ DRAFT_CONFIDENCE = 0.4
 # more forwards. Edits and refactors copy long runs of the prompt, which prompt lookup finds for
 # nothing while the draft model spends a forward a token; the draft model's agreement keeps the
 # copies to where they are likely (a lookup alone drafts the 1.5B's code edit 59% right).
-# benchmarks/draft_replay.py ("copying"): the bench's code edit 1.62 -> 1.93 times the plain
-# decode, its code (1.47) and chat (1.19) unchanged; the held-out prompts code 1.424 -> 1.464, chat
-# 1.104 -> 1.100. In a scratch replay, matches of 2 tokens copied too often (chat 1.104 -> 1.086).
+# benchmarks/draft_replay.py ("copying") measures it: edits gain, code and chat do not move; matches
+# of 2 tokens copied too often.
 COPY_NGRAM = 3
 
 
 def top_probability(z: np.ndarray) -> float:
     """The probability of the likeliest token of softmax(z), z (vocab,) scores (-inf: excluded)."""
     m = float(np.max(z))
-    # exp in float32 (numpy's SIMD loop), summed in float64: 145 us over the 0.5B's vocabulary
-    # against 362 with exp in float64, once a drafted token; the stop needs no more precision
+    # exp in float32 (numpy's SIMD loop), summed in float64: less than half the time of exp in
+    # float64, once a drafted token; the stop needs no more precision
     return 1.0 / float(np.exp(z - m).sum(dtype=np.float64))
 
 
@@ -189,9 +177,8 @@ def top_probability(z: np.ndarray) -> float:
 # the trip where the target emits it one rejected draft, and changes no output. Why: the head is
 # the draft model's biggest product. The 0.5B's is 145 MB of Q8_0 beside 246 MB of layers, and
 # Qwen2's ids from 100,000 up (a third of its rows) are CJK and other scripts' words, 0.01% of the
-# tokens of this repository's Python and 0.02% of its docs. Scoring rows [0, 100000) and the
-# specials took the 0.5B's head product from 4.3 to 2.3 ms and its drafted token from 16.0-17.0 to
-# 14.0-15.1 ms (AMD EPYC, 2 threads, three interleaved rounds; docs/performance.md).
+# tokens of this repository's Python and 0.02% of its docs; scoring only the rest nearly halves
+# the head's product (docs/lab/2026-12-04-draft-model-head-over-usable-ids.md).
 DRAFT_HEAD_IDS = 100_000
 
 
@@ -373,9 +360,9 @@ def draft_key(gen: "Generation") -> int:
 # after the third the next 2, then 4, ... (at most MAX_COOLDOWN); any accepted token ends the
 # back-off. One failure alone does not back off: where drafts mostly hit (a code edit, 87%), a
 # skipped trip is a trip of ~7 tokens lost. Why: every drafted row costs its share of
-# each hop of a trip, and on a fresh completion prompt lookup finds little to copy (6% accepted):
-# its drafts cost more than they saved, 0.60x llama.cpp against 0.65x without (knot bench, 0.5B
-# cluster, 2026-12-01). What is generated never depends on the drafts, only the trips taken.
+# each hop of a trip, and on a fresh completion prompt lookup finds little to copy: its drafts
+# cost more than they saved (knot bench's code prompt). What is generated never depends on the
+# drafts, only the trips taken.
 MAX_COOLDOWN = 16
 
 
@@ -387,9 +374,9 @@ class TripCost:
 
     Why: what a drafted row costs depends on the machine. Where the kernels are memory-bound (AVX-512
     VNNI), 8 rows cost little more than 1, and drafts pay from low acceptance on. Where they are
-    compute-bound (an AMD Zen 1, AVX2 only), 8 rows cost ~7 times 1: there the 0.5B drafting 8
-    tokens for the 1.5B at 58% acceptance ran at 0.52x llama.cpp, against 0.79x without drafts
-    (knot bench, docs/performance.md). Acceptance alone cannot tell these apart; the clock can."""
+    compute-bound (AVX2 without VNNI), 8 rows cost about 7 times 1, and the same drafts lose time
+    (benchmarks/bench_kernels.py --rows; knot bench). Acceptance alone cannot tell these apart; the
+    clock can."""
 
     WEIGHT = 0.25  # of the newest plain trip in the running mean
 
@@ -414,12 +401,10 @@ class DraftLength:
     TripCost current. Until the TripCost has seen a plain trip, the coming trip is one (a probe).
 
     Why the mean as well: one trip whose drafts went wrong early is slow however well drafting
-    pays. The 1.5B's code prompt with the 0.5B drafting (93% accepted) ran four trips of 9 tokens
-    at ~40 ms a token, then one of 6 at ~63 ms against a plain trip's ~59 (2026-12-04, AMD EPYC):
-    judged alone, that one trip cost the next its drafts, and the same 48 tokens took 6 to 9 trips
-    from run to run as the clock fell either side of the line. Why not the mean alone: it remembers
-    the slow trips before a code edit's answer starts copying the prompt, and kept prompt lookup
-    backing off through the copy (0.5B: 2.2 tokens a trip against 5.9)."""
+    pays; judged alone, it cost the next trip its drafts, and the same tokens took a different
+    number of trips from run to run as the clock fell either side of the line. Why not the mean
+    alone: it remembers the slow trips before a code edit's answer starts copying the prompt, and
+    kept prompt lookup backing off through the copy (knot bench's code edit prompt)."""
 
     def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None):
         self.max_draft = max_draft

@@ -80,7 +80,7 @@ class Container:
 
 # glibc hands every allocation over 32 MiB fresh pages from mmap and unmaps them on free, so a
 # station that streams 30-60 MB warden batches (fluid), and the LayerWarden that builds them,
-# page-fault all of them again each time: ~0.9 GB/s instead of ~6 GB/s for a copy. Keeping big
+# page-fault all of them again each time, several times slower than a copy. Keeping big
 # blocks in the heap lets them be reused; RSS then stays at the peak, which the station's budget
 # bounds. Only there: elsewhere (the coordinator after a huge request) freed memory goes back.
 KEEP_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}

@@ -5,7 +5,7 @@ Why AMX is refused: on CPUs that advertise AMX (Sapphire Rapids and later), a ll
 with -march=native repacks the weights of some matrices (the 1.5B's, not the 0.5B's) for AMX, and
 its first AMX matmul (`ldtilecfg` in ggml_backend_amx_mul_mat) dies with a general protection
 fault on these virtual machines, even after arch_prctl(ARCH_REQ_XCOMP_PERM) has granted the tile
-state: every oracle run of the 1.5B segfaulted (llama-cpp-python 0.3.36, 2026-12-01). ggml offers
+state: every oracle run of the 1.5B segfaulted (llama-cpp-python 0.3.36). ggml offers
 its AMX buffer type only when that arch_prctl succeeds, so a seccomp filter that makes it fail
 (EPERM) leaves llama.cpp on the kernels it runs everywhere else, repacking included. Turning
 off all extra buffer types instead (use_extra_bufts) also avoids the fault, but changes

@@ -1,6 +1,6 @@
 """Benchmark records: one JSON object per measurement, one per line (`benchmarks/results/*.jsonl`).
 
-    {"date": "2026-12-05", "machine": {"cpu": "AMD EPYC", "family": 25, "model": 17,
+    {"date": "YYYY-MM-DD", "machine": {"cpu": "<model name>", "family": 25, "model": 17,
      "isa": ["AVX2", "AVX-512F", "AVX-512 VNNI"]}, "command": "knot bench --model ...",
      "metric": "decode", "value": 42.8, "unit": "tok/s", "note": "..."}
 

@@ -12,8 +12,7 @@ if [ ! -x .venv/bin/python ]; then
   # The distribution's interpreter first: Debian builds it with PGO and LTO and links libpython
   # into the executable, where the pyenv build on these machines has neither and calls a shared
   # libpython through the PLT. A cluster's processes each run their per-call Python between the
-  # others' weight streams, and on the distribution's build a 0.5B cluster decoded 1.04x as fast
-  # (docs/performance.md, 2026-12-05).
+  # others' weight streams, so the faster build decodes faster (docs/performance.md, "Levers tried").
   cands="${PYTHON:-/usr/bin/python3.13 /usr/bin/python3.12 /usr/bin/python3.11 /usr/bin/python3 python3.13 python3.12 python3.11 python3}"
   made=""
   for cand in $cands; do

@@ -116,8 +116,8 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x (T, d) f32 -> (T, d) f32: x * (1/sqrt(mean(x^2) + eps)) * weight.
 
     In the attention kernel's rmsnorm where there is one: the same bits in one call. Why: in the
-    decode loop these ~8 numpy calls took 62-80 us a layer against 12 us alone, each paying for the
-    code and data that the weight product before it had evicted (docs/performance.md)."""
+    decode loop each of these ~8 numpy calls paid for the code and data the weight product before it
+    had evicted (benchmarks/cluster_profile.py --only station)."""
     kern = get_attention_kernel()
     if kern is not None and kern.rmsnorm is not None:
         out = kern.rmsnorm(x, weight, eps)
@@ -229,10 +229,9 @@ _NUMPY_BUFFER_BYTES = 2 * 8192 * 8
 # the softmax's probabilities to f16 for V·p (ggml's mul_mat converts src1 to the f16 vec_dot_type).
 # We round the same values the same way (IEEE round to nearest even, as F16C), so the keys and
 # values are f16 numbers (attn_phase_batch rounds them before the cache keeps them) whatever dtype
-# the cache stores. Why f16 at all: on a Zen 5, OpenBLAS's Haswell kernels (its choice there) and
-# its SkylakeX ones summed float32 attention in orders that parted the 0.5B's greedy tokens at step
-# 4-5 and moved top-10 logits by up to 0.41: our tokens depended on the CPU, and the llama.cpp
-# oracle failed on that machine (docs/fidelity.md). A product of two f16 numbers is exact in float64
+# the cache stores. Why f16 at all: OpenBLAS's kernels for different CPUs summed float32 attention
+# in orders that parted the 0.5B's greedy tokens within a few steps, so our tokens depended on the
+# CPU (docs/fidelity.md, "Attention that does not depend on the CPU"). A product of two f16 numbers is exact in float64
 # and the products' sums in float64 are exact or within a float64 rounding, so the float32 result
 # is the same bits whatever order BLAS sums in and however the keys are sliced for the copies
 # (tiles past ATTN_TILE_BYTES are another matter: _attend_tiles).
@@ -447,7 +446,7 @@ def qkv_after_products(cfg: Qwen2Config, q: np.ndarray, k: np.ndarray, v: np.nda
     """q (N, n_head * hd), k and v (N, n_kv * hd) as their products left them, the biases, cos and sin
     (N, hd/2) -> q with RoPE (N, n_head, hd); k with RoPE and v, f16 numbers as llama.cpp's cache
     (N, n_kv, hd). q, k and v are consumed: the kernels' rope_qkv writes them in place, in one call,
-    with numpy's bits; numpy's ~35 calls on a decode step's small rows took 49 us a layer."""
+    with numpy's bits, where numpy makes ~35 calls on a decode step's small rows."""
     kern = get_attention_kernel()
     if kern is not None and kern.rope_qkv is not None:
         out = kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, cfg.n_kv_head)

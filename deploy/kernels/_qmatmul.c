@@ -206,8 +206,8 @@ static int mm_setup(mm_ctx *c, const qtype_t *qt, const isa_kernels *isa, const 
     *c = (mm_ctx){isa->dot[qt->k], isa->dotn[qt->k], isa->dot2[qt->k], w, (size_t)nb * qt->block_bytes,
                   ne0, ne1, nb, T, a, y, 1, 1, isa->dotn_max > 1 ? isa->dotn_max : 1};
     /* two rows a pass only while the pair's two prefetch leads (KNOT_PF_DIST ahead of each row) are
-     * one stream: a longer second row's first lines are never prefetched (docs/performance.md, "One
-     * token against two weight rows": rows of 5 KiB went 1.08x slower that way) */
+     * one stream: a longer second row's first lines are never prefetched, and longer rows went
+     * slower (docs/lab/2026-12-04-one-token-against-two-weight-rows.md) */
     if (c->row_bytes > DOT2_MAX_ROW_BYTES) c->dot2 = NULL;
     /* tokens per tile: a multiple of dotn_max whose activations (qs, corr lanes) stay in L1 while the
      * task's rows of W go by */

@@ -15,9 +15,8 @@ static inline __m256d kv_load4_pd(kv_ptr a, size_t i) {
 
 /* n (a multiple of 4; of 8 on AVX-512) keys' or values' elements from i on, as doubles, into dst. On
  * AVX-512 a 64-byte store for each 64-byte load that reads it back. Why: a 64-byte load of two
- * 32-byte stores cannot take its data from the store buffer and waits for both stores to reach L1;
- * with 32-byte stores, a decode row's scores took 6.4 ns a head and key on one core of an Intel Xeon,
- * its values 4.7. */
+ * 32-byte stores cannot take its data from the store buffer and waits for both stores to reach L1
+ * (benchmarks/kernel_ab.py). */
 static inline void kv_to_pd(kv_ptr a, size_t i, int n, double *dst) {
 #if defined(__AVX512F__)
     for (int d = 0; d < n; d += 8)

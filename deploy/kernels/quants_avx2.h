@@ -14,10 +14,9 @@
 /* Software prefetch of the weights, KNOT_PF_DIST bytes ahead of the block being multiplied.
  * Why: a decode product (T = 1) reads each weight byte once, and on these VMs one core's
  * hardware prefetchers do not run far enough ahead to hide DRAM latency, so without it the
- * kernels waited on memory and computed in turn: 5.3-6.3 GB/s per core from DRAM against
- * ~10 GB/s from cache. 2 KiB ahead (a few rows of a task's contiguous range) gave the 1.5B's
- * whole-model decode +18% (9.9 -> 11.6-11.7 tok/s, interleaved A/B in one process); 1 KiB, T1
- * and NTA hints measured the same. A prefetch never faults, so reading past W's end is safe. */
+ * kernels waited on memory and computed in turn. 2 KiB ahead (a few rows of a task's contiguous
+ * range) hides it; 1, 4 and 8 KiB and the T1 and NTA hints measured no better
+ * (benchmarks/kernel_ab.py). A prefetch never faults, so reading past W's end is safe. */
 #ifndef KNOT_PF_DIST
 #define KNOT_PF_DIST 2048
 #endif
@@ -31,16 +30,14 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
  * so every N runs on registers; DOTN_ENTRY makes the table's entry, dotn_*, which takes n at run
  * time.
  * Why: a speculative verify trip's 2 or 3 rows (or the rows left after the 4s) took a
- * single-token pass each, and 3 rows cost more than 4. Over all of the 1.5B's weight products,
- * against one row (benchmarks/bench_kernels.py --rows, 2.0 GHz Xeon, interleaved runs): 2 rows
- * 1.51 -> 1.15-1.20x, 3 rows 2.14 -> 1.35x; with 8 per pass, 8 and 9 rows cost 7-8% less than
- * in passes of 4 (9 rows 350-355 -> 327-332 ms), 5 rows the same. */
+ * single-token pass each, and 3 rows cost more than 4; passes of 8 also make 8 and 9 rows cheaper
+ * than passes of 4 (benchmarks/bench_kernels.py --rows). */
 #define DOTN_INLINE static inline __attribute__((always_inline))
 /* Integer chains per token in dotn_body_q4_K: 2 up to 4 tokens with VNNI, else 1. The lanes are
- * exact integers, so the bits do not depend on it. Why: with one chain of 8 dependent vpdpwssd a
- * super-block per token, 2 tokens cost 1.84x one on a Zen 4 core, in cache; with two, 1.68-1.71x
- * (docs/performance.md). 4 tokens and more did not move, nor did Q6_K's 2. Without VNNI the chain is
- * a 1-cycle vpaddd, and there are only 16 registers. */
+ * exact integers, so the bits do not depend on it. Why: one chain of 8 dependent vpdpwssd a
+ * super-block per token bounds 2-4 token passes where the cores compute slower than they read
+ * (benchmarks/kernel_ab.py); 4 tokens and more did not move, nor did Q6_K's 2. Without VNNI the
+ * chain is a 1-cycle vpaddd, and there are only 16 registers. */
 #define DOTN_CHAINS(N) (HAVE_VNNI && (N) <= 4 ? 2 : 1)
 #if HAVE_VNNI  /* the AVX-512 build: 32 vector registers hold 8 tokens' accumulators */
 #define DOTN_ISA 8
@@ -91,8 +88,7 @@ static inline __m256i nibbles_32(const uint8_t *p) {  /* 16 bytes -> low nibbles
 /* A legacy block's scale times the activation block's, in all 8 lanes: f16_to_f32(rd16(w)) * *ad, the
  * same float32 product, as a broadcast load, one conversion and a multiply by an embedded broadcast.
  * Why: the scalar form (insert, convert, multiply, broadcast) was 5 of a one-token block's ~20 uops;
- * the vector form took the 0.5B's Q5_0 products 0.96-0.97x the time on two threads, 0.89-0.96x on
- * one (both builds in one process, alternating), with the same bits. */
+ * the vector form is faster with the same bits (benchmarks/kernel_ab.py). */
 static inline __m256 block_scale8(const uint8_t *w, const float *ad) {  /* ad NULL: the weight's scale alone */
     short h;
     memcpy(&h, w, 2);
@@ -155,9 +151,9 @@ DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, co
 #else
 /* Q4_0 / Q5_0 as their unsigned quants (0..15, 0..31) for vpmaddubsw, with the activation's corr
  * lanes (-offset * sums of 4, as the VNNI kernels) added to make the dot signed again. Why: on a
- * CPU whose 256-bit ops are two 128-bit uops (AMD Zen 1, seen here: family 23 model 1), these
- * kernels are compute-bound (a Q5_0 block took 6 ns of one core, in L2 as from DRAM), and the
- * unsigned form drops the two vpsignb of dot_i8_lanes. No saturation: 31 * 127 * 2 < 32767.
+ * CPU whose 256-bit ops are two 128-bit uops, these kernels are compute-bound (as fast in L2 as
+ * from DRAM), and the unsigned form drops the two vpsignb of dot_i8_lanes
+ * (docs/lab/2026-12-02-zen1-avx2-without-vnni.md). No saturation: 31 * 127 * 2 < 32767.
  * Q8_0 keeps the signed form: 255 * 127 * 2 would saturate vpmaddubsw's int16. */
 #define Q4_0_OFFSET 8
 #define Q5_0_OFFSET 16
@@ -243,10 +239,8 @@ LEGACY_DOTS(q4_0, Q4_0_BYTES)
 /* One token over two rows of W at once: each row's lanes are dot_*'s, block by block in the same
  * order (the same bits); the token's quants, corr lanes and scale are loaded once for both, and
  * the two rows' chains of adds interleave. Only Q5_0's is in the table: its unpacking makes it the
- * most compute-bound of the three. On an Intel Xeon (2 cores, AVX-512 VNNI), both builds in one
- * process, alternating: the 0.5B's Q5_0 products on two threads 0.86-0.98x the time (ffn_up 1.02x),
- * while a shard's Q8_0 head slice on one thread took 1.08x, so Q8_0 (and Q4_0, unmeasured) keep one
- * row a pass. */
+ * most compute-bound of the three: its products got faster, while a shard's Q8_0 head slice got
+ * slower (benchmarks/kernel_ab.py), so Q8_0 (and Q4_0, unmeasured) keep one row a pass. */
 #define LEGACY_DOT2(name, BYTES)                                                                   \
 static void dot2_##name##_avx2(const uint8_t *w0, size_t row_bytes, const int8_t *q, const float *ad, \
                                const void *aux, int nb, float out[2]) {                           \
@@ -276,8 +270,8 @@ LEGACY_DOTS(q5_0, Q5_0_BYTES)
 #else
 /* Q5_0, one token, on 128-bit halves: lanes 0-3 (elements 0..15, the low nibbles) and lanes 4-7
  * (16..31, the high ones) accumulate apart, each lane in block order as the reference does, so
- * the bits are the same. Why: it needs no vinserti128 to build a 256-bit block, and on Zen 1 a
- * 256-bit op is two 128-bit ones anyway: 4.6 against 5.0 ns per block of one core, in L1. */
+ * the bits are the same. Why: it needs no vinserti128 to build a 256-bit block, and where a
+ * 256-bit op is two 128-bit ones anyway the halves are faster (benchmarks/kernel_ab.py). */
 static float dot_q5_0_avx2(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
     const int32_t *corr = aux;
     const __m128i m4 = _mm_set1_epi8(0x0F), one = _mm_set1_epi16(1);
@@ -371,9 +365,8 @@ static float dot_q4_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
         const uint8_t *qs = w + 16;
         /* Two integer chains, the low and the high nibbles', summed once per super-block: the lanes
          * are exact integers, so the bits are the same. Why: one chain of 8 dependent vpdpwssd per
-         * super-block bound the one-token kernel on an AMD EPYC (Zen 4) core, where two threads
-         * compute it slower than they read it (the 1.5B's 56 ffn_gate/up from DRAM, 2 threads,
-         * interleaved pairs: 13.5-15.2 against 13.8-17.2 ms, faster in 3 of 4; docs/performance.md). */
+         * super-block bound the one-token kernel where two threads compute it slower than they
+         * read it (the 1.5B's ffn_gate/up; benchmarks/kernel_ab.py). */
         __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
         for (int j = 0; j < QK_K / 64; j++) {
             const __m256i scale_l = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)Q4_K_SHUFFLE[2 * j]));
@@ -449,8 +442,8 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
 
 /* The mins' 4 lanes of tokens 2p and 2p + 1 share one vector (lanes 0-3 and 4-7): the same lanes,
  * products and sums as one token's vector of 4 each, in half the instructions (an odd last token
- * keeps its own). Why: the mins term was ~10% of a pass of 8 tokens over the 1.5B's products
- * (docs/performance.md). */
+ * keeps its own). Why: the mins term is a sizeable share of a pass of 8 tokens
+ * (benchmarks/bench_kernels.py --rows). */
 DOTN_INLINE void dotn_body_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[DOTN_ISA], accm2[DOTN_ISA / 2];

@@ -154,8 +154,8 @@ def to_aiohttp_response(resp: Response) -> web.Response:
 # Written whole, Python 3.11's aiohttp and asyncio copy it three times before the socket sees it:
 # joined with the headers (aiohttp skips writelines below 3.12), the unsent tail sliced off, then
 # appended to the transport's buffer. A LayerWarden's batch is ~40-60 MB per phase of a 7B, ~2 GB
-# per forward. 56 MB to an aiohttp client (a micro-benchmark, docs/performance.md): 0.37 GB/s
-# whole, 0.6-0.9 in 1-4 MiB slices; 4 MiB is about what the socket takes at once.
+# per forward; slices of 4 MiB, about what the socket takes at once, roughly double the rate
+# (benchmarks/warden_transfer.py).
 SLICED_BODY_BYTES = 1 << 20
 WRITE_SLICE_BYTES = 4 << 20
 

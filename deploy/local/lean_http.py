@@ -5,10 +5,9 @@ aiohttp app of deploy/local/host.py, and answers the same way, without aiohttp's
 Why: a decode step of the 0.5B makes ten such calls in series (two stations, eight shards), and
 the cluster is CPU-bound on 2 cores, so every call's CPU is the token's. aiohttp's request and
 response objects, router and middlewares cost a shard about as much CPU as the product of its
-vocabulary slice in the cluster (a perf profile: libpython 46% of a shard's CPU, the product
-41%). This server in their place, against KNOT_HTTP_SERVER=aiohttp in alternating rounds of fresh
-0.5B clusters: the shards' CPU 14.2-15.5 -> 13.0-13.9 ms a token, decode +3 to +8% in four rounds
-of five (docs/performance.md).
+vocabulary slice in the cluster (a perf profile). This server in their place cuts the shards'
+CPU a token and raises decode a few percent (benchmarks/cluster_profile.py --only hops,cpu,
+KNOT_HTTP_SERVER=aiohttp against the default; docs/lab/2026-12-05-internal-hops-lean-http-server.md).
 
 The request line and headers are parsed by httptools (llhttp, Node's parser: request smuggling,
 bad lengths and chunked bodies are its job). Per request, as the aiohttp app:

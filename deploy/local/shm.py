@@ -2,7 +2,7 @@
 
 A fluid 7B station moves ~1.9 GB per token out of its LayerWarden. Over loopback TCP each byte is
 copied into the kernel by the warden and out by the station, and the TCP stack's work on both
-sides is most of the CPU the two spend per token (docs/performance.md). Here the warden's host
+sides is most of the CPU the two spend per token (benchmarks/warden_transfer.py). Here the warden's host
 copies a large reply body once into a file of the shared directory (tmpfs), and the station's
 binding copies it once out: two memcpys and no socket.
 
@@ -98,8 +98,8 @@ MAX_ASSEMBLED_BYTES = 16 << 30  # what a caller allocates for one reply's pieces
 
 
 # A copy of SPLIT_COPY_BYTES or more runs as two halves, one on a helper thread (numpy's copyto
-# releases the GIL). One thread's memcpy does not fill the memory bus: a 56 MB phase took 9.7 ms on
-# one thread and 4.6 ms on two, on this 2-core machine. Each copy is a link of a fluid phase's chain
+# releases the GIL). One thread's memcpy does not fill the memory bus: two threads copy a phase in
+# about half the time (benchmarks/fluid_copy.py). Each copy is a link of a fluid phase's chain
 # (the warden's into the buffer, the station's out of it), which runs while little else does.
 SPLIT_COPY_BYTES = 8 << 20
 _helper = ThreadPoolExecutor(1, thread_name_prefix="shm-copy")
@@ -120,8 +120,8 @@ def _in_halves(n: int, run: Callable[[int, int], Any]) -> tuple[Any, Any]:
 
 
 def _copy(dst: Any, src: Any, n: int, at: int = 0) -> None:
-    """n bytes from src to dst[at:] (numpy's memcpy: 4-7 GB/s a thread here, where a slice of an
-    mmap assigned from bytes ran at 0.4-2.4)."""
+    """n bytes from src to dst[at:] (numpy's memcpy: several times faster than assigning bytes to a
+    slice of an mmap)."""
     d, s = np.frombuffer(dst, np.uint8, n, at), np.frombuffer(src, np.uint8, n)
     _in_halves(n, lambda a, b: np.copyto(d[a:b], s[a:b]))
 

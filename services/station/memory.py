@@ -46,8 +46,8 @@ class StationMemoryFull(PayloadTooLarge):
 
 
 PROFILES = ("worker", "resident")  # MEMORY_PROFILE's choices (common/settings.py)
-# What a streamed byte costs a decode: the 1.5B's fluid `knot bench` row (docs/performance.md) moved
-# 609,792,768 bytes per token out of the LayerWardens at 1.6 tok/s, about 1 GB/s for the cluster.
+# What a streamed byte costs a decode, for the estimate a fluid station prints: about 1 GB/s for the
+# cluster (the 1.5B's fluid row of knot bench, over the socket).
 FLUID_BYTES_PER_S = 1.0e9
 
 
@@ -243,8 +243,8 @@ class StationMemory:
         """acquire() for a phase whose tensors are all resident or kept, with nothing to evict: the
         same tensors and the same accounting, without its coroutine and room-making. None where any
         is missing or room must be made (acquire() then does the work). Why: a resident station
-        runs every phase this way, and acquire's generality cost ~25 us per phase, ~1.2 ms of a
-        0.5B station's 22 ms decode forward."""
+        runs every phase this way, and acquire's generality was a measurable share of its decode
+        forward (benchmarks/cluster_profile.py --only station)."""
         total = self.kept.bytes_used + self.loaded_bytes + self.fixed_bytes(T, S)
         if total > self.budget_bytes:  # make_room would evict: the general path
             return None

@@ -51,7 +51,7 @@ class PhaseLoader:
                       "warden_failures": 0, "invalidations": 0, "kept_rejected": 0}
         # (layer, phase) -> its tensor names, checked against the header once: a decode forward
         # asks two or three times per phase, and building and checking them each time was a
-        # share of the ~3 ms per forward the station spent beside its layers (docs/performance.md)
+        # share of the station's bookkeeping beside its layers (cluster_profile.py --only station)
         self._names: dict[tuple[int, str], tuple[str, ...]] = {}
 
     def names(self, layer: int, phase: str) -> list[str]:

@@ -211,9 +211,9 @@ def test_speculation_and_shard_sampling_change_no_token(real_cluster):
 def test_the_cluster_logprobs_are_the_single_process_logprobs(real_cluster):
     """Sharded equals unsplit across processes, numerically and not only in the greedy choice: the
     top-5 logprobs of each of 6 tokens after a chat prompt, through the launcher's processes
-    (speculation off), equal the single process's to 1e-4. (2026-12-01: a 1.5B near-tie, token 19
-    at a 0.0216 margin, had been read as a cluster difference; it was a script's engine on the
-    numpy path against the kernels. Both on the kernels agree exactly.)"""
+    (speculation off), equal the single process's to 1e-4. (A 1.5B near-tie had once been read as
+    a cluster difference; it was a script's engine on the numpy path against the kernels. Both on
+    the kernels agree exactly.)"""
     import time
 
     from common.generation import Generation, generate_events
