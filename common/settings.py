@@ -281,6 +281,9 @@ SETTINGS: tuple[Setting, ...] = (
        "large replies to callers of the same directory, and reads theirs, instead of the socket "
        "(deploy/local/shm.py); `knot cluster up` sets one per cluster under /dev/shm, `KNOT_SHM_DIR=` turns it off; "
        "unset: sockets only (docker compose)"),
+    _s("OTEL_EXPORTER_OTLP_ENDPOINT", "str", None, "host", "an OpenTelemetry collector's OTLP/HTTP base URL "
+       "(e.g. http://127.0.0.1:4318): the coordinator exports each request's trace there (deploy/otlp.py, "
+       "docs/operations.md); unset: traces stay in the coordinator (GET /traces)"),
     _s("KNOT_MAX_BODY_BYTES", "int", None, "host", "largest request body accepted, 413 before it is read "
        "(default: the service module's MAX_BODY_BYTES, 4 MiB for the coordinator; else 64 MiB)", minimum=1),
     _s("KNOT_INTERNAL_SECRET", "str", REQUIRED, "host compose launcher cobordism_warden",

@@ -30,3 +30,10 @@ fi
 spec=".[host${extras:+,$extras}]"
 echo "setup: pip install -e '$spec'" >&2
 .venv/bin/python -m pip install --disable-pip-version-check -q -e "$spec"
+# The browser tests (tests/browser) drive Debian's chromium through Playwright's Python package, never
+# a browser Playwright downloads (that fails offline).
+if [[ ",$extras," == *,dev,* ]] && ! command -v chromium >/dev/null; then
+  echo "setup: installing chromium (Debian) for the browser tests" >&2
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
+fi

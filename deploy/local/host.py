@@ -389,6 +389,25 @@ def real_binding(name: str, url: str, settings: HostSettings, session: aiohttp.C
     })
 
 
+def export_traces(settings: HostSettings, stack: contextlib.AsyncExitStack) -> None:
+    """With OTEL_EXPORTER_OTLP_ENDPOINT set, the service's trace ring (the coordinator's TRACES) sends
+    each request's spans there; `stack` flushes them at exit. A service without a ring keeps no traces."""
+    if settings.otlp_endpoint is None:
+        return
+    ring = getattr(importlib.import_module(settings.service), "TRACES", None)
+    if ring is None:
+        log.info("OTEL_EXPORTER_OTLP_ENDPOINT is set, but %s keeps no traces (the coordinator does): ignored",
+                 settings.service)
+        return
+    from deploy.otlp import OtlpExport  # the SDK only where it is used
+
+    export = OtlpExport(settings.otlp_endpoint, settings.name)
+    ring.on_end.append(export)
+    stack.callback(export.close)
+    stack.callback(ring.on_end.remove, export)  # (callbacks run last first: unhooked, then flushed)
+    log.info("traces go to the OpenTelemetry collector at %s", settings.otlp_endpoint)
+
+
 def check_settings(name: str, module: str, env: Env) -> None:
     """Before serving: every setting the handler reads (common/settings.py) parses, or a ConfigError
     that names the service and the variable ends the start."""
@@ -433,6 +452,7 @@ async def open_runtime(settings: HostSettings, stack: contextlib.AsyncExitStack)
         bindings["SHARED_BLOCKS"] = shm.blocks  # the LayerWarden keeps its tensors there (deploy/local/shm.py)
     env = Env(bindings, settings.handler_vars())
     check_settings(settings.name, settings.service, env)
+    export_traces(settings, stack)
     if do_host is not None:
         do_host.env = env
     # Exit callbacks run last-in first-out: wait_until work drains before any client closes.

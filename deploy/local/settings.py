@@ -107,6 +107,7 @@ class HostSettings:
     shm_dir: str | None = None  # large replies through shared memory (deploy/local/shm.py)
     header_timeout_s: float = 60.0  # a request's line and headers, from the connection's start or last reply
     body_timeout_s: float = 60.0  # a request's body, from its headers
+    otlp_endpoint: str | None = None  # traces to an OpenTelemetry collector (deploy/otlp.py); None: none leave
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "HostSettings":
@@ -149,6 +150,7 @@ class HostSettings:
             shm_dir=get("KNOT_SHM_DIR") or None,
             header_timeout_s=get("KNOT_HEADER_TIMEOUT_S"),
             body_timeout_s=get("KNOT_BODY_TIMEOUT_S"),
+            otlp_endpoint=get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
         )
 
     def handler_vars(self) -> dict[str, str]:

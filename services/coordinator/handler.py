@@ -68,6 +68,8 @@ MAX_BODY_BYTES = 4 << 20
 
 # The public API (clients, not other services): the host cancels a request whose client hung up.
 PUBLIC = True
+# Its requests' traces (console.py); a host exports them where OTEL_EXPORTER_OTLP_ENDPOINT is set.
+TRACES = console.TRACES
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
