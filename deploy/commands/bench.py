@@ -147,6 +147,18 @@ def render_table(figures: list[Figure]) -> str:
     return "\n".join([line(rows[0]), sep] + [line(r) for r in rows[1:]])
 
 
+# The settings that change what a bench measures: a record's command carries those that were set.
+MEASURED_ENV = ("KNOT_LAYER_WARDEN_BUDGET_BYTES", "KNOT_KERNELS", "KNOT_THREADS", "KNOT_SPIN_US", "KNOT_SHARD_THREADS",
+                "KNOT_HTTP_SERVER", "KNOT_SHM_DIR", "KNOT_PREFETCH", "KNOT_WARM_WARDEN", "KNOT_INTERLEAVE_ROWS")
+
+
+def command_line(argv: list[str] | None, variables: dict[str, str]) -> str:
+    """What reproduces a run: the MEASURED_ENV settings among `variables` (as set, sorted), then `knot`
+    and its arguments. The values are echoed, not parsed: the services read them (common/settings.py)."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items()) if k in MEASURED_ENV]
+    return " ".join(env + ["knot", shlex.join(argv) if argv else "bench"])
+
+
 def bench_records(figures: list[Figure], machine: dict, command: str, date: str, model: str,
                   note: str = "") -> list[dict]:
     """The table as records (deploy/records.py): per figure ours, llama.cpp's ("<name>, llama.cpp") and
@@ -746,9 +758,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from deploy import records
 
-        argv = getattr(args, "argv", None)
-        command = "knot " + shlex.join(argv) if argv else "knot bench"
-        note = (f"{args.tokens} tokens, prompt {len(long_ids)} tokens, llama.cpp {args.threads} threads"
+        command = command_line(getattr(args, "argv", None), dict(os.environ))
+        note = (f"{args.tokens} tokens, prompt {len(long_ids)} tokens"
+                + (f", llama.cpp {args.threads} threads" if ll else "")
                 + ("" if not runs else f", llama.cpp decode {min(runs):.2f}-{max(runs):.2f} tok/s over the run"))
         recs = bench_records(figures, records.machine_of(host), command, time.strftime("%Y-%m-%d", time.gmtime()),
                              model, note)

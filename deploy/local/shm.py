@@ -420,8 +420,8 @@ class ReplyReader:
         self.replies = 0
         # The buffer of a reply buffer's copy nobody holds any more, kept for the next one (the
         # largest such, one at a time). A fresh buffer's pages are faulted in and zeroed by the kernel
-        # before the copy writes them: 56 MB took 17.5 ms to copy and check into a fresh buffer, 8.4
-        # ms into a used one (benchmarks/fluid_copy.py, when blocks were still copied).
+        # before the copy writes them: into a used one a copy and check takes about half the time
+        # (benchmarks/fluid_copy.py).
         self._spare: np.ndarray | None = None
         self._spare_lock = threading.Lock()
         self._closed = False

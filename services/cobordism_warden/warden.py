@@ -31,8 +31,8 @@ Endpoints (identity "{knot_key}|{vocab_start}-{vocab_end}"):
     POST /invalidate/<row> drop one row of token_embd.weight from RAM
     GET  /stats
 
-Why warm: a new token's row missing from RAM went to KV, then to R2: its embed hop took ~9 ms of a
-0.5B decode step (on the critical path: the next token's embedding), ~2.4 ms from RAM. A decode's new
+Why warm: a new token's row missing from RAM went to KV, then to R2, several times slower than from
+RAM and on the critical path (the next token's embedding; cluster_profile.py --only embed). A decode's new
 tokens fall anywhere in the slice, so a miss's neighbours do not help; the whole slice does (a 0.5B's
 is 11.7 MB, a 7B's ~38 MB, both well inside 256 MiB), read in ranged reads of WARM_CHUNK_BYTES, each
 kept as one slab (Slab: its rows' bytes and crc32s; a row fetched alone is looked up first). The

@@ -22,8 +22,8 @@ token, and without it every step paid a second hop (shard -> warden) on the crit
 entry is sealed with the knot version and its crc32, checked on every hit (a bad one is a miss,
 counted in `row_cache_rejects`); the warden must answer for the shard's version (X-Knot-Etag).
 When it boots, the shard has its warden read the whole slice into RAM (WARM_WARDEN): a decode's new
-token missed the warden's RAM and came from KV and R2, ~9 ms of a 0.5B step, against ~2.4 ms from
-RAM. Where the head is tied to token_embd (a GGUF without output.weight), the shard already pins
+token missed the warden's RAM and came from KV and R2, several times slower than from RAM
+(cluster_profile.py --only embed). Where the head is tied to token_embd (a GGUF without output.weight), the shard already pins
 its rows' bytes as its head slice, so it embeds from those (`rows_from_head`) and asks no warden.
 
 Why the LM head is here: a 7B's output matrix is ~447 MB in Q6_K, more than any 128 MB exit

@@ -196,3 +196,14 @@ def test_bench_records_parse_as_records_with_the_machine_command_and_ratios(tmp_
                                                                 "qwen2.5-coder-0.5b", "64 tokens")
     assert r["machine"]["isa"] == ["AVX2", "AVX-512F"] and (r["machine"]["family"], r["machine"]["model"]) == (25, 17)
     assert records.machine_class(r["machine"]) == "Zen 4"
+
+
+def test_a_records_command_carries_the_settings_that_change_the_measurement():
+    from deploy.commands.bench import command_line
+
+    argv = ["bench", "--model", "qwen2.5-coder-0.5b", "--concurrency", ""]
+    assert command_line(argv, {}) == "knot bench --model qwen2.5-coder-0.5b --concurrency ''"
+    env = {"KNOT_LAYER_WARDEN_BUDGET_BYTES": "5000000000", "KNOT_API_KEY": "secret", "HOME": "/root"}
+    assert command_line(argv, env) == ("KNOT_LAYER_WARDEN_BUDGET_BYTES=5000000000 knot bench --model "
+                                       "qwen2.5-coder-0.5b --concurrency ''")
+    assert command_line(None, {}) == "knot bench"
