@@ -114,3 +114,111 @@ def append(path: Path, records: list[dict]) -> None:
     with path.open("a") as f:
         for r in records:
             f.write(json.dumps(r, sort_keys=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# the latest figures per machine class: docs/performance.md's table, rendered from the records
+
+CLASSES = ("Zen 1", "Zen 2", "Zen 3", "Zen 4", "Zen 5", "Intel AVX-512", "AVX-512", "AVX2", "no AVX2")
+M05, M15, M7B = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "7B shape (knot synth)"
+RATIO = ", ours / llama.cpp"
+# (row, model, metric, fallback metric): each cell the range of the class's latest day's values
+RATIO_ROWS = (
+    ("0.5B cluster decode", M05, "decode" + RATIO, "decode, code prompt, speculation off" + RATIO),
+    ("0.5B single process", M05, "single-process decode" + RATIO, None),
+    ("0.5B code edit, prompt lookup", M05, "decode, code edit prompt, prompt lookup" + RATIO, None),
+    ("1.5B cluster decode", M15, "decode" + RATIO, "decode, code prompt, speculation off" + RATIO),
+    ("1.5B single process", M15, "single-process decode" + RATIO, None),
+    ("1.5B code, 0.5B drafting", M15, "decode, code prompt, draft model" + RATIO, None),
+    ("prefill, 512 tokens, 0.5B", M05, "prefill" + RATIO, None),
+    ("prefill, 512 tokens, 1.5B", M15, "prefill" + RATIO, None),
+)
+FLUID = "fluid (128 MiB stations, qwen7b-synth.knot) decode"
+BEGIN, END = "<!-- records: begin (python -m deploy.records --write docs/performance.md) -->", "<!-- records: end -->"
+
+
+def _latest(recs: list[dict], model: str, metric: str) -> list[float]:
+    """The values of `metric` for `model` on the latest day that has any."""
+    hits = [r for r in recs if r.get("model") == model and r["metric"] == metric]
+    if not hits:
+        return []
+    day = max(r["date"] for r in hits)
+    return [r["value"] for r in hits if r["date"] == day]
+
+
+def _span(values: list[float], fmt: str = "{:.2f}") -> str:
+    if not values:
+        return "-"
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def latest_table(recs: list[dict]) -> str:
+    """A Markdown table: per machine class (a column), its CPU, ISA and latest day, llama.cpp's decode,
+    the ratios of RATIO_ROWS and the 7B shape's fluid run, each from that class's latest day."""
+    by_class: dict[str, list[dict]] = {}
+    for r in recs:
+        by_class.setdefault(machine_class(r["machine"]), []).append(r)
+    classes = sorted(by_class, key=lambda c: CLASSES.index(c) if c in CLASSES else len(CLASSES))
+
+    def machine_cell(c: str) -> tuple[str, str]:
+        m = max(by_class[c], key=lambda r: r["date"])["machine"]
+        fam = "" if m["family"] is None else f", family {m['family']}" + ("" if m["model"] is None else f" model {m['model']}")
+        return m["cpu"] + fam, " ".join(m["isa"]) or "no AVX2"
+
+    rows = [["CPU (/proc/cpuinfo)"] + [machine_cell(c)[0] for c in classes],
+            ["ISA"] + [machine_cell(c)[1] for c in classes],
+            ["latest record"] + [max(r["date"] for r in by_class[c]) for c in classes],
+            ["llama.cpp decode, 0.5B / 1.5B (tok/s)"]
+            + [f"{_span(_latest(by_class[c], M05, 'decode, llama.cpp'), '{:.1f}')} / "
+               f"{_span(_latest(by_class[c], M15, 'decode, llama.cpp'), '{:.1f}')}" for c in classes]]
+    for name, model, metric, fallback in RATIO_ROWS:
+        cells = []
+        for c in classes:
+            v = _latest(by_class[c], model, metric)
+            if not v and fallback:
+                v = _latest(by_class[c], model, fallback)
+                cells.append(_span(v) + (" (code prompt)" if v else ""))
+            else:
+                cells.append(_span(v))
+        rows.append([name] + cells)
+    fluid = []
+    for c in classes:
+        tok_s = _latest(by_class[c], M7B, FLUID)
+        gb_s = [v for k in (0, 1) for v in _latest(by_class[c], M7B, f"fluid: station-{k} GB/s from its warden")]
+        fluid.append("-" if not tok_s else f"{_span(tok_s)} tok/s, {_span(gb_s, '{:.1f}')} GB/s")
+    rows.append(["7B shape, fluid (128 MiB stations)"] + fluid)
+    head = ["", *classes]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def with_table(doc: str, table: str) -> str:
+    """doc with the text between BEGIN and END replaced by table (ValueError without the markers)."""
+    if BEGIN not in doc or END not in doc:
+        raise ValueError(f"the document lacks the markers {BEGIN} ... {END}")
+    head, rest = doc.split(BEGIN, 1)
+    return head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    root = Path(__file__).resolve().parents[1]
+    p = argparse.ArgumentParser(prog="python -m deploy.records",
+                                description="the latest figures per machine class, from benchmark records")
+    p.add_argument("files", nargs="*", type=Path, help="records (default: benchmarks/results/*.jsonl)")
+    p.add_argument("--write", type=Path, metavar="DOC", help="replace the table between the markers in DOC")
+    args = p.parse_args(argv)
+    recs = [r for f in (args.files or sorted((root / "benchmarks" / "results").glob("*.jsonl"))) for r in read(f)]
+    table = latest_table(recs)
+    if args.write:
+        args.write.write_text(with_table(args.write.read_text(), table))
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

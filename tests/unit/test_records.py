@@ -59,3 +59,27 @@ def test_read_names_the_bad_line(tmp_path):
 ])
 def test_machine_class(cpu, family, model, isa, want):
     assert records.machine_class({"cpu": cpu, "family": family, "model": model, "isa": isa}) == want
+
+
+def _rec(date, metric, value, model="qwen2.5-coder-0.5b", machine=ZEN4):
+    return {**GOOD, "date": date, "metric": metric, "value": value, "model": model, "machine": machine}
+
+
+def test_the_table_takes_each_figure_from_its_latest_day_as_a_range():
+    r = ", ours / llama.cpp"
+    intel = {"cpu": "Intel Xeon", "family": 6, "model": 167, "isa": ["AVX2", "AVX-512F"]}
+    recs = [_rec("2026-12-04", "decode" + r, 0.66), _rec("2026-12-05", "decode" + r, 0.91),
+            _rec("2026-12-05", "decode" + r, 0.90), _rec("2026-12-04", "single-process decode" + r, 1.2),
+            _rec("2026-12-02", "decode, code prompt, speculation off" + r, 0.64, machine=intel)]
+    rows = {line.split(" | ")[0].strip("| "): line for line in records.latest_table(recs).splitlines()}
+    assert rows[""].startswith("|  | Zen 4 | Intel AVX-512 |")  # classes in CLASSES' order
+    assert rows["0.5B cluster decode"] == "| 0.5B cluster decode | 0.90-0.91 | 0.64 (code prompt) |"
+    assert rows["0.5B single process"] == "| 0.5B single process | 1.20 | - |"
+    assert rows["latest record"] == "| latest record | 2026-12-05 | 2026-12-02 |"
+
+
+def test_performance_md_shows_the_latest_records():
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    recs = [r for f in sorted((ROOT / "benchmarks" / "results").glob("*.jsonl")) for r in records.read(f)]
+    assert doc == records.with_table(doc, records.latest_table(recs)), (
+        "docs/performance.md's table is stale: run `python -m deploy.records --write docs/performance.md`")
