@@ -15,8 +15,10 @@ coordinator merges the slices of a row (merge) and decides the token from the su
     - min_p: the candidates above max + log(min_p), when no slice held back one that high;
     - temperature: the Gumbel-max draw over the kept candidates, the same noise per id as the
       whole row's draw; with no filter at all, the best of the slices' own draws.
-When the summaries cannot decide a row (top_p or min_p reaching past what a slice sent, or x / T
-overflowing float32), decide returns None and the caller fetches the full slices.
+When the summaries cannot decide a row (top_p or min_p reaching past what a slice sent, x / T
+overflowing float32, or a mask leaving too little: RowSummary.masked), decide returns None and
+the caller fetches the full slices. What the shards are asked for (sample_spec) and whether their
+summaries serve a trip (decided) are decided here too; the coordinator's ClusterEngine only calls them.
 
 Why the trusted prefix: a slice that sent its top t of n > t ids holds back ids that all come after
 its last sent one in the (-logit, id) order. The merged list is therefore the global order up to
@@ -252,29 +254,39 @@ def decide(row: RowSummary, p: SamplingParams, key: int) -> int | None:
 
 
 def sample_spec(gen: Generation, seq: Sequence[int], n_rows: int, sample_top: int, vocab_size: int,
-                masked: bool = False) -> wire.SampleSpec | None:
-    """What the shards send of each of n_rows rows (seq: the sequence up to the last row's input
-    token), or None where the sampler needs the full slices: a sampled draft model's accept/reject
-    rule (the whole distribution), logprobs of raw logits under penalties (the shards send penalized
-    ones), more candidates than a shard may send, a logit bias (the coordinator applies it, so the
-    wire to the shards stays as it is). sample_top: SHARD_SAMPLE_TOP (0: never summaries). masked:
-    a row has a mask (Generation.allowed), so even greedy asks for sample_top candidates (the best
-    may be masked; RowSummary.masked says what the masked summary decides)."""
+                n_slices: int, masks: Sequence[np.ndarray | None] = ()) -> wire.SampleSpec | None:
+    """What the shards (n_slices of them) send of each of n_rows rows (seq: the sequence up to the
+    last row's input token), or None where the sampler needs the full slices: a sampled draft
+    model's accept/reject rule (the whole distribution), logprobs of raw logits under penalties (the
+    shards send penalized ones), more candidates than a shard may send, a logit bias (the
+    coordinator applies it, so the wire to the shards stays as it is). sample_top: SHARD_SAMPLE_TOP
+    (0: never summaries).
+
+    masks: the rows' (Generation.allowed; None: unmasked). A masked row is summarized from the
+    candidates alone (RowSummary.masked), so even greedy asks for sample_top of them (the best may
+    be masked), and the slices' log-sum-exps, of unmasked logits, are not asked for. Logprobs and
+    top_p without top_k need a complete masked summary: None when a mask allows more ids than the
+    slices send candidates, which no summary of it can hold."""
     p = gen.sampling
     if sample_top == 0 or (gen.speculation.source == "draft_model" and not p.greedy) or p.logit_bias:
         return None
     if gen.logprobs is not None and p.penalized:
         return None
+    masked = [m for m in masks if m is not None]
     # Greedy decides from each slice's best candidate alone; more are for logprobs, filters and masks.
     top = max(1, gen.logprobs or 0) if p.greedy and not masked else max(sample_top, p.top_k, gen.logprobs or 0)
     if top > wire.MAX_SAMPLE_TOP:
         return None
+    top_k_cut = 0 < p.top_k < vocab_size
+    needs_lse = gen.logprobs is not None or (not p.greedy and p.top_p < 1.0 and not top_k_cut)
+    if needs_lse and masked and max(int(np.count_nonzero(m)) for m in masked) > top * n_slices:
+        return None
     history: Sequence[int] = []
     if p.penalized:  # row j's window: the last penalty_last_n tokens up to its input
         history = seq if p.penalty_last_n < 0 else seq[-(p.penalty_last_n + n_rows - 1):]
-    no_filter = not 0 < p.top_k < vocab_size and p.top_p >= 1.0 and p.min_p <= 0.0
+    no_filter = not top_k_cut and p.top_p >= 1.0 and p.min_p <= 0.0
     # the log-sum-exps serve top_p's cut and logprobs only
-    lse = gen.logprobs is not None or (not p.greedy and p.top_p < 1.0)
+    lse = (gen.logprobs is not None or (not p.greedy and p.top_p < 1.0)) and len(masked) < n_rows
     return wire.SampleSpec(top, p.temperature, gen.sampler_key, not p.greedy and no_filter,
                            p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
                            p.penalty_last_n, tuple(history), lse)

@@ -166,7 +166,7 @@ class ClusterEngine:
         when they decide every row's token (common/shard_sampling.py), else the full slices' logits."""
         p, call = self.pipeline, self._call(gen)
         masks = row_masks(gen.allowed, seq, h.shape[0])
-        spec = sample_spec(gen, seq, h.shape[0], self.sample_top, p.vocab_size, any(m is not None for m in masks))
+        spec = sample_spec(gen, seq, h.shape[0], self.sample_top, p.vocab_size, len(p.shards), masks)
         if spec is not None:
             rows = apply_masks(await p.sample(call, h, pos, spec), masks)
             if decided(rows, gen):

@@ -13,7 +13,7 @@ import pytest
 from common.generation import Generation, generate_events
 from common.runtime import Context
 from common.sampling import LogitsRow, Sampler, SamplingParams, mask_from_bitset
-from common.shard_sampling import SliceSummary, decide, merge, row_history, summarize
+from common.shard_sampling import SliceSummary, decide, merge, row_history, sample_spec, summarize
 from common.speculative import Draft, PromptLookup, SpeculationParams, verify
 from deploy.engine_local import LocalEngine
 from services.coordinator.generation import ClusterGeneration
@@ -160,14 +160,32 @@ def test_verification_rejects_a_draft_outside_the_mask(summary):
             assert accepted <= 1 and 22 not in got, (seed, got)
 
 
-def _allowed(vocab: int, eog: set[int]):
-    """A constraint that changes with the sequence: a fifth of the ids, chosen by its length, and
+def _allowed(vocab: int, eog: set[int], share: float = 0.2):
+    """A constraint that changes with the sequence: a share of the ids, chosen by its length, and
     never the end of generation (so the runs are long)."""
     def allowed(seq):
-        m = np.random.default_rng(len(seq)).random(vocab) < 0.2
+        m = np.random.default_rng(len(seq)).random(vocab) < share
         m[list(eog)] = False
         return m
     return allowed
+
+
+def test_the_shards_request_under_a_mask():
+    """Greedy under a mask asks for sample_top candidates, not 1; all rows masked: no slice
+    log-sum-exps (the masked rows' come from their candidates); logprobs or top_p alone under a
+    mask wider than the slices' candidates: the full slices at once."""
+    vocab, few, wide = 1000, np.zeros(1000, bool), np.ones(1000, bool)
+    few[:40] = True
+
+    def spec(masks, logprobs=None, **sampling):
+        gen = Generation([1, 2], 4, SamplingParams(**sampling), logprobs=logprobs)
+        return sample_spec(gen, [1, 2], len(masks), 64, vocab, 3, masks)
+
+    assert spec([None]).top == 1 and spec([few]).top == 64
+    assert spec([None], logprobs=2).lse and not spec([few], logprobs=2).lse and spec([None, few], logprobs=2).lse
+    assert spec([wide], logprobs=2) is None and spec([wide], temperature=0.7, top_p=0.9) is None
+    assert spec([wide], temperature=0.7, top_k=10, top_p=0.9) is not None, "top_p after top_k needs no denominator"
+    assert spec([wide]) is not None and spec([wide], temperature=0.7, min_p=0.1) is not None
 
 
 async def test_a_constraint_is_exact_through_the_engines_and_speculation(tiny_knot, tmp_path):
@@ -205,4 +223,16 @@ async def test_a_constraint_is_exact_through_the_engines_and_speculation(tiny_kn
             pass
         assert plain.token_ids != want, "the constraint changed what is generated"
     assert full_slices > 0, "some masked summaries sent the cluster to the full slices (a masked best draw)"
+    # logprobs under a narrow constraint: the masked logits' own (from a complete masked summary or
+    # the full slices; the first is tested above on random rows)
+    narrow = _allowed(vocab, set(tok.eog_ids), 40 / vocab)
+    gen = Generation(list(prompt), 8, SamplingParams(), logprobs=3, allowed=narrow, request_id=uuid.uuid4().hex)
+    want = [ev.logprobs async for ev in generate_events(engine, gen, tok, time.perf_counter)
+            if getattr(ev, "logprobs", None)]
+    cg = ClusterGeneration(list(prompt), 8, SamplingParams(), logprobs=3, allowed=narrow, request_id=uuid.uuid4().hex)
+    got = [ev.logprobs async for ev in co.events(cg, Context(c.tasks.add)) if getattr(ev, "logprobs", None)]
+    assert cg.token_ids == gen.token_ids and len(got) == len(want) == 8
+    for n, (a, b) in enumerate(zip(got, want)):
+        assert [i for i, _ in a.top] == [i for i, _ in b.top] and narrow(prompt + gen.token_ids[:n])[a.top[2][0]]
+        np.testing.assert_allclose([v for _, v in a.top] + [a.logprob], [v for _, v in b.top] + [b.logprob], atol=1e-6)
     await c.drain()
