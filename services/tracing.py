@@ -97,6 +97,7 @@ class Trace:
         self.spans: list[Span] = []
         self.dropped = 0
         self.open = 0  # server spans not yet ended
+        self.name = ""  # the last request's, as it began (its span is recorded as it ends)
 
     def add(self, span: Span) -> None:
         if len(self.spans) < self.max_spans:
@@ -174,6 +175,7 @@ def begin(ring: Ring, headers: Mapping[str, str], name: str, peer: str = "coordi
     parent = parse_traceparent(headers.get(TRACEPARENT))
     trace = ring.trace(parent.trace_id if parent else uuid.uuid4().hex)
     trace.open += 1
+    trace.name = name
     scope = Scope(trace.trace_id, new_span_id(), trace, ring.clock(), name, peer, parent.span_id if parent else None)
     _current.set(scope)
     return scope

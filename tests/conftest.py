@@ -45,6 +45,9 @@ def pytest_runtest_makereport(item, call):
     if any(item.get_closest_marker(m) for m in REAL_MODEL_MARKERS):
         report.outcome = "failed"
         report.longrepr = f"CI=true: real-model test skipped ({reason}); scripts/test.sh fetches every model first"
+    elif item.get_closest_marker("browser"):
+        report.outcome = "failed"
+        report.longrepr = f"CI=true: browser test skipped ({reason}); scripts/setup.sh dev installs chromium and playwright"
     elif item.get_closest_marker("needs_kernels"):
         report.outcome = "failed"
         report.longrepr = f"CI=true: kernel test skipped ({reason}); scripts/setup.sh must build deploy/kernels"

@@ -88,7 +88,7 @@ async def fetch(request: Request, env: Env, coordinator: Callable[[], Awaitable[
 def _brief(t: tracing.Trace) -> dict:
     roots = [s for s in t.spans if s.peer == "coordinator" and s.span_id is not None]
     return {"trace_id": t.trace_id, "started_at": t.started_at, "in_flight": t.open > 0, "spans": len(t.spans),
-            "name": roots[-1].name if roots else None,
+            "name": t.name,
             "duration_ms": round(roots[-1].duration_s * 1e3, 3) if roots else None,
             "status": roots[-1].status if roots else None}
 
@@ -119,7 +119,11 @@ async def snapshot(co) -> dict:
 
 
 def _health(stats: dict | None) -> str:
-    return "down" if stats is None else "ready"
+    """down: no answer to /stats; streaming: a station whose layers do not fit its budget (it loads
+    some of them again on every forward); ready otherwise."""
+    if stats is None:
+        return "down"
+    return "streaming" if (stats.get("memory") or {}).get("fits") is False else "ready"
 
 
 def _gathered(co) -> dict:
@@ -176,8 +180,9 @@ def _in_flight(co) -> list[dict]:
 
 
 def _where(scope: tracing.Scope | None) -> str | None:
-    """The peer of the request's last recorded call: where it is now, about."""
-    if scope is None or not scope.sink.spans:
+    """The request's last recorded hop: where it is now, about."""
+    if scope is None:
         return None
-    last = scope.sink.spans[-1]
-    return f"{last.peer} {last.name}"
+    spans = scope.sink.spans
+    last = next((s for s in reversed(spans[-64:]) if s.parent_id == scope.span_id), None)
+    return None if last is None else f"{last.peer} {last.name}"

@@ -111,7 +111,10 @@ function drawTopology(nodes) {
       el("title", {}, g, `${r.binding}\n` + JSON.stringify(s, null, 1).slice(0, 1500));
     });
   }
-  svg.setAttribute("height", 6 + 4 * (H + 14));
+  // wide layouts (many shards) shrink to the section's width rather than overflow it
+  const width = 8 + (Math.max(...Object.values(col)) + 1) * (W + 12), height = 6 + 4 * (H + 14);
+  svg.setAttribute("viewBox", `0 0 ${Math.max(width, 600)} ${height}`);
+  svg.setAttribute("height", height * Math.min(1, (svg.clientWidth || width) / Math.max(width, 600)));
 }
 
 const FIGURES = [
