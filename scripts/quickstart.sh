@@ -9,7 +9,9 @@ model="${KNOT_MODEL:-qwen2.5-coder-0.5b}"
 url="$(.venv/bin/knot cluster up --model "$model" | tail -n 1)"
 cat <<MSG
 
-The cluster is up: coordinator at $url (logs in .knot-run/logs/). Try:
+The cluster is up: coordinator at $url (logs in .knot-run/logs/).
+Open $url/ in a browser to watch it: topology, live figures, a playground, each request's trace.
+Or try:
 
   curl -s $url/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"max_tokens": 64, "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}'

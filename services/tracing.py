@@ -43,6 +43,7 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 class Parent:
     trace_id: str
     span_id: str
+    sampled: bool = True  # flags bit 0: the caller records this trace; 0 asks that nothing be recorded
 
 
 def parse_traceparent(value: str | None) -> Parent | None:
@@ -53,11 +54,11 @@ def parse_traceparent(value: str | None) -> Parent | None:
     m = _TRACEPARENT.fullmatch(value.strip())
     if m is None:
         return None
-    version, trace_id, span_id, _, rest = m.groups()
+    version, trace_id, span_id, flags, rest = m.groups()
     # version ff is invalid; version 00 has nothing after the flags; ids of all zeros are invalid
     if version == "ff" or (version == "00" and rest) or trace_id == "0" * 32 or span_id == "0" * 16:
         return None
-    return Parent(trace_id, span_id)
+    return Parent(trace_id, span_id, bool(int(flags, 16) & 1))
 
 
 def traceparent(trace_id: str, span_id: str) -> str:
@@ -169,10 +170,14 @@ def enter(scope: Scope | None) -> None:
         _current.set(scope)
 
 
-def begin(ring: Ring, headers: Mapping[str, str], name: str, peer: str = "coordinator") -> Scope:
+def begin(ring: Ring, headers: Mapping[str, str], name: str, peer: str = "coordinator") -> Scope | None:
     """A request's server span in ring: under the client's traceparent (same trace id) or a new trace
-    when it sent none or an invalid one. Current from here on; end() closes it."""
+    when it sent none or an invalid one. Current from here on; end() closes it. None, and nothing
+    recorded, when the client's traceparent is not sampled (flags 00): its calls carry no traceparent."""
     parent = parse_traceparent(headers.get(TRACEPARENT))
+    if parent is not None and not parent.sampled:
+        _current.set(None)
+        return None
     trace = ring.trace(parent.trace_id if parent else uuid.uuid4().hex)
     trace.open += 1
     trace.name = name
@@ -246,7 +251,7 @@ def serving(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaita
 
     async def fetch(request, env, ctx) -> Response:
         parent = parse_traceparent(request.headers.get(TRACEPARENT))
-        if parent is None:
+        if parent is None or not parent.sampled:
             return await handler(request, env, ctx)
         summary = Summary(time.perf_counter())
         token = _current.set(Scope(parent.trace_id, parent.span_id, summary))

@@ -31,8 +31,11 @@ _TRACE_PATH = re.compile(r"/traces/([0-9a-f]{32})")
 
 
 async def traced(request: Request, name: str, run: Callable[[], Awaitable[Response]]) -> Response:
-    """run() as a request's server span in TRACES; a streamed reply's span ends with its stream."""
+    """run() as a request's server span in TRACES; a streamed reply's span ends with its stream. A
+    client's unsampled traceparent (flags 00) turns the request's trace off."""
     scope = tracing.begin(TRACES, request.headers, name)
+    if scope is None:
+        return await run()
     try:
         resp = await run()
     except BaseException as e:

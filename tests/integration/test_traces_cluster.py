@@ -92,3 +92,10 @@ def test_the_page_and_its_data(cluster):  # noqa: F811
     assert len(by_role["shard"]) == 8 and all(n["replicas"][0]["health"] == "ready" for n in by_role["shard"])
     assert {"coordinator", "layer_warden", "cobordism_warden", "bucket"} <= set(by_role)
     assert c["samples"]["knot_requests_active"] == {"": 0.0}
+
+
+def test_an_unsampled_traceparent_turns_the_trace_off(cluster):  # noqa: F811
+    tid = "5" * 32
+    h, body = generate(cluster, {"traceparent": f"00-{tid}-{SID}-00"}, max_tokens=2)
+    assert "X-Trace-Id" not in h and len(body["tokens"]) == 2
+    assert http("GET", cluster.url("coordinator") + "/traces/" + tid)[0] == 404

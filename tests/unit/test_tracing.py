@@ -12,7 +12,8 @@ TID, SID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 def test_a_valid_traceparent_is_read():
     assert tracing.parse_traceparent(f"00-{TID}-{SID}-01") == tracing.Parent(TID, SID)
-    assert tracing.parse_traceparent(f"01-{TID}-{SID}-00-later-fields") == tracing.Parent(TID, SID)  # future version
+    assert tracing.parse_traceparent(f"01-{TID}-{SID}-01-later-fields") == tracing.Parent(TID, SID)  # future version
+    assert tracing.parse_traceparent(f"00-{TID}-{SID}-00") == tracing.Parent(TID, SID, sampled=False)
 
 
 @pytest.mark.parametrize("bad", [None, "", "garbage", f"00-{TID}-{SID}", f"00-{TID.upper()}-{SID}-01",
@@ -103,3 +104,16 @@ def test_serving_returns_the_spans_of_the_calls_it_made():
     traced = asyncio.run(served(Request("GET", "/x", {tracing.TRACEPARENT: f"00-{TID}-{SID}-01"}), None, None))
     [row] = json.loads(traced.headers[tracing.SPANS_HEADER])
     assert row[0:2] == ["get row/1", "EMBED_CACHE"] and row[5:] == [1, "ok"]
+
+
+def test_an_unsampled_traceparent_records_nothing_and_propagates_nothing():
+    ring, peer = tracing.Ring(), Peer()
+    service = tracing.traced(peer, "STATION_0")
+
+    async def run():
+        scope = tracing.begin(ring, {tracing.TRACEPARENT: f"00-{TID}-{SID}-00"}, "POST /generate")
+        await service.fetch(Request("POST", "/forward"))
+        return scope
+
+    assert asyncio.run(run()) is None
+    assert peer.seen == [None] and ring.recent() == []
