@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from common.matmul import get_attention_kernel
+from common.ops import installed
 
 # Capacity grows in whole blocks of tokens and by at least an eighth: a long decode copies O(n)
 # in total, and a cache holds at most an eighth (or one block) more than its tokens.
@@ -48,12 +48,11 @@ def largest(fits: Callable[[int], bool], hi: int) -> int:
 
 
 def default_kv_dtype() -> np.dtype:
-    """The cache's storage type: float16 where the C attention kernels run (they read it as fast as
-    float32, and it halves a session's bytes, as llama.cpp's f16 cache), float32 on numpy's path
-    (Workers, KNOT_KERNELS=off), whose float16 -> float64 copies cost about twice float32's: there
-    a long context's decode would pay more for the halved bytes than it saves."""
-    kern = get_attention_kernel()
-    return kern.cache_dtype if kern is not None else np.dtype(np.float32)
+    """A new cache's storage type: the installed ops' kv_dtype (common.ops), float16 where the C
+    kernels run (they read it as fast as float32, in half the bytes, as llama.cpp's f16 cache),
+    float32 on numpy's path (Workers, KNOT_KERNELS=off), whose float16 -> float64 copies cost about
+    twice float32's."""
+    return installed().kv_dtype
 
 
 class KVCache:

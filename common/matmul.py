@@ -2,14 +2,12 @@
 
 The numpy path dequantizes W a tile of whole rows at a time into one reused float32 buffer of at
 most `tile_bytes`, so a 7B layer never exists in float32 at once. It is the reference and the
-fallback: `register_kernel` routes one ggml type to a faster kernel (numba / C) without
-touching callers.
+fallback: `register_kernel` routes one ggml type to a faster kernel (C: deploy.kernels) without
+touching callers. Models call these through their common.ops.Ops (ops.matmul).
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -99,58 +97,3 @@ def matmul_tiled(x: np.ndarray, w: QTensor, tile_bytes: int = DEFAULT_TILE_BYTES
         W = dequantize_rows(w.data[a * nb:b * nb], w.ggml_type, ne0, w.name, out=tile[:b - a])
         np.matmul(x, W.T, out=y[:, a:b])  # (T, ne0) @ (ne0, b - a) -> (T, b - a)
     return y
-
-
-@dataclass(frozen=True)
-class AttentionKernel:
-    """Attention's two products computed elsewhere (deploy.kernels: C), the same numbers as
-    common.models.qwen2's numpy float64 matmuls. Each returns None for what it does not take
-    (another cache dtype, head dim), and the caller then runs numpy.
-
-    scores(q (n_kv, R, hd) f32, k (S, n_kv, hd)) -> (n_kv, R, S) f32: q·k summed in float64,
-        rounded once (q and k f16 numbers, so every product is exact);
-    values(p (n_kv, R, S) f32, v (S, n_kv, hd), out (n_kv, R, hd) f64) -> out, += f16(p) @ v
-        summed in float64;
-    cache_dtype: the KV cache's storage type it reads best (common.kvcache.default_kv_dtype);
-    row_scores, row_values (or None): a sequence's T new rows, each over the keys its decode step saw
-    (common.models.qwen2.attend_sequence), in two calls around numpy's exp and sums:
-    row_scores(q (T, n_head, hd) f32, k (S, n_kv, hd), q_pos (T,), k_pos (S,), scale) -> p, row t's
-        (n_head, n_t) scores (n_t = S - T + 1 + t keys; f16(q)·k, times scale, -inf where
-        k_pos > q_pos, less the row's max) packed one row after another, float32;
-    row_values(p, sums (T, n_head) f64, v (S, n_kv, hd)) -> (T, n_head * hd) f32: each row of p
-        times float32(1 / its sum), rounded to f16, @ v summed in float64;
-    row_sums (or None): row_sums(p, T, S, n_head) -> sums (T, n_head) f64 of p after numpy's exp,
-        the bits of numpy's float64 sum of each row's (n_head, n_t) block (None: numpy sums them);
-    rope_qkv (or None): q, k and v after their products, in place, the bits of
-        common.models.qwen2's numpy:
-    rope_qkv(q (N, n_head * hd), k, v (N, n_kv * hd), bq, bk, bv, cos, sin (N, hd/2), n_head, n_kv)
-        -> (rope(q + bq), f16(rope(k + bk)), f16(v + bv)) as (N, heads, hd) views, float32;
-    rmsnorm (or None): rmsnorm(x (T, d) f32, weight (d,) f32, eps) -> (T, d) f32, a new array with
-        the bits of common.models.qwen2.rmsnorm's numpy (its float64 pairwise sum included);
-    rows (or None): rows(q (T, n_head, hd) f32, k, v (S, n_kv, hd), q_pos (T,), k_pos (S,), scale)
-        -> (T, n_head * hd) f32, row_scores, numpy's exp, row_sums and row_values in one call, the
-        same bits;
-    silu (or None): silu(x f32) -> x / (1 + exp(-x)), a new array with numpy's bits (np.exp's own)."""
-    scores: Callable[[np.ndarray, np.ndarray], np.ndarray | None]
-    values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None]
-    cache_dtype: np.dtype = np.dtype(np.float32)
-    row_scores: Callable[..., np.ndarray | None] | None = None
-    row_values: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray | None] | None = None
-    rope_qkv: Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray] | None] | None = None
-    row_sums: Callable[[np.ndarray, int, int, int], np.ndarray | None] | None = None
-    rmsnorm: Callable[[np.ndarray, np.ndarray, float], np.ndarray | None] | None = None
-    rows: Callable[..., np.ndarray | None] | None = None
-    silu: Callable[[np.ndarray], np.ndarray | None] | None = None
-
-
-_ATTENTION: list[AttentionKernel | None] = [None]
-
-
-def register_attention_kernel(kernel: AttentionKernel | None) -> AttentionKernel | None:
-    """Route attention's products to `kernel` (None: numpy again); return the old one."""
-    old, _ATTENTION[0] = _ATTENTION[0], kernel
-    return old
-
-
-def get_attention_kernel() -> AttentionKernel | None:
-    return _ATTENTION[0]

@@ -18,7 +18,7 @@ The rule (verify()), so that speculation never changes what is generated:
   the standard rule for q = a point mass: accepted with probability p(d), else a draw from p
   without d. This needs a trip's k + 1 rows to be the bits of decoding them one at a time: the
   kernels are row-exact, and attention runs such short batches row by row
-  (common/models/qwen2.py attend_sequence, EXACT_ROWS).
+  (common/ops.py Ops.attention, EXACT_ROWS).
 - a draft model's sampled token d ~ q is accepted with probability min(1, p(d) / q(d)), else
   replaced by a draw from max(0, p - q), normalized (Leviathan et al. 2023, "Fast Inference from
   Transformers via Speculative Decoding", algorithm 1; Chen et al. 2023): the output has the

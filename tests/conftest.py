@@ -6,6 +6,7 @@ import os
 import pytest
 
 from common import matmul as mm
+from common import ops
 from common import settings
 from deploy import kernels
 from tests.synth import TinySpec, write_tiny_gguf
@@ -62,18 +63,19 @@ def pytest_collectreport(report):
 
 @pytest.fixture(autouse=True)
 def _restore_kernel_registry():
-    """Whatever a test registers or removes, the next test sees the session's kernels."""
-    saved, attention = dict(mm._KERNELS), mm.get_attention_kernel()
+    """Whatever a test registers, removes or installs, the next test sees the session's kernels."""
+    saved, installed = dict(mm._KERNELS), ops.installed()
     yield
     mm._KERNELS.clear()
     mm._KERNELS.update(saved)
-    mm.register_attention_kernel(attention)
+    ops.install(installed)
 
 
 @pytest.fixture
 def numpy_attention():
-    """Route attention's products to numpy's float64 matmuls for one test (what Workers run)."""
-    mm.register_attention_kernel(None)
+    """Models built in this test compute every op but matmul with numpy's reference (common.ops.Ops):
+    attention's products in numpy's float64 matmuls (what Workers run)."""
+    ops.install(ops.Ops())
 
 
 @pytest.fixture

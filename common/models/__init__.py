@@ -13,6 +13,7 @@ from typing import Mapping, Protocol
 
 from common.models.base import MissingTensorError, Model, ModelConfig, PhaseWeights, Sequences
 from common.models.qwen2 import Qwen2
+from common.ops import Ops
 
 ARCHITECTURES: dict[str, type[Model]] = {cls.architecture: cls for cls in (Qwen2,)}
 
@@ -31,14 +32,14 @@ class HasArchitecture(Protocol):
     def hparams(self) -> Mapping: ...
 
 
-def model_for(header: HasArchitecture) -> Model:
-    """The header's architecture bound to its hyperparameters; UnknownArchitecture, or ValueError for
-    inconsistent hyperparameters."""
+def model_for(header: HasArchitecture, ops: Ops | None = None) -> Model:
+    """The header's architecture bound to its hyperparameters, computing with ops (None: the process's,
+    common.ops.installed()); UnknownArchitecture, or ValueError for inconsistent hyperparameters."""
     cls = ARCHITECTURES.get(header.architecture)
     if cls is None:
         raise UnknownArchitecture(f"architecture {header.architecture!r} is not supported; the model registry "
                                   f"knows {', '.join(sorted(ARCHITECTURES))} (common/models/)")
-    return cls.from_hparams(header.hparams)
+    return cls.from_hparams(header.hparams, ops)
 
 
 __all__ = ["ARCHITECTURES", "MissingTensorError", "Model", "ModelConfig", "PhaseWeights", "Sequences",

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 import numpy as np
 
 from common.kvcache import KVCache
+from common.ops import Ops, installed
 from common.quant import QTensor
 
 PhaseWeights = Mapping[str, QTensor]          # GGUF name -> tensor, the tensors one phase reads
@@ -53,12 +54,14 @@ class Model(ABC):
     OUTPUT_NORM: ClassVar[str] = "output_norm.weight"
     OUTPUT: ClassVar[str] = "output.weight"
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+        """ops: what the forward computes with (None: the process's, common.ops.installed())."""
         self.cfg = cfg
+        self.ops = ops if ops is not None else installed()
 
     @classmethod
     @abstractmethod
-    def from_hparams(cls, hparams: Mapping) -> "Model":
+    def from_hparams(cls, hparams: Mapping, ops: Ops | None = None) -> "Model":
         """From the knot header's hparams (keys as in common/knot.py HPARAM_KEYS); ValueError if inconsistent."""
 
     # -------------------------------------------------------- tensor names
@@ -81,8 +84,8 @@ class Model(ABC):
     # -------------------------------------------------------- math
 
     def new_kv(self, dtype=None) -> KVCache:
-        """An empty cache; dtype None: common.kvcache.default_kv_dtype()."""
-        return KVCache(self.cfg.n_kv_head, self.cfg.head_dim, dtype=dtype)
+        """An empty cache; dtype None: the storage type this model's ops read best."""
+        return KVCache(self.cfg.n_kv_head, self.cfg.head_dim, dtype=dtype if dtype is not None else self.ops.kv_dtype)
 
     @abstractmethod
     def activation_bytes(self, T: int, S: int) -> int:

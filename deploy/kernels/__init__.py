@@ -1,9 +1,10 @@
-"""Matmul kernels that compute on the quantized blocks (the C extension `_qmatmul`), and
-attention's two products in float64 (make_attention_kernel).
+"""Matmul kernels that compute on the quantized blocks (the C extension `_qmatmul`), and the other
+ops of a forward in C (KernelOps: attention's products in float64, rmsnorm, RoPE, silu).
 
-`install()` registers them into common.matmul's kernel registry, so every caller of
-common.matmul.matmul uses them for the types they support. The extension is optional: when
-it was not built, install() logs why and registers nothing, and matmul stays on numpy.
+`install()` registers the matmuls into common.matmul's kernel registry, so every caller of
+common.matmul.matmul uses them for the types they support, and makes KernelOps the process's
+common.ops (models built from then on compute with it). The extension is optional: when it was not
+built, install() logs why and registers nothing, and everything stays on numpy.
 
 Numerics follow llama.cpp's CPU path: each activation row is quantized to Q8_0 (Q4_0, Q5_0,
 Q8_0 weights) or Q8_K (Q4_K, Q6_K), then integer block dot products are scaled per block.
@@ -24,7 +25,9 @@ from typing import Mapping
 import numpy as np
 
 from common import settings
-from common.matmul import AttentionKernel, Kernel, register_attention_kernel, register_kernel
+from common import ops
+from common.matmul import Kernel, register_kernel
+from common.ops import Ops, attn_tile_keys, score_scale
 from common.quant import QTensor
 from deploy.machine import usable_cpus
 
@@ -151,58 +154,45 @@ ATTN_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 ROW_SUMS_MAX = 8192
 
 
-def make_attention_kernel(simd: bool = True, parallel: bool = True) -> AttentionKernel:
-    """attention's products in C (attn.h): the numbers of qwen2's numpy float64 matmuls, summed in
-    one fixed order on every ISA, thread count and batch. They decline (None) a cache of another
-    dtype than float32 or float16 and a head dim the kernels do not take; numpy serves those."""
+class KernelOps(Ops):
+    """common.ops.Ops with the C kernels: attention's products (attn.h, the float64 sums of numpy's
+    matmuls in one fixed order on every ISA, thread count and batch), rmsnorm, RoPE and silu, each
+    with the reference's bits. Each method takes what the kernels take (a float32 or float16 cache,
+    head dims a multiple of 16 up to 256, float32 C-contiguous arrays) and hands anything else to
+    the numpy reference (super()). The matmuls route by ggml type in common.matmul (install()).
 
-    def takes(q: np.ndarray, kv: np.ndarray) -> bool:
-        return kv.dtype in ATTN_KV_DTYPES and q.shape[-1] in ATTN_HEAD_DIMS and kv.ndim == 3
+    simd=False runs the portable reference C, parallel=False the caller's thread only; both give
+    the same bits as the defaults (tests check it)."""
 
-    def scores(q: np.ndarray, k: np.ndarray) -> np.ndarray | None:
-        n_kv, R, hd = q.shape
-        if not takes(q, k) or q.dtype != np.float32 or k.shape[1:] != (n_kv, hd):
-            return None
-        S = k.shape[0]
-        out = np.empty((n_kv, R, S), np.float32)
-        _qmatmul.attn_scores(np.ascontiguousarray(q), np.ascontiguousarray(k), out, n_kv, R, S, hd, simd, parallel,
-                             k.dtype == np.float16)
-        return out  # (n_kv, R, S)
+    kv_dtype = np.dtype(np.float16)  # the kernels read it as fast as float32, in half the bytes
+    q_dtype = np.dtype(np.float32)   # scores() takes q as float32 (f16 numbers, exact)
 
-    def values(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> np.ndarray | None:
-        n_kv, R, S = p.shape
-        hd = out.shape[-1]
-        if (not takes(out, v) or p.dtype != np.float32 or v.shape != (S, n_kv, hd) or out.shape != (n_kv, R, hd)
-                or out.dtype != np.float64 or not out.flags.c_contiguous):  # out is written in place
-            return None
-        _qmatmul.attn_values(np.ascontiguousarray(p), np.ascontiguousarray(v), out, n_kv, R, S, hd, simd, parallel,
-                             v.dtype == np.float16)
-        return out  # (n_kv, R, hd) f64, += f16(p) @ v
+    def __init__(self, simd: bool = True, parallel: bool = True):
+        self.simd, self.parallel = simd, parallel
+        # the fused calls (silu, a sequence's attention rows) run numpy's exp loop, so its bits
+        self.fused = numpy_exp_loop()
 
-    def row_scores(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, scale: float) -> np.ndarray | None:
-        T, n_head, hd = q.shape
-        S, n_kv = k.shape[:2]
-        if not takes(q, k) or q.dtype != np.float32 or k.shape[2] != hd or n_head % n_kv or not 1 <= T <= S:
-            return None
-        p = np.empty(n_head * (T * (S - T + 1) + T * (T - 1) // 2), np.float32)  # row t: (n_head, S - T + 1 + t)
-        _qmatmul.attn_rows_scores(np.ascontiguousarray(q), np.ascontiguousarray(k),
-                                  np.ascontiguousarray(q_pos, np.int64), np.ascontiguousarray(k_pos, np.int64), p,
-                                  n_kv, n_head, T, S, hd, scale, simd, parallel, k.dtype == np.float16)
-        return p
-
-    def row_values(p: np.ndarray, sums: np.ndarray, v: np.ndarray) -> np.ndarray | None:
-        T, n_head = sums.shape
-        S, n_kv, hd = v.shape
-        if (not takes(v, v) or p.dtype != np.float32 or not p.flags.c_contiguous or sums.dtype != np.float64
-                or n_head % n_kv):  # p is written in place
-            return None
-        out = np.empty((T, n_head * hd), np.float32)
-        _qmatmul.attn_rows_values(p, np.ascontiguousarray(sums), np.ascontiguousarray(v), out, n_kv, n_head, T, S, hd,
-                                  simd, parallel, v.dtype == np.float16)
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        # Why in C: in the decode loop each of numpy's ~8 calls paid for the code and data the weight
+        # product before it had evicted (benchmarks/cluster_profile.py --only station).
+        if (x.dtype != np.float32 or weight.dtype != np.float32 or x.ndim != 2 or weight.shape != (x.shape[1],)
+                or not x.flags.c_contiguous or not weight.flags.c_contiguous):
+            return super().rmsnorm(x, weight, eps)
+        out = np.empty(x.shape, np.float32)
+        _qmatmul.rms_norm(x, weight, out, x.shape[0], x.shape[1], float(eps))  # (T, d) -> (T, d)
         return out
 
-    def rope_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, bq: np.ndarray, bk: np.ndarray, bv: np.ndarray,
-                 cos: np.ndarray, sin: np.ndarray, n_head: int, n_kv: int) -> tuple[np.ndarray, ...] | None:
+    def silu(self, x: np.ndarray) -> np.ndarray:
+        if not self.fused or x.dtype != np.float32 or not x.flags.c_contiguous:
+            return super().silu(x)
+        out = np.empty(x.shape, np.float32)
+        _qmatmul.silu(x, out, x.size)
+        return out
+
+    def rope_qkv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, bq: np.ndarray, bk: np.ndarray,
+                 bv: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_head: int,
+                 n_kv: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # one call, in place, where numpy makes ~35 calls on a decode step's small rows
         N, hd = q.shape[0], cos.shape[-1] * 2
         arrays = (q, k, v, bq, bk, bv, cos, sin)
         if (any(a.dtype != np.float32 or not a.flags.c_contiguous for a in arrays)
@@ -210,49 +200,76 @@ def make_attention_kernel(simd: bool = True, parallel: bool = True) -> Attention
                 or q.shape != (N, n_head * hd) or k.shape != (N, n_kv * hd) or v.shape != (N, n_kv * hd)
                 or cos.shape != (N, hd // 2) or sin.shape != (N, hd // 2)
                 or np.may_share_memory(q, k) or np.may_share_memory(q, v) or np.may_share_memory(k, v)):
-            return None
+            return super().rope_qkv(q, k, v, bq, bk, bv, cos, sin, n_head, n_kv)
         _qmatmul.rope_qkv(q, k, v, bq, bk, bv, cos, sin, N, n_head, n_kv, hd)  # sizes checked there
         return q.reshape(N, n_head, hd), k.reshape(N, n_kv, hd), v.reshape(N, n_kv, hd)
 
-    def row_sums(p: np.ndarray, T: int, S: int, n_head: int) -> np.ndarray | None:
-        if p.dtype != np.float32 or p.ndim != 1 or not p.flags.c_contiguous or S > ROW_SUMS_MAX:
-            return None
-        sums = np.empty((T, n_head), np.float64)
-        _qmatmul.attn_row_sums(p, sums, T, S, n_head)  # p's length checked there
-        return sums
+    # ------------------------------------------------------------------ attention
 
-    def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray | None:
-        if (x.dtype != np.float32 or weight.dtype != np.float32 or x.ndim != 2 or weight.shape != (x.shape[1],)
-                or not x.flags.c_contiguous or not weight.flags.c_contiguous):
-            return None
-        out = np.empty(x.shape, np.float32)
-        _qmatmul.rms_norm(x, weight, out, x.shape[0], x.shape[1], float(eps))  # (T, d) -> (T, d)
-        return out
+    def _takes(self, q: np.ndarray, kv: np.ndarray) -> bool:
+        return kv.dtype in ATTN_KV_DTYPES and q.shape[-1] in ATTN_HEAD_DIMS and kv.ndim == 3
 
-    def rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-             scale: float) -> np.ndarray | None:
+    def scores(self, qg: np.ndarray, k: np.ndarray) -> np.ndarray:
+        n_kv, hd = qg.shape[0], qg.shape[-1]
+        if not self._takes(qg, k) or qg.dtype != np.float32 or k.shape[1:] != (n_kv, hd):
+            return super().scores(qg, k)
+        S = k.shape[0]
+        out = np.empty((*qg.shape[:-1], S), np.float32)
+        _qmatmul.attn_scores(np.ascontiguousarray(qg), np.ascontiguousarray(k), out, n_kv, qg.size // (n_kv * hd), S,
+                             hd, self.simd, self.parallel, k.dtype == np.float16)
+        return out  # (n_kv, g, T, S)
+
+    def values(self, p: np.ndarray, v: np.ndarray, out: np.ndarray) -> np.ndarray:
+        n_kv, S, hd = p.shape[0], p.shape[-1], out.shape[-1]
+        if (not self._takes(out, v) or p.dtype != np.float32 or v.shape != (S, n_kv, hd)
+                or out.shape != (*p.shape[:-1], hd) or out.dtype != np.float64
+                or not out.flags.c_contiguous):  # out is written in place
+            return super().values(p, v, out)
+        _qmatmul.attn_values(np.ascontiguousarray(p), np.ascontiguousarray(v), out, n_kv, p.size // (n_kv * S), S, hd,
+                             self.simd, self.parallel, v.dtype == np.float16)
+        return out  # (n_kv, g, T, hd) f64, += f16(p) @ v
+
+    def attend_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                    k_pos: np.ndarray) -> np.ndarray:
+        """The rows in the kernels' row calls, the bits of attend() of each row alone: one fused call
+        (scores, numpy's exp loop, sums, values), or two around numpy's exp with the sums between.
+        Why: a decode row's attention was ~40 numpy calls, more than its products took. Past one
+        tile of a row's keys (attend() goes tile by tile) the reference serves."""
         T, n_head, hd = q.shape
         S, n_kv = k.shape[:2]
-        if (not takes(q, k) or q.dtype != np.float32 or k.shape[2] != hd or v.shape != k.shape or v.dtype != k.dtype
-                or n_head % n_kv or not 1 <= T <= S or S > ROW_SUMS_MAX):
-            return None
+        if (not self._takes(q, k) or q.dtype != np.float32 or k.shape[2] != hd or v.shape != k.shape
+                or v.dtype != k.dtype or n_head % n_kv or not 1 <= T <= S or S > attn_tile_keys(n_head, 1)):
+            return super().attend_rows(q, k, v, q_pos, k_pos)
+        scale = float(score_scale(hd))
+        q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+        q_pos, k_pos = np.ascontiguousarray(q_pos, np.int64), np.ascontiguousarray(k_pos, np.int64)
         out = np.empty((T, n_head * hd), np.float32)
-        _qmatmul.attn_rows(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                           np.ascontiguousarray(q_pos, np.int64), np.ascontiguousarray(k_pos, np.int64), out,
-                           n_kv, n_head, T, S, hd, scale, simd, parallel, k.dtype == np.float16)
+        if self.fused and S <= ROW_SUMS_MAX:
+            _qmatmul.attn_rows(q, k, v, q_pos, k_pos, out, n_kv, n_head, T, S, hd, scale, self.simd, self.parallel,
+                               k.dtype == np.float16)
+            return out
+        p = np.empty(n_head * (T * (S - T + 1) + T * (T - 1) // 2), np.float32)  # row t: (n_head, S - T + 1 + t)
+        _qmatmul.attn_rows_scores(q, k, q_pos, k_pos, p, n_kv, n_head, T, S, hd, scale, self.simd, self.parallel,
+                                  k.dtype == np.float16)  # f16(q)·k, times scale, -inf where masked, less the row's max
+        np.exp(p, out=p)
+        _qmatmul.attn_rows_values(p, self.row_sums(p, T, S, n_head), v, out, n_kv, n_head, T, S, hd,
+                                  self.simd, self.parallel, v.dtype == np.float16)  # each row / its sum, f16, @ v
         return out
 
-    def silu(x: np.ndarray) -> np.ndarray | None:
-        if x.dtype != np.float32 or not x.flags.c_contiguous:
-            return None
-        out = np.empty(x.shape, np.float32)
-        _qmatmul.silu(x, out, x.size)
-        return out
-
-    fused = numpy_exp_loop()
-    return AttentionKernel(scores=scores, values=values, cache_dtype=np.dtype(np.float16),
-                           row_scores=row_scores, row_values=row_values, rope_qkv=rope_qkv, row_sums=row_sums,
-                           rmsnorm=rmsnorm, rows=rows if fused else None, silu=silu if fused else None)
+    def row_sums(self, p: np.ndarray, T: int, S: int, n_head: int) -> np.ndarray:
+        """p: T rows' scores after exp, row t's (n_head, n_t) block after the one before, n_t = S - T + 1 + t
+        -> (T, n_head) float64, the bits of numpy's float64 sum of each row's block (in C up to
+        ROW_SUMS_MAX keys, whose sums numpy makes in one buffer)."""
+        sums = np.empty((T, n_head), np.float64)
+        if p.dtype == np.float32 and p.ndim == 1 and p.flags.c_contiguous and S <= ROW_SUMS_MAX:
+            _qmatmul.attn_row_sums(p, sums, T, S, n_head)  # p's length checked there
+            return sums
+        p, a = p.reshape(-1), 0
+        for t in range(T):  # each row's sums over its own (n_head, n_t) block, as softmax_ sums it alone
+            n_t = S - T + 1 + t
+            sums[t] = p[a:a + n_head * n_t].reshape(n_head, n_t).sum(axis=-1, dtype=np.float64)
+            a += n_head * n_t
+        return sums
 
 
 def isas() -> list[str]:
@@ -332,7 +349,7 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
         register_kernel(name, make_kernel(name))
         if name not in _installed:
             _installed.append(name)
-    register_attention_kernel(make_attention_kernel())
+    ops.install(KernelOps())
     log.info("matmul kernels (%s): %s, and attention's products", describe(), ", ".join(_installed))
     return list(_installed)
 
@@ -348,7 +365,7 @@ def ensure_installed(env: Mapping[str, str] = os.environ) -> None:
 
 
 def uninstall() -> None:
-    """Route the installed types, and attention, back to the numpy path."""
+    """Route the installed types, and the other ops, back to the numpy path."""
     while _installed:
         register_kernel(_installed.pop(), None)
-    register_attention_kernel(None)
+    ops.install(Ops())

@@ -4,29 +4,28 @@ by the tile instead of by the prompt. The properties hold on both paths of atten
 float64 matmuls (what Workers run) and the C kernels (deploy/kernels/attn.h), which compute the same numbers."""
 from __future__ import annotations
 
-import dataclasses
 import tracemalloc
 
 import numpy as np
 import pytest
 
-from common import matmul as mm
+from common import ops
 from common.kvcache import KVCache
 from common.models import qwen2
+from common.ops import Ops, to_f16
 from common.sampling import SamplingParams
 from common.speculative import MAX_DRAFT
 from deploy import kernels
 
 
 @pytest.fixture(params=["numpy", pytest.param("kernel", marks=pytest.mark.needs_kernels)])
-def attn_path(request):
-    """Attention's products on numpy's float64 matmuls or on the C kernels (conftest restores the
-    session's registry after the test)."""
-    if request.param == "kernel":
-        mm.register_attention_kernel(kernels.make_attention_kernel())
-    else:
-        mm.register_attention_kernel(None)
-    return request.param
+def impl(request) -> Ops:
+    """Attention's products on numpy's float64 matmuls (common.ops.Ops) or on the C kernels
+    (deploy.kernels.KernelOps), also installed for the models the test builds (conftest restores
+    the session's after the test)."""
+    impl = kernels.KernelOps() if request.param == "kernel" else Ops()
+    ops.install(impl)
+    return impl
 
 
 def qkv(T: int, S: int, n_head: int = 4, n_kv: int = 2, hd: int = 16, seed: int = 0):
@@ -46,16 +45,16 @@ def f16_weights_atol(v: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("T,S,tile", [(1, 300, 64), (37, 300, 64), (37, 300, 128), (64, 1000, 192), (5, 70, 64)])
-def test_tiled_equals_one_tile_on_random_data(T, S, tile, attn_path):
+def test_tiled_equals_one_tile_on_random_data(T, S, tile, impl):
     """A prefill chunk: T queries at the last T positions over S keys, in tiles of `tile` keys."""
     q, k, v = qkv(T, S, seed=T + S)
     k_pos, q_pos = np.arange(S), np.arange(S - T, S)
-    want = qwen2.attention(q, k, v, q_pos, k_pos, tile=S)
-    got = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
+    want = impl.attend(q, k, v, q_pos, k_pos, tile=S)
+    got = impl.attend(q, k, v, q_pos, k_pos, tile=tile)
     np.testing.assert_allclose(got, want, rtol=0, atol=f16_weights_atol(v))
 
 
-def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile(attn_path):
+def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile(impl):
     """Query rows at arbitrary positions (a speculative verify frame, a batch's rows) and keys in
     any order: the mask is by position alone, and a row whose keys all sit in other tiles still
     gets exactly its own softmax."""
@@ -64,26 +63,26 @@ def test_tiled_handles_any_positions_and_rows_that_see_nothing_in_a_tile(attn_pa
     rng = np.random.default_rng(6)
     k_pos = rng.permutation(S)
     q_pos = np.array([0, 259, 3, 128, 64, 65, 200, 1, 255])
-    want = qwen2.attention(q, k, v, q_pos, k_pos, tile=S)
+    want = impl.attend(q, k, v, q_pos, k_pos, tile=S)
     for tile in (64, 128):
-        got = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
+        got = impl.attend(q, k, v, q_pos, k_pos, tile=tile)
         np.testing.assert_allclose(got, want, rtol=0, atol=f16_weights_atol(v))
     # Row 0 sees key position 0 only: its output is that key's value row, whatever the tiles.
     g = 2
     key0 = int(np.flatnonzero(k_pos == 0)[0])
-    got0 = qwen2.attention(q, k, v, q_pos, k_pos, tile=64).reshape(T, 4, 16)[0]
+    got0 = impl.attend(q, k, v, q_pos, k_pos, tile=64).reshape(T, 4, 16)[0]
     np.testing.assert_allclose(got0, np.repeat(v[key0], g, axis=0), rtol=1e-6)
 
 
-def test_float16_storage_converts_per_tile(numpy_attention):
+def test_float16_storage_converts_per_tile():
     q, k, v = qkv(16, 300, seed=2)
     k16, v16 = k.astype(np.float16), v.astype(np.float16)
     pos = np.arange(300)
-    want = qwen2.attention(q, k16.astype(np.float32), v16.astype(np.float32), pos[-16:], pos, tile=300)
-    got = qwen2.attention(q, k16, v16, pos[-16:], pos, tile=64)
+    want = Ops().attend(q, k16.astype(np.float32), v16.astype(np.float32), pos[-16:], pos, tile=300)
+    got = Ops().attend(q, k16, v16, pos[-16:], pos, tile=64)
     np.testing.assert_allclose(got, want, rtol=0, atol=f16_weights_atol(v16))
     # One tile: the same bits whether the cache stores float16 or float32 copies of the same values.
-    np.testing.assert_array_equal(qwen2.attention(q, k16, v16, pos[-16:], pos, tile=300), want)
+    np.testing.assert_array_equal(Ops().attend(q, k16, v16, pos[-16:], pos, tile=300), want)
 
 
 def test_to_f16_is_numpys_float16_rounding():
@@ -102,38 +101,38 @@ def test_to_f16_is_numpys_float16_rounding():
     x = np.concatenate([x, -x, np.float32([np.nan])])
     with np.errstate(over="ignore"):  # past 65504 numpy says it overflows to inf, as it should
         want = x.astype(np.float16).astype(np.float32)
-    got = qwen2.to_f16(x)
+    got = to_f16(x)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # -0.0 and nan included
 
 
-def test_slices_of_keys_for_the_float64_copies_do_not_change_the_bits(monkeypatch, numpy_attention):
+def test_slices_of_keys_for_the_float64_copies_do_not_change_the_bits(monkeypatch):
     """The float64 copies are made a slice of keys at a time (ATTN_CONVERT_BYTES). Where the keys
     are cut changes no score (each is one sum over head_dim) and no output bit (float64 sums of
     exact products, rounded once to float32): a decode row and a prefill chunk, with the 0.5B's
     14 query heads over 2 kv heads of 64, are the same bits in slices of 1, 7 and all keys."""
     rng = np.random.default_rng(11)
     S = 300
-    k = qwen2.to_f16((rng.standard_normal((S, 2, 64)) * 3).astype(np.float32))
-    v = qwen2.to_f16(rng.standard_normal((S, 2, 64)).astype(np.float32))
+    k = to_f16((rng.standard_normal((S, 2, 64)) * 3).astype(np.float32))
+    v = to_f16(rng.standard_normal((S, 2, 64)).astype(np.float32))
     for T in (1, 24):
         q = rng.standard_normal((T, 14, 64)).astype(np.float32)
         q_pos, k_pos = np.arange(S - T, S), np.arange(S)
-        want = qwen2.attention(q, k, v, q_pos, k_pos)
+        want = Ops().attend(q, k, v, q_pos, k_pos)
         for keys in (1, 7):
-            monkeypatch.setattr(qwen2, "_convert_keys", lambda n_kv, hd, rows, keys=keys: keys)
-            np.testing.assert_array_equal(qwen2.attention(q, k, v, q_pos, k_pos), want)
+            monkeypatch.setattr(ops, "_convert_keys", lambda n_kv, hd, rows, keys=keys: keys)
+            np.testing.assert_array_equal(Ops().attend(q, k, v, q_pos, k_pos), want)
         monkeypatch.undo()
 
 
 def test_tile_keys_bound_the_scores_and_decode_takes_one_tile():
-    tile_bytes = qwen2.ATTN_TILE_BYTES
+    tile_bytes = ops.ATTN_TILE_BYTES
     for n_head, T in [(14, 256), (28, 256), (12, 1), (14, 3000)]:
-        tile = qwen2.attn_tile_keys(n_head, T)
-        assert tile % qwen2.ATTN_TILE_ALIGN == 0 and tile >= qwen2.ATTN_TILE_ALIGN
-        assert 4 * n_head * T * tile <= tile_bytes or tile == qwen2.ATTN_TILE_ALIGN
+        tile = ops.attn_tile_keys(n_head, T)
+        assert tile % ops.ATTN_TILE_ALIGN == 0 and tile >= ops.ATTN_TILE_ALIGN
+        assert 4 * n_head * T * tile <= tile_bytes or tile == ops.ATTN_TILE_ALIGN
     # A decode step of a 32-head model over a 32k context: one tile, the untiled computation.
-    assert qwen2.attn_tile_keys(32, 1) >= 32768
+    assert ops.attn_tile_keys(32, 1) >= 32768
 
 
 def peak_bytes(fn) -> int:
@@ -148,44 +147,42 @@ def peak_bytes(fn) -> int:
         tracemalloc.stop()
 
 
-def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt(numpy_attention):
+def test_temporaries_are_bounded_by_chunk_times_tile_not_by_the_prompt():
     """A 256-row chunk at the end of an 8k-token prompt: the one-tile computation would hold
     (n_head, T, S) float32 scores (32 MiB here); the tiled one about one tile's worth."""
     T, S, n_head = 256, 8192, 4
     q, k, v = qkv(T, S, n_head=n_head)
     q_pos, k_pos = np.arange(S - T, S), np.arange(S)
     full_scores = 4 * n_head * T * S
-    tiled = peak_bytes(lambda: qwen2.attention(q, k, v, q_pos, k_pos))
-    accounted = qwen2.attention_bytes(n_head, 16, T, S, n_kv=2)
+    tiled = peak_bytes(lambda: Ops().attend(q, k, v, q_pos, k_pos))
+    accounted = ops.attention_bytes(n_head, 16, T, S, n_kv=2)
     # the bound: a tile's scores, and the float64 copies of a slice of keys beside them
-    assert tiled <= accounted < full_scores / 4 + qwen2.ATTN_CONVERT_BYTES, (tiled, accounted, full_scores)
+    assert tiled <= accounted < full_scores / 4 + ops.ATTN_CONVERT_BYTES, (tiled, accounted, full_scores)
     assert accounted < 1.3 * tiled, "the bound is the real footprint, not a guess far above it"
 
 
-def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch, attn_path):
+def test_greedy_tokens_equal_with_tiny_tiles(tiny_gguf, monkeypatch, impl):
     """The tiny model decodes the same greedy tokens when every attention runs in tiles of 4 keys."""
     from deploy.engine_local import LocalEngine
 
     eng = LocalEngine.open(tiny_gguf)
     ids = eng.tokenizer.encode("the cat in the hat sat on the mat and then the dog came by")
     want = eng.generate(ids, SamplingParams(), max_tokens=24)
-    monkeypatch.setattr(qwen2, "ATTN_TILE_ALIGN", 4)
-    monkeypatch.setattr(qwen2, "ATTN_TILE_BYTES", 1)
-    assert qwen2.attn_tile_keys(4, 1) == 4
+    monkeypatch.setattr(ops, "ATTN_TILE_ALIGN", 4)
+    monkeypatch.setattr(ops, "ATTN_TILE_BYTES", 1)
+    assert ops.attn_tile_keys(4, 1) == 4
     got = eng.generate(ids, SamplingParams(), max_tokens=24)
     assert got.token_ids == want.token_ids and len(want.token_ids) == 24
 
 
-def test_scores_are_the_same_bits_in_any_tile(attn_path):
+def test_scores_are_the_same_bits_in_any_tile(impl):
     """Each score is a float64 sum of exact products rounded once to float32, whatever the tile or
     the slices of keys copied at a time: tiling changes only how the softmax's pieces are combined."""
     q, k, v = qkv(8, 300, seed=9)
     pos = np.arange(300)
-    kern = mm.get_attention_kernel()
-    qg = np.ascontiguousarray(qwen2.to_f16(q).reshape(8, 2, 2, 16).transpose(1, 2, 0, 3),
-                              np.float32 if kern else np.float64)
-    whole = qwen2._scores(qg, k, pos[-8:], pos, kern)
-    np.testing.assert_array_equal(qwen2._scores(qg, k[64:128], pos[-8:], pos[64:128], kern), whole[..., 64:128])
+    qg = np.ascontiguousarray(to_f16(q).reshape(8, 2, 2, 16).transpose(1, 2, 0, 3), impl.q_dtype)
+    whole = impl._scores(qg, k, pos[-8:], pos)
+    np.testing.assert_array_equal(impl._scores(qg, k[64:128], pos[-8:], pos[64:128]), whole[..., 64:128])
 
 
 def exact_sum_qkv(T: int, S: int, n_head: int, n_kv: int, hd: int, seed: int):
@@ -211,15 +208,14 @@ def test_kernels_and_numpy_give_the_same_bits(T, S, tile):
     for n_head, n_kv, hd in [(14, 2, 64), (12, 2, 128)]:
         q, k, v = exact_sum_qkv(T, S, n_head, n_kv, hd, seed=S + hd)
         q_pos, k_pos = np.arange(S - T, S), np.arange(S)
-        mm.register_attention_kernel(None)
-        want = qwen2.attention(q, k, v, q_pos, k_pos, tile=tile)
-        mm.register_attention_kernel(kernels.make_attention_kernel())
-        np.testing.assert_array_equal(qwen2.attention(q, k, v, q_pos, k_pos, tile=tile).view(np.uint32),
+        want = Ops().attend(q, k, v, q_pos, k_pos, tile=tile)
+        kern = kernels.KernelOps()
+        np.testing.assert_array_equal(kern.attend(q, k, v, q_pos, k_pos, tile=tile).view(np.uint32),
                                       want.view(np.uint32))
         # a float16 cache (the kernel reads f16), and a float64 one, which the kernel declines:
         # numpy's float64 matmuls from its float32 q
         for dtype in (np.float16, np.float64):
-            got = qwen2.attention(q, k.astype(dtype), v.astype(dtype), q_pos, k_pos, tile=tile)
+            got = kern.attend(q, k.astype(dtype), v.astype(dtype), q_pos, k_pos, tile=tile)
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -281,13 +277,13 @@ def test_activation_bytes_bound_every_phase_as_measured(shape, T, S, numpy_matmu
     assert max(measured.values()) <= accounted, (measured, accounted)
     # Beyond 1.5x the measured peak only: the C kernels' quantized inputs (which tracemalloc cannot
     # see) and a fixed allowance for numpy's casting buffers.
-    slack = 3 * T * max(dim, ffn) + 2 * qwen2._NUMPY_BUFFER_BYTES
+    slack = 3 * T * max(dim, ffn) + 2 * ops._NUMPY_BUFFER_BYTES
     assert accounted <= 1.5 * max(measured.values()) + slack, (measured, accounted)
 
 
 @pytest.mark.parametrize("T", [2, 6, 9, 33])
-def test_a_short_batch_of_rows_is_each_row_decoded_alone(T, attn_path):
-    """A speculative verify trip's rows (attend_sequence, T <= EXACT_ROWS) are bit for bit what
+def test_a_short_batch_of_rows_is_each_row_decoded_alone(T, impl):
+    """A speculative verify trip's rows (Ops.attention, T <= EXACT_ROWS) are bit for bit what
     decoding them one at a time gives: row t over the first S - T + 1 + t keys, alone. (A product
     of T rows sums in another order, ~1e-6 apart, which the next layers' Q8 rounding grew to 0.3-0.56
     in a logit of the 1.5B.) Realistic shapes: the 0.5B's 14 query heads over 2 kv heads of 64."""
@@ -298,21 +294,21 @@ def test_a_short_batch_of_rows_is_each_row_decoded_alone(T, attn_path):
     v = rng.standard_normal((S, n_kv, hd)).astype(np.float32)
     k_pos = np.arange(S)
     q_pos = k_pos[S - T:]
-    rows = qwen2.attend_sequence(q, k, v, q_pos, k_pos)
+    rows = impl.attention(q, k, v, q_pos, k_pos)
     for t in range(T):
         n = S - T + 1 + t
-        np.testing.assert_array_equal(rows[t], qwen2.attention(q[t:t + 1], k[:n], v[:n], q_pos[t:t + 1], k_pos[:n])[0])
-    assert qwen2.EXACT_ROWS == MAX_DRAFT + 1, "a verify trip of the longest draft is exact"
+        np.testing.assert_array_equal(rows[t], impl.attend(q[t:t + 1], k[:n], v[:n], q_pos[t:t + 1], k_pos[:n])[0])
+    assert ops.EXACT_ROWS == MAX_DRAFT + 1, "a verify trip of the longest draft is exact"
 
 
 def test_the_cache_stores_float16_where_the_kernels_read_it_and_float32_on_numpy():
     """The storage type changes a session's bytes, never its numbers: float16 halves them where the
     C kernels run, numpy's path keeps float32 (its float16 copies to float64 cost twice as much)."""
-    mm.register_attention_kernel(None)
+    ops.install(Ops())
     kv32 = KVCache(2, 64)
     assert kv32.dtype == np.float32 and kv32.token_bytes() == 2 * 2 * 64 * 4 + 8
     if kernels.available():
-        mm.register_attention_kernel(kernels.make_attention_kernel())
+        ops.install(kernels.KernelOps())
         kv16 = KVCache(2, 64)
         assert kv16.dtype == np.float16 and kv16.token_bytes() == 2 * 2 * 64 * 2 + 8
         assert KVCache(2, 64, dtype=np.float32).dtype == np.float32  # an explicit type is kept
@@ -321,17 +317,18 @@ def test_the_cache_stores_float16_where_the_kernels_read_it_and_float32_on_numpy
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("simd", [True, False])
-def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd, fused):
-    """attend_sequence's rows through the kernel's row calls are attention() of each row alone, bit
-    for bit: the fused one (scores, numpy's exp loop, sums and values in one call) and the two calls
-    around numpy's exp and sums. Decode steps (T = 1) and verify trips, float16 and float32 caches,
-    keys masked by position, more query heads per kv head than a call takes (17 > 16), and hd 16,
-    which the AVX-512 values kernel leaves to the reference."""
-    kern = kernels.make_attention_kernel(simd=simd)
-    assert kern.rows is not None, "numpy gives its exp loop here (>= 1.24)"
+def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd, fused, monkeypatch):
+    """A sequence's rows through the kernels' row calls (KernelOps.attend_rows) are attend() of each
+    row alone, bit for bit: the fused one (scores, numpy's exp loop, sums and values in one call) and
+    the two calls around numpy's exp and sums. Decode steps (T = 1) and verify trips, float16 and
+    float32 caches, keys masked by position, more query heads per kv head than a call takes (17 > 16),
+    and hd 16, which the AVX-512 values kernel leaves to the reference."""
+    kern = kernels.KernelOps(simd=simd)
+    assert kern.fused, "numpy gives its exp loop here (>= 1.24)"
+    kern.fused = fused
     calls = []
-    mm.register_attention_kernel(dataclasses.replace(
-        kern, rows=(lambda *a: calls.append(a) or kern.rows(*a)) if fused else None))
+    fused_rows = kernels._qmatmul.attn_rows
+    monkeypatch.setattr(kernels._qmatmul, "attn_rows", lambda *a: calls.append(a) or fused_rows(*a))
     rng = np.random.default_rng(7)
     for case in range(60):
         n_kv, g, hd = int(rng.choice([1, 2, 4])), int(rng.choice([1, 6, 7, 17])), int(rng.choice([16, 64, 128]))
@@ -339,22 +336,23 @@ def test_the_kernels_row_calls_give_each_rows_attention_bit_for_bit(simd, fused)
         S = T + int(rng.integers(0 if T == 1 else 1, 200))
         dtype = np.float16 if case % 2 else np.float32
         q = (rng.standard_normal((T, n_kv * g, hd)) * rng.choice([0.1, 1.0, 5.0])).astype(np.float32)
-        k = qwen2.to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32)).astype(dtype)
-        v = qwen2.to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32)).astype(dtype)
+        k = to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32)).astype(dtype)
+        v = to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32)).astype(dtype)
         k_pos = np.arange(S, dtype=np.int64) if case % 3 else rng.permutation(S).astype(np.int64)
         q_pos = k_pos[S - T:].copy() if case % 5 else rng.integers(0, S, T).astype(np.int64)
-        got = qwen2._attend_rows(q, k, v, q_pos, k_pos)
-        assert got is not None and got.shape == (T, n_kv * g * hd)
-        want = np.concatenate([qwen2.attention(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
-                                               k_pos[:S - T + 1 + t]) for t in range(T)])
+        got = kern.attend_rows(q, k, v, q_pos, k_pos)
+        assert got.shape == (T, n_kv * g * hd)
+        want = np.concatenate([Ops().attend(q[t:t + 1], k[:S - T + 1 + t], v[:S - T + 1 + t], q_pos[t:t + 1],
+                                            k_pos[:S - T + 1 + t]) for t in range(T)])
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"case {case}")
     assert len(calls) == (60 if fused else 0)
-    # past one tile of a decode row's keys, attention() goes tile by tile: the row calls decline
-    S = qwen2.attn_tile_keys(2, 1) + 1
+    # past one tile of a decode row's keys, attend() goes tile by tile: the row calls leave it to the reference
+    S = ops.attn_tile_keys(2, 1) + 1
     q, k, v = qkv(1, S, n_head=2, n_kv=1)
-    assert qwen2._attend_rows(q, k, v, np.array([S - 1]), np.arange(S)) is None
-    mm.register_attention_kernel(None)
-    assert qwen2._attend_rows(q[:, :, :16], k[:8], v[:8], np.array([7]), np.arange(8)) is None  # numpy: no row calls
+    calls.clear()
+    got = kern.attend_rows(q, k, v, np.array([S - 1]), np.arange(S))
+    np.testing.assert_array_equal(got.view(np.uint32), kern.attend(q, k, v, np.array([S - 1]), np.arange(S)).view(np.uint32))
+    assert not calls
 
 
 @pytest.mark.needs_kernels
@@ -362,8 +360,8 @@ def test_the_kernels_rope_qkv_gives_numpys_bits():
     """q, k and v after their products (biases, RoPE, k and v rounded to f16) in one C call are
     numpy's float32 operations bit for bit: decode rows and prefill chunks, any positions, values
     that round to f16 subnormals, to zero and past 65504 to inf, and signed zeros. The kernel writes
-    q, k and v in place; it declines (None) arrays of another dtype or layout, and numpy serves."""
-    kern = kernels.make_attention_kernel()
+    q, k and v in place; arrays of another dtype or layout it leaves to the reference (Ops)."""
+    kern = kernels.KernelOps()
     rng = np.random.default_rng(11)
     for case in range(40):
         n_kv, g, hd = int(rng.choice([1, 2, 4])), int(rng.choice([1, 6, 7])), int(rng.choice([2, 16, 64, 128]))
@@ -379,21 +377,23 @@ def test_the_kernels_rope_qkv_gives_numpys_bits():
         v[0, -1], bv[-1] = -1e-9, -0.0           # below half f16's least subnormal: rounds to -0
         positions = rng.integers(0, 30000, N) if case % 2 else np.arange(100, 100 + N)
         cos, sin = qwen2.rope_cos_sin(positions, hd, cfg.rope_base)
-        mm.register_attention_kernel(None)
-        want = qwen2.qkv_after_products(cfg, q.copy(), k.copy(), v.copy(), bq, bk, bv, cos, sin)
+        want = Ops().rope_qkv(q.copy(), k.copy(), v.copy(), bq, bk, bv, cos, sin, cfg.n_head, n_kv)
         got = kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv)
-        assert got is not None
         for name, a, b in zip("qkv", got, want):
             assert a.shape == b.shape, (name, a.shape, b.shape)
             np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"case {case}, {name}")
         assert np.shares_memory(got[0], q) and np.shares_memory(got[2], v), "written in place"
         assert [float(got[2].reshape(N, -1)[0, j]) for j in (0, -1)] == [0.0, 0.0]
         assert np.signbit(got[2].reshape(N, -1)[0, [0, -1]]).all(), "-0 + -0 and f16(-1e-9) are -0"
-    assert kern.rope_qkv(q.astype(np.float64), k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
-    assert kern.rope_qkv(q[:, ::-1], k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
-    assert kern.rope_qkv(q, k, k, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None  # k and v one buffer
-    q.flags.writeable = False
-    assert kern.rope_qkv(q, k, v, bq, bk, bv, cos, sin, cfg.n_head, n_kv) is None
+    # what the kernel does not take, the reference computes: the same numbers, never None
+    q, k, v = ((rng.standard_normal((N, h * hd)) * scale).astype(np.float32) for h in (cfg.n_head, n_kv, n_kv))
+    ro = q.copy()
+    ro.flags.writeable = False
+    for args in [(q.astype(np.float64), k, v), (q[:, ::-1], k, v), (q, k, k), (ro, k, v)]:  # k and v one buffer; read-only
+        want = Ops().rope_qkv(*(a.copy() for a in args), bq, bk, bv, cos, sin, cfg.n_head, n_kv)
+        got = kern.rope_qkv(*args, bq, bk, bv, cos, sin, cfg.n_head, n_kv)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.needs_kernels
@@ -402,9 +402,9 @@ def test_the_kernels_rmsnorm_gives_numpys_bits():
     accumulators up to 128 values, halves above: row lengths on each side of those bounds; checked
     on the sum itself, since the float32 result rarely shows the order), then the float32 scale and
     products; rows of tiny, huge, zero and mixed-scale values, and an inf, whose row numpy turns to
-    NaN and 0 (the same NaN bits). It declines (None) float64, 1-D, strided or mismatched input, and
-    numpy serves."""
-    kern = kernels.make_attention_kernel()
+    NaN and 0 (the same NaN bits). float64, 1-D, strided or mismatched input it leaves to the
+    reference (Ops)."""
+    kern = kernels.KernelOps()
     rng = np.random.default_rng(12)
     lengths = [1, 7, 8, 9, 15, 16, 64, 127, 128, 129, 136, 255, 256, 257, 896, 1000, 1536, 3584, 4864, 8960]
     for case, d in enumerate(lengths * 2):
@@ -419,23 +419,17 @@ def test_the_kernels_rmsnorm_gives_numpys_bits():
             x[-1, -1] = np.inf
         w = (rng.standard_normal(d) * 2).astype(np.float32)
         eps = float(rng.choice([1e-6, 1e-5]))
-        mm.register_attention_kernel(None)
         with np.errstate(over="ignore", invalid="ignore"):  # the inf's row: inf * 0
-            want = qwen2.rmsnorm(x, w, eps)
+            want = Ops().rmsnorm(x, w, eps)
         got = kern.rmsnorm(x, w, eps)
-        assert got is not None and got.shape == want.shape == (T, d) and got.dtype == np.float32
+        assert got.shape == want.shape == (T, d) and got.dtype == np.float32
         for row in x:
             assert kernels._qmatmul.sum_sq(row) == float(np.square(row.astype(np.float64)).sum()), (case, d)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"case {case}, d={d}")
-    calls = []
-    mm.register_attention_kernel(dataclasses.replace(kern, rmsnorm=lambda *a: calls.append(a) or kern.rmsnorm(*a)))
-    np.testing.assert_array_equal(qwen2.rmsnorm(x, w, eps).view(np.uint32), want.view(np.uint32))
-    assert len(calls) == 1, "qwen2.rmsnorm goes through the registered kernel"
-    assert kern.rmsnorm(x.astype(np.float64), w, 1e-6) is None
-    assert kern.rmsnorm(x[0], w, 1e-6) is None
-    assert kern.rmsnorm(x[:, ::-1], w, 1e-6) is None
-    assert kern.rmsnorm(x, w[:-1], 1e-6) is None
-    assert kern.rmsnorm(x, w.astype(np.float64), 1e-6) is None
+    x, w = x[:, :-1], w[:-1]  # no inf
+    with np.errstate(over="ignore"):  # rows of 1e18: their mean overflows float32, to a scale of 0
+        for args in [(x.astype(np.float64), w), (x[0], w), (x[:, ::-1], w), (x, w.astype(np.float64))]:
+            np.testing.assert_array_equal(kern.rmsnorm(*args, 1e-6), Ops().rmsnorm(*args, 1e-6))
 
 
 @pytest.mark.needs_kernels
@@ -443,8 +437,8 @@ def test_the_kernels_row_sums_give_numpys_bits():
     """The float64 sums between attention's two row calls (each row's (n_head, n_t) block after
     numpy's exp) in one C call are numpy's, in its pairwise order: a decode row and verify trips'
     rows, blocks of 1 to 8,192 values (numpy's casting buffer). Longer rows, which numpy sums buffer
-    by buffer, and arrays of another dtype or shape are declined (None), and numpy sums them."""
-    kern = kernels.make_attention_kernel()
+    by buffer, and arrays of another dtype or shape, numpy sums."""
+    kern = kernels.KernelOps()
     rng = np.random.default_rng(13)
     for case, (T, S) in enumerate([(1, 1), (1, 7), (1, 129), (1, 210), (3, 9), (9, 300), (33, 1000), (1, 4097),
                                    (2, 8192), (1, kernels.ROW_SUMS_MAX)]):
@@ -453,72 +447,71 @@ def test_the_kernels_row_sums_give_numpys_bits():
         p = np.exp((rng.standard_normal(n) * rng.choice([0.5, 4.0, 20.0])).astype(np.float32))
         want = np.empty((T, n_head), np.float64)
         a = 0
-        for t in range(T):  # qwen2._attend_rows' numpy sums
+        for t in range(T):  # numpy's sums, as softmax_ sums each row alone
             n_t = S - T + 1 + t
             want[t] = p[a:a + n_head * n_t].reshape(n_head, n_t).sum(axis=-1, dtype=np.float64)
             a += n_head * n_t
         got = kern.row_sums(p, T, S, n_head)
-        assert got is not None and got.shape == (T, n_head)
+        assert got.shape == (T, n_head)
         np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64), err_msg=f"case {case}, T={T} S={S}")
-    assert kern.row_sums(p.astype(np.float64), T, S, n_head) is None
-    assert kern.row_sums(p.reshape(T, -1), T, S, n_head) is None
-    big = np.ones(kernels.ROW_SUMS_MAX + 1, np.float32)
-    assert kern.row_sums(big, 1, kernels.ROW_SUMS_MAX + 1, 1) is None  # numpy sums it in two buffers
+    for other in (p.astype(np.float64), p.reshape(T, -1)):
+        np.testing.assert_array_equal(kern.row_sums(other, T, S, n_head), want)
+    big = np.ones(kernels.ROW_SUMS_MAX + 1, np.float32)  # numpy sums it in two buffers
+    np.testing.assert_array_equal(kern.row_sums(big, 1, kernels.ROW_SUMS_MAX + 1, 1), [[big.sum(dtype=np.float64)]])
     with pytest.raises(ValueError, match="bytes, expected"):
         kernels._qmatmul.attn_row_sums(p[:-1], np.empty((T, n_head)), T, S, n_head)
 
 
 @pytest.mark.needs_kernels
-def test_attention_rows_take_the_kernels_row_sums():
-    """_attend_rows sums through the kernel's row_sums where it has one, with the same output as
-    numpy's sums: a decode row and a verify trip over an f16 cache."""
-    kern = kernels.make_attention_kernel()
+def test_attention_rows_take_the_kernels_row_sums(monkeypatch):
+    """The two row calls sum through the kernel's row_sums, with the output of numpy's sums (the
+    reference's rows): a decode row and a verify trip over an f16 cache."""
+    kern = kernels.KernelOps()
+    kern.fused = False  # the two row calls, not the fused one
     q, k, v = qkv(T=5, S=40, n_head=14, n_kv=2, hd=64, seed=4)
-    k, v = qwen2.to_f16(k).astype(np.float16), qwen2.to_f16(v).astype(np.float16)
-    kern = dataclasses.replace(kern, rows=None)  # the two row calls, not the fused one
+    k, v = to_f16(k).astype(np.float16), to_f16(v).astype(np.float16)
+    calls = []
+    row_sums = kernels._qmatmul.attn_row_sums
+    monkeypatch.setattr(kernels._qmatmul, "attn_row_sums", lambda *a: calls.append(a) or row_sums(*a))
     for T in (1, 5):
         q_pos, k_pos = np.arange(40 - T, 40), np.arange(40)
-        mm.register_attention_kernel(dataclasses.replace(kern, row_sums=None))
-        want = qwen2._attend_rows(q[:T], k, v, q_pos, k_pos)
-        calls = []
-        mm.register_attention_kernel(dataclasses.replace(kern, row_sums=lambda *a: calls.append(a) or kern.row_sums(*a)))
-        got = qwen2._attend_rows(q[:T], k, v, q_pos, k_pos)
-        assert want is not None and len(calls) == 1
+        want = Ops().attend_rows(q[:T], k, v, q_pos, k_pos)
+        calls.clear()
+        got = kern.attend_rows(q[:T], k, v, q_pos, k_pos)
+        assert len(calls) == 1
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.needs_kernels
-def test_the_fused_rows_call_past_numpys_sum_buffer_declines_and_the_two_calls_serve():
+def test_the_fused_rows_call_past_numpys_sum_buffer_declines_and_the_two_calls_serve(monkeypatch):
     """A row over more keys than numpy's casting buffer (8,192: its float64 sum goes buffer by buffer)
-    is declined by the fused call, and the two row calls with numpy's sums give attention()'s bits;
-    at 8,192 keys the fused call serves, with the same bits as the two calls."""
-    kern = kernels.make_attention_kernel()
-    two = dataclasses.replace(kern, rows=None)
+    is left by the fused call to the two row calls with numpy's sums, which give attend()'s bits; at
+    8,192 keys the fused call serves, with the same bits as the two calls."""
+    kern, two = kernels.KernelOps(), kernels.KernelOps()
+    two.fused = False
+    calls = []
+    fused_rows = kernels._qmatmul.attn_rows
+    monkeypatch.setattr(kernels._qmatmul, "attn_rows", lambda *a: calls.append(a) or fused_rows(*a))
     for S in (kernels.ROW_SUMS_MAX, kernels.ROW_SUMS_MAX + 1):
         q, k, v = qkv(T=1, S=S, n_head=2, n_kv=1, hd=16, seed=S)
-        k, v = qwen2.to_f16(k).astype(np.float16), qwen2.to_f16(v).astype(np.float16)
+        k, v = to_f16(k).astype(np.float16), to_f16(v).astype(np.float16)
         q_pos, k_pos = np.array([S - 1]), np.arange(S)
-        fused = kern.rows(q, k, v, q_pos, k_pos, float(qwen2.score_scale(16)))
-        mm.register_attention_kernel(kern)
-        got = qwen2._attend_rows(q, k, v, q_pos, k_pos)
-        mm.register_attention_kernel(two)
-        want = qwen2._attend_rows(q, k, v, q_pos, k_pos)
+        calls.clear()
+        got = kern.attend_rows(q, k, v, q_pos, k_pos)
+        assert len(calls) == (S <= kernels.ROW_SUMS_MAX)
+        want = two.attend_rows(q, k, v, q_pos, k_pos)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
         if S > kernels.ROW_SUMS_MAX:
-            assert fused is None
             with pytest.raises(ValueError, match="S <= 8192"):
                 kernels._qmatmul.attn_rows(q, k, v, q_pos, k_pos, np.empty((1, 32), np.float32), 1, 2, 1, S, 16, 0.25)
-        else:
-            np.testing.assert_array_equal(fused.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.needs_kernels
 def test_the_kernels_silu_gives_numpys_bits():
     """silu in one C call (negate, numpy's own exp loop, + 1, divide) is numpy's x / (1 + exp(-x)) bit
     for bit: lengths around the SIMD widths, values whose exp overflows (-> -0), infinities, NaN,
-    signed zeros and subnormals. It declines float64 and strided input (numpy serves), and
-    qwen2.silu goes through it."""
-    kern = kernels.make_attention_kernel()
+    signed zeros and subnormals. float64 and strided input it leaves to the reference (Ops)."""
+    kern = kernels.KernelOps()
     rng = np.random.default_rng(14)
     for n in (1, 7, 8, 15, 16, 17, 33, 896, 4864, 8960, 18944):
         x = (rng.standard_normal(n) * rng.choice([0.01, 1.0, 8.0, 120.0])).astype(np.float32)
@@ -527,16 +520,12 @@ def test_the_kernels_silu_gives_numpys_bits():
         with np.errstate(all="ignore"):
             want = x / (np.float32(1.0) + np.exp(-x))
         got = kern.silu(x)
-        assert got is not None and got.dtype == np.float32 and got.shape == x.shape
+        assert got.dtype == np.float32 and got.shape == x.shape
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"n={n}")
         np.testing.assert_array_equal(kern.silu(x.reshape(1, n)).reshape(n).view(np.uint32), want.view(np.uint32))
-    calls = []
-    mm.register_attention_kernel(dataclasses.replace(kern, silu=lambda x: calls.append(x) or kern.silu(x)))
     with np.errstate(all="ignore"):
-        np.testing.assert_array_equal(qwen2.silu(x).view(np.uint32), want.view(np.uint32))
-    assert len(calls) == 1
-    assert kern.silu(x.astype(np.float64)) is None
-    assert kern.silu(x[::2]) is None
+        for other in (x.astype(np.float64), x[::2]):
+            np.testing.assert_array_equal(kern.silu(other), Ops().silu(other))
     with pytest.raises(ValueError, match="out must not be x"):
         kernels._qmatmul.silu(x, x, x.size)
     with pytest.raises(ValueError, match="bytes, expected"):

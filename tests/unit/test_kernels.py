@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from common import matmul as mm
-from common import settings
+from common import ops, settings
+from common.ops import Ops
 from common.quant import QUANT_TYPES, QTensor
 from deploy import kernels
 from tests.unit.test_quant import random_raw
@@ -357,10 +358,11 @@ def test_install_routes_matmul_and_uninstall_restores():
     x = activations(2, 896)
     assert set(kernels.install(threads=2)) == set(TYPES) == set(kernels.supported_types())
     assert mm.get_kernel("Q5_0") is not None and mm.get_kernel("Q4_1") is None
+    assert type(ops.installed()) is kernels.KernelOps  # models built from now on compute with it
     assert_bits(mm.matmul(x, w), kernels.make_kernel("Q5_0")(x, w))
     assert_bits(mm.matmul(x[0], w), kernels.make_kernel("Q5_0")(x[:1], w)[0])  # 1-D x
     kernels.uninstall()
-    assert mm.get_kernel("Q5_0") is None
+    assert mm.get_kernel("Q5_0") is None and type(ops.installed()) is Ops
     assert_bits(mm.matmul(x, w), mm.matmul_tiled(x, w))
 
 
@@ -609,7 +611,7 @@ def test_attention_products_equal_the_numpy_emulation(n_kv, R, S, hd, kv_dtype, 
     p = rng.random((n_kv, R, S), f32) ** 4  # many tiny weights: f16 subnormals
     out0 = rng.standard_normal((n_kv, R, hd))
     for simd in (True, False):
-        kern = kernels.make_attention_kernel(simd=simd)
+        kern = kernels.KernelOps(simd=simd)
         assert_bits(kern.scores(q, k), attn_scores_numpy(q, k))
         out = out0.copy()
         assert kern.values(p, v, out) is out
@@ -625,8 +627,8 @@ def test_attention_products_agree_across_threads_isas_and_row_batches(threads, i
     q, k, v = f16_numbers((n_kv, R, hd), rng), f16_numbers((S, n_kv, hd), rng), f16_numbers((S, n_kv, hd), rng)
     p = rng.random((n_kv, R, S), f32)
     kernels.set_threads(threads)
-    ref = kernels.make_attention_kernel(simd=False, parallel=False)
-    kern = kernels.make_attention_kernel()
+    ref = kernels.KernelOps(simd=False, parallel=False)
+    kern = kernels.KernelOps()
     assert_bits(kern.scores(q, k), ref.scores(q, k))
     assert_bits(kern.scores(q[:, 3:4], k), ref.scores(q, k)[:, 3:4])  # one row alone
     out, out_ref = np.zeros((n_kv, R, hd)), np.zeros((n_kv, R, hd))
@@ -645,7 +647,7 @@ def test_attention_weights_round_to_f16_as_numpy_does():
     p = np.concatenate([edges, np.random.default_rng(0).random(4093, f32) ** 8])[None, None]  # (1, 1, 4106)
     S = p.shape[-1]
     for simd in (True, False):
-        kern = kernels.make_attention_kernel(simd=simd)
+        kern = kernels.KernelOps(simd=simd)
         for s in range(0, S, 997):  # one key per call: out = f16(p_s) * 1
             v = np.ones((1, 1, 16), f32)
             out = np.zeros((1, 1, 16))
@@ -659,14 +661,19 @@ def test_attention_weights_round_to_f16_as_numpy_does():
             assert out[0, 0, 0] == want, x
 
 
-def test_attention_kernel_declines_what_it_does_not_take():
-    kern = kernels.make_attention_kernel()
+def test_attention_kernel_leaves_what_it_does_not_take_to_the_reference():
+    """What the C products do not take, KernelOps hands to common.ops.Ops: the same numbers, never None."""
+    kern, ref = kernels.KernelOps(), Ops()
     rng = np.random.default_rng(0)
     q = f16_numbers((2, 3, 64), rng)
-    assert kern.scores(q, f16_numbers((5, 2, 64), rng).astype(np.float64)) is None  # a float64 cache: numpy
-    assert kern.scores(f16_numbers((2, 3, 72), rng), f16_numbers((5, 2, 72), rng)) is None  # hd not a multiple of 16
-    out = np.zeros((2, 3, 64))
-    assert kern.values(rng.random((2, 3, 5), f32), f16_numbers((5, 2, 64), rng), out[:, ::-1]) is None  # out not writable in place
+    k64 = f16_numbers((5, 2, 64), rng).astype(np.float64)  # a float64 cache
+    assert_bits(kern.scores(q, k64), ref.scores(q, k64))
+    q72, k72 = f16_numbers((2, 3, 72), rng), f16_numbers((5, 2, 72), rng)  # hd not a multiple of 16
+    assert_bits(kern.scores(q72, k72), ref.scores(q72, k72))
+    p, v = rng.random((2, 3, 5), f32), f16_numbers((5, 2, 64), rng)
+    out, want = np.zeros((2, 3, 64)), np.zeros((2, 3, 64))
+    assert kern.values(p, v, out[:, ::-1]) is not None  # out not writable in place by C: numpy's +=
+    np.testing.assert_array_equal(out[:, ::-1], ref.values(p, v, want[:, ::-1]))
     with pytest.raises(ValueError, match="expected"):
         _qmatmul.attn_scores(q, np.zeros((5, 2, 64), f32), np.zeros((2, 3, 4), f32), 2, 3, 5, 64)
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -23,18 +23,18 @@ def engine(tiny_knot):
     return LocalEngine.open(tiny_knot, cache_f32=False)
 
 
-def old_station_forward(cfg, h, layer_start, layer_end, load, seqs):
+def old_station_forward(ops, cfg, h, layer_start, layer_end, load, seqs):
     """The station's loop before common/layers.py (services/station/handler.py, _forward), verbatim
     but for the loads."""
     for l in range(layer_start, layer_end):
         w = load(l, "attn")
-        h = attn_phase_batch(cfg, l, h, w, seqs)
+        h = attn_phase_batch(ops, cfg, l, h, w, seqs)
         w = load(l, "ffn_gate")
-        st = ffn_gate_phase(cfg, l, h, w)
+        st = ffn_gate_phase(ops, cfg, l, h, w)
         w = load(l, "ffn_up")
-        st = ffn_up_phase(cfg, l, st, w)
+        st = ffn_up_phase(ops, cfg, l, st, w)
         w = load(l, "ffn_down")
-        h = ffn_down_phase(cfg, l, st, w)
+        h = ffn_down_phase(ops, cfg, l, st, w)
     return h
 
 
@@ -92,7 +92,7 @@ async def test_loop_equals_the_old_phase_sequence_bit_for_bit(engine, lens, span
     x, seqs = batch(engine, lens)
     a, b = span
     old_seqs, sync_seqs, async_seqs = copy_seqs(seqs), copy_seqs(seqs), copy_seqs(seqs)
-    want = old_station_forward(engine.cfg, x.copy(), a, b, engine.load_phase, old_seqs)
+    want = old_station_forward(engine.arch.ops, engine.cfg, x.copy(), a, b, engine.load_phase, old_seqs)
     got_sync = run_sync(layers.run_layers(engine.arch, x.copy(), a, b, sync_seqs, SyncWeights(engine)))
     w = AsyncWeights(engine)
     got_async = await layers.run_layers(engine.arch, x.copy(), a, b, async_seqs, w)
@@ -114,7 +114,7 @@ def test_single_sequence_forward_range_is_the_loop(engine):
     (kv, pos), = seqs
     kv2 = copy_seqs(seqs)[0][0]
     got = layers.forward_range(engine.arch, x, 0, 2, engine.load_phase, kv, pos)
-    want = old_station_forward(engine.cfg, x.copy(), 0, 2, engine.load_phase, [(kv2, pos)])
+    want = old_station_forward(engine.arch.ops, engine.cfg, x.copy(), 0, 2, engine.load_phase, [(kv2, pos)])
     np.testing.assert_array_equal(got, want)
 
 

@@ -14,6 +14,7 @@ from common.layers import forward_range
 from common.matmul import get_kernel
 from common.models import qwen2
 from common.models.qwen2 import MissingTensorError, Qwen2, Qwen2Config, phase_tensors
+from common.ops import Ops, rope_neox, to_f16
 from common.quant import QTensor
 
 # A tiny Qwen2: GQA with 2 query heads per kv head; Q8_0 needs ne0 % 32 == 0.
@@ -93,8 +94,8 @@ def run_model(tokens, ws=W, layer_splits=((0, CFG.n_layer),), vocab_slices=((0, 
         for (s, e), kv in zip(layer_splits, kvs):
             h = forward_range(MODEL, h, s, e, load_from(ws), kv, np.arange(a, b))
         outs.append(h)
-    h = qwen2.output_norm(CFG, np.concatenate(outs), ws["output_norm.weight"])
-    return np.concatenate([qwen2.lm_head(h, head.rows(a, b)) for a, b in vocab_slices], axis=1)
+    h = qwen2.output_norm(MODEL.ops, CFG, np.concatenate(outs), ws["output_norm.weight"])
+    return np.concatenate([qwen2.lm_head(MODEL.ops, h, head.rows(a, b)) for a, b in vocab_slices], axis=1)
 
 
 TOKENS = [5, 200, 17, 17, 99, 3, 261, 0, 42, 128, 7]
@@ -112,7 +113,7 @@ def test_rmsnorm_formula():
     rng = np.random.default_rng(1)
     x, w = rng.normal(size=(3, 64)).astype(np.float32), rng.normal(size=64).astype(np.float32)
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w
-    np.testing.assert_allclose(qwen2.rmsnorm(x, w, 1e-6), want, rtol=1e-6)
+    np.testing.assert_allclose(Ops().rmsnorm(x, w, 1e-6), want, rtol=1e-6)
 
 
 def test_rope_neox_pairs_i_with_i_plus_half():
@@ -120,7 +121,7 @@ def test_rope_neox_pairs_i_with_i_plus_half():
     hd, pos = 16, np.array([0, 1, 7, 1000])
     x = rng.normal(size=(4, 2, hd)).astype(np.float32)
     cos, sin = qwen2.rope_cos_sin(pos, hd, 10000.0)
-    got = qwen2.rope_neox(x, cos, sin)
+    got = rope_neox(x, cos, sin)
     want = np.empty_like(x, dtype=np.float64)
     for t, p in enumerate(pos):
         for i in range(hd // 2):
@@ -135,10 +136,10 @@ def test_attention_gqa_causal_against_loops():
     rng = np.random.default_rng(3)
     T, n_head, n_kv, hd = 5, 4, 2, 8
     q = rng.normal(size=(T, n_head, hd)).astype(np.float32)
-    k = qwen2.to_f16(rng.normal(size=(T, n_kv, hd)).astype(np.float32))  # as attn_phase caches them
-    v = qwen2.to_f16(rng.normal(size=(T, n_kv, hd)).astype(np.float32))
+    k = to_f16(rng.normal(size=(T, n_kv, hd)).astype(np.float32))  # as attn_phase caches them
+    v = to_f16(rng.normal(size=(T, n_kv, hd)).astype(np.float32))
     pos = np.arange(T)
-    got = qwen2.attention(q, k, v, pos, pos).reshape(T, n_head, hd)
+    got = Ops().attend(q, k, v, pos, pos).reshape(T, n_head, hd)
     f16 = lambda x: x.astype(np.float16).astype(np.float64)  # llama.cpp's roundings: q, k, v, p
     for t in range(T):
         for h in range(n_head):
@@ -256,7 +257,7 @@ def test_decode_with_kv_cache_equals_full_recompute():
     def step(toks, start):
         x = qwen2.embed(toks, emb, 0, CFG.vocab_size)
         h = forward_range(MODEL, x, 0, CFG.n_layer, load_from(W), kv, np.arange(start, start + len(toks)))
-        return qwen2.lm_head(qwen2.output_norm(CFG, h[-1:], W["output_norm.weight"]), head)[0]
+        return qwen2.lm_head(MODEL.ops, qwen2.output_norm(MODEL.ops, CFG, h[-1:], W["output_norm.weight"]), head)[0]
 
     got = [step(TOKENS[:4], 0)] + [step(TOKENS[i:i + 1], i) for i in range(4, len(TOKENS))]
     np.testing.assert_allclose(np.stack(got), REF[3:], rtol=1e-5, atol=1e-5 * np.abs(REF).max())
@@ -274,12 +275,12 @@ def test_batched_attn_phase_equals_each_sequence_alone():
         old = rng.normal(size=(n_old, CFG.dim)).astype(np.float32)
         a, b = KVCache(CFG.n_kv_head, CFG.head_dim), KVCache(CFG.n_kv_head, CFG.head_dim)
         for kv in (a, b):
-            qwen2.attn_phase(CFG, 0, old, ws, kv, np.arange(n_old))
+            qwen2.attn_phase(MODEL.ops, CFG, 0, old, ws, kv, np.arange(n_old))
         alone_kv.append(a), batch_kv.append(b)
         xs.append(rng.normal(size=(n_new, CFG.dim)).astype(np.float32))
         poss.append(np.arange(n_old, n_old + n_new))
-    alone = [qwen2.attn_phase(CFG, 0, x, ws, kv, p) for x, kv, p in zip(xs, alone_kv, poss)]
-    batched = qwen2.attn_phase_batch(CFG, 0, np.concatenate(xs), ws, list(zip(batch_kv, poss)))
+    alone = [qwen2.attn_phase(MODEL.ops, CFG, 0, x, ws, kv, p) for x, kv, p in zip(xs, alone_kv, poss)]
+    batched = qwen2.attn_phase_batch(MODEL.ops, CFG, 0, np.concatenate(xs), ws, list(zip(batch_kv, poss)))
     np.testing.assert_allclose(batched, np.concatenate(alone), rtol=0, atol=1e-6)
     empty = np.zeros((0, CFG.n_kv_head, CFG.head_dim), np.float32)
     for a, b in zip(alone_kv, batch_kv):
@@ -326,7 +327,7 @@ def test_tied_head_falls_back_to_token_embd(numpy_matmul):
     # The head is token_embd itself: a token's own embedding row scores it.
     x = qwen2.embed(TOKENS[:3], ws["token_embd.weight"], 0, CFG.vocab_size)
     kv = KVCache(CFG.n_kv_head, CFG.head_dim)
-    hid = qwen2.output_norm(CFG, forward_range(MODEL, x, 0, 3, load_from(ws), kv, np.arange(3)),
+    hid = qwen2.output_norm(MODEL.ops, CFG, forward_range(MODEL, x, 0, 3, load_from(ws), kv, np.arange(3)),
                             ws["output_norm.weight"])
     np.testing.assert_allclose(logits, hid @ ws["token_embd.weight"].dequantize().T, rtol=1e-5, atol=1e-4)
 
