@@ -263,7 +263,7 @@ class Tokenizer:
 
 
     def encode_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None, tools: Sequence[Mapping] | None = None) -> list[int]:
         """A chat -> ids, where only the template's own markers are control tokens.
 
         Rendering the chat and encoding it with specials on (as llama.cpp's server does) lets a
@@ -272,6 +272,9 @@ class Tokenizer:
         the template itself wrote are split out, and everything between them (template text and
         contents alike) is encoded as plain text. With no special text in any content, the ids
         equal encode(render_chat(...)): specials split the text before pre-tokenization anyway.
+        An empty content gets no placeholder (a template tests it: an assistant turn of tool calls
+        only). What else the template writes from the request (tools, earlier tool calls) must
+        hold no control token's text: a TokenizerError otherwise.
         With max_tokens, TooManyTokens as soon as the chat is certainly longer (encode_bounded)."""
         def encode(text: str, special: bool) -> list[int]:
             if max_tokens is None:
@@ -280,22 +283,31 @@ class Tokenizer:
 
         ids: list[int] = []
         msgs = [dict(m) for m in messages]
-        marks = [f"\x00knot-content-{i}\x00" for i in range(len(msgs))]
-        skeleton = self.render_chat([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+        extra = {"tools": list(tools)} if tools else {}
+        written = json.dumps([tools or [], [{k: v for k, v in m.items() if k not in ("role", "content")}
+                                            for m in msgs]], ensure_ascii=False)
+        for t in self._special_id:
+            if t in written:
+                raise TokenizerError(f"the tools or an earlier tool call hold the text of the control token {t!r}")
+        filled = [i for i, m in enumerate(msgs) if m["content"]]
+        marks = {i: f"\x00knot-content-{i}\x00" for i in filled}
+        skeleton = self.render_chat([{**m, "content": marks.get(i, m["content"])} for i, m in enumerate(msgs)],
+                                    add_generation_prompt, **extra)
         pieces = skeleton.split("\x00")  # [template, "knot-content-i", template, ...]
-        if (len(pieces) != 2 * len(msgs) + 1
-                or pieces[1::2] != [k.strip("\x00") for k in marks]
-                or "".join(p if i % 2 == 0 else msgs[i // 2]["content"] for i, p in enumerate(pieces))
-                != self.render_chat(msgs, add_generation_prompt)):
+        contents = [msgs[i]["content"] for i in filled]
+        if (len(pieces) != 2 * len(filled) + 1
+                or pieces[1::2] != [marks[i].strip("\x00") for i in filled]
+                or "".join(p if j % 2 == 0 else contents[j // 2] for j, p in enumerate(pieces))
+                != self.render_chat(msgs, add_generation_prompt, **extra)):
             # The template does not place each content verbatim, exactly once: no safe split.
             if any(t in m["content"] for m in msgs for t in self._special_id):
                 raise TokenizerError("a message holds the text of a control token and this model's chat "
                                      "template does not place contents verbatim, so it cannot be kept as text")
-            return encode(self.render_chat(msgs, add_generation_prompt), True)
+            return encode(self.render_chat(msgs, add_generation_prompt, **extra), True)
         text = ""  # plain text since the last template marker
         for i, piece in enumerate(pieces):
             if i % 2:
-                text += msgs[i // 2]["content"]
+                text += contents[i // 2]
                 continue
             for j, part in enumerate(self._split_specials(piece)):
                 if j % 2:  # a marker the template wrote

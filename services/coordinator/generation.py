@@ -343,7 +343,8 @@ class Coordinator:
                                      f"this model is longer than {tok.max_token_bytes} bytes)", param)
             try:
                 if g.messages is not None:
-                    prompt_ids = tok.encode_chat(g.messages, add_generation_prompt, max_tokens=ctx_len - 1)
+                    prompt_ids = tok.encode_chat(g.messages, add_generation_prompt, max_tokens=ctx_len - 1,
+                                                 tools=g.tools.rendered if g.tools else None)
                 elif g.suffix is not None:
                     prompt_ids = tok.encode_fim(g.prompt or "", g.suffix, max_tokens=ctx_len - 1)
                 else:

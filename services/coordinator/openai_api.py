@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from services.coordinator.generation import Coordinator, policy_headers
 from services.coordinator.params import (GenerateRequest, chat_message, fim_suffix, number, sampling_params,
                                          shard_failure, speculation_request, stop_strings)
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
+from services.coordinator.tools import ToolRequest, ToolStream, parse_tools, split_calls
 from services.offload import off_loop
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class Options:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
     n: int = 1  # choices: one generation each, run side by side (batched by the stations and shards)
+    tools: ToolRequest | None = None  # chat: replies may be tool calls (services/coordinator/tools.py)
 
 
 # ---------------------------------------------------------------- parsing
@@ -148,7 +151,7 @@ def _message(m: Any, i: int) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise InvalidParam(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return chat_message(m, i, content)
+    return chat_message(m, i, content, tool_calls=True)
 
 
 def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
@@ -158,8 +161,13 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
     if not isinstance(messages, list) or not messages:
         raise InvalidParam("messages must be a non-empty list of {\"role\", \"content\"}", "messages")
     messages = [_message(m, i) for i, m in enumerate(messages)]
-    _unsupported(body, "tools", "no tool calling")
-    _unsupported(body, "functions", "no function calling")
+    _unsupported(body, "functions", "the legacy functions API; send tools")
+    _unsupported(body, "function_call", "the legacy functions API; send tool_choice")
+    tools = parse_tools(body)
+    if tools is not None and tools.choice in ("required", "function"):
+        raise InvalidParam(f"tool_choice={body.get('tool_choice')!r}: a call the model must make needs "
+                           f"constrained decoding, which this server does not have yet (use \"auto\")",
+                           "tool_choice")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise InvalidParam(f"response_format={fmt!r} is not supported (only {{\"type\": \"text\"}})",
@@ -172,8 +180,9 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
     if top is not None and not want_logprobs:
         raise InvalidParam("top_logprobs needs logprobs=true", "top_logprobs")
     g = GenerateRequest(None, messages, max_tokens, sampling_params(body), stop_strings(body), None,
-                        (top or 0) if want_logprobs else None, speculation_request(body), shard_failure(body))
-    return g, opts
+                        (top or 0) if want_logprobs else None, speculation_request(body), shard_failure(body),
+                        tools=tools)
+    return g, dataclasses.replace(opts, tools=tools)
 
 
 # ---------------------------------------------------------------- shapes
@@ -240,20 +249,28 @@ class Shape:
         """events[i]: choice i's tokens."""
         choices = []
         for i, (g, ev) in enumerate(zip(self.gens, events)):
+            finish = g.finish_reason
             body = {"message": {"role": "assistant", "content": g.text}} if self.opts.chat else {"text": g.text}
-            choices.append({"index": i, **body, "logprobs": self.logprobs(i, ev), "finish_reason": g.finish_reason})
+            split = split_calls(g.text, self.opts.tools) if self.opts.tools else None
+            if split is not None:
+                body, finish = {"message": {"role": "assistant", "content": split[0] or None,
+                                            "tool_calls": split[1]}}, "tool_calls"
+            choices.append({"index": i, **body, "logprobs": self.logprobs(i, ev), "finish_reason": finish})
         body = self._envelope("chat.completion" if self.opts.chat else "text_completion", choices)
         return {**body, "usage": self.usage(), **self.degradation(), **self.limits()}
 
     def chunk(self, i: int, text: str | None, finish: str | None = None, events: list[TokenEvent] = (),
-              role: bool = False) -> dict:
-        """One stream chunk of choice i; the one that finishes carries the degradation fields too."""
+              role: bool = False, tool_call: tuple[int, dict] | None = None) -> dict:
+        """One stream chunk of choice i; the one that finishes carries the degradation fields too.
+        tool_call: (its index in the reply, the call), sent whole in one delta."""
         lp = self.logprobs(i, list(events)) if events else None
         extra = {**self.degradation(), **self.limits()} if finish else {}
         if self.opts.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
+            if tool_call is not None:
+                delta["tool_calls"] = [{"index": tool_call[0], **tool_call[1]}]
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return {**self._envelope("chat.completion.chunk", [choice]), **extra}
         return {**self._envelope("text_completion", [{"index": i, "text": text or "", "logprobs": lp,
@@ -319,11 +336,20 @@ async def _choice_sse(co: Coordinator, shape: Shape, i: int, gen: Generation, ct
     if shape.opts.chat:
         yield sse(shape.chunk(i, None, role=True))
     events = co.events(gen, ctx)
+    calls = ToolStream(shape.opts.tools) if shape.opts.tools else None
     try:
         async for ev in events:
             if isinstance(ev, TokenEvent):
-                if ev.text or want_lp:
-                    yield sse(shape.chunk(i, ev.text, events=[ev] if want_lp else ()))
+                text = ev.text if calls is None else calls.feed(ev.text)
+                if text or want_lp:
+                    yield sse(shape.chunk(i, text, events=[ev] if want_lp else ()))
+            elif isinstance(ev, FinishEvent) and calls is not None:
+                rest, made = calls.finish_with(ev.text)
+                if rest:
+                    yield sse(shape.chunk(i, rest))
+                for k, call in enumerate(made):
+                    yield sse(shape.chunk(i, None, tool_call=(k, call)))
+                yield sse(shape.chunk(i, None, "tool_calls" if made else ev.reason))
             elif isinstance(ev, FinishEvent):
                 if ev.text and shape.opts.chat:
                     yield sse(shape.chunk(i, ev.text))

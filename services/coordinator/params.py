@@ -12,6 +12,7 @@ from typing import Any
 from common.sampling import SamplingParams
 from common.speculative import MAX_DRAFT, SOURCES
 from services.coordinator.errors import InvalidParam
+from services.coordinator.tools import ToolRequest, template_calls
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -36,6 +37,7 @@ class GenerateRequest:
     speculation: SpeculationRequest = field(default_factory=SpeculationRequest)
     shard_failure: str | None = None  # "fail" | "degrade"; None: the cluster's SHARD_FAILURE
     suffix: str | None = None  # fill in the middle: the text after the one to write (prompt is before it)
+    tools: ToolRequest | None = None  # chat's tools, tool_choice and parallel_tool_calls
 
 
 def number(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None,
@@ -189,17 +191,25 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}
 
 
-def chat_message(m: dict, i: int, content: str) -> dict:
-    """messages[i] as the template gets it: its role, checked, and `content`, nothing else. Why
-    nothing else: the template writes an assistant's `tool_calls` (function names) as template
-    text too, so they are refused (no tool calling), and other keys (`name`, ...) do not reach it."""
+def chat_message(m: dict, i: int, content: str, tool_calls: bool = False) -> dict:
+    """messages[i] as the template gets it: its role, checked, and `content`; with tool_calls (the
+    OpenAI chat endpoint), an assistant's earlier `tool_calls` too (services/coordinator/tools.py;
+    the template writes their names as its own text, and encode_chat refuses control text there).
+    Other keys (`name`, `tool_call_id`, ...) do not reach it."""
     role = ROLE_ALIASES.get(m.get("role"), m.get("role"))
     if role not in CHAT_ROLES:
         raise InvalidParam(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (or developer, read as "
                            f"system), got {m.get('role')!r}", "messages")
-    for key in ("tool_calls", "function_call"):
-        if m.get(key):
-            raise InvalidParam(f"messages[{i}].{key}: no tool calling", "messages")
+    if m.get("function_call"):
+        raise InvalidParam(f"messages[{i}].function_call: the legacy functions API is not supported (send "
+                           f"tool_calls)", "messages")
+    if m.get("tool_calls"):
+        if not tool_calls:
+            raise InvalidParam(f"messages[{i}].tool_calls: no tool calling on this endpoint (use "
+                               f"/v1/chat/completions)", "messages")
+        if role != "assistant":
+            raise InvalidParam(f"messages[{i}].tool_calls: only an assistant message has tool calls", "messages")
+        return {"role": role, "content": content, "tool_calls": template_calls(m, i)}
     return {"role": role, "content": content}
 
 

@@ -236,3 +236,55 @@ def test_the_cluster_logprobs_are_the_single_process_logprobs(real_cluster):
         w_text = {engine.tokenizer.decode([t]): lp for t, lp in w.items()}
         assert g.keys() == w_text.keys(), (i, g, w_text)
         assert max(abs(g[k] - w_text[k]) for k in g) < 1e-4, (i, g, w_text)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_tool_calls_through_the_openai_client(real_cluster):
+    """The official client gets parsed tool calls, whole and streamed, equal to the single process's
+    reply; the call and the tool's answer sent back give the single process's prompt."""
+    import openai
+
+    from services.coordinator.tools import parse_tools, split_calls
+
+    name, cluster, running = real_cluster
+    from deploy import models
+
+    engine = LocalEngine.open(models.model_path(name))
+    client = openai.OpenAI(base_url=running["coordinator"].url + "/v1", api_key="unused", timeout=900)
+    msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    want = engine.generate(engine.tokenizer.encode_chat(msgs, tools=[WEATHER]), SamplingParams(), max_tokens=60)
+    _, want_calls = split_calls(want.text, parse_tools({"tools": [WEATHER]}))
+    r = client.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], temperature=0, max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert got == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want_calls]
+    assert got == [("get_weather", {"city": "Paris"})]
+    # streamed: the client's deltas reassembled by index
+    parts: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], temperature=0,
+                                                max_tokens=60, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content, delta  # a reply of calls sends no content
+        for tc in delta.tool_calls or []:
+            p = parts.setdefault(tc.index, {"name": "", "arguments": ""})
+            p["name"] += tc.function.name or ""
+            p["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == got
+    # the call and the tool's reply in the history
+    history = [*msgs, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": '{"temp_c": 18}'}]
+    r = client.chat.completions.create(model=name, messages=history, tools=[WEATHER], temperature=0, max_tokens=24)
+    ids = engine.tokenizer.encode_chat(
+        [*msgs, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": '{"temp_c": 18}'}], tools=[WEATHER])
+    assert r.usage.prompt_tokens == len(ids)
+    want = engine.generate(ids, SamplingParams(), max_tokens=24)
+    assert r.choices[0].message.content == want.text or r.choices[0].finish_reason == "tool_calls"
