@@ -1,7 +1,7 @@
 """Builds the optional C matmul kernels, deploy/kernels/ (the rest is in pyproject.toml).
 
 The extension is optional: when it does not compile, `pip install` still succeeds and matmul
-stays on the numpy path (deploy.kernels.install() logs why and registers nothing).
+stays on the numpy path (deploy.kernels.install() logs why and installs nothing).
 
 It is built for the baseline ISA, so the same build (a wheel, a Docker image) runs on any
 x86-64: the AVX2 and AVX-512 kernels are compiled under function-level targets (simd_*.c) and

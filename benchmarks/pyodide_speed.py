@@ -25,7 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import matmul as mm  # noqa: E402
 from common import ops  # noqa: E402
 from deploy import models, wrangler  # noqa: E402
 from deploy.commands.deploy import model_shape  # noqa: E402
@@ -42,8 +41,7 @@ def per_token(summary: dict) -> float:
 
 
 async def cpython(knot: Path, tokens: int, stations: int, tmp: Path) -> dict:
-    mm._KERNELS.clear()  # the numpy path, as under Pyodide
-    ops.install(ops.Ops())
+    ops.install(ops.Ops())  # the numpy path, as under Pyodide
     cluster = await build_cluster(knot, tmp, n_stations=stations, station_budget_bytes=wrangler.BUDGETS["station"])
     await cluster.generate(prompt=PROMPT, max_tokens=1)  # boot
     t0 = time.perf_counter()

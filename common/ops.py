@@ -1,6 +1,6 @@
 """The ops a model's forward is made of, as one interface: `Ops` is the numpy reference.
 
-    ops.matmul(x, w), ops.matmul_many(x, ws)   y = x @ W.T for quantized weights (common.matmul)
+    ops.matmul(x, w), ops.matmul_many(x, ws)   y = x @ W.T for quantized weights W (common.matmul)
     ops.rmsnorm(x, weight, eps)                RMSNorm, float64 sum of squares as ggml's
     ops.rope_qkv(q, k, v, bq, bk, bv, cos, sin, n_head, n_kv)
                                                biases, NeoX RoPE, k and v rounded to f16
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from common.matmul import matmul, matmul_many
+from common.matmul import matmul
 from common.quant import QTensor
 
 
@@ -154,14 +154,18 @@ class Ops:
     kv_dtype = np.dtype(np.float32)
     # q's dtype in scores(): numpy's float64 matmul takes float64 (a kernel may take float32)
     q_dtype = np.dtype(np.float64)
+    # ggml types whose products run on the quantized blocks; numpy dequantizes every type to float32
+    # first, so a holder that can afford it keeps such weights dequantized (deploy/engine_local.py)
+    quantized_types: frozenset[str] = frozenset()
 
     def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
-        """x (T, ne0) or (ne0,) f32 @ W.T, W numpy shape (ne1, ne0) -> (T, ne1) or (ne1,) f32."""
+        """x (T, ne0) or (ne0,) f32 @ W.T, W numpy shape (ne1, ne0) -> (T, ne1) or (ne1,) f32
+        (common.matmul: W dequantized a bounded tile of rows at a time)."""
         return matmul(x, w)
 
     def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
-        """[self.matmul(x, w) for w in ws], the same bits (in one pass where the types allow)."""
-        return matmul_many(x, ws)
+        """[self.matmul(x, w) for w in ws]: a layer's q, k and v (a subclass may run them in one pass)."""
+        return [self.matmul(x, w) for w in ws]
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """x (T, d) f32 -> (T, d) f32: x * (1/sqrt(mean(x^2) + eps)) * weight, a new array."""

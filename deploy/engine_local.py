@@ -21,7 +21,6 @@ import numpy as np
 from common.generation import Generation, generate_events
 from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
 from common.layers import forward_tokens, phase_loader
-from common.matmul import get_kernel
 from common.models import PhaseWeights, model_for
 from common.quant import Arena, QTensor
 from common.sampling import LogitsRow, Row, SamplingParams, apply_masks, row_masks
@@ -94,7 +93,7 @@ class LocalEngine:
         if copy_weights:
             ents = self.model.header.tensors
             sizes = {n: ents[n].length for n in self._matmul_weight_names()
-                     if n in ents and get_kernel(ents[n].ggml_type) is not None}
+                     if n in ents and ents[n].ggml_type in self.arch.ops.quantized_types}
             avail = _mem_available_bytes()
             if avail is not None and sum(sizes.values()) > avail // 2:
                 log.info("weights: %.0f MB are more than half the available memory (%.0f MB), so they are "
@@ -148,7 +147,8 @@ class LocalEngine:
         if w is not None:
             return w
         w = self.model.tensor(name)
-        if self.cache_f32 and len(w.shape) == 2 and w.ggml_type != "F32" and get_kernel(w.ggml_type) is None:
+        if (self.cache_f32 and len(w.shape) == 2 and w.ggml_type != "F32"
+                and w.ggml_type not in self.arch.ops.quantized_types):
             a = np.ascontiguousarray(w.dequantize(), dtype=np.float32)   # (ne1, ne0)
             w = QTensor(name, "F32", w.shape, a.reshape(-1).view(np.uint8))
         elif self._arena is not None and (copied := self._arena.copy(name, w.data)) is not None:

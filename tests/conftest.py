@@ -5,7 +5,6 @@ import os
 
 import pytest
 
-from common import matmul as mm
 from common import ops
 from common import settings
 from deploy import kernels
@@ -62,26 +61,17 @@ def pytest_collectreport(report):
 
 
 @pytest.fixture(autouse=True)
-def _restore_kernel_registry():
-    """Whatever a test registers, removes or installs, the next test sees the session's kernels."""
-    saved, installed = dict(mm._KERNELS), ops.installed()
+def _restore_ops():
+    """Whatever ops a test installs, the next test sees the session's kernels."""
+    installed = ops.installed()
     yield
-    mm._KERNELS.clear()
-    mm._KERNELS.update(saved)
     ops.install(installed)
 
 
 @pytest.fixture
-def numpy_attention():
-    """Models built in this test compute every op but matmul with numpy's reference (common.ops.Ops):
-    attention's products in numpy's float64 matmuls (what Workers run)."""
+def numpy_matmul():
+    """Models built in this test compute with numpy's reference ops (common.ops.Ops: what Workers run)."""
     ops.install(ops.Ops())
-
-
-@pytest.fixture
-def numpy_matmul(numpy_attention):
-    """Route matmul, and attention's products, to the numpy reference for one test."""
-    mm._KERNELS.clear()
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
 """Matmul kernels that compute on the quantized blocks (the C extension `_qmatmul`), and the other
 ops of a forward in C (KernelOps: attention's products in float64, rmsnorm, RoPE, silu).
 
-`install()` registers the matmuls into common.matmul's kernel registry, so every caller of
-common.matmul.matmul uses them for the types they support, and makes KernelOps the process's
-common.ops (models built from then on compute with it). The extension is optional: when it was not
-built, install() logs why and registers nothing, and everything stays on numpy.
+`install()` makes KernelOps the process's common.ops: models built from then on compute with it,
+the matmuls of the types it supports on their quantized blocks included. The extension is
+optional: when it was not built, install() logs why and installs nothing, and everything stays on
+numpy's reference (common.ops.Ops).
 
 Numerics follow llama.cpp's CPU path: each activation row is quantized to Q8_0 (Q4_0, Q5_0,
 Q8_0 weights) or Q8_K (Q4_K, Q6_K), then integer block dot products are scaled per block.
@@ -20,13 +20,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from common import settings
 from common import ops
-from common.matmul import Kernel, register_kernel
 from common.ops import Ops, attn_tile_keys, score_scale
 from common.quant import QTensor
 from deploy.machine import usable_cpus
@@ -44,7 +43,6 @@ KERNELS_ENV = "KNOT_KERNELS"
 OFF_VALUES = ("off", "0", "no", "numpy")
 THREADS_ENV = "KNOT_THREADS"
 SPIN_ENV = "KNOT_SPIN_US"
-_installed: list[str] = []
 _install_attempted = False  # install() ran once in this process (ensure_installed's flag)
 
 
@@ -74,6 +72,10 @@ def spin_us_from_env(env: Mapping[str, str]) -> float | None:
     return settings.read(env, SPIN_ENV, "kernels")
 
 
+# kernel(x (T, ne0) float32, w with numpy shape (ne1, ne0)) -> (T, ne1) float32
+Kernel = Callable[[np.ndarray, QTensor], np.ndarray]
+
+
 def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Kernel:
     """kernel(x (T, ne0) float32, w (ne1, ne0) of ggml_type) -> (T, ne1) float32.
 
@@ -89,7 +91,6 @@ def make_kernel(ggml_type: str, simd: bool = True, parallel: bool = True) -> Ker
         return y
 
     kernel.__name__ = f"qmatmul_{ggml_type}"
-    kernel.many = _make_many(simd, parallel)  # common.matmul.matmul_many: products of one x in one call
     return kernel
 
 
@@ -104,8 +105,8 @@ def _blocks(w: QTensor):
 @functools.lru_cache(maxsize=None)
 def _make_many(simd: bool, parallel: bool):
     """many(x (T, ne0) float32, ws) -> [x @ W.T for W in ws] in one call (x quantized once per activation
-    format, one parallel pass), each the bits of its own kernel call; one function per (simd, parallel),
-    so common.matmul.matmul_many can tell that every type's kernel shares it."""
+    format, one parallel pass), each the bits of its own kernel call; None for what it does not take
+    (more than MANY_MAX products, a type without a kernel)."""
 
     def many(x: np.ndarray, ws) -> list[np.ndarray] | None:
         if not 1 <= len(ws) <= MANY_MAX or any(w.ggml_type not in _qmatmul.TYPES for w in ws):
@@ -166,11 +167,32 @@ class KernelOps(Ops):
 
     kv_dtype = np.dtype(np.float16)  # the kernels read it as fast as float32, in half the bytes
     q_dtype = np.dtype(np.float32)   # scores() takes q as float32 (f16 numbers, exact)
+    quantized_types = frozenset(_qmatmul.TYPES) if _qmatmul else frozenset()
 
     def __init__(self, simd: bool = True, parallel: bool = True):
         self.simd, self.parallel = simd, parallel
         # the fused calls (silu, a sequence's attention rows) run numpy's exp loop, so its bits
         self.fused = numpy_exp_loop()
+
+    def matmul(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        if (w.ggml_type not in self.quantized_types or len(w.shape) != 2 or x.dtype != np.float32
+                or x.ndim not in (1, 2) or x.shape[-1] != w.shape[0]):
+            return super().matmul(x, w)  # float32 weights (BLAS), and the reference's errors
+        ne0, ne1 = w.shape
+        x2 = np.ascontiguousarray(x.reshape(-1, ne0))
+        y = np.empty((len(x2), ne1), np.float32)
+        _qmatmul.matmul(_qmatmul.TYPES[w.ggml_type], x2, _blocks(w), y, len(x2), ne0, ne1,
+                        self.simd, self.parallel)  # (T, ne0) @ W.T -> (T, ne1)
+        return y[0] if x.ndim == 1 else y
+
+    def matmul_many(self, x: np.ndarray, ws: Sequence[QTensor]) -> list[np.ndarray]:
+        # Why one call: a layer's q, k and v of one decode row were three calls, each paying the
+        # wrapper and waking the workers, for small products.
+        if x.ndim == 2 and x.dtype == np.float32 and all(len(w.shape) == 2 and w.shape[0] == x.shape[1] for w in ws):
+            ys = _make_many(self.simd, self.parallel)(x, ws)
+            if ys is not None:
+                return ys
+        return super().matmul_many(x, ws)
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         # Why in C: in the decode loop each of numpy's ~8 calls paid for the code and data the weight
@@ -329,7 +351,8 @@ def one_blas_thread() -> bool:
 
 
 def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> list[str]:
-    """Register the C kernels for every type they support; return those types ([] if not built).
+    """Install the C kernels' ops (KernelOps) for models built from now on; return the ggml types
+    whose matmuls they compute ([] if not built, or off).
 
     threads: per matmul, the caller included (default: KNOT_THREADS, else the CPU count).
     KNOT_KERNELS picks the ISA (see the module doc); off keeps the numpy reference path (what
@@ -345,13 +368,10 @@ def install(threads: int | None = None, env: Mapping[str, str] = os.environ) -> 
     spin = spin_us_from_env(env)
     n = threads if threads is not None else threads_from_env(env)
     _qmatmul.set_threads(n) if spin is None else _qmatmul.set_threads(n, spin)
-    for name in supported_types():
-        register_kernel(name, make_kernel(name))
-        if name not in _installed:
-            _installed.append(name)
     ops.install(KernelOps())
-    log.info("matmul kernels (%s): %s, and attention's products", describe(), ", ".join(_installed))
-    return list(_installed)
+    log.info("C kernels (%s): matmul of %s; attention, rmsnorm, RoPE and silu", describe(),
+             ", ".join(supported_types()))
+    return supported_types()
 
 
 def ensure_installed(env: Mapping[str, str] = os.environ) -> None:
@@ -365,7 +385,5 @@ def ensure_installed(env: Mapping[str, str] = os.environ) -> None:
 
 
 def uninstall() -> None:
-    """Route the installed types, and the other ops, back to the numpy path."""
-    while _installed:
-        register_kernel(_installed.pop(), None)
+    """Install numpy's reference ops (common.ops.Ops) again, for models built from now on."""
     ops.install(Ops())

@@ -38,7 +38,6 @@ import numpy as np
 
 from common import wire
 from common.knot import KnotHeader
-from common.matmul import get_kernel
 from common.models import Model
 from common.quant import QTensor, dequantize_rows, resident_copy, row_nbytes
 from common.runtime import BadRequest, Env, HttpError, NotFound, Request, Response, ServiceUnavailable
@@ -118,7 +117,7 @@ class Shard:
         if self.warden is not None and not self.tied and self.settings.warm_warden:
             await self._warm_warden()
         f32_bytes = (b - a) * e.shape[0] * 4
-        if get_kernel(e.ggml_type) is None and self.head.nbytes + f32_bytes <= self.settings.budget_bytes // 2:
+        if e.ggml_type not in self.model.ops.quantized_types and self.head.nbytes + f32_bytes <= self.settings.budget_bytes // 2:
             # Without a quantized kernel, dequantize once when it fits: one float32 matmul per token.
             w = self.head.dequantize()  # (n_rows, dim)
             self.head_f32 = QTensor(self.head.name, "F32", self.head.shape, w.reshape(-1).view(np.uint8))

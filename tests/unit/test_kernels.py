@@ -357,13 +357,15 @@ def test_install_routes_matmul_and_uninstall_restores():
     w = qtensor("Q5_0", 896, 40)
     x = activations(2, 896)
     assert set(kernels.install(threads=2)) == set(TYPES) == set(kernels.supported_types())
-    assert mm.get_kernel("Q5_0") is not None and mm.get_kernel("Q4_1") is None
-    assert type(ops.installed()) is kernels.KernelOps  # models built from now on compute with it
-    assert_bits(mm.matmul(x, w), kernels.make_kernel("Q5_0")(x, w))
-    assert_bits(mm.matmul(x[0], w), kernels.make_kernel("Q5_0")(x[:1], w)[0])  # 1-D x
+    kern = ops.installed()  # models built from now on compute with it
+    assert type(kern) is kernels.KernelOps and "Q5_0" in kern.quantized_types and "Q4_1" not in kern.quantized_types
+    assert_bits(kern.matmul(x, w), kernels.make_kernel("Q5_0")(x, w))
+    assert_bits(kern.matmul(x[0], w), kernels.make_kernel("Q5_0")(x[:1], w)[0])  # 1-D x
+    q41 = qtensor("Q4_1", 896, 8)  # a type without a kernel: the reference's bits
+    assert_bits(kern.matmul(x, q41), mm.matmul_tiled(x, q41))
     kernels.uninstall()
-    assert mm.get_kernel("Q5_0") is None and type(ops.installed()) is Ops
-    assert_bits(mm.matmul(x, w), mm.matmul_tiled(x, w))
+    assert type(ops.installed()) is Ops and not ops.installed().quantized_types
+    assert_bits(ops.installed().matmul(x, w), mm.matmul_tiled(x, w))
 
 
 def test_rows_view_and_zero_input(isa):
@@ -407,7 +409,7 @@ MANY = [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_K", "Q5
 
 @pytest.mark.parametrize("types", MANY)
 @pytest.mark.parametrize("T", [1, 2, 17])
-def test_matmul_many_gives_each_products_bits(types, T, isa):
+def test_matmul_many_gives_each_products_bits(types, T, isa, monkeypatch):
     """matmul_many (x quantized once per activation format, every product's tasks in one pass) gives
     each product's own kernel call bit for bit, on every ISA, for 1 and 3 threads, and mixes Q8_0 and
     Q8_K activations; its shapes of 0.5B-like q, k, v (896 -> 896, 128, 128) included."""
@@ -416,27 +418,16 @@ def test_matmul_many_gives_each_products_bits(types, T, isa):
     x = activations(T, ne0, seed=T)
     want = [kernels.make_kernel(w.ggml_type, parallel=False)(x, w) for w in ws]
     calls = []
-
-    def spy(x, ws):  # the kernels' shared `many`, counted
-        calls.append(len(ws))
-        return kernels._make_many(True, True)(x, ws)
-
-    registered = {t: kernels.make_kernel(t) for t in set(types)}  # this ISA's
-    for k in registered.values():
-        assert k.many is kernels._make_many(True, True), "every type's kernel shares one `many`"
-        k.many = spy
-    old = {t: mm.register_kernel(t, k) for t, k in registered.items()}
-    try:
-        for threads in (1, 3):
-            kernels.set_threads(threads)
-            for got in (mm.matmul_many(x, ws), kernels._make_many(False, True)(x, ws)):  # this ISA's; the reference
-                assert len(got) == len(ws)
-                for g, wn in zip(got, want):
-                    assert_bits(g, wn)
-        assert calls == [len(ws)] * 2, "matmul_many went through the kernels' one call"
-    finally:
-        for t, k in old.items():
-            mm.register_kernel(t, k)
+    one_call = _qmatmul.matmul_many
+    monkeypatch.setattr(_qmatmul, "matmul_many", lambda *a: calls.append(len(a[3])) or one_call(*a))
+    kern = kernels.KernelOps()  # this ISA's
+    for threads in (1, 3):
+        kernels.set_threads(threads)
+        for got in (kern.matmul_many(x, ws), kernels._make_many(False, True)(x, ws)):  # this ISA's; the reference
+            assert len(got) == len(ws)
+            for g, wn in zip(got, want):
+                assert_bits(g, wn)
+    assert calls == [len(ws)] * 4, "KernelOps.matmul_many went through the kernels' one call"
 
 
 def test_matmul_many_falls_back_per_product_where_a_type_has_no_shared_kernel():
@@ -446,12 +437,11 @@ def test_matmul_many_falls_back_per_product_where_a_type_has_no_shared_kernel():
     f = rng.standard_normal((16, 64)).astype(f32)
     ws = [qtensor("Q8_0", 64, 8), QTensor("blk.0.f.weight", "F32", (64, 16), f.view(np.uint8).reshape(-1))]
     x = activations(2, 64)
-    kernels.install()
-    got = mm.matmul_many(x, ws)
+    kern = kernels.KernelOps()
+    got = kern.matmul_many(x, ws)
     for g, w in zip(got, ws):
-        assert_bits(g, mm.matmul(x, w))
-    kernels.uninstall()
-    assert_bits(mm.matmul_many(x, ws[:1])[0], mm.matmul(x, ws[0]))  # numpy's path
+        assert_bits(g, kern.matmul(x, w))
+    assert_bits(Ops().matmul_many(x, ws[:1])[0], mm.matmul(x, ws[0]))  # numpy's path
     w = ws[0]
     y = np.empty((2, 8), f32)
     q8 = _qmatmul.TYPES["Q8_0"]
@@ -551,8 +541,8 @@ def test_a_library_user_of_local_engine_gets_the_kernels(tiny_knot):
     import subprocess
     import sys
 
-    code = ("import sys; from common.matmul import get_kernel; from deploy.engine_local import LocalEngine; "
-            "LocalEngine.open(sys.argv[1]); print(get_kernel('Q4_K') is not None)")
+    code = ("import sys; from deploy.engine_local import LocalEngine; "
+            "print('Q4_K' in LocalEngine.open(sys.argv[1]).arch.ops.quantized_types)")
     for setting, want in (("auto", "True"), ("off", "False")):
         env = {**os.environ, "KNOT_KERNELS": setting}
         out = subprocess.run([sys.executable, "-c", code, str(tiny_knot)], env=env, capture_output=True, text=True,

@@ -1,5 +1,4 @@
-"""common.matmul: equals x @ dequantize(W).T, keeps float32 temporaries to one tile, dispatches
-through the kernel registry."""
+"""common.matmul: equals x @ dequantize(W).T, keeps float32 temporaries to one tile."""
 from __future__ import annotations
 
 import tracemalloc
@@ -7,12 +6,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from common import matmul as mm
-from common.matmul import get_kernel, matmul, matmul_tiled, register_kernel
-from common.quant import QUANT_TYPES, QTensor, UnsupportedQuantType
+from common.matmul import matmul
+from common.quant import QUANT_TYPES, QTensor
 from tests.unit.test_quant import random_raw
 
-pytestmark = pytest.mark.usefixtures("numpy_matmul")  # these test the numpy reference itself
 
 
 def qtensor(ggml_type: str, ne0: int, ne1: int, seed: int = 0) -> QTensor:
@@ -76,42 +73,6 @@ def test_rejects_bad_inputs():
         matmul(np.zeros((1, 2, 64), np.float32), w)
     with pytest.raises(ValueError, match="2-D"):
         matmul(np.zeros(64, np.float32), QTensor("v", "Q8_0", (64,), bytes(68)))
-
-
-def test_kernel_registry_dispatch_and_restore():
-    w = qtensor("Q6_K", 256, 12)
-    x = np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32)
-    calls = []
-
-    def kernel(x2, wt):
-        calls.append((x2.shape, wt.name))
-        return matmul_tiled(x2, wt)
-
-    assert get_kernel("Q6_K") is None
-    assert register_kernel("Q6_K", kernel) is None
-    try:
-        assert get_kernel("Q6_K") is kernel
-        np.testing.assert_array_equal(matmul(x, w), matmul_tiled(x, w))
-        assert matmul(x[0], w).shape == (12,)
-        assert calls == [((3, 256), w.name), ((1, 256), w.name)]
-        matmul(x, qtensor("Q4_K", 256, 4))  # other types keep the numpy path
-        assert len(calls) == 2
-    finally:
-        assert register_kernel("Q6_K", None) is kernel
-    assert get_kernel("Q6_K") is None and "Q6_K" not in mm._KERNELS
-    matmul(x, w)
-    assert len(calls) == 2
-    with pytest.raises(UnsupportedQuantType, match="IQ4_NL"):
-        register_kernel("IQ4_NL", kernel)
-
-
-def test_kernel_with_wrong_output_shape_is_caught():
-    register_kernel("Q8_0", lambda x2, wt: np.zeros((len(x2), 3), np.float32))
-    try:
-        with pytest.raises(AssertionError, match="kernel returned"):
-            matmul(np.zeros((2, 64), np.float32), qtensor("Q8_0", 64, 8))
-    finally:
-        register_kernel("Q8_0", None)
 
 
 def traced_peak_bytes(fn) -> tuple[int, object]:

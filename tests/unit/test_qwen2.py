@@ -11,7 +11,6 @@ from hypothesis import given, settings, strategies as st
 
 from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
 from common.layers import forward_range
-from common.matmul import get_kernel
 from common.models import qwen2
 from common.models.qwen2 import MissingTensorError, Qwen2, Qwen2Config, phase_tensors
 from common.ops import Ops, rope_neox, to_f16
@@ -82,20 +81,22 @@ def load_from(ws):
 def run_model(tokens, ws=W, layer_splits=((0, CFG.n_layer),), vocab_slices=((0, CFG.vocab_size),),
               chunk_size: int | None = 10 ** 9) -> np.ndarray:
     """Whole-model logits (T, vocab), with the layers split over 'stations' (one KV cache each),
-    the vocab split over 'shards', and the prompt prefilled in chunks."""
+    the vocab split over 'shards', and the prompt prefilled in chunks. The model computes with the
+    installed ops (numpy's under the numpy_matmul fixture)."""
+    model = Qwen2(CFG)
     tokens = np.asarray(tokens)
     emb = ws["token_embd.weight"]
-    head = ws[MODEL.head_tensor(lambda n: n in ws)]
+    head = ws[model.head_tensor(lambda n: n in ws)]
     x = sum(qwen2.embed(tokens, emb.rows(a, b), a, b) for a, b in vocab_slices)   # (T, dim)
     kvs = [KVCache(CFG.n_kv_head, CFG.head_dim) for _ in layer_splits]
     outs = []
     for a, b in prefill_chunks(len(tokens), chunk_size):
         h = x[a:b]
         for (s, e), kv in zip(layer_splits, kvs):
-            h = forward_range(MODEL, h, s, e, load_from(ws), kv, np.arange(a, b))
+            h = forward_range(model, h, s, e, load_from(ws), kv, np.arange(a, b))
         outs.append(h)
-    h = qwen2.output_norm(MODEL.ops, CFG, np.concatenate(outs), ws["output_norm.weight"])
-    return np.concatenate([qwen2.lm_head(MODEL.ops, h, head.rows(a, b)) for a, b in vocab_slices], axis=1)
+    h = qwen2.output_norm(model.ops, CFG, np.concatenate(outs), ws["output_norm.weight"])
+    return np.concatenate([qwen2.lm_head(model.ops, h, head.rows(a, b)) for a, b in vocab_slices], axis=1)
 
 
 TOKENS = [5, 200, 17, 17, 99, 3, 261, 0, 42, 128, 7]
@@ -327,7 +328,8 @@ def test_tied_head_falls_back_to_token_embd(numpy_matmul):
     # The head is token_embd itself: a token's own embedding row scores it.
     x = qwen2.embed(TOKENS[:3], ws["token_embd.weight"], 0, CFG.vocab_size)
     kv = KVCache(CFG.n_kv_head, CFG.head_dim)
-    hid = qwen2.output_norm(MODEL.ops, CFG, forward_range(MODEL, x, 0, 3, load_from(ws), kv, np.arange(3)),
+    numpy = Qwen2(CFG)  # built under numpy_matmul: numpy's ops
+    hid = qwen2.output_norm(numpy.ops, CFG, forward_range(numpy, x, 0, 3, load_from(ws), kv, np.arange(3)),
                             ws["output_norm.weight"])
     np.testing.assert_allclose(logits, hid @ ws["token_embd.weight"].dequantize().T, rtol=1e-5, atol=1e-4)
 
@@ -412,7 +414,7 @@ def test_engine_copies_the_kernels_weights_into_one_arena_and_computes_the_same(
 
     mapped = LocalEngine.open(tiny_gguf, cache_f32=False, copy_weights=False)
     copied = LocalEngine.open(tiny_gguf, cache_f32=False, copy_weights=True)
-    names = [n for n in copied._matmul_weight_names() if get_kernel(copied.weight(n).ggml_type) is not None]
+    names = [n for n in copied._matmul_weight_names() if copied.weight(n).ggml_type in copied.arch.ops.quantized_types]
     assert names
     arena = copied.weight(names[0]).data.base
     for n in names:
