@@ -60,11 +60,11 @@ def attention_bytes(n_head: int, hd: int, T: int, S: int, n_kv: int | None = Non
     convert = min(ATTN_CONVERT_BYTES, S * (8 * (n_kv or n_head) * hd + 12 * n_head * T))  # _convert_keys
     # q in float64, the float64 output and one slice's product into it; m, l, alpha per row
     rows = T * n_head * (3 * 8 * hd + 3 * 8)
-    return scores + mask + convert + rows + _NUMPY_BUFFER_BYTES
+    return scores + mask + convert + rows + NUMPY_BUFFER_BYTES
 
 
 # numpy's casting buffers (8192 elements of the wider type, both ways), e.g. a float32 sum in double.
-_NUMPY_BUFFER_BYTES = 2 * 8192 * 8
+NUMPY_BUFFER_BYTES = 2 * 8192 * 8
 
 
 # llama.cpp's attention (flash attention off) reads an f16 KV cache, rounds q to f16 for K·q and

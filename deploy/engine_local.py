@@ -22,6 +22,7 @@ from common.generation import Generation, generate_events
 from common.kvcache import PREFILL_CHUNK_TOKENS, KVCache, prefill_chunks
 from common.layers import forward_tokens, phase_loader
 from common.models import PhaseWeights, model_for
+from common.ops import Ops
 from common.quant import Arena, QTensor
 from common.sampling import LogitsRow, Row, SamplingParams, apply_masks, row_masks
 from common.speculative import (DRAFT_HEAD_IDS, Drafter, DraftModel, PromptLookup, SpeculationParams, TripCost,
@@ -49,8 +50,9 @@ class LocalEngine:
     def __init__(self, model, *, cache_f32: bool | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, kv_dtype=None,
                  draft: "LocalEngine | None" = None, draft_head_ids: int = DRAFT_HEAD_IDS,
-                 copy_weights: bool = False):
-        """model: a deploy.knotfile.LocalModel. cache_f32=None: cache when the float32 weights
+                 copy_weights: bool = False, ops: Ops | None = None):
+        """model: a deploy.knotfile.LocalModel. ops: what it computes with (None: the process's,
+        common.ops.installed(): the C kernels once deploy.kernels.install() ran). cache_f32=None: cache when the float32 weights
         fit in cache_budget_bytes and in half the available memory. copy_weights: the
         quantized weights the kernels take are copied out of the file's map into one Arena (on
         huge pages) on first use (or by load_weights()), when they fit in half the available memory:
@@ -72,7 +74,7 @@ class LocalEngine:
                 runs = draft_vocab_runs(draft.cfg.vocab_size, draft_head_ids, special_ids(types))
             # the last row's logits: all it uses
             self.draft = DraftModel(lambda t, kv, p: draft.forward(t, kv, p, vocab_runs=runs), draft.new_kv)
-        self.arch = model_for(model.header)
+        self.arch = model_for(model.header, ops)
         self.cfg = self.arch.cfg
         self.head_name = self.arch.head_tensor(model.has_tensor)
         self.kv_dtype = kv_dtype

@@ -26,7 +26,7 @@ import numpy as np
 
 from common.kvcache import KVCache
 from common.models.base import MissingTensorError, Model, PhaseWeights, Sequences
-from common.ops import _NUMPY_BUFFER_BYTES, Ops, attention_bytes
+from common.ops import NUMPY_BUFFER_BYTES, Ops, attention_bytes
 from common.quant import QTensor
 
 PHASES = ("attn", "ffn_gate", "ffn_up", "ffn_down")
@@ -277,7 +277,7 @@ class Qwen2(Model):
         attn = 4 * T * (7 * c.dim + 4 * kvd) + attention_bytes(c.n_head, c.head_dim, T, S, c.n_kv_head)
         ffn = 4 * T * (2 * c.dim + 3 * c.ffn_dim)  # residual, normed x, act, and two (T, ffn_dim) temporaries
         norm = 4 * T * c.dim + 16 * T * c.dim      # x, and rmsnorm's float64 copy and its square
-        return 3 * T * max(c.dim, c.ffn_dim) + max(attn, ffn, norm) + _NUMPY_BUFFER_BYTES
+        return 3 * T * max(c.dim, c.ffn_dim) + max(attn, ffn, norm) + NUMPY_BUFFER_BYTES
 
     def run_phase(self, layer: int, phase: str, state, w: PhaseWeights, seqs: Sequences):
         if phase == "attn":

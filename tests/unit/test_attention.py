@@ -277,7 +277,7 @@ def test_activation_bytes_bound_every_phase_as_measured(shape, T, S, numpy_matmu
     assert max(measured.values()) <= accounted, (measured, accounted)
     # Beyond 1.5x the measured peak only: the C kernels' quantized inputs (which tracemalloc cannot
     # see) and a fixed allowance for numpy's casting buffers.
-    slack = 3 * T * max(dim, ffn) + 2 * ops._NUMPY_BUFFER_BYTES
+    slack = 3 * T * max(dim, ffn) + 2 * ops.NUMPY_BUFFER_BYTES
     assert accounted <= 1.5 * max(measured.values()) + slack, (measured, accounted)
 
 

@@ -407,6 +407,19 @@ def test_engine_matches_phase_code_and_golden(tiny_gguf, numpy_matmul):
 
 
 
+def test_an_engine_computes_with_the_ops_it_was_given(tiny_gguf):
+    """Ops passed at construction are the engine's, whatever the process installed (the C kernels
+    here): numpy's reference gives the numpy path's float32 cache and golden ids."""
+    from common.sampling import SamplingParams
+    from deploy.engine_local import LocalEngine
+    from deploy.knotfile import open_model
+
+    eng = LocalEngine(open_model(tiny_gguf), cache_f32=False, ops=Ops())
+    assert type(eng.arch.ops) is Ops and eng.new_kv().dtype == np.float32
+    ids = eng.tokenizer.encode(GOLDEN_PROMPT)
+    assert eng.generate(ids, SamplingParams(), max_tokens=12).token_ids == GOLDEN
+
+
 def test_engine_copies_the_kernels_weights_into_one_arena_and_computes_the_same(tiny_gguf):
     """copy_weights: the weights the C kernels take leave the file's map for one arena (on huge
     pages); the logits are the map's bit for bit."""
