@@ -58,7 +58,7 @@ async def measure(port: int, calls: int, rounds: int, request_bytes: int, reply_
     import aiohttp
 
     from common.runtime import Request
-    from deploy.local.bindings import Connections, Signer, buffered_fetch, http_fetch
+    from deploy.local.server_bindings import Connections, Signer, buffered_fetch, http_fetch
 
     signer, body = Signer(SECRET, "shard"), os.urandom(request_bytes)
     url = f"http://127.0.0.1:{port}/sample"

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy import cluster_secrets, launcher, servers  # noqa: E402
-from deploy.local.bindings import S3Settings, s3_client  # noqa: E402
+from deploy.local.server_bindings import S3Settings, s3_client  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 8

@@ -64,7 +64,7 @@ from common.integrity import CacheKey  # noqa: E402
 from common.knot import parse_header, read_header_sync  # noqa: E402
 from common.topology import BUCKET_NAME  # noqa: E402
 from deploy import cluster_secrets, launcher, servers  # noqa: E402
-from deploy.local.bindings import S3Settings, s3_client  # noqa: E402
+from deploy.local.server_bindings import S3Settings, s3_client  # noqa: E402
 from services.embed_cache import decode_row, encode_row, row_key  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):", "# sort a list of dicts by key\n"]
@@ -85,7 +85,8 @@ FORGED_KEY = CacheKey("a-forgers-secret-which-is-not-the-clusters")
 # The coordinator keeps no embedding rows and a booting shard has its warden read nothing ahead: after
 # forge-kv's kills, the prompts' rows are read from the KV, where the forged ones are.
 ROW_PATH_ENV = {"EMBED_ROW_CACHE_BYTES": "0", "KNOT_WARM_WARDEN": "off"}
-KV_PREFIX = "EMBED_CACHE:"  # where the CobordismWarden's KV binding keeps its keys (its name, deploy/local/settings.py)
+# where the CobordismWarden's KV binding keeps its keys (its name, deploy/local/host_settings.py)
+KV_PREFIX = "EMBED_CACHE:"
 
 
 def post(url: str, body: bytes, timeout_s: float) -> tuple[int, dict, bytes]:

@@ -9,7 +9,7 @@ The server writes the body whole (as before issue 15) or sliced (SLICED_BODY_BYT
 
     python benchmarks/warden_transfer.py [--mb 56] [--reps 12]
 
-Run it with the stations' malloc settings (deploy/compose_file.py KEEP_HEAP), as the cluster does:
+Run it with the stations' malloc settings (deploy/compose_writer.py KEEP_HEAP), as the cluster does:
 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824. Nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ async def via_binding(port: int, reps: int) -> tuple[int, list[float]]:
     import aiohttp
 
     from common.runtime import Request
-    from deploy.local.bindings import http_fetch
+    from deploy.local.server_bindings import http_fetch
 
     times = []
     async with aiohttp.ClientSession() as session:

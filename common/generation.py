@@ -7,7 +7,7 @@
 
 The engine computes rows of logits (the Engine protocol below; common.sampling.Row):
 deploy/engine_local.LocalEngine runs the whole model in this process,
-services/coordinator/generation.ClusterEngine runs the pipeline of stations and shards.
+services/coordinator/cluster_engine.ClusterEngine runs the pipeline of stations and shards.
 Everything else is here, once: sampling (each row samples itself), speculative decoding (a drafter
 proposes tokens, one engine trip verifies them all: common/speculative.py), the
 end-of-generation token, stop strings with hold-back for streaming, max_tokens, the finish

@@ -353,7 +353,7 @@ SETTINGS: tuple[Setting, ...] = (
        "(0.0.0.0: every interface)"),
     _s("KNOT_PYTHON_IMAGE", "str", "python:3.11-slim", "compose docker", "base of the cluster's image (the "
        "Dockerfile's PYTHON_IMAGE); scripts/docker-images.sh builds knot/python:3.11-bookworm for hosts without Docker Hub"),
-    # memory limits per container, no swap beyond (deploy/compose_file.py), from the peaks measured with
+    # memory limits per container, no swap beyond (deploy/compose_writer.py), from the peaks measured with
     # the 0.5B and a 512-token prompt (docs/runtime.md); raise a station's or a warden's with its budget
     *(_s(f"KNOT_{role}_MEM_LIMIT", "str", limit, "compose", f"{who}'s memory limit ({why})")
       for role, (limit, who, why) in {

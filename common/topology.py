@@ -116,7 +116,7 @@ def parse_range(text: str, what: str = "range") -> tuple[int, int]:
 
 # ---------------------------------------------------------------- the cluster layout
 # One object, built from the model's dimensions and the counts of stations and shards, from which
-# every deployment file is written: docker-compose.yml (deploy/compose_file.py), the launcher's
+# every deployment file is written: docker-compose.yml (deploy/compose_writer.py), the launcher's
 # processes (deploy/launcher.py) and, later, the wrangler configs. Plain data: a writer renders a
 # service's role, vars, bindings and dependencies in its own terms.
 

@@ -25,7 +25,7 @@ COMMAND_MODULES = (
     "deploy.commands.cluster",
     "deploy.commands.compose",
     "deploy.commands.secrets_file",
-    "deploy.commands.settings",
+    "deploy.commands.settings_table",
     "deploy.commands.bench",
     "deploy.commands.synth",
     "deploy.commands.deploy",

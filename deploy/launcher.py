@@ -2,7 +2,7 @@
 
 The processes, their commands, environments and start order come from the ClusterLayout for the
 model and the counts of stations and shards, rendered exactly as docker-compose.yml is
-(deploy/compose_file.py, read back by deploy/local/compose.py): minio and redis become SeaweedFS
+(deploy/compose_writer.py, read back by deploy/local/compose_reader.py): minio and redis become SeaweedFS
 and a Redis-protocol server (deploy/servers.py), the init service runs to completion (fetch,
 encode, upload), and every other service runs its command with its environment, "service:port"
 addresses rewritten to 127.0.0.1.
@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 from common import settings
 from common.signing import SIGNATURE_HEADER
 from common.topology import ClusterLayout, TopologyError
-from deploy import cluster_secrets, compose_file, servers, supervisor
-from deploy.local import compose
+from deploy import cluster_secrets, compose_writer, servers, supervisor
+from deploy.local import compose_reader
 from deploy.local.probe import probe
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def shm_dir_for(run_dir: Path) -> Path:
 
 
 def default_run_dir() -> Path:
-    return Path(settings.read(os.environ, "KNOT_RUN_DIR", "launcher") or compose.REPO_ROOT / ".knot-run")
+    return Path(settings.read(os.environ, "KNOT_RUN_DIR", "launcher") or compose_reader.REPO_ROOT / ".knot-run")
 
 
 @dataclass(frozen=True)
@@ -154,10 +154,10 @@ def profile_env(profile: str | None, env: Mapping[str, str], n_stations: int) ->
     return out
 
 
-def plan(layout: ClusterLayout, env: Mapping[str, str]) -> list[compose.ServiceSpec]:
+def plan(layout: ClusterLayout, env: Mapping[str, str]) -> list[compose_reader.ServiceSpec]:
     """The layout's services as processes to start, in dependency order: the compose file it renders,
     with its ${VAR:-default} substituted from env (as docker compose does)."""
-    return compose.plan(compose.interpolate(compose_file.render(layout), env))
+    return compose_reader.plan(compose_reader.interpolate(compose_writer.render(layout), env))
 
 
 def resolve_command(command: list[str]) -> list[str]:
@@ -178,16 +178,16 @@ def named_peers(environment: Mapping[str, str], addresses: Mapping[str, tuple[in
             continue
         peer = urlsplit(url.removeprefix("do+")).hostname
         if peer in addresses:
-            out[name] = compose.rewrite_addresses({name: url}, addresses)[name] + f"#{peer}"
+            out[name] = compose_reader.rewrite_addresses({name: url}, addresses)[name] + f"#{peer}"
     return out
 
 
-def process_env(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], port: int | None,
+def process_env(spec: compose_reader.ServiceSpec, addresses: Mapping[str, tuple[int, int]], port: int | None,
                 base_env: Mapping[str, str]) -> dict[str, str]:
     from deploy import models
 
     env = dict(base_env)
-    env.update(compose.rewrite_addresses(spec.environment, addresses))
+    env.update(compose_reader.rewrite_addresses(spec.environment, addresses))
     env.update(named_peers(spec.environment, addresses))
     if "KNOT_CACHE_DIR" in spec.environment:
         # The init container's cache is its volume (model-cache:/cache), a path that does not exist
@@ -197,20 +197,20 @@ def process_env(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, in
         env["PORT"], env["HOST"] = str(port), "127.0.0.1"
     env["KNOT_SERVICE_NAME"] = settings.read(env, "KNOT_SERVICE_NAME", "host") or spec.name
     path = settings.read(base_env, "PYTHONPATH", "launcher")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(compose.REPO_ROOT), path) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(compose_reader.REPO_ROOT), path) if p)
     return env
 
 
-def process_recipe(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], run_dir: Path,
+def process_recipe(spec: compose_reader.ServiceSpec, addresses: Mapping[str, tuple[int, int]], run_dir: Path,
                    base_env: Mapping[str, str] | None = None) -> dict:
     """How one compose service runs as a local process: argv, environment, cwd, log (deploy/supervisor.py)."""
     port = addresses[spec.name][1] if spec.name in addresses else None
-    return {"kind": "process", "argv": resolve_command(spec.command), "cwd": str(compose.REPO_ROOT),
+    return {"kind": "process", "argv": resolve_command(spec.command), "cwd": str(compose_reader.REPO_ROOT),
             "env": process_env(spec, addresses, port, base_env if base_env is not None else os.environ),
             "log": str(run_dir / "logs" / f"{spec.name}.log")}
 
 
-def start_process(spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]], run_dir: Path,
+def start_process(spec: compose_reader.ServiceSpec, addresses: Mapping[str, tuple[int, int]], run_dir: Path,
                   base_env: Mapping[str, str] | None = None) -> Running:
     """Spawn one compose service as a local process (used by `up` and by the integration tests)."""
     port = addresses[spec.name][1] if spec.name in addresses else None
@@ -271,7 +271,7 @@ class Cluster:
 
     # -------------------------------------------------------- up
 
-    def allocate(self, specs: list[compose.ServiceSpec], base_port: int | None) -> dict[str, tuple[int, int]]:
+    def allocate(self, specs: list[compose_reader.ServiceSpec], base_port: int | None) -> dict[str, tuple[int, int]]:
         """service -> (container_port, local_port); published services keep their host port."""
         serving = [s for s in specs if s.container_port is not None and not s.oneshot]
         free = servers.free_ports(len(serving)) if base_port is None else []
@@ -345,7 +345,7 @@ class Cluster:
             supervisor.write_recipes(self.run_dir, recipes)
             pid = servers.spawn([sys.executable, "-m", "deploy.supervisor", str(self.run_dir)],
                                 self.run_dir / "logs" / "supervisor.log", env=dict(base_env),
-                                cwd=str(compose.REPO_ROOT))
+                                cwd=str(compose_reader.REPO_ROOT))
             self._save(running, layout, supervisor_pid=pid)
         except BaseException:
             self._stop_all(running)
@@ -353,7 +353,7 @@ class Cluster:
             raise
         return running
 
-    def _recipe(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
+    def _recipe(self, spec: compose_reader.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
                 base_env: Mapping[str, str]) -> dict:
         """How the supervisor starts it again: the same command, environment, port and log. The
         secrets' values are not in it (the supervisor reads them from secrets.env): for each variable
@@ -368,7 +368,7 @@ class Cluster:
         recipe["env"] = {k: v for k, v in recipe["env"].items() if v not in secret_names}
         return recipe
 
-    def _start(self, spec: compose.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
+    def _start(self, spec: compose_reader.ServiceSpec, addresses: Mapping[str, tuple[int, int]],
                base_env: Mapping[str, str]) -> Running:
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
         if spec.kind == "seaweedfs":  # closed: the keys compose gives MinIO (the cluster's, secrets.env)
@@ -384,7 +384,7 @@ class Cluster:
 
     def memory_lines(self, running: list[Running]) -> list[str]:
         """One line per station: its profile, budget, whether its layers fit, bytes streamed per token."""
-        from services.station.memory import MemoryPlan, describe_plan, expected_tok_s
+        from services.station.station_memory import MemoryPlan, describe_plan, expected_tok_s
 
         lines, plans = [], []
         for r in running:
@@ -411,7 +411,7 @@ class Cluster:
         """Headers that let a tool call one of this cluster's internal services directly (a station's
         /stats, say): its signature with the cluster's secret, for the service cluster.json lists at
         url's port; {} when the cluster has no secret."""
-        from deploy.local.bindings import Signer
+        from deploy.local.server_bindings import Signer
 
         path = self.run_dir / SECRETS_FILE
         secret = cluster_secrets.read(path).get("KNOT_INTERNAL_SECRET") if path.exists() else None

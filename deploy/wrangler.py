@@ -86,7 +86,7 @@ class Worker:
     name: str  # the Worker's name on Cloudflare, e.g. knot-station-0
     role: str  # a key of ENTRY
     vars: dict[str, str] = field(default_factory=dict)
-    bindings: dict[str, str] = field(default_factory=dict)  # env name -> kind (deploy/cloudflare/bindings.py)
+    bindings: dict[str, str] = field(default_factory=dict)  # env name -> kind (deploy/cloudflare/workers_bindings.py)
     r2: dict[str, str] = field(default_factory=dict)  # binding -> bucket
     kv: dict[str, str] = field(default_factory=dict)  # binding -> namespace id
     durable_objects: list[dict[str, str]] = field(default_factory=list)

@@ -28,7 +28,7 @@ background, and rewritten from R2 after the delete). Seed section 8 traps handle
 A KV that cannot be reached degrades to a miss (logged): the cache must never fail a request.
 Whoever can write the KV (the Redis password) but not the secret can delete rows, which costs a
 read from R2, but cannot make one that is served. Without a secret (a host started by hand) the
-warden does not use KV at all (services/cobordism_warden/warden.py).
+warden does not use KV at all (services/cobordism_warden/cobordism_warden.py).
 """
 from __future__ import annotations
 

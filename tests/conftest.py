@@ -8,7 +8,7 @@ import pytest
 from common import ops
 from common import settings
 from deploy import kernels
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 # The same matmul path as the services (`knot serve` installs them too): the C kernels when built.
 # Tests of the numpy reference itself uninstall them locally (see numpy_matmul).

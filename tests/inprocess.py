@@ -11,7 +11,7 @@ from common.models import model_for
 from common.runtime import Env, Request, Response
 from common.topology import split_layers, split_vocab
 from deploy.local.durable import DurableObjectHost, LocalNamespace
-from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
+from deploy.local.embedded_bindings import DirectoryBucket, LocalService, MemoryKV
 from deploy.local.tasks import BackgroundTasks
 from services.coordinator import handler as coordinator
 from services.drafter import handler as drafter

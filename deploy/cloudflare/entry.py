@@ -7,7 +7,7 @@ A generated main module (deploy/wrangler.py writes it) is three lines per role, 
     Default = worker_entrypoint(service.fetch)
     LayerWarden = durable_object(service.DURABLE_OBJECTS["LayerWarden"])
 
-Every request: JS Request -> Request (convert.py), Env from the Worker's env (bindings.py), the
+Every request: JS Request -> Request (convert.py), Env from the Worker's env (workers_bindings.py), the
 handler through common.runtime.call_handler (the one error -> status map), Response -> JS.
 
 Durable Objects: the runtime makes one instance per id. Requests to it run one at a time, in
@@ -36,7 +36,7 @@ from workers import DurableObject, WorkerEntrypoint
 from common import signing
 from common.runtime import DurableObjectId, Env, Handler, Request, ServiceUnavailable, State, call_handler
 from services import tracing
-from deploy.cloudflare.bindings import (DO_NAME_HEADER, INTERNAL_SECRET, JsContext, env_from_js, js_var, raw,
+from deploy.cloudflare.workers_bindings import (DO_NAME_HEADER, INTERNAL_SECRET, JsContext, env_from_js, js_var, raw,
                                         request_id, secrets_from_js, signed_target)
 from deploy.cloudflare.convert import request_from_js, response_to_js
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from deploy import compose_file
+from deploy import compose_writer
 from deploy.commands.cluster import add_layout_arguments
 from deploy.launcher import choose_model, layout_for
 
@@ -29,6 +29,6 @@ def run(args) -> int:
     choice = choose_model(args.model, {})  # the file is the same whatever this shell's KNOT_MODEL says
     draft = choose_model(args.draft_model, {}) if args.draft_model else None
     layout = layout_for(choice, args.stations, args.shards, draft)
-    sys.stdout.write(compose_file.render_text(layout, choice.source, command_args(args.model, args.stations,
+    sys.stdout.write(compose_writer.render_text(layout, choice.source, command_args(args.model, args.stations,
                                                                                    args.shards, args.draft_model)))
     return 0

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from deploy import cluster_secrets
-from deploy.local.compose import REPO_ROOT
+from deploy.local.compose_reader import REPO_ROOT
 
 NAME = "secrets"
 HELP = ("write the cluster's generated secrets (the Redis password, the internal calls' key) to .env next to "

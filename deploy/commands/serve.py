@@ -13,10 +13,10 @@ from common import settings as table
 from deploy import cluster_secrets, servers
 from deploy.commands.cluster import add_layout_arguments
 from deploy.launcher import choose_model, default_run_dir, layout_for, plan
-from deploy.local import init, logs, memory
+from deploy.local import init, logs, malloc_trim
 from deploy.local.host import build_app, serve_apps, serve_one
-from deploy.local.settings import HostSettings, parse_binding
-from deploy.local.topology import Topology
+from deploy.local.host_settings import HostSettings, parse_binding
+from deploy.local.embedded_cluster import EmbeddedCluster
 
 NAME = "serve"
 HELP = "serve one service configured by KNOT_SERVICE etc. (docs/configuration.md), or --embedded"
@@ -37,12 +37,12 @@ def run(args) -> int:
     if not args.embedded:
         settings = HostSettings.from_env(os.environ)
         logs.configure(settings.name, settings.log_format, logging.DEBUG if args.verbose else logging.INFO)
-        memory.trim_after_full_collections(os.environ)  # a knot reload's memory goes back to the system
+        malloc_trim.trim_after_full_collections(os.environ)  # a knot reload's memory goes back to the system
         asyncio.run(serve_one(settings))
         return 0
     logs.configure("embedded", table.read(os.environ, "KNOT_LOG_FORMAT", "launcher"),
                    logging.DEBUG if args.verbose else logging.INFO)
-    memory.trim_after_full_collections(os.environ)
+    malloc_trim.trim_after_full_collections(os.environ)
     return asyncio.run(_embedded(args))
 
 
@@ -58,23 +58,23 @@ async def _embedded(args) -> int:
         env["KNOT_DRAFT_MODEL"] = draft.source
     specs = plan(layout_for(choice, args.stations, args.shards, draft), env)
     run_dir = Path(args.run_dir or default_run_dir()) / "embedded"
-    topo = Topology(specs, run_dir)
+    cluster = EmbeddedCluster(specs, run_dir)
     for s in specs:  # the init service, in-process: the bucket is a directory here
         if s.oneshot and s.command[-1] == "deploy.local.init":
             bucket = parse_binding("KNOT_BUCKET", table.read(s.environment, "KNOT_BUCKET", "init")).target
             msg = await asyncio.to_thread(init.run, {**s.environment,
-                                                      "KNOT_BUCKET": f"dir:{topo.bucket_dir(bucket)}"})
+                                                      "KNOT_BUCKET": f"dir:{cluster.bucket_dir(bucket)}"})
             log.info(msg)
-    ports = servers.free_ports(len(topo.specs)) if args.base_port is None else \
-        [args.base_port + i for i in range(len(topo.specs))]
+    ports = servers.free_ports(len(cluster.specs)) if args.base_port is None else \
+        [args.base_port + i for i in range(len(cluster.specs))]
     async with contextlib.AsyncExitStack() as stack:
-        runtimes = topo.open(stack)
-        apps = [(build_app(runtimes[s.name]), "127.0.0.1", port) for s, port in zip(topo.specs, ports)]
+        runtimes = cluster.open(stack)
+        apps = [(build_app(runtimes[s.name]), "127.0.0.1", port) for s, port in zip(cluster.specs, ports)]
 
         def ready() -> None:
-            for s, port in zip(topo.specs, ports):
+            for s, port in zip(cluster.specs, ports):
                 log.info("%s: http://127.0.0.1:%d", s.name, port)
-            for s, port in zip(topo.specs, ports):
+            for s, port in zip(cluster.specs, ports):
                 if s.published_port is not None:
                     print(f"http://127.0.0.1:{port}", flush=True)
             print("knot serve --embedded: ready (Ctrl-C stops)", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ A DurableObjectHost owns the live instances of the classes one process hosts:
 - instances live in RAM only, so a process restart loses their state, as a DO eviction does.
 
 Namespace bindings reach a host either in-process (LocalNamespace) or over HTTP
-(HttpNamespace in bindings.py, served by the host's /__do/{class} route).
+(HttpNamespace in server_bindings.py, served by the host's /__do/{class} route).
 """
 from __future__ import annotations
 

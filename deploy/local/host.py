@@ -32,11 +32,11 @@ from common import signing
 from common.runtime import (BadRequest, Context, Env, Handler, Headers, HttpError, Request, Response, aclose_stream,
                             call_handler, error_response)
 from services import tracing
-from deploy.local.bindings import HttpNamespace, HttpService, RedisKV, S3Bucket, Signer
+from deploy.local.server_bindings import HttpNamespace, HttpService, RedisKV, S3Bucket, Signer
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, DurableObjectHost, LocalNamespace
-from deploy.local.embedded import DirectoryBucket, MemoryKV
+from deploy.local.embedded_bindings import DirectoryBucket, MemoryKV
 from deploy.local.logs import REQUEST_ID_HEADER, new_request_id, request_id_var, service_var
-from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
+from deploy.local.host_settings import BindingURL, ConfigError, HostSettings, open_binding
 from deploy.local.shm import (PID_NS_HEADER, SHM_HEADER, SHM_MIN_BYTES, ReplyBuffers, ReplyReader, ShmError,
                               allow_descriptors, check_private, reader_stats)
 from deploy.local.tasks import BackgroundTasks

@@ -25,8 +25,8 @@ from boto3.s3.transfer import TransferConfig
 
 from common.knot import KnotError, read_header_sync
 from common.settings import ConfigError, read
-from deploy.local.bindings import S3Settings, s3_client
-from deploy.local.settings import parse_binding
+from deploy.local.server_bindings import S3Settings, s3_client
+from deploy.local.host_settings import parse_binding
 
 log = logging.getLogger("deploy.local.init")
 MULTIPART_CHUNK_BYTES = 64 << 20

@@ -6,7 +6,7 @@ sides is most of the CPU the two spend per token (benchmarks/warden_transfer.py)
 copies a large reply body once into a file of the shared directory (tmpfs), and the station's
 binding copies it once out: two memcpys and no socket.
 
-The protocol, on the HTTP/1.1 exchange buffered_fetch already makes (deploy/local/bindings.py):
+The protocol, on the HTTP/1.1 exchange buffered_fetch already makes (deploy/local/server_bindings.py):
 - the caller, whose KNOT_SHM_DIR is set, adds `X-Knot-Shm: <that directory>` to its request: it
   can read replies from there;
 - a host whose KNOT_SHM_DIR is the same directory, answering with a body of SHM_MIN_BYTES or more

@@ -6,7 +6,7 @@ Worker's fetch also routes by identity headers, for callers that only have a ser
 from __future__ import annotations
 
 from common.runtime import Ctx, Env, Request, Response
-from services.cobordism_warden.warden import FIELDS, CobordismWarden, contiguous_runs
+from services.cobordism_warden.cobordism_warden import FIELDS, CobordismWarden, contiguous_runs
 from services.warden_base import route_to_warden
 
 DURABLE_OBJECTS = {"CobordismWarden": CobordismWarden}

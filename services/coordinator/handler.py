@@ -52,13 +52,14 @@ from services.boot import BootCache
 from services.coordinator import console, openai_api, subrequests
 from services.coordinator.subrequests import counted
 from services.coordinator.errors import InvalidAPIKey, openai_error_response
-from services.coordinator.generation import Coordinator, StationCapacity, policy_headers, summary
+from services.coordinator.cluster_engine import StationCapacity
+from services.coordinator.coordinator import Coordinator, policy_headers, summary
 from services.coordinator.params import parse_detokenize, parse_generate, parse_tokenize
 from services.coordinator.pipeline import Pipeline
-from services.drafter.client import DrafterClient
+from services.drafter.drafter_client import DrafterClient
 from services.knot_source import KnotSource, read_pin, serving_version
 from services.offload import off_loop
-from services.station.client import StationClient
+from services.station.station_client import StationClient
 
 log = logging.getLogger(__name__)
 

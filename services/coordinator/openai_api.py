@@ -22,7 +22,7 @@ from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
 from services.coordinator import subrequests
-from services.coordinator.generation import Coordinator, policy_headers
+from services.coordinator.coordinator import Coordinator, policy_headers
 from services.coordinator.params import (GenerateRequest, chat_message, fim_suffix, number, sampling_params,
                                          shard_failure, speculation_request, stop_strings)
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse

@@ -40,8 +40,8 @@ from common.topology import ShardSpec
 from services.coordinator import subrequests
 from services.embed_cache import SealedRows
 from services.peer import PEER_URL, IntegrityFailure, PeerError
-from services.shard.client import ShardClient
-from services.station.client import SessionLost, StationClient
+from services.shard.shard_client import ShardClient
+from services.station.station_client import SessionLost, StationClient
 
 log = logging.getLogger(__name__)
 

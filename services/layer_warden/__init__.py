@@ -5,7 +5,7 @@ Stations reach it through a service binding; it reaches the DO class through env
 from __future__ import annotations
 
 from common.runtime import Ctx, Env, Request, Response
-from services.layer_warden.warden import FIELDS, LayerWarden, resident_rule
+from services.layer_warden.layer_warden import FIELDS, LayerWarden, resident_rule
 from services.warden_base import route_to_warden
 
 DURABLE_OBJECTS = {"LayerWarden": LayerWarden}

@@ -46,7 +46,7 @@ from common.settings import ConfigError, default, read
 from common.shard_sampling import summarize
 from services.batcher import Batcher
 from services.boot import BootCache
-from services.cobordism_warden.client import CobordismWardenClient
+from services.cobordism_warden.cobordism_warden_client import CobordismWardenClient
 from services.embed_cache import SealedRows
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 
@@ -124,7 +124,7 @@ class Shard:
 
     async def _warm_warden(self) -> None:
         """Have the warden read our slice of the embedding into its RAM (it does so in the background,
-        once per version): a new token's row then costs a RAM hit, not KV and R2 (warden.py)."""
+        once per version): a new token's row then costs a RAM hit, not KV and R2 (cobordism_warden.py)."""
         try:
             got = await self.warden.warm()
         except (HttpError, TimeoutError, wire.WireError, ValueError) as e:

@@ -32,11 +32,11 @@ phase) waits for it to end instead.
 
 Fluid memory (seed section 2): the layer loop (common/layers.py) loads, runs and evicts each
 phase of each layer in turn. A phase's tensors stay only when the budget has room for them after
-the activations and the KV caches (services/station/memory.py); with the default 128 MiB that
+the activations and the KV caches (services/station/station_memory.py); with the default 128 MiB that
 keeps a 0.5B's layers, while a 7B runs fluid. MEMORY_PROFILE=resident sizes the budget from the
 knot instead, so the station's layers stay (plan_memory); /stats "memory" says what was decided.
 A fluid station whose budget has room for two phases prefetches: phase i+1's tensors load from the
-warden while phase i computes in a worker thread (services/station/memory.py, ForwardWeights).
+warden while phase i computes in a worker thread (services/station/station_memory.py, ForwardWeights).
 
 The budget holds (docs/runtime.md, "Long prompts"): before a forward the station reserves what
 its KV caches will hold afterwards and checks that the largest phase fits beside them. If it does
@@ -67,9 +67,9 @@ from common.topology import TopologyError
 from services.batcher import LATER, Batcher
 from services.boot import BootCache
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
-from services.layer_warden.client import LayerWardenClient
-from services.station.memory import (ForwardWeights, MemoryPlan, StationMemory, StationMemoryFull, describe_plan,
-                                        plan_memory)
+from services.layer_warden.layer_warden_client import LayerWardenClient
+from services.station.station_memory import (ForwardWeights, MemoryPlan, StationMemory, StationMemoryFull,
+                                              describe_plan, plan_memory)
 from services.station.tensors import PhaseLoader
 
 log = logging.getLogger(__name__)

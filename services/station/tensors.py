@@ -29,7 +29,7 @@ from common.models import MissingTensorError, Model
 from common.quant import QTensor, resident_copy
 from common.runtime import HttpError
 from services.knot_source import KnotSource
-from services.layer_warden.client import LayerWardenClient
+from services.layer_warden.layer_warden_client import LayerWardenClient
 
 log = logging.getLogger(__name__)
 

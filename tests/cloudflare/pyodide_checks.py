@@ -78,9 +78,9 @@ def threads_fail() -> str:
 
 
 def signature(secret: str, method: str, path: str, body: str, to: str) -> str:
-    """The X-Knot-Signature a Worker's binding puts on a call to Worker `to` (deploy/cloudflare/bindings.py)."""
+    """The X-Knot-Signature a Worker's binding puts on a call to Worker `to` (deploy/cloudflare/workers_bindings.py)."""
     from common.runtime import Request
-    from deploy.cloudflare.bindings import Signer, signing
+    from deploy.cloudflare.workers_bindings import Signer, signing
 
     signed = Signer(secret, to).signed(Request(method, path, body=body.encode("utf-8")))
     return signed.headers[signing.SIGNATURE_HEADER]

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from common.runtime import Env, NotFound, PreconditionFailed, RangeNotSatisfiable, Request, Response
 from deploy import wrangler
-from deploy.cloudflare import bindings, convert
+from deploy.cloudflare import convert, workers_bindings
 from deploy.cloudflare.entry import worker_entrypoint
 from services.coordinator import subrequests
 from deploy.knotfile import open_model
@@ -38,7 +38,7 @@ def sdk_wrapped(js_binding):
 @pytest.mark.parametrize("wrap", [False, True], ids=["raw", "sdk-wrapped"])
 async def test_r2_range_reads_and_the_offset_pitfalls(wrap):
     js_bucket = R2Bucket({"k": OBJECT})
-    b = bindings.R2Bucket(sdk_wrapped(js_bucket) if wrap else js_bucket)
+    b = workers_bindings.R2Bucket(sdk_wrapped(js_bucket) if wrap else js_bucket)
     got = await b.get("k", (100, 300))
     assert got.body == OBJECT[100:300] and got.size == len(OBJECT) and got.range == (100, 300)
     assert (await b.get("k")).body == OBJECT
@@ -59,7 +59,7 @@ async def test_r2_range_reads_and_the_offset_pitfalls(wrap):
 @pytest.mark.parametrize("wrap", [False, True], ids=["raw", "sdk-wrapped"])
 async def test_r2_reads_pinned_to_a_version_refuse_a_replaced_object(wrap):
     js_bucket = R2Bucket({"k": OBJECT})
-    b = bindings.R2Bucket(sdk_wrapped(js_bucket) if wrap else js_bucket)
+    b = workers_bindings.R2Bucket(sdk_wrapped(js_bucket) if wrap else js_bucket)
     etag = (await b.head("k")).etag
     got = await b.get("k", (100, 300), if_match=etag)
     assert got.body == OBJECT[100:300] and got.etag == etag
@@ -94,7 +94,7 @@ class IgnoresOnlyIf(R2Bucket):
 @pytest.mark.parametrize("null_on_mismatch", [False, True], ids=["ignores-onlyIf", "null"])
 async def test_r2_pinned_reads_hold_when_the_binding_ignores_onlyif_or_answers_null(null_on_mismatch):
     js_bucket = IgnoresOnlyIf({"k": OBJECT}, null_on_mismatch)
-    b = bindings.R2Bucket(js_bucket)
+    b = workers_bindings.R2Bucket(js_bucket)
     etag = (await b.head("k")).etag
     js_bucket.objects["k"] = OBJECT[::-1]
     with pytest.raises(PreconditionFailed):
@@ -124,13 +124,13 @@ async def test_the_r2_double_has_the_measured_shapes():
 @given(st.integers(0, len(OBJECT) - 1).flatmap(lambda a: st.tuples(st.just(a), st.integers(a + 1, len(OBJECT)))))
 def test_a_range_read_equals_a_slice_of_the_whole_object(rng):
     async def read():
-        return await bindings.R2Bucket(R2Bucket({"k": OBJECT})).get("k", rng)
+        return await workers_bindings.R2Bucket(R2Bucket({"k": OBJECT})).get("k", rng)
     assert asyncio.run(read()).body == OBJECT[rng[0]:rng[1]]
 
 
 async def test_r2_put_goes_through_to_js_and_list_sees_it():
     js_bucket = R2Bucket()
-    b = bindings.R2Bucket(js_bucket)
+    b = workers_bindings.R2Bucket(js_bucket)
     meta = await b.put("a/knot", b"\x00\x01payload")
     assert meta.size == 9 and js_bucket.objects["a/knot"] == b"\x00\x01payload"
     assert [m.key for m in await b.list("a/")] == ["a/knot"]
@@ -141,7 +141,7 @@ async def test_r2_put_goes_through_to_js_and_list_sees_it():
 
 async def test_kv_bytes_ttl_and_the_60_second_floor():
     js_kv = KvNamespace()
-    kv = bindings.KV(sdk_wrapped(js_kv))
+    kv = workers_bindings.KV(sdk_wrapped(js_kv))
     await kv.put("row", b"\x00\xffrow", expiration_ttl=86400)
     assert await kv.get("row") == b"\x00\xffrow" and js_kv.ttls["row"] == 86400
     assert await kv.get("none") is None
@@ -174,7 +174,7 @@ class _OneWorker(Cloud):
 
 
 async def test_service_binding_fetch_keeps_method_headers_body():
-    svc = bindings.ServiceBinding(Fetcher(_OneWorker(_echo), "echo"), "ECHO")
+    svc = workers_bindings.ServiceBinding(Fetcher(_OneWorker(_echo), "echo"), "ECHO")
     resp = await svc.fetch(Request("POST", "/x/y?a=1", {"Content-Type": "application/x-test"}, b"\x00\x01"))
     assert resp.status == 200
     assert resp.json() == {"method": "POST", "path": "/x/y", "query": {"a": "1"}, "body": "0001",
@@ -199,7 +199,7 @@ async def test_wait_until_needs_a_js_promise():
         done.append(1)
 
     ctx = ExecutionContext()
-    bindings.JsContext(ctx).wait_until(work())
+    workers_bindings.JsContext(ctx).wait_until(work())
     for p in ctx.promises:
         await p
     assert done == [1]
@@ -217,7 +217,7 @@ async def test_wait_until_failures_reject_the_promise():
         raise RuntimeError("boom")
 
     ctx = ExecutionContext()
-    bindings.JsContext(ctx).wait_until(fail())
+    workers_bindings.JsContext(ctx).wait_until(fail())
     with pytest.raises(JsException, match="boom"):
         await ctx.promises[0]
 
@@ -315,8 +315,8 @@ def _clear_boot_caches():
 
 
 def _signed(worker: str, method: str, path: str, body: bytes = b"", secret: str = SECRET) -> dict:
-    """The headers another Worker's binding sends with this call (deploy/cloudflare/bindings.Signer)."""
-    return dict(bindings.Signer(secret, worker).signed(Request(method, path, body=body)).headers.items())
+    """The headers another Worker's binding sends with this call (deploy/cloudflare/workers_bindings.Signer)."""
+    return dict(workers_bindings.Signer(secret, worker).signed(Request(method, path, body=body)).headers.items())
 
 
 async def _json(resp) -> dict:

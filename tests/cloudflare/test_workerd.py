@@ -141,7 +141,7 @@ R2_PROBE = '''
 """knot-r2-probe: the adapter's R2Bucket on the runtime's R2 binding (tests/cloudflare/test_workerd.py)."""
 import json
 from workers import WorkerEntrypoint, Response
-from deploy.cloudflare.bindings import R2Bucket
+from deploy.cloudflare.workers_bindings import R2Bucket
 
 DATA = bytes(range(256)) * 4
 

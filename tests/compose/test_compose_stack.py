@@ -87,7 +87,7 @@ def test_a_call_for_one_station_is_refused_by_its_sibling_and_the_bucket_is_clos
     401 from station-1 and 200 from station-0; the bucket (MinIO, or the offline SeaweedFS) answers
     403 to anonymous PUTs, GETs and ranged GETs from inside the network."""
     code = ("import os, urllib.request, urllib.error\n"
-            "from deploy.local.bindings import Signer\n"
+            "from deploy.local.server_bindings import Signer\n"
             "h = Signer(os.environ['KNOT_INTERNAL_SECRET'], 'station-0').header('GET', '/stats', b'')\n"
             "key = os.environ['KNOT_KEY']\n"
             "calls = [('station-1', 'GET', 'http://station-1:8080/stats', {'X-Knot-Signature': h}, None),\n"

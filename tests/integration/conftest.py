@@ -21,10 +21,10 @@ from common.knot import read_header_sync
 from common.signing import SIGNATURE_HEADER
 from deploy import cluster_secrets, launcher, servers
 from deploy.encoder import encode
-from deploy.local import compose
-from deploy.local.bindings import S3Settings, Signer, s3_client
+from deploy.local import compose_reader
+from deploy.local.server_bindings import S3Settings, Signer, s3_client
 from deploy.local.durable import DO_NAME_HEADER
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 from tests.waits import wait_for  # noqa: F401  (the integration tests import it from here)
 
 BUCKET = "knots"
@@ -158,14 +158,14 @@ class Procs:
             self.stop(name)
 
 
-def probe_spec(port_var: str, redis_password: str) -> compose.ServiceSpec:
+def probe_spec(port_var: str, redis_password: str) -> compose_reader.ServiceSpec:
     env = {"KNOT_REDIS_PASSWORD": redis_password,
         "KNOT_SERVICE": "tests.integration.probe_service", "KNOT_SERVICE_NAME": "probe",
         "KNOT_DURABLE_OBJECTS": "Sequencer", "KNOT_BINDINGS": "KV,SEQUENCER,SELF",
         "KV": "redis://redis:6379/0?prefix=probe:", "SEQUENCER": f"do+http://{port_var}:8080/Sequencer",
         "SELF": f"http://{port_var}:8080", "PORT": "8080", "KNOT_SHUTDOWN_TIMEOUT_S": "20",
     }
-    return compose.ServiceSpec(port_var, "process", ["python", "-m", "deploy.cli", "serve"], env, 8080, {},
+    return compose_reader.ServiceSpec(port_var, "process", ["python", "-m", "deploy.cli", "serve"], env, 8080, {},
                                healthcheck_url="http://127.0.0.1:8080/readyz")
 
 

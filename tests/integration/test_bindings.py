@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import redis
 
 from common.runtime import PreconditionFailed, RangeNotSatisfiable, ServiceUnavailable
-from deploy.local.bindings import RedisKV, S3Bucket
+from deploy.local.server_bindings import RedisKV, S3Bucket
 from tests.waits import until
 
 OBJECT = os.urandom(300_001)

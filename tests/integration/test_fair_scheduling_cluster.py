@@ -14,7 +14,7 @@ from common.sampling import SamplingParams
 from deploy.encoder import encode
 from deploy.engine_local import LocalEngine
 from tests.integration.conftest import http, pipeline_services, wait_for
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 KNOT_KEY = "fair.knot"
 # 8 layers a station and matrices of 1024: a phase of a 256-row chunk is a small part of the chunk
@@ -25,7 +25,7 @@ SHORT_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def fair_knot(tmp_path_factory, s3_settings):
-    from deploy.local.bindings import s3_client
+    from deploy.local.server_bindings import s3_client
 
     d = tmp_path_factory.mktemp("fair")
     path = d / "fair.knot"

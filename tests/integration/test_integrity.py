@@ -22,10 +22,10 @@ from deploy.encoder import encode
 from common.quant import dequantize_rows
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
-from deploy.local.bindings import s3_client
+from deploy.local.server_bindings import s3_client
 from services.embed_cache import decode_row, encode_row, row_key
 from tests.integration.conftest import BUCKET, SPEC, http, pipeline_services, wait_for
-from tests.synth import write_tiny_gguf
+from tests.tiny_gguf import write_tiny_gguf
 
 KNOT_KEY = "integrity.knot"
 PROMPT = "the def the"

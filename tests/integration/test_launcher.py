@@ -15,15 +15,15 @@ import pytest
 import redis
 
 from deploy import cluster_secrets, launcher, seaweedfs, servers
-from deploy.local import compose
-from deploy.local.bindings import S3Settings, S3Bucket
+from deploy.local import compose_reader
+from deploy.local.server_bindings import S3Settings, S3Bucket
 
 from .conftest import http, wait_for
 
 
 def knot_cli(run_dir, *args, timeout_s=300):
     cmd = [sys.executable, "-m", "deploy.cli", "cluster", "--run-dir", str(run_dir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=compose.REPO_ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=compose_reader.REPO_ROOT)
 
 
 def test_cluster_up_status_down_and_upload_once(tmp_path, knot):

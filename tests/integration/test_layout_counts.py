@@ -13,7 +13,7 @@ from deploy import launcher, servers
 from deploy.encoder import encode
 from deploy.engine_local import LocalEngine
 from tests.integration.conftest import http
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 KNOT_KEY = "counts.knot"
 LAYOUTS = [(2, 8), (2, 1), (3, 3)]  # (stations, shards); the default first
@@ -24,7 +24,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=3)
 @pytest.fixture(scope="module")
 def counts_knot(tmp_path_factory, s3_settings):
     """Three layers, so that three stations each get one; the rest as small as the test model allows."""
-    from deploy.local.bindings import s3_client
+    from deploy.local.server_bindings import s3_client
 
     d = tmp_path_factory.mktemp("counts")
     path = d / "counts.knot"

@@ -69,7 +69,7 @@ def test_killed_shard_degrades_only_its_range(cluster, engine):
     shards = split_vocab(engine.cfg.vocab_size, 8)
     victim = next(s for s in shards if any(s.owns(t) for t in ids))
     # A fresh coordinator keeps no rows yet, so its embed hop meets the dead shard (rows it had kept
-    # from the earlier tests would have served the victim's tokens: tests/unit/test_integrity.py).
+    # from the earlier tests would have served the victim's tokens: tests/unit/test_integrity_inprocess.py).
     cluster.restart("coordinator")
     cluster.stop(f"shard-{victim.index}")
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from deploy import r2_upload
-from deploy.local.bindings import s3_client
+from deploy.local.server_bindings import s3_client
 from tests.integration.conftest import BUCKET, CREDENTIALS
 
 MiB = 1 << 20

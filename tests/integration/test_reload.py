@@ -14,9 +14,9 @@ from common.sampling import SamplingParams
 from deploy.encoder import encode
 from deploy.engine_local import LocalEngine
 from deploy import servers
-from deploy.local import compose
+from deploy.local import compose_reader
 from tests.integration.conftest import SPEC, http
-from tests.synth import write_tiny_gguf
+from tests.tiny_gguf import write_tiny_gguf
 
 PROMPT = "the def the"
 N = 6
@@ -26,7 +26,7 @@ def knot_cli(run_dir, *args, port: int, timeout_s=300):
     """`knot cluster ...` with the coordinator on its own port: another cluster on this machine (the
     default KNOT_PORT's) could answer for it and serve the same test knot."""
     cmd = [sys.executable, "-m", "deploy.cli", "cluster", "--run-dir", str(run_dir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=compose.REPO_ROOT,
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=compose_reader.REPO_ROOT,
                           env={**os.environ, "KNOT_PORT": str(port)})
 
 

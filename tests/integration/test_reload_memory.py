@@ -16,7 +16,7 @@ import time
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-from deploy.local.bindings import s3_client
+from deploy.local.server_bindings import s3_client
 from tests.integration.conftest import BUCKET, PIPELINE, http, pipeline_services
 
 KNOT_KEY = "reload-memory.knot"

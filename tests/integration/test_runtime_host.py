@@ -8,7 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from deploy import launcher, servers
-from deploy.local.bindings import RedisKV
+from deploy.local.server_bindings import RedisKV
 
 from .conftest import http, wait_for
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from deploy import servers
-from deploy.local.bindings import Signer
+from deploy.local.server_bindings import Signer
 from common.signing import SIGNATURE_HEADER
 
 from .conftest import http, pipeline_services, signed_headers

@@ -7,7 +7,7 @@ import numpy as np
 from common import wire
 from common.integrity import CacheKey
 from common.quant import dequantize_rows
-from deploy.local.bindings import RedisKV
+from deploy.local.server_bindings import RedisKV
 from services.embed_cache import decode_row, row_key
 
 from .conftest import http, wait_for

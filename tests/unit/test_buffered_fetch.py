@@ -1,4 +1,4 @@
-"""deploy/local/bindings.buffered_fetch, the Durable Object calls' client (issue 15, the fluid
+"""deploy/local/server_bindings.buffered_fetch, the Durable Object calls' client (issue 15, the fluid
 path): a reply's body received straight into one buffer. Against the real host (build_app) and
 against raw servers that answer wrongly: the same typed errors as the aiohttp client."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from common import signing
 from common.runtime import BadGateway, BadRequest, Env, GatewayTimeout, Request, Response, ServiceUnavailable
 from deploy import servers
-from deploy.local import bindings
-from deploy.local.bindings import BUFFER_BODY_BYTES, HttpNamespace, Signer, buffered_fetch
+from deploy.local import server_bindings
+from deploy.local.server_bindings import BUFFER_BODY_BYTES, HttpNamespace, Signer, buffered_fetch
 from deploy.local.host import ServiceRuntime, app_runner, build_app
 from deploy.local.tasks import BackgroundTasks
 
@@ -115,7 +115,7 @@ async def test_unreachable_slow_and_wrong_peers_get_the_typed_errors(host):
 
 
 async def test_connections_are_kept_alive_and_a_closed_one_is_replaced(host, monkeypatch):
-    from deploy.local.bindings import Connections
+    from deploy.local.server_bindings import Connections
 
     conns = Connections()
     try:
@@ -143,7 +143,7 @@ async def test_connections_are_kept_alive_and_a_closed_one_is_replaced(host, mon
         sock.shutdown(socket.SHUT_WR)  # the peer reads EOF at once, answers nothing and closes
         await asyncio.sleep(0.1)
         conns.give(peer, sock)
-        monkeypatch.setattr(bindings, "_quiet", lambda s: True)  # as if its close had not arrived yet
+        monkeypatch.setattr(server_bindings, "_quiet", lambda s: True)  # as if its close had not arrived yet
         r = await buffered_fetch(url, Request("GET", "/x"), 5, connections=conns)
         assert r.status == 200 and r.body == b"ok" and conns.opened == 4
     finally:
@@ -156,7 +156,7 @@ async def test_a_service_binding_keeps_its_connections_and_never_sends_a_call_tw
     """HttpService (a coordinator's hops to its stations and shards) over plain http: kept-alive
     connections through buffered_fetch. A connection the peer closed unnoticed fails the call with
     ServiceUnavailable rather than sending it again: a station's forward appends to its KV cache."""
-    from deploy.local.bindings import HttpService
+    from deploy.local.server_bindings import HttpService
 
     svc = HttpService(None, host, 30, Signer(SECRET, "station"))  # no aiohttp session is touched over http
     try:
@@ -177,7 +177,7 @@ async def test_a_service_binding_keeps_its_connections_and_never_sends_a_call_tw
         sock.shutdown(socket.SHUT_WR)  # the peer reads EOF at once, answers nothing and closes
         await asyncio.sleep(0.1)
         svc._connections.give(peer, sock)
-        monkeypatch.setattr(bindings, "_quiet", lambda s: True)  # as if its close had not arrived yet
+        monkeypatch.setattr(server_bindings, "_quiet", lambda s: True)  # as if its close had not arrived yet
         with pytest.raises(ServiceUnavailable, match="connection lost"):
             await svc.fetch(Request("POST", "/forward", {}, b"frame"))
         assert served == [] and svc._connections.opened == 0, "the call was not sent again on a new connection"
@@ -190,7 +190,7 @@ async def test_a_service_binding_keeps_its_connections_and_never_sends_a_call_tw
 
 
 async def test_a_connection_idle_past_max_idle_s_is_closed_not_reused(host):
-    from deploy.local.bindings import Connections
+    from deploy.local.server_bindings import Connections
 
     now = [1000.0]
     conns = Connections(max_idle_s=30.0, clock=lambda: now[0])
@@ -211,7 +211,7 @@ async def test_a_call_is_signed_after_its_connect_so_a_peer_booting_meanwhile_ta
     and be refused as a replay of its previous incarnation's calls."""
     from aiohttp import web
 
-    real_connect = bindings._connect
+    real_connect = server_bindings._connect
     peer: dict = {}
 
     async def connect_while_it_boots(loop, addr, what):
@@ -227,10 +227,10 @@ async def test_a_call_is_signed_after_its_connect_so_a_peer_booting_meanwhile_ta
     with socket.socket() as s:  # a free port for the peer to come up on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setattr(bindings, "_connect", connect_while_it_boots)
+    monkeypatch.setattr(server_bindings, "_connect", connect_while_it_boots)
     try:
         r = await buffered_fetch(f"http://127.0.0.1:{port}/echo", Request("POST", "/echo", {}, b"x"), 30,
-                                 signer=Signer(SECRET, "station"), connections=bindings.Connections())
+                                 signer=Signer(SECRET, "station"), connections=server_bindings.Connections())
     finally:
         await peer["runner"].cleanup()
     assert r.status == 200, r.body

@@ -16,7 +16,7 @@ from common.integrity import CacheKey, crc32_combine, seal
 from deploy.cli import main
 from deploy.knotfile import open_model
 from services.embed_cache import decode_row, encode_row
-from tests.synth import as_version_1, rewrite_metadata
+from tests.tiny_gguf import as_version_1, rewrite_metadata
 
 KEY = CacheKey("the-clusters-internal-secret-of-43-characters")
 

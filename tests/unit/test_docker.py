@@ -6,11 +6,11 @@ import re
 
 import yaml
 
-from deploy import compose_file
+from deploy import compose_writer
 from deploy.launcher import default_layout
-from deploy.local import compose
+from deploy.local import compose_reader
 
-ROOT = compose.REPO_ROOT
+ROOT = compose_reader.REPO_ROOT
 SIZE = re.compile(r"(\d+)([kmg])")
 SECRETS = {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43,
            "MINIO_ROOT_USER": "bucket-key", "MINIO_ROOT_PASSWORD": "bucket-secret-key"}  # what `knot secrets` writes to .env; compose refuses to start without them
@@ -22,7 +22,7 @@ def size_bytes(text: str) -> int:
 
 
 def test_every_container_is_supervised_and_limited():
-    doc = compose.load(compose.COMPOSE_FILE, SECRETS)  # the defaults, as `docker compose up` sees them
+    doc = compose_reader.load(compose_reader.COMPOSE_FILE, SECRETS)  # the defaults, as `docker compose up` sees them
     for name, s in doc["services"].items():
         assert s["restart"] == ("no" if name == "init" else "unless-stopped"), name
         assert s["memswap_limit"] == s["mem_limit"], name  # no swap beyond the limit
@@ -36,24 +36,26 @@ def test_every_container_is_supervised_and_limited():
 
 
 def test_only_the_coordinator_publishes_on_loopback_by_default():
-    doc = compose.load(compose.COMPOSE_FILE, SECRETS)
+    doc = compose_reader.load(compose_reader.COMPOSE_FILE, SECRETS)
     assert {n for n, s in doc["services"].items() if s.get("ports")} == {"coordinator"}
     assert doc["services"]["coordinator"]["ports"] == ["127.0.0.1:8000:8080"]
-    doc = compose.load(compose.COMPOSE_FILE, {**SECRETS, "KNOT_PUBLISH_ADDRESS": "0.0.0.0", "KNOT_PORT": "9001"})
+    doc = compose_reader.load(compose_reader.COMPOSE_FILE,
+                              {**SECRETS, "KNOT_PUBLISH_ADDRESS": "0.0.0.0", "KNOT_PORT": "9001"})
     assert doc["services"]["coordinator"]["ports"] == ["0.0.0.0:9001:8080"]
 
 
 def test_http_probe_is_bash_only_and_the_launcher_reads_its_url():
-    test = compose_file.http_probe("http://127.0.0.1:8080/readyz")
+    test = compose_writer.http_probe("http://127.0.0.1:8080/readyz")
     assert test[:3] == ("CMD", "bash", "-c") and "/dev/tcp/127.0.0.1/8080" in test[3]
-    assert compose_file.probe_url(list(test)) == "http://127.0.0.1:8080/readyz"
-    assert compose_file.probe_url(["CMD", "redis-cli", "ping"]) is None
-    specs = {s.name: s for s in compose.plan(compose.load(compose.COMPOSE_FILE, {**SECRETS, "KNOT_MODEL": "m", "KNOT_KEY": "k"}))}
+    assert compose_writer.probe_url(list(test)) == "http://127.0.0.1:8080/readyz"
+    assert compose_writer.probe_url(["CMD", "redis-cli", "ping"]) is None
+    doc = compose_reader.load(compose_reader.COMPOSE_FILE, {**SECRETS, "KNOT_MODEL": "m", "KNOT_KEY": "k"})
+    specs = {s.name: s for s in compose_reader.plan(doc)}
     assert specs["coordinator"].healthcheck_url == "http://127.0.0.1:8080/readyz"
 
 
 def test_the_image_builds_on_a_chosen_base():
-    doc = compose.load(compose.COMPOSE_FILE, SECRETS)
+    doc = compose_reader.load(compose_reader.COMPOSE_FILE, SECRETS)
     builds = [s["build"] for s in doc["services"].values() if "build" in s]
     assert builds and all(b["args"] == {"PYTHON_IMAGE": "python:3.11-slim"} for b in builds)
     dockerfile = (ROOT / "deploy/docker/Dockerfile").read_text()
@@ -65,7 +67,7 @@ def test_the_image_builds_on_a_chosen_base():
 
 def test_offline_override_replaces_exactly_the_stores_with_the_images_the_script_builds():
     layout = default_layout()
-    stores = {s.name for s in layout.services if compose_file.CONTAINERS[s.role].image is not None}
+    stores = {s.name for s in layout.services if compose_writer.CONTAINERS[s.role].image is not None}
     override = yaml.safe_load((ROOT / "deploy/docker/offline.yml").read_text().replace("!reset", ""))
     assert set(override["services"]) == stores == {"minio", "redis"}
     script = (ROOT / "scripts/docker-images.sh").read_text()
@@ -73,6 +75,6 @@ def test_offline_override_replaces_exactly_the_stores_with_the_images_the_script
         repo, tag = s["image"].split(":")
         assert f"{repo.split('/')[1]}:{tag}" in script, s["image"]
     assert override["services"]["redis"]["healthcheck"]["test"][:2] == ["CMD", "bash"]
-    # SeaweedFS's: a signed ListBuckets answers 200 and an anonymous one 403 (tests/unit/test_closed_bucket.py)
+    # SeaweedFS's: a signed ListBuckets answers 200 and an anonymous one 403 (tests/unit/test_closed_bucket_files.py)
     assert override["services"]["minio"]["healthcheck"]["test"][:4] == ["CMD", "python3",
                                                                        "/usr/local/lib/knot/seaweedfs.py", "check"]

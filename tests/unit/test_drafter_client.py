@@ -14,7 +14,7 @@ import pytest
 from common import wire
 from common.runtime import BadGateway, Request, Response
 from common.sampling import SamplingParams
-from services.drafter.client import DrafterClient
+from services.drafter.drafter_client import DrafterClient
 
 VOCAB = 50
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.8, seed=1)

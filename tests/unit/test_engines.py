@@ -18,7 +18,7 @@ from common.sync import iterate_sync
 from deploy.engine_local import LocalEngine
 from deploy.local.tasks import BackgroundTasks
 from services.coordinator import handler as coordinator
-from services.coordinator.generation import ClusterEngine
+from services.coordinator.cluster_engine import ClusterEngine
 from services.coordinator.params import GenerateRequest
 from tests.inprocess import build_cluster
 

@@ -13,9 +13,9 @@ from common.runtime import Request
 from common.sampling import SamplingParams
 from deploy.encoder import encode
 from deploy.engine_local import LocalEngine
-from services.station.client import StationClient
+from services.station.station_client import StationClient
 from tests.inprocess import build_cluster
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 # six layers on one station, four phases each: points between phases where a short frame may go
 SPEC = TinySpec(n_layers=6, hidden=64, ffn=128, n_head=4, n_kv_head=2, context=2048, seed=5)

@@ -41,7 +41,7 @@ PER_MODULE = {"common/tokenizer.py": {"tokenizers", "jinja2"},  # byte-level BPE
               "common/integrity.py": {"isal"},  # the accelerated CRC-32, zlib's where it does not import
               # the soak forges KV rows straight into Redis, as a holder of the Redis password would
               "benchmarks/soak.py": {"redis", "services"},
-              **{f"deploy/cloudflare/{m}.py": WORKERS_RUNTIME for m in ("bindings", "convert", "entry")}}
+              **{f"deploy/cloudflare/{m}.py": WORKERS_RUNTIME for m in ("convert", "entry", "workers_bindings")}}
 DISTRIBUTIONS = {"prometheus_client": "prometheus-client"}  # import name -> pyproject name, where they differ
 
 

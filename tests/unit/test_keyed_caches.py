@@ -17,9 +17,9 @@ from common.runtime import Request
 from common.settings import ConfigError
 from deploy.engine_local import LocalEngine
 from deploy.local.host import open_runtime
-from deploy.local.settings import HostSettings
+from deploy.local.host_settings import HostSettings
 from deploy.local.shm import ShmError, check_private
-from services.cobordism_warden.warden import ROW_TAG, Slab, row_name
+from services.cobordism_warden.cobordism_warden import ROW_TAG, Slab, row_name
 from services.coordinator import handler as coordinator_handler
 from services.embed_cache import decode_row, encode_row, process_key, row_key
 from services.shard import handler as shard_handler

@@ -1,6 +1,6 @@
 """Issue 52, item 2, in the deployment: the launcher pins every service of the model to the digest of
 the knot init uploads (KNOT_DIGEST), compose passes the variable through, and init uploads the pinned
-knot over any other object under the key (tests/unit/test_integrity.py: the services refuse one)."""
+knot over any other object under the key (tests/unit/test_integrity_inprocess.py: the services refuse one)."""
 from __future__ import annotations
 
 import pytest
@@ -8,10 +8,10 @@ import pytest
 from common.knot import parse_header
 from common.settings import ConfigError
 from common.topology import ClusterLayout
-from deploy import compose_file, launcher
+from deploy import compose_writer, launcher
 from deploy.encoder import encode
 from deploy.local.init import upload_dir
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 PINNED = {"layer_warden", "cobordism_warden", "station", "shard", "coordinator", "init"}
 SECRETS = {"KNOT_REDIS_PASSWORD": "generated", "KNOT_INTERNAL_SECRET": "k" * 43,
@@ -29,7 +29,7 @@ def test_compose_passes_knot_digest_to_every_service_of_the_model_and_not_to_the
     layout = ClusterLayout.build({"block_count": 4, "vocab_size": 99}, 2, 3, knot_key="m.knot", model_source="m",
                                  draft_knot_key="d.knot", draft_source="d")
     for s in layout.services:
-        env = compose_file.environment(s, layout)
+        env = compose_writer.environment(s, layout)
         if s.role in PINNED and s.name != "init-draft":
             assert env["KNOT_DIGEST"] == "${KNOT_DIGEST:-}", s.name
         elif s.name == "init-draft":
@@ -67,7 +67,7 @@ def test_the_model_cache_encodes_again_a_cached_knot_of_format_version_1(tmp_pat
     import os
 
     from deploy import models
-    from tests.synth import as_version_1
+    from tests.tiny_gguf import as_version_1
 
     monkeypatch.setenv("KNOT_CACHE_DIR", str(tmp_path / "cache"))
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")

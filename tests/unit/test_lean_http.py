@@ -15,7 +15,7 @@ import pytest
 
 from common import signing
 from common.runtime import BadRequest, Env, Request, Response
-from deploy.local.bindings import Connections, Signer, buffered_fetch
+from deploy.local.server_bindings import Connections, Signer, buffered_fetch
 from deploy.local.host import ServiceRuntime
 from deploy.local.tasks import BackgroundTasks
 from tests.hosts import SERVERS, serve

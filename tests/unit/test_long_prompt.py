@@ -11,7 +11,7 @@ from common.runtime import Request
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 # Small dims keep 30k tokens fast; one layer per station, a context past 30k.
 SPEC = TinySpec(n_layers=2, hidden=32, ffn=64, n_head=2, n_kv_head=1, context=32768, seed=3)

@@ -8,7 +8,7 @@ import pytest
 from common.runtime import Request
 from common.topology import ClusterLayout
 from deploy import launcher
-from services.station.memory import MemoryPlan, describe_plan, plan_memory
+from services.station.station_memory import MemoryPlan, describe_plan, plan_memory
 from tests.inprocess import build_cluster
 
 MiB = 1 << 20

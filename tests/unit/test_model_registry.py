@@ -13,9 +13,9 @@ from common.runtime import Request
 from deploy.encoder import encode
 from deploy.engine_local import LocalEngine
 from deploy.knotfile import open_model
-from services.layer_warden.warden import resident_rule
+from services.layer_warden.layer_warden import resident_rule
 from tests.inprocess import KNOT_KEY, build_cluster
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 KNOWN = ", ".join(sorted(ARCHITECTURES))
 

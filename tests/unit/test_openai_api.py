@@ -260,7 +260,7 @@ async def test_errors_in_openai_shape(cluster, path, body, param, code, needle):
 def fim_knot(tmp_path_factory):
     """The tiny model with Qwen2.5-Coder's fill-in-the-middle markers in its vocabulary."""
     from deploy.encoder import encode
-    from tests.synth import TinySpec, write_tiny_gguf
+    from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
     d = tmp_path_factory.mktemp("fim")
     encode(write_tiny_gguf(d / "fim.gguf", TinySpec(fim=True)), d / "fim.knot", progress=False)

@@ -13,7 +13,7 @@ from common.kvcache import prefill_chunks
 from common.runtime import Request, Response, ServiceUnavailable
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
-from services.coordinator import generation
+from services.coordinator import cluster_engine
 from services.station import handler as station_handler
 from tests.inprocess import build_cluster
 from tests.unit.test_openai_api import read_sse
@@ -339,7 +339,7 @@ async def test_a_replay_reruns_the_original_frames_exactly(tiny_knot, tmp_path, 
     prompt = "the def the class the def return the"
     # PREFILL_CHUNK_TOKENS (256) would take this 22-token prompt in one chunk: 8-token chunks give
     # the prompt several prefill frames, whose boundaries the replay must keep.
-    monkeypatch.setattr(generation, "prefill_chunks", lambda n: prefill_chunks(n, 8))
+    monkeypatch.setattr(cluster_engine, "prefill_chunks", lambda n: prefill_chunks(n, 8))
 
     async def frames_seen(restart_at: int | None) -> tuple[list, dict]:
         c = await build_cluster(tiny_knot, tmp_path / f"r{restart_at}", 2, 2)
@@ -511,7 +511,7 @@ async def test_tied_head_shard_embeds_from_its_pinned_slice_with_the_gguf_rows(t
     import gguf
 
     from deploy.encoder import encode
-    from tests.synth import TinySpec, write_tiny_gguf
+    from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tied.gguf", TinySpec(tied=True))
     encode(path, tmp_path / "tied.knot", progress=False)

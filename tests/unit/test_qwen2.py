@@ -529,7 +529,7 @@ def test_cli_generate_fills_in_the_middle(tmp_path, capsys):
     from common.sampling import SamplingParams
     from deploy.cli import main
     from deploy.engine_local import LocalEngine
-    from tests.synth import TinySpec, write_tiny_gguf
+    from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
     gguf = write_tiny_gguf(tmp_path / "fim.gguf", TinySpec(fim=True))
     assert main(["generate", str(gguf), "def the", "--suffix", " in", "--max-tokens", "6", "--json"]) == 0

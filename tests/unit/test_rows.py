@@ -16,7 +16,7 @@ from common.sampling import LogitsRow, Sampler, SamplingParams, mask_from_bitset
 from common.shard_sampling import SliceSummary, decide, merge, row_history, sample_spec, summarize
 from common.speculative import Draft, PromptLookup, SpeculationParams, verify
 from deploy.engine_local import LocalEngine
-from services.coordinator.generation import ClusterGeneration
+from services.coordinator.cluster_engine import ClusterGeneration
 from services.coordinator.handler import coordinator_for
 from tests.inprocess import build_cluster
 from tests.unit.test_shard_sampling import PARAMS  # the last: x / T overflows float32

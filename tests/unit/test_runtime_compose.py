@@ -10,12 +10,12 @@ import yaml
 
 from common.runtime import Context, Request
 from common.topology import ClusterLayout, TopologyError
-from deploy import compose_file
+from deploy import compose_writer
 from deploy.launcher import Cluster, choose_model, default_layout, layout_for, plan, process_env
-from deploy.local import compose
+from deploy.local import compose_reader
 from deploy.local.host import load_service
-from deploy.local.settings import HostSettings
-from deploy.local.topology import Topology
+from deploy.local.host_settings import HostSettings
+from deploy.local.embedded_cluster import EmbeddedCluster
 
 SECRETS = {"KNOT_REDIS_PASSWORD": "redis-password-of-the-test",  # what deploy/cluster_secrets.py generates
            "KNOT_INTERNAL_SECRET": "internal-calls-key-of-the-test-43-characters",
@@ -25,14 +25,14 @@ ENV = {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **SECRETS}
 
 @pytest.fixture(scope="module")
 def doc():
-    return compose.load(compose.COMPOSE_FILE, ENV)
+    return compose_reader.load(compose_reader.COMPOSE_FILE, ENV)
 
 
 def test_compose_file_is_valid_against_the_compose_spec(doc):
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("check_jsonschema", reason="ships the compose-spec JSON schema (pip install check-jsonschema)")
     schema = json.loads((resources.files("check_jsonschema") / "builtin_schemas/vendor/compose-spec.json").read_text())
-    raw = yaml.safe_load(compose.COMPOSE_FILE.read_text())
+    raw = yaml.safe_load(compose_reader.COMPOSE_FILE.read_text())
     for d in (raw, doc):  # as written, and after variable substitution
         errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(d), key=str)
         assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
@@ -42,7 +42,7 @@ def test_compose_shape(doc):
     services = doc["services"]
     ours = {n: s for n, s in services.items() if "build" in s}
     assert {s["build"]["dockerfile"] for s in ours.values()} == {"deploy/docker/Dockerfile"}  # one image
-    assert (compose.REPO_ROOT / "deploy/docker/Dockerfile").is_file()
+    assert (compose_reader.REPO_ROOT / "deploy/docker/Dockerfile").is_file()
     assert services["minio"]["image"].startswith("minio/minio") and services["redis"]["image"].startswith("redis")
     for name, s in services.items():
         if name != "init":
@@ -55,7 +55,7 @@ def test_compose_shape(doc):
 
 
 def test_launch_plan_comes_from_the_file(doc):
-    specs = compose.plan(doc)
+    specs = compose_reader.plan(doc)
     by_name = {s.name: s for s in specs}
     assert set(by_name) == set(doc["services"])
     assert (by_name["minio"].kind, by_name["redis"].kind) == ("seaweedfs", "redis")
@@ -83,14 +83,14 @@ def test_access_log_setting_is_checked():
 
 
 def test_addresses_are_rewritten_to_local_ports(doc):
-    specs = {s.name: s for s in compose.plan(doc)}
+    specs = {s.name: s for s in compose_reader.plan(doc)}
     addresses = {"minio": (9000, 41001), "redis": (6379, 41002), "cobordism-warden": (8080, 41003)}
     env = process_env(specs["cobordism-warden"], addresses, 41003, {"PATH": "/bin"})
     assert env["S3_ENDPOINT_URL"] == "http://127.0.0.1:41001"
     assert env["EMBED_CACHE"] == "redis://127.0.0.1:41002/0"
     assert (env["PORT"], env["HOST"], env["PATH"]) == ("41003", "127.0.0.1", "/bin")
     assert process_env(specs["station-0"], addresses, None, {})["KNOT_KEY"] == "m.knot"  # ${KNOT_KEY} substituted
-    assert compose.rewrite_addresses({"A": "do+http://cobordism-warden:8080/CobordismWarden",
+    assert compose_reader.rewrite_addresses({"A": "do+http://cobordism-warden:8080/CobordismWarden",
                                       "B": "http://x-cobordism-warden:8080"}, addresses) == {
         "A": "do+http://127.0.0.1:41003/CobordismWarden", "B": "http://x-cobordism-warden:8080"}
 
@@ -98,7 +98,7 @@ def test_addresses_are_rewritten_to_local_ports(doc):
 def test_the_local_init_uses_the_local_model_cache(doc, tmp_path, monkeypatch):
     """The init container's KNOT_CACHE_DIR is its volume (/cache); run locally, the process gets
     the local cache (where `knot fetch-model` put the model), not a path that does not exist."""
-    specs = {s.name: s for s in compose.plan(doc)}
+    specs = {s.name: s for s in compose_reader.plan(doc)}
     assert specs["init"].environment["KNOT_CACHE_DIR"] == "/cache"
     monkeypatch.setenv("KNOT_CACHE_DIR", str(tmp_path))
     assert process_env(specs["init"], {}, None, {})["KNOT_CACHE_DIR"] == str(tmp_path)
@@ -107,17 +107,18 @@ def test_the_local_init_uses_the_local_model_cache(doc, tmp_path, monkeypatch):
 
 def test_committed_compose_file_is_generated_from_the_layout():
     """Fails when docker-compose.yml is stale: regenerate it with `knot compose > docker-compose.yml`."""
-    want = compose_file.render_text(default_layout(), choose_model(None, {}).source)
-    assert compose.COMPOSE_FILE.read_text() == want, "docker-compose.yml is stale: run `knot compose > docker-compose.yml`"
+    want = compose_writer.render_text(default_layout(), choose_model(None, {}).source)
+    assert compose_reader.COMPOSE_FILE.read_text() == want, \
+        "docker-compose.yml is stale: run `knot compose > docker-compose.yml`"
 
 
 def test_launcher_plans_what_the_file_says(doc):
     """The launcher's processes for the default layout are the committed file's, field for field."""
-    assert plan(default_layout(), ENV) == compose.plan(doc)
+    assert plan(default_layout(), ENV) == compose_reader.plan(doc)
 
 
 def test_interpolation_and_model_choice():
-    assert compose.interpolate("${A:-x}/${B-y}/${C}/$$", {"A": "", "B": ""}) == "x///$"
+    assert compose_reader.interpolate("${A:-x}/${B-y}/${C}/$$", {"A": "", "B": ""}) == "x///$"
     choice = choose_model("qwen2.5-coder-1.5b", {})
     assert (choice.source, choice.knot_key) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b.knot")
     layout = layout_for(choice)
@@ -169,7 +170,7 @@ def test_counts_the_model_does_not_allow_fail_clearly():
 
 
 def test_ports_are_allocated_per_serving_service(tmp_path, doc):
-    specs = compose.plan(doc)
+    specs = compose_reader.plan(doc)
     cluster = Cluster(tmp_path)
     addresses = cluster.allocate(specs, base_port=42000)
     assert set(addresses) == {s.name for s in specs if s.container_port is not None and not s.oneshot}
@@ -180,17 +181,17 @@ def test_ports_are_allocated_per_serving_service(tmp_path, doc):
 async def test_embedded_topology_runs_the_compose_services_in_process(tmp_path, doc):
     from common import wire
     from deploy.encoder import encode
-    from tests.synth import write_tiny_gguf
+    from tests.tiny_gguf import write_tiny_gguf
 
-    specs = compose.plan(doc)
-    topo = Topology(specs, tmp_path)
-    assert {s.name for s in topo.specs} == {"layer-warden", "cobordism-warden", "station-0", "station-1",
+    specs = compose_reader.plan(doc)
+    cluster = EmbeddedCluster(specs, tmp_path)
+    assert {s.name for s in cluster.specs} == {"layer-warden", "cobordism-warden", "station-0", "station-1",
                                             "coordinator", *(f"shard-{i}" for i in range(8))}
-    bucket = topo.bucket_dir("knots")
+    bucket = cluster.bucket_dir("knots")
     bucket.mkdir(parents=True)
     encode(write_tiny_gguf(tmp_path / "t.gguf"), bucket / "m.knot", progress=False)
     async with contextlib.AsyncExitStack() as stack:
-        runtimes = topo.open(stack)
+        runtimes = cluster.open(stack)
         lw, cw = runtimes["layer-warden"], runtimes["cobordism-warden"]
         r = await lw.handler(Request("POST", "/configure", body=b'{"knot_key": "absent.knot", "layer_start": 0, '
                                                                  b'"layer_end": 1}'), lw.env, Context(lw.tasks.add))
@@ -203,7 +204,7 @@ async def test_embedded_topology_runs_the_compose_services_in_process(tmp_path, 
 
 
 def test_binding_urls_are_parsed_in_one_place():
-    from deploy.local.settings import BindingURL, ConfigError, open_binding, parse_binding
+    from deploy.local.host_settings import BindingURL, ConfigError, open_binding, parse_binding
 
     assert parse_binding("B", "s3://knots/") == BindingURL("B", "s3://knots/", "s3", "knots")
     assert parse_binding("B", "dir:/tmp/b") == BindingURL("B", "dir:/tmp/b", "dir", "/tmp/b")
@@ -226,7 +227,7 @@ def test_knot_compose_writes_the_layout_for_any_counts(capsys):
     assert main(["compose", "--stations", "3", "--shards", "3"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("# GENERATED") and "#   knot compose --stations 3 --shards 3 > docker-compose.yml" in text
-    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), SECRETS))}
+    specs = {s.name: s for s in compose_reader.plan(compose_reader.interpolate(yaml.safe_load(text), SECRETS))}
     assert [specs[f"station-{i}"].environment["SPECIALIZATION_END_LAYER"] for i in range(3)] == ["8", "16", "24"]
     assert "shard-3" not in specs and specs["coordinator"].environment["STATIONS"] == "STATION_0,STATION_1,STATION_2"
     assert main(["compose", "--stations", "25"]) == 1
@@ -244,7 +245,7 @@ def test_redis_requires_the_cluster_password_in_compose(doc):
     """Redis gets the generated password from the environment (.env), never from its argv; the
     clients of the KV get it as KNOT_REDIS_PASSWORD, not in their binding URL; without it compose
     and the launcher refuse to start."""
-    raw = yaml.safe_load(compose.COMPOSE_FILE.read_text())["services"]
+    raw = yaml.safe_load(compose_reader.COMPOSE_FILE.read_text())["services"]
     required = "${KNOT_REDIS_PASSWORD:?"
     assert raw["redis"]["environment"]["KNOT_REDIS_PASSWORD"].startswith(required)
     assert raw["redis"]["environment"]["REDISCLI_AUTH"].startswith(required)  # the healthcheck's redis-cli
@@ -259,22 +260,22 @@ def test_redis_requires_the_cluster_password_in_compose(doc):
         has = "KNOT_REDIS_PASSWORD" in (svc.get("environment") or {})
         assert has == (name in ("redis", "cobordism-warden")), name
     keys = {k: SECRETS[k] for k in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD")}  # the bucket's (test_closed_bucket.py)
-    with pytest.raises(compose.ComposeError, match="KNOT_REDIS_PASSWORD is not set: .*knot secrets"):
+    with pytest.raises(compose_reader.ComposeError, match="KNOT_REDIS_PASSWORD is not set: .*knot secrets"):
         plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **keys})
     # nor without the internal calls' signing key: a compose cluster never runs unauthenticated
-    with pytest.raises(compose.ComposeError, match="KNOT_INTERNAL_SECRET is not set: .*knot secrets"):
+    with pytest.raises(compose_reader.ComposeError, match="KNOT_INTERNAL_SECRET is not set: .*knot secrets"):
         plan(default_layout(), {"KNOT_MODEL": "m.gguf", "KNOT_KEY": "m.knot", **keys,
                                 "KNOT_REDIS_PASSWORD": SECRETS["KNOT_REDIS_PASSWORD"]})
     for name, svc in raw.items():  # every one of our services requires it
         if "KNOT_SERVICE" in (svc.get("environment") or {}):
             assert svc["environment"]["KNOT_INTERNAL_SECRET"].startswith("${KNOT_INTERNAL_SECRET:?"), name
-    assert compose.interpolate("${A:?why}/${B?because}", {"A": "a", "B": ""}) == "a/"
-    with pytest.raises(compose.ComposeError, match="B is not set: because"):
-        compose.interpolate("${B?because}", {})
+    assert compose_reader.interpolate("${A:?why}/${B?because}", {"A": "a", "B": ""}) == "a/"
+    with pytest.raises(compose_reader.ComposeError, match="B is not set: because"):
+        compose_reader.interpolate("${B?because}", {})
 
 
 def test_a_host_with_a_redis_binding_needs_the_password():
-    from deploy.local.settings import ConfigError
+    from deploy.local.host_settings import ConfigError
 
     base = {"KNOT_SERVICE": "services.cobordism_warden", "KNOT_BINDINGS": "EMBED_CACHE",
             "EMBED_CACHE": "redis://127.0.0.1:6379/0"}
@@ -322,16 +323,17 @@ def test_a_draft_model_adds_its_init_job_and_the_drafter_bound_to_the_coordinato
     assert main(["compose", "--model", "qwen2.5-coder-1.5b", "--draft-model", "qwen2.5-coder-0.5b"]) == 0
     text = capsys.readouterr().out
     assert "#   knot compose --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b >" in text
-    specs = {s.name: s for s in compose.plan(compose.interpolate(yaml.safe_load(text), SECRETS))}
+    specs = {s.name: s for s in compose_reader.plan(compose_reader.interpolate(yaml.safe_load(text), SECRETS))}
     init, drafter, co = specs["init-draft"], specs["drafter"], specs["coordinator"]
     assert (init.environment["KNOT_MODEL"], init.environment["KNOT_KEY"]) == \
         ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b.knot") and init.oneshot
     assert drafter.environment["KNOT_SERVICE"] == "services.drafter"
     assert drafter.environment["KNOT_KEY"] == "qwen2.5-coder-0.5b.knot"
     assert co.environment["DRAFTER"] == "http://drafter:8080" and "DRAFTER" in co.environment["KNOT_BINDINGS"]
-    names = [s.name for s in compose.plan(compose.interpolate(yaml.safe_load(text), SECRETS))]
+    names = [s.name for s in compose_reader.plan(compose_reader.interpolate(yaml.safe_load(text), SECRETS))]
     assert names.index("init-draft") < names.index("drafter") < names.index("coordinator")
-    plain = {s.name for s in compose.plan(compose.interpolate(compose_file.render(default_layout()), SECRETS))}
+    doc = compose_reader.interpolate(compose_writer.render(default_layout()), SECRETS)
+    plain = {s.name for s in compose_reader.plan(doc)}
     assert "drafter" not in plain and "init-draft" not in plain, "no draft model, no drafter"
     wrong = choose_model(None, {})
     wrong = type(wrong)(wrong.source, "x.knot", {**wrong.hparams, "vocab_size": 1000})

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from common.runtime import Env, NotFound, RangeNotSatisfiable, Response
 from deploy.local.durable import DurableObjectHost, LocalNamespace
-from deploy.local.embedded import DirectoryBucket, MemoryKV
+from deploy.local.embedded_bindings import DirectoryBucket, MemoryKV
 from deploy.local.host import ServiceRuntime, build_app
 from deploy.local.tasks import BackgroundTasks
 

@@ -17,11 +17,11 @@ from common.quant import dequantize_rows
 from common.runtime import Context, Env, Request, ServiceUnavailable, call_handler
 from deploy.encoder import encode
 from deploy.local.durable import DurableObjectHost, LocalNamespace
-from deploy.local.embedded import DirectoryBucket, MemoryKV
+from deploy.local.embedded_bindings import DirectoryBucket, MemoryKV
 from deploy.local.tasks import BackgroundTasks
 from services.embed_cache import decode_row, row_key
 from tests.inprocess import INTERNAL_SECRET, KV_KEY
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 KEY = "models/tiny.knot"
 # hidden 1024: attn_q/attn_output (1.06 MiB) and the ffn matrices (1.6 MiB) are above the 1 MiB

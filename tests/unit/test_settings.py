@@ -131,7 +131,7 @@ def test_every_variable_a_deployment_sets_is_declared_for_its_readers(counts):
             assert settings.lookup(b.name).type == "binding" and service.role in settings.lookup(b.name).readers \
                 or service.role == "init"
     knobs = {v.name for s in layout.services for v in s.vars.values() if isinstance(v, Knob)}
-    from deploy.compose_file import CONTAINERS, knot_env
+    from deploy.compose_writer import CONTAINERS, knot_env
 
     knobs |= {v.name for c in CONTAINERS.values() for v in (*c.environment.values(), c.published_port)
               if isinstance(v, Knob)}
@@ -253,7 +253,7 @@ ok4 = env.get(name)
 
 def test_every_declared_variable_is_used_somewhere():
     """No dead rows: each name (or family prefix) appears in the code, setup.py, the scripts or a deployment file."""
-    from deploy.compose_file import render_text
+    from deploy.compose_writer import render_text
 
     text = render_text(default_layout()) + (ROOT / "setup.py").read_text()
     text += "".join(p.read_text() for p in (ROOT / "scripts").glob("*.sh"))

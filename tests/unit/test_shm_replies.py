@@ -13,7 +13,7 @@ import pytest
 
 from common.integrity import crc32
 from common.runtime import BadGateway, Env, Request, Response
-from deploy.local.bindings import Connections, buffered_fetch
+from deploy.local.server_bindings import Connections, buffered_fetch
 from deploy.local.host import ServiceRuntime
 from deploy.local.shm import SHM_MIN_BYTES, MAX_BUFFERS, ReplyBuffers, ReplyReader
 from deploy.local.tasks import BackgroundTasks

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from common import signing
 from common.runtime import Env, Request, Response, Unauthorized
-from deploy.local.bindings import HttpNamespace, HttpService, Signer
+from deploy.local.server_bindings import HttpNamespace, HttpService, Signer
 from deploy.local.durable import DO_NAME_HEADER
 from deploy.local.host import ServiceRuntime, app_runner, build_app
 from deploy.local.tasks import BackgroundTasks
@@ -190,7 +190,7 @@ def test_each_binding_signs_for_its_peer_by_name():
     """docker-compose.yml's binding URLs name the peer by host; the launcher, which rewrites them to
     127.0.0.1:PORT, keeps the name as #NAME, and the host signs for it."""
     from deploy import launcher
-    from deploy.local.settings import parse_binding
+    from deploy.local.host_settings import parse_binding
 
     assert parse_binding("STATION_0", "http://station-0:8080").peer == "station-0"
     b = parse_binding("STATION_0", "http://127.0.0.1:4100#station-0")

@@ -342,7 +342,7 @@ def test_generation_record_reports_the_trips(engine):
 def other_tiny(tmp_path_factory):
     """A second tiny model: the same vocabulary and tokenizer, other weights (a poor draft)."""
     from deploy.encoder import encode
-    from tests.synth import TinySpec, write_tiny_gguf
+    from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
     d = tmp_path_factory.mktemp("draft")
     encode(write_tiny_gguf(d / "draft.gguf", TinySpec(seed=1)), d / "draft.knot", progress=False)
@@ -583,7 +583,7 @@ async def test_cluster_draft_model_service_equals_the_single_process(tiny_knot, 
     reads the payload in many ranged reads (an odd size, so the last one is short)."""
     from services.drafter import handler as drafter_handler
 
-    from services.drafter import client as drafter_client
+    from services.drafter import drafter_client
 
     monkeypatch.setattr(drafter_handler, "BOOT_READ_BYTES", 10_007)
     monkeypatch.setattr(drafter_client, "PRIME_CHUNK_TOKENS", 7)  # a prompt is read in several calls

@@ -1,4 +1,4 @@
-"""The station's memory policy (services/station/memory.py) against a fake tensor source: the
+"""The station's memory policy (services/station/station_memory.py) against a fake tensor source: the
 accounting, most-recently-used eviction, keep-if-it-fits, the cyclic scan it is built for, and the
 prefetch of the next phase (room for two, never over the budget, dropped when a forward fails)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from common.kvcache import largest
 from common.matmul import DEFAULT_TILE_BYTES
 from common.quant import QTensor
-from services.station.memory import ForwardWeights, StationMemory, StationMemoryFull
+from services.station.station_memory import ForwardWeights, StationMemory, StationMemoryFull
 
 ACT_PER_ROW = 1000  # activation bytes per row, in these tests
 

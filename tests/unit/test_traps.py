@@ -19,7 +19,7 @@ from deploy.knotfile import open_model
 from services.embed_cache import decode_row, row_key
 from services.shard import handler as shard_handler
 from tests.inprocess import FLUID_BUDGET_BYTES, KNOT_KEY, KV_KEY, build_cluster
-from tests.synth import TinySpec, rewrite_metadata, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, rewrite_metadata, write_tiny_gguf
 
 PROMPT = "the def the"
 

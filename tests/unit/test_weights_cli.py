@@ -16,7 +16,7 @@ from common import knot
 from deploy.cli import main
 from deploy.encoder import encode
 from deploy.knotfile import open_model
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 MIXED = TinySpec(matrix_type=Q.Q5_0, overrides={"ffn_down.weight": Q.Q6_K, "ffn_up.weight": Q.Q4_K,
                                                 "attn_v.weight": Q.Q8_0, "output.weight": Q.Q6_K,

@@ -67,7 +67,7 @@ if (cfg.deploy) {
     t0 = t();
     const init = { method: r.method ?? "POST", headers: { "Content-Type": "application/json" } };
     if (r.body !== undefined) init.body = JSON.stringify(r.body);
-    if (r.signed) {  // as another Worker's binding signs it (deploy/cloudflare/bindings.py), for r.worker
+    if (r.signed) {  // as another Worker's binding signs it (deploy/cloudflare/workers_bindings.py), for r.worker
       init.headers["X-Knot-Signature"] = checks.signature(cfg.secrets.KNOT_INTERNAL_SECRET, init.method, r.path,
                                                           init.body ?? "", r.worker);
     }

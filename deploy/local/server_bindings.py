@@ -27,7 +27,7 @@ from common import signing
 from common.runtime import (BadGateway, BadRequest, DurableObjectId, GatewayTimeout, Headers, ObjectBody, ObjectMeta,
                             PreconditionFailed, RangeNotSatisfiable, Request, Response, ServiceUnavailable)
 from deploy.local.durable import DO_NAME_HEADER, DO_ROUTE_PREFIX, object_id
-from deploy.local.embedded import check_etag, check_range
+from deploy.local.embedded_bindings import check_etag, check_range
 from deploy.local.logs import REQUEST_ID_HEADER, request_id_var
 from deploy.local.shm import PID_NS_HEADER, PIECES_HEADER, SHM_HEADER, SHM_LENGTH_HEADER, ReplyReader, ShmError
 

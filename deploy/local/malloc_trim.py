@@ -10,7 +10,7 @@ with a full collection (services/boot.py), and malloc_trim(0) after it hands the
 It cannot shrink a thread arena's top, though (glibc trims only the main arena's), and there the
 freed read stayed: so the host keeps one arena (M_ARENA_MAX 1), shared by its few threads (the S3
 pool, off_loop's), which mostly wait for the GIL or the network rather than for malloc's lock. Not
-where MALLOC_MMAP_THRESHOLD_ is set (the stations and the LayerWarden, deploy/compose_file.py
+where MALLOC_MMAP_THRESHOLD_ is set (the stations and the LayerWarden, deploy/compose_writer.py
 KEEP_HEAP): those keep freed blocks for reuse on purpose, and their RSS stayed flat over reloads
 with their arenas.
 

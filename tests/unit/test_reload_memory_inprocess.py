@@ -118,21 +118,22 @@ async def test_memory_does_not_grow_with_reloads(tiny_knot, tmp_path, no_auto_gc
 
 
 def test_the_local_host_trims_the_heap_after_each_full_collection(monkeypatch):
-    """deploy/local/memory.py: a full collection (a reload's) ends with malloc_trim(0), which hands the
+    """deploy/local/malloc_trim.py: a full collection (a reload's) ends with malloc_trim(0), which hands the
     pages it freed back to the system; a young-generation collection does not."""
-    from deploy.local import memory
+    from deploy.local import malloc_trim
 
     calls = []
-    monkeypatch.setattr(memory, "_trim", calls.append)
+    monkeypatch.setattr(malloc_trim, "_trim", calls.append)
     saved = list(gc.callbacks)  # the interpreter's own list: changed in place, restored after
     gc.callbacks.clear()
     try:
-        assert memory.trim_after_full_collections({})
-        assert memory.trim_after_full_collections({}) and gc.callbacks == [memory._trim_after], "installed once"
+        assert malloc_trim.trim_after_full_collections({})
+        assert malloc_trim.trim_after_full_collections({})
+        assert gc.callbacks == [malloc_trim._trim_after], "installed once"
         gc.collect(0)
         assert calls == []
         gc.collect()
         assert calls == [0]
     finally:
         gc.callbacks[:] = saved
-    assert memory._malloc_trim() is not None, "glibc has malloc_trim: the hosts of this machine trim"
+    assert malloc_trim._malloc_trim() is not None, "glibc has malloc_trim: the hosts of this machine trim"

@@ -14,10 +14,10 @@ import sys
 import pytest
 import yaml
 
-from deploy import cluster_secrets, compose_file, seaweedfs
-from deploy.local import compose
+from deploy import cluster_secrets, compose_writer, seaweedfs
+from deploy.local import compose_reader
 
-ROOT = compose.REPO_ROOT
+ROOT = compose_reader.REPO_ROOT
 IMAGE_PATH = "/usr/local/lib/knot/seaweedfs.py"
 
 
@@ -38,17 +38,17 @@ def test_knot_secrets_writes_the_buckets_keys_minio_accepts(tmp_path, capsys):
 
 
 def test_compose_wants_the_keys_and_gives_every_service_the_buckets_own():
-    text = compose.COMPOSE_FILE.read_text()
+    text = compose_reader.COMPOSE_FILE.read_text()
     doc = yaml.safe_load(text)
     for var in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"):
-        want = f"${{{var}:?{compose_file.REQUIRED_HINTS[var]}}}"
+        want = f"${{{var}:?{compose_writer.REQUIRED_HINTS[var]}}}"
         assert doc["services"]["minio"]["environment"][var] == want
         assert f"${{{var}:-" not in text, f"{var} has no default: a well-known key would open the bucket"
     env = {"KNOT_REDIS_PASSWORD": "p", "KNOT_INTERNAL_SECRET": "k" * 43}
-    with pytest.raises(compose.ComposeError, match="MINIO_ROOT_USER is not set: .*run knot secrets"):
-        compose.load(compose.COMPOSE_FILE, env)
+    with pytest.raises(compose_reader.ComposeError, match="MINIO_ROOT_USER is not set: .*run knot secrets"):
+        compose_reader.load(compose_reader.COMPOSE_FILE, env)
     keys = {"MINIO_ROOT_USER": "A" * 20, "MINIO_ROOT_PASSWORD": "b" * 40}
-    services = compose.load(compose.COMPOSE_FILE, {**env, **keys})["services"]
+    services = compose_reader.load(compose_reader.COMPOSE_FILE, {**env, **keys})["services"]
     ours = [s for s in services.values() if "S3_ENDPOINT_URL" in s.get("environment", {})]
     assert len(ours) == len(services) - 2  # all but the stores
     assert all(s["environment"]["AWS_ACCESS_KEY_ID"] == "A" * 20 and

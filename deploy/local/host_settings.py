@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from common.settings import ConfigError, read
-from deploy.local.bindings import S3Settings
+from deploy.local.server_bindings import S3Settings
 
 __all__ = ["BINDING_SCHEMES", "BindingURL", "ConfigError", "HostSettings", "binding_scheme", "open_binding",
            "parse_binding"]

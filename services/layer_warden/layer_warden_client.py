@@ -1,8 +1,8 @@
-"""Typed calls to a station's LayerWarden (services/layer_warden/warden.py)."""
+"""Typed calls to a station's LayerWarden (services/layer_warden/layer_warden.py)."""
 from __future__ import annotations
 
 from common import wire
-from services.layer_warden.warden import FIELDS
+from services.layer_warden.layer_warden import FIELDS
 from services.warden_base import WardenClient
 
 

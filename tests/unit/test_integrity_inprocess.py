@@ -24,7 +24,7 @@ from services.shard import handler as shard_handler
 from services.station import handler as station_handler
 from services.station.tensors import SealedTensor
 from tests.inprocess import FLUID_BUDGET_BYTES, FLUID_ONE_LAYER_BUDGET_BYTES, KNOT_KEY, KV_KEY, build_cluster
-from tests.synth import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 PROMPT = "the def the"
 N = 8  # tokens generated per request
@@ -229,7 +229,7 @@ async def test_a_hop_from_another_version_fails_the_request_instead_of_degrading
 
 
 async def test_the_directory_bucket_reads_only_the_version_asked_for(tmp_path):
-    from deploy.local.embedded import DirectoryBucket
+    from deploy.local.embedded_bindings import DirectoryBucket
 
     b = DirectoryBucket(tmp_path)
     v1 = await b.put("k", b"a" * 100)

@@ -1,8 +1,8 @@
-"""Typed calls to a shard's CobordismWarden (services/cobordism_warden/warden.py)."""
+"""Typed calls to a shard's CobordismWarden (services/cobordism_warden/cobordism_warden.py)."""
 from __future__ import annotations
 
 from common import wire
-from services.cobordism_warden.warden import FIELDS, WARM_HEADER
+from services.cobordism_warden.cobordism_warden import FIELDS, WARM_HEADER
 from services.warden_base import WardenClient
 
 

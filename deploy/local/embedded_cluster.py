@@ -17,16 +17,16 @@ from urllib.parse import urlsplit
 
 from common.runtime import Env
 from services import tracing
-from deploy.local import compose
+from deploy.local import compose_reader
 from deploy.local.durable import DurableObjectHost, LocalNamespace
-from deploy.local.embedded import DirectoryBucket, LocalService, MemoryKV
+from deploy.local.embedded_bindings import DirectoryBucket, LocalService, MemoryKV
 from deploy.local.host import ServiceRuntime, check_settings, load_service
-from deploy.local.settings import BindingURL, ConfigError, HostSettings, open_binding
+from deploy.local.host_settings import BindingURL, ConfigError, HostSettings, open_binding
 from deploy.local.tasks import BackgroundTasks
 
 
-class Topology:
-    def __init__(self, specs: list[compose.ServiceSpec], run_dir: Path):
+class EmbeddedCluster:
+    def __init__(self, specs: list[compose_reader.ServiceSpec], run_dir: Path):
         self.specs = [s for s in specs if s.kind == "process" and not s.oneshot]
         self.run_dir = run_dir
         self.settings = {s.name: HostSettings.from_env(s.environment) for s in self.specs}

@@ -6,7 +6,7 @@ The layout says which services run, their handler vars, bindings and dependencie
 says how each role becomes a container: CONTAINERS, one row per role, is the one place for a
 container's deploy attributes (image, command, healthcheck, restart policy, memory limit,
 published port, volumes). A binding becomes the URL the local host understands
-(deploy/local/settings.py), a Knob a ${NAME:-default} substitution. `knot cluster up` runs the same
+(deploy/local/host_settings.py), a Knob a ${NAME:-default} substitution. `knot cluster up` runs the same
 rendering as local processes (deploy/launcher.py), and tests/unit/test_runtime_compose.py fails
 when the committed docker-compose.yml differs from `render_text(default_layout())`.
 """
@@ -153,7 +153,7 @@ REQUIRED_HINTS = {"KNOT_REDIS_PASSWORD": "the Redis password is generated per cl
 
 
 def binding_url(b: Binding, owner: Service, layout: ClusterLayout) -> str:
-    """The URL deploy/local/settings.py turns into the binding."""
+    """The URL deploy/local/host_settings.py turns into the binding."""
     if b.kind == "bucket":
         return f"s3://{b.resource}"
     if b.kind == "kv":
@@ -225,7 +225,7 @@ def render(layout: ClusterLayout) -> dict:
 
 
 HEADER = """\
-# GENERATED from the cluster layout (common/topology.py, deploy/compose_file.py): do not edit.
+# GENERATED from the cluster layout (common/topology.py, deploy/compose_writer.py): do not edit.
 #   knot compose{args} > docker-compose.yml
 # The cluster for {model}: {n_layers} layers on {stations} ({splits}), a vocabulary of
 # {vocab} on {shards}, two wardens, MinIO (stands in for R2) and Redis (stands in for Workers KV).
@@ -236,7 +236,7 @@ HEADER = """\
 #                              (see x-knot-local), and "service:port" addresses become 127.0.0.1
 #   knot serve --embedded      the same handlers in one process with embedded bindings
 #
-# Services reach each other by binding URLs (deploy/local/settings.py lists the schemes):
+# Services reach each other by binding URLs (deploy/local/host_settings.py lists the schemes):
 #   s3://BUCKET   redis://HOST:PORT/DB   do+http://HOST:PORT/CLASS   do+local:CLASS   http://HOST:PORT
 # Only the coordinator publishes a port (KNOT_PORT). Every variable: docs/configuration.md.
 #

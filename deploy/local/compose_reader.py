@@ -1,6 +1,6 @@
 """Reading a compose document back into processes to start.
 
-deploy/compose_file.py renders the ClusterLayout as docker-compose.yml; `knot cluster up` (real
+deploy/compose_writer.py renders the ClusterLayout as docker-compose.yml; `knot cluster up` (real
 servers), `knot serve --embedded` (one process) and the integration tests plan their processes
 from that same rendering (deploy.launcher.plan), so what runs here is what compose runs.
 
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import yaml
 
 from common.settings import read
-from deploy.compose_file import probe_url
+from deploy.compose_writer import probe_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -105,7 +105,7 @@ def _published(svc: dict) -> int | None:
 
 
 def _healthcheck_url(svc: dict) -> str | None:
-    """The URL an HTTP healthcheck (compose_file.http_probe) GETs, so the launcher can run the same check."""
+    """The URL an HTTP healthcheck (compose_writer.http_probe) GETs, so the launcher can run the same check."""
     test = (svc.get("healthcheck") or {}).get("test") or []
     return probe_url(test) if isinstance(test, list) else None
 
