@@ -23,7 +23,7 @@ from common.tokenizer import Tokenizer
 from deploy import wrangler
 from deploy.engine_local import LocalEngine
 from deploy.knotfile import open_model
-from tests.cloudflare import tools
+from tests.cloudflare import cloudflare_tools
 from tests.inprocess import build_cluster
 from tests.tokenizer_corpus import corpus
 from tests.unit.test_quant import ne0_for, random_raw
@@ -37,13 +37,13 @@ MAX_TOKENS = 10
 
 
 def run_harness(config: dict, tmp: Path, timeout_s: float = 900) -> dict:
-    config = {"pyodide": str(tools.pyodide_dir()), "numpy": str(tools.numpy_wheel()), "checks": "/checks",
-              "python_path": ["/sdk"], **config}
+    config = {"pyodide": str(cloudflare_tools.pyodide_dir()), "numpy": str(cloudflare_tools.numpy_wheel()),
+              "checks": "/checks", "python_path": ["/sdk"], **config}
     config.setdefault("mounts", {})
-    config["mounts"].update({"/checks": str(HERE), "/sdk": str(tools.workers_sdk())})
+    config["mounts"].update({"/checks": str(HERE), "/sdk": str(cloudflare_tools.workers_sdk())})
     path = tmp / "harness.json"
     path.write_text(json.dumps(config))
-    proc = subprocess.run([str(tools.node()), str(HARNESS), str(path)], capture_output=True, text=True,
+    proc = subprocess.run([str(cloudflare_tools.node()), str(HARNESS), str(path)], capture_output=True, text=True,
                           timeout=timeout_s)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"harness failed ({proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -27,7 +27,7 @@ from common import signing
 from common.tokenizer import Tokenizer
 from deploy import wrangler
 from deploy.knotfile import open_model
-from tests.cloudflare import tools, workerd_runtime
+from tests.cloudflare import cloudflare_tools, workerd_runtime
 from tests.inprocess import build_cluster
 
 PROMPT = "def the"
@@ -245,8 +245,8 @@ def lane(tiny_knot, tmp_path_factory):
     log = tmp / "lane.log"
     t0 = time.monotonic()
     with open(log, "w") as err:
-        proc = subprocess.Popen([str(tools.node()), str(LANE), str(tmp / "lane.json")], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen([str(cloudflare_tools.node()), str(LANE), str(tmp / "lane.json")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         line = proc.stdout.readline()  # bounded: READY_TIMEOUT_S below kills a lane that never starts
         assert line.startswith("READY "), f"lane did not start ({proc.poll()}):\n{log.read_text()[-4000:]}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deploy import cluster_secrets, wrangler
-from tests.cloudflare import tools
+from tests.cloudflare import cloudflare_tools
 
 SCRIPT_LIMIT_GZIP_KIB = 3 * 1024  # the Free plan's 3 MB compressed (Paid: 10 MB)
 TOTAL = re.compile(r"Total Upload: ([\d.]+) KiB / gzip: ([\d.]+) KiB")
@@ -33,14 +33,14 @@ def generated(tmp_path_factory):
 def dry_run(worker_dir: Path, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WRANGLER_SEND_METRICS": "false", "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
            "CI": "true", "NO_COLOR": "1"}
-    return subprocess.run([*tools.wrangler_command(), "deploy", "--dry-run", "--outdir", str(worker_dir / "dist")],
-                          cwd=worker_dir, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*cloudflare_tools.wrangler_command(), "deploy", "--dry-run", "--outdir",
+                           str(worker_dir / "dist")], cwd=worker_dir, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_wrangler_dry_run_accepts_every_generated_worker(generated, tmp_path):
     dirs = sorted(d for d in generated.iterdir() if (d / "wrangler.json").is_file())
     assert len(dirs) == 13
-    tools.node_modules()  # one npm ci before the parallel runs
+    cloudflare_tools.node_modules()  # one npm ci before the parallel runs
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda d: dry_run(d, tmp_path), dirs))
     sizes = {}

@@ -44,8 +44,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tests.cloudflare import tools
-from tests.cloudflare.tools import ToolError, sha256
+from tests.cloudflare import cloudflare_tools
+from tests.cloudflare.cloudflare_tools import ToolError, sha256
 
 LANE = Path(__file__).resolve().parent / "workerd_lane"
 GLUE = LANE / "glue"
@@ -119,7 +119,7 @@ await esbuild.build({...config, entryPoints: ["internal/pool/emscriptenSetup.ts"
 
 
 def node_modules() -> Path:
-    return tools.node_modules(LANE)
+    return cloudflare_tools.node_modules(LANE)
 
 
 def workerd_binary() -> Path:
@@ -175,7 +175,7 @@ def build_bundle(dest: Path) -> Path:
         (work / "esbuild.mjs").write_text(ESBUILD_SCRIPT % {
             "esbuild": json.dumps(str(nm / "esbuild" / "lib" / "main.js")),
             "external": json.dumps(ESBUILD_EXTERNAL), "v": version})
-        proc = subprocess.run([str(tools.node()), "esbuild.mjs"], cwd=work, capture_output=True, text=True)
+        proc = subprocess.run([str(cloudflare_tools.node()), "esbuild.mjs"], cwd=work, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ToolError(f"esbuild of emscriptenSetup.ts failed: {(proc.stdout + proc.stderr)[-1500:]}")
         (work / "bundle.capnp").write_text(BUNDLE_CAPNP % {"v": version})
@@ -209,19 +209,19 @@ def runtime_dir() -> Path:
     which miniflare runs through MINIFLARE_WORKERD_PATH)."""
     lock = (LANE / "package-lock.json").read_bytes()
     key = _key(lock, *(p.read_bytes() for p in _glue_files()), BUNDLE_SHA256.encode(), Path(__file__).read_bytes())
-    d = tools.root() / f"workerd-{key}"
+    d = cloudflare_tools.root() / f"workerd-{key}"
     marker = d / ".built"
     if marker.is_file():
         return d
     binary = workerd_binary()
-    tmp = Path(tempfile.mkdtemp(dir=tools.root(), prefix="workerd-partial-"))
+    tmp = Path(tempfile.mkdtemp(dir=cloudflare_tools.root(), prefix="workerd-partial-"))
     try:
         build_bundle(tmp / "bundle")
         pkgs = tmp / "packages" / "python-package-bucket" / STDLIB_PACKAGES_TAG
         pkgs.mkdir(parents=True)
         for name in STDLIB_PACKAGES:
             (pkgs / f"{name}-1.0.0.tar.gz").write_bytes(_empty_tar_gz())
-        with zipfile.ZipFile(tools.numpy_wheel()) as z:
+        with zipfile.ZipFile(cloudflare_tools.numpy_wheel()) as z:
             z.extractall(tmp / "numpy")
         wrapper = tmp / "workerd"
         wrapper.write_text(f'#!/bin/sh\nexec "{binary}" "$@" --pyodide-bundle-disk-cache-dir="{d / "bundle"}" '
