@@ -653,3 +653,24 @@ async def test_api_key_guards_every_endpoint_with_openai_401(cluster):
     r = await cluster.coordinator.fetch(Request("POST", "/generate", ok, json.dumps(body).encode()))
     assert r.status == 200, r.body
     co_handler._booted.clear()
+
+
+async def test_the_page_is_public_its_data_behind_the_api_key(cluster):
+    """KNOT_API_KEY set: GET / (the page's code, no data) answers without it; the page's data
+    (/cluster, /traces, /traces/<id>) is 401 without the key and served with it."""
+    key = "k" * 40
+    cluster.coordinator.env._items["KNOT_API_KEY"] = key
+    co_handler._booted.clear()
+    ok = {"Authorization": f"Bearer {key}"}
+    r = await cluster.coordinator.fetch(Request("GET", "/"))
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/html") and key not in r.text()
+    r = await cluster.coordinator.fetch(Request("POST", "/generate", ok, json.dumps({"prompt": PROMPT,
+                                                                                        "max_tokens": 2}).encode()))
+    trace_id = r.headers["X-Trace-Id"]
+    for path in ("/cluster", "/traces", f"/traces/{trace_id}"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert (await cluster.coordinator.fetch(Request("GET", path, headers))).status == 401, path
+        r = await cluster.coordinator.fetch(Request("GET", path, ok))
+        assert r.status == 200, (path, r.body)
+    assert [s["name"] for s in r.json()["spans"]][0] == "POST /generate"
+    co_handler._booted.clear()
