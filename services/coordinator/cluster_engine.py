@@ -26,9 +26,17 @@ from services.station.station_client import SessionLost
 log = logging.getLogger(__name__)
 
 MAX_REPLAYS = 3
-# One trip through the stations, as it ran: (mode, start, end, rewind, its tokens (decode; a prefill
-# chunk's are the prompt's [start, end))). A decode trip carries its drafts, accepted or not.
-Frame = tuple[str, int, int, bool, tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One trip through the stations, as it ran, so a replay can run it again exactly."""
+
+    mode: str  # "prefill" | "decode"
+    start: int  # the first position it wrote
+    end: int  # one past its last position
+    rewind: bool  # the stations dropped what they held from `start` on first (an earlier trip's drafts)
+    tokens: tuple[int, ...] = ()  # a decode trip's, drafts included; () for a prefill chunk (the prompt's)
 
 
 @dataclass(eq=False)
@@ -77,7 +85,7 @@ class ClusterEngine:
                 break
             except SessionLost as e:  # a station restarted mid-prompt: our later chunks found no session
                 self._replaying(gen, e, len(ids))
-        gen.frames[:] = [("prefill", a, b, False, ()) for a, b in chunks]
+        gen.frames[:] = [Frame("prefill", a, b, False) for a, b in chunks]
         gen.cached = len(ids)
         row = (await self._rows(gen, h, len(ids) - 1, ids))[-1]
         self._bound(gen)
@@ -91,7 +99,7 @@ class ClusterEngine:
         hold from their position on first (an earlier trip's rejected drafts). When a station lost our
         session, every frame the stations had applied runs again exactly (_replay), then this one."""
         pos = len(context) - len(tokens)
-        frame = ("decode", pos, pos + len(tokens), gen.cached > pos, tuple(tokens))
+        frame = Frame("decode", pos, pos + len(tokens), gen.cached > pos, tuple(tokens))
         try:
             h = await self._forward(gen, frame)
         except SessionLost as e:
@@ -114,10 +122,9 @@ class ClusterEngine:
 
     async def _forward(self, gen: ClusterGeneration, frame: Frame) -> np.ndarray:
         """One decode trip through the embedding and the stations -> the exit's rows (T, dim)."""
-        mode, a, _, rewind, tokens = frame
         call = self._call(gen)
-        x = await self.pipeline.embed(call, list(tokens), a)  # (T, dim)
-        return await self.pipeline.stations_forward(call, mode, a, x, rewind)
+        x = await self.pipeline.embed(call, list(frame.tokens), frame.start)  # (T, dim)
+        return await self.pipeline.stations_forward(call, frame.mode, frame.start, x, frame.rewind)
 
     def _replaying(self, gen: ClusterGeneration, e: SessionLost, n_tokens: int) -> None:
         gen.replays += 1
@@ -131,10 +138,10 @@ class ClusterEngine:
         and rewinds included) alone, as it first ran."""
         while True:
             try:
-                prefill = [(a, b) for mode, a, b, _, _ in frames if mode == "prefill"]
+                prefill = [(f.start, f.end) for f in frames if f.mode == "prefill"]
                 h = await self.pipeline.prefill(self._call(gen), context, prefill)
                 for f in frames:
-                    if f[0] == "decode":
+                    if f.mode == "decode":
                         h = await self._forward(gen, f)
                 return h
             except SessionLost as e:  # lost again during the replay: once more from position 0
