@@ -14,7 +14,7 @@ stations, gathers the LM-head slices and samples (seed sections 1-3).
     GET  /topology               the stations and shards it chains
     GET  /                       the cluster page; GET /cluster, /traces, /traces/<id>: its data (console.py)
 
-Every generation goes through generation.Coordinator.events() and the admission queue, has a
+Every generation goes through coordinator.Coordinator.events() and the admission queue, has a
 deadline (REQUEST_TIMEOUT_S) and runs under a shard-failure policy (SHARD_FAILURE, or the body's
 shard_failure): its reply says which in X-Knot-Shard-Failure, and names the shards it was degraded
 around, if any (pipeline.py). With KNOT_API_KEY set, every endpoint wants
