@@ -159,14 +159,19 @@ def _gathered(co) -> dict:
             "nodes": nodes, "samples": _samples(co.metrics)}
 
 
+# histograms whose buckets the page reads (a recent quantile from two snapshots' difference)
+QUANTILE_HISTOGRAMS = ("knot_hop_latency_seconds_bucket", "knot_time_to_first_token_seconds_bucket")
+
+
 def _samples(metrics) -> dict[str, dict[str, float]]:
-    """The coordinator's Prometheus samples (histogram buckets left out): name -> {"k=v,...": value}."""
+    """The coordinator's Prometheus samples (histogram buckets only of QUANTILE_HISTOGRAMS):
+    name -> {"k=v,...": value}."""
     out: dict[str, dict[str, float]] = {}
     if not metrics.enabled:
         return out
     for family in metrics.registry.collect():
         for s in family.samples:
-            if s.name.endswith("_bucket") or s.name.endswith("_created"):
+            if (s.name.endswith("_bucket") and s.name not in QUANTILE_HISTOGRAMS) or s.name.endswith("_created"):
                 continue
             v = float(s.value)
             labels = ",".join(f"{k}={v_}" for k, v_ in sorted(s.labels.items()))

@@ -15,7 +15,7 @@ header h1{font-size:16px;margin:0} header span{opacity:.75}
 main{display:grid;grid-template-columns:1fr 1fr;gap:12px;padding:12px}
 section{background:#fff;border:1px solid #d8dde3;border-radius:6px;padding:10px}
 section.wide{grid-column:1/3} h2{font-size:14px;margin:0 0 8px}
-.figs{display:grid;grid-template-columns:repeat(4,1fr);gap:8px}
+.figs{display:grid;grid-template-columns:repeat(5,1fr);gap:8px}
 .fig{border:1px solid #e4e7eb;border-radius:4px;padding:4px 6px} .fig b{font-size:18px;display:block}
 .fig small{color:#5b6570} svg text{font:11px system-ui,sans-serif}
 table{border-collapse:collapse;width:100%} td,th{text-align:left;padding:2px 6px;border-bottom:1px solid #eee}
@@ -122,8 +122,11 @@ const FIGURES = [
   ["requests active", d => sum(d.samples, "knot_requests_active")],
   ["requests queued", d => sum(d.samples, "knot_requests_queued")],
   ["TTFT ms (mean)", (d, p) => p && meanMs(d, p, "knot_time_to_first_token_seconds")],
+  ["TTFT ms (p95, bucket bound)", (d, p) => p && quantileMs(d, p, "knot_time_to_first_token_seconds", "", 0.95)],
   ["inter-token ms", (d, p) => p && meanMs(d, p, "knot_inter_token_latency_seconds")],
   ["station hop ms", (d, p) => p && meanMs(d, p, "knot_hop_latency_seconds", "hop=station")],
+  ["station hop ms (p95)", (d, p) => p && quantileMs(d, p, "knot_hop_latency_seconds", "hop=station", 0.95)],
+  ["logits hop ms (p95)", (d, p) => p && quantileMs(d, p, "knot_hop_latency_seconds", "hop=logits", 0.95)],
   ["logits hop ms", (d, p) => p && meanMs(d, p, "knot_hop_latency_seconds", "hop=logits")],
   ["embed hop ms", (d, p) => p && meanMs(d, p, "knot_hop_latency_seconds", "hop=embed")],
   ["warden hit ratio", d => { const s = d.samples.knot_warden_hit_ratio; if (!s) return null;
@@ -135,6 +138,20 @@ const FIGURES = [
 function meanMs(d, p, name, want) {
   const n = sum(d.samples, name + "_count", want) - sum(p.samples, name + "_count", want);
   return n > 0 ? 1000 * (sum(d.samples, name + "_sum", want) - sum(p.samples, name + "_sum", want)) / n : null;
+}
+// the q-quantile of what a histogram observed between two snapshots: the upper bound of the first
+// bucket whose cumulative count reaches q of them (buckets are cumulative, labelled le=BOUND)
+function quantileMs(d, p, name, want, q) {
+  const now = d.samples[name + "_bucket"] || {}, then = p.samples[name + "_bucket"] || {}, by = {};
+  for (const [labels, v] of Object.entries(now)) {
+    if (want && !labels.includes(want)) continue;
+    const le = labels.match(/le=([^,]+)/)[1];
+    by[le] = (by[le] || 0) + v - (then[labels] || 0);
+  }
+  const les = Object.keys(by).sort((a, b) => parseFloat(a) - parseFloat(b)), total = by["+Inf"] || 0;
+  if (!total) return null;
+  const le = les.find(k => by[k] >= q * total);
+  return le === "+Inf" ? null : 1000 * parseFloat(le);  // past the last bound: no number to show
 }
 function drawFigures() {
   const box = document.getElementById("figs");

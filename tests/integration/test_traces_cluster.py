@@ -92,6 +92,10 @@ def test_the_page_and_its_data(cluster):  # noqa: F811
     assert len(by_role["shard"]) == 8 and all(n["replicas"][0]["health"] == "ready" for n in by_role["shard"])
     assert {"coordinator", "layer_warden", "cobordism_warden", "bucket"} <= set(by_role)
     assert c["samples"]["knot_requests_active"] == {"": 0.0}
+    # the hops' latency buckets, for the page's recent quantiles; the other histograms' left out
+    hop_buckets = c["samples"]["knot_hop_latency_seconds_bucket"]
+    assert "hop=station_0,le=+Inf" in hop_buckets and hop_buckets["hop=station_0,le=+Inf"] >= 1
+    assert "knot_queue_wait_seconds_bucket" not in c["samples"]
 
 
 def test_an_unsampled_traceparent_turns_the_trace_off(cluster):  # noqa: F811
