@@ -90,8 +90,7 @@ async def serve(handler: Handler, js_request: Any, env: Env, ctx: Any,
     rid = request_id(request)
     if verifier is not None:
         handler = _signed(handler, verifier)
-    # a call with a traceparent returns its own calls' spans to the caller (services/tracing.py)
-    response = await call_handler(tracing.serving(handler), request, env, ctx, rid)
+    response = await call_handler(handler, request, env, ctx, rid)
     response.headers.setdefault(REQUEST_ID_HEADER, rid)
     return response_to_js(response)
 
@@ -117,11 +116,15 @@ def worker_entrypoint(handler: Handler, public: bool = False) -> type:
     """A WorkerEntrypoint whose fetch runs `handler` (a services/ module's fetch). Unless public,
     only calls signed with the Worker's KNOT_INTERNAL_SECRET reach it."""
 
+    # an internal Worker's traced call returns its own calls' spans to its caller (services/tracing.py);
+    # a public one (the coordinator) starts its traces itself, and tells clients nothing of its hops
+    served = handler if public else tracing.serving(handler)
+
     class Default(WorkerEntrypoint):
         async def fetch(self, request: Any) -> Any:
             ctx = JsContext(self.ctx)
             env, verifier, error = await _env_or_error(self.env, request, ctx, public)
-            return error if env is None else await serve(handler, request, env, ctx, verifier)
+            return error if env is None else await serve(served, request, env, ctx, verifier)
 
     return Default
 
@@ -161,7 +164,7 @@ class _HostedObject(DurableObject):
                 name = _header(js_request, DO_NAME_HEADER)
             state = State(DurableObjectId(name, str(js_id.toString())), self._context.wait_until)
             self._obj = self._make(state, env)
-        return await serve(self._call(self._obj), js_request, env, self._context, verifier)
+        return await serve(tracing.serving(self._call(self._obj)), js_request, env, self._context, verifier)
 
 
 def _header(js_request: Any, name: str) -> str:

@@ -65,9 +65,12 @@ def load_service(module_path: str) -> ServiceModule:
     handler = getattr(module, "fetch", None)
     if handler is None:
         raise ConfigError(f"service module {module_path} has no fetch(request, env, ctx)")
-    return ServiceModule(tracing.serving(handler), dict(getattr(module, "DURABLE_OBJECTS", {})), getattr(module, "ready", None),
-                         int(getattr(module, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)),
-                         bool(getattr(module, "PUBLIC", False)))
+    public = bool(getattr(module, "PUBLIC", False))
+    # an internal service's traced call returns its own calls' spans to its caller (services/tracing.py);
+    # a public one (the coordinator) starts its traces itself, and tells clients nothing of its hops
+    return ServiceModule(handler if public else tracing.serving(handler), dict(getattr(module, "DURABLE_OBJECTS", {})),
+                         getattr(module, "ready", None), int(getattr(module, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)),
+                         public)
 
 
 @dataclass

@@ -103,3 +103,11 @@ def test_an_unsampled_traceparent_turns_the_trace_off(cluster):  # noqa: F811
     h, body = generate(cluster, {"traceparent": f"00-{tid}-{SID}-00"}, max_tokens=2)
     assert "X-Trace-Id" not in h and len(body["tokens"]) == 2
     assert http("GET", cluster.url("coordinator") + "/traces/" + tid)[0] == 404
+
+
+def test_a_client_learns_nothing_of_the_hops_but_the_trace_id(cluster):  # noqa: F811
+    """The coordinator is public: a client's traceparent on any endpoint gets no X-Knot-Spans back."""
+    for method, path, body in (("POST", "/generate", {"prompt": "the", "max_tokens": 1}), ("GET", "/metrics", None),
+                               ("GET", "/cluster", None)):
+        status, h, _ = http(method, cluster.url("coordinator") + path, body, {"traceparent": f"00-{TID}-{SID}-01"})
+        assert status == 200 and "X-Knot-Spans" not in h, (path, h)
