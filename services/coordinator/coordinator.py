@@ -22,6 +22,7 @@ from typing import AsyncIterator
 
 import jinja2
 
+from common import constraints
 from common.generation import FinishEvent, Generation, TokenEvent, generate_events
 from common.models import ModelConfig
 from common.runtime import HttpError
@@ -39,6 +40,8 @@ from services.coordinator.pipeline import Hops, Pipeline, RequestTimeout
 from services.drafter.drafter_client import DrafterClient, RemoteDraftModel
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_CACHE = 32  # compiled grammars kept (Coordinator.constraint)
 
 
 def summary(gen: ClusterGeneration) -> dict:
@@ -103,6 +106,7 @@ class Coordinator:
         self.engine = ClusterEngine(pipeline, self.metrics.observe_hop, settings.sample_top)
         self.station_memory: list[dict | None] = []  # each station's /stats "memory", last known
         self.in_flight: dict[str, ClusterGeneration] = {}  # by request id, while events() runs them
+        self._grammars: dict[tuple, object] = {}  # compiled grammars (constraint()), least recent first
 
     def note_station_stats(self, stats: list[dict | None]) -> None:
         """Keep the stations' memory plans (at boot, and at each /metrics scrape for those that answered)."""
@@ -152,10 +156,38 @@ class Coordinator:
             raise InvalidParam(f"prompt of {n} tokens + max_tokens {max_tokens} exceeds {self._context_note()}; "
                                f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
         timeout_s = self.settings.request_timeout_s
+        compiled = self.constraint(g)
         return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
                                  speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
                                  timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure,
-                                 subrequests=subrequests.current(), trace=tracing.current())
+                                 subrequests=subrequests.current(), trace=tracing.current(),
+                                 allowed=compiled.start(n).allowed if compiled is not None else None)
+
+    def constraint(self, g: GenerateRequest):
+        """The request's grammar compiled for this model (common/constraints.py), or None; a 400
+        naming its field where the host has no compiler or the grammar does not compile. The
+        compiled grammars of recent requests are kept (agents send the same schema every turn)."""
+        if g.grammar is None:
+            return None
+        compiler = constraints.compiler()
+        if compiler is None:
+            raise InvalidParam(f"{g.grammar_param}: constrained decoding is not available on this host (no grammar "
+                               f"engine: llguidance does not run under Pyodide, so not on Cloudflare Workers)",
+                               g.grammar_param)
+        key = (g.grammar, compiler.name)
+        compiled = self._grammars.get(key)
+        if compiled is None:
+            try:
+                compiled = compiler.compile(g.grammar, self.tokenizer, self.cfg.vocab_size)
+            except constraints.ConstraintError as e:
+                raise InvalidParam(f"{g.grammar_param}: the grammar does not compile: {str(e)[:500]}",
+                                   g.grammar_param) from None
+            self._grammars[key] = compiled
+            while len(self._grammars) > GRAMMAR_CACHE:
+                self._grammars.pop(next(iter(self._grammars)))
+        else:
+            self._grammars[key] = self._grammars.pop(key)  # most recent last
+        return compiled
 
     def prepare_choices(self, g: GenerateRequest, n: int) -> list[ClusterGeneration]:
         """prepare(g), and n - 1 more generations like it (the OpenAI endpoints' n): the same prompt
@@ -171,11 +203,13 @@ class Coordinator:
         def sampling(i: int) -> SamplingParams:
             return g.sampling if seed is None else dataclasses.replace(g.sampling, seed=(seed + i) % 2 ** 64)
 
+        compiled = self.constraint(g)
         return [first] + [
             ClusterGeneration(list(first.prompt_ids), first.max_tokens, sampling(i), g.stop, g.logprobs,
                               request_id=uuid.uuid4().hex, speculation=first.speculation, deadline=first.deadline,
                               timeout_s=first.timeout_s, shard_failure=first.shard_failure,
-                              subrequests=first.subrequests)
+                              subrequests=first.subrequests,
+                              allowed=compiled.start(len(first.prompt_ids)).allowed if compiled is not None else None)
             for i in range(1, n)]
 
     def encode(self, g: GenerateRequest, add_generation_prompt: bool = True) -> tuple[list[int], str]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from common.constraints import Grammar
 from common.generation import FinishEvent, Generation, TokenEvent
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
@@ -164,14 +166,12 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
     _unsupported(body, "functions", "the legacy functions API; send tools")
     _unsupported(body, "function_call", "the legacy functions API; send tool_choice")
     tools = parse_tools(body)
+    grammar, grammar_param = response_format(body.get("response_format")), "response_format"
     if tools is not None and tools.choice in ("required", "function"):
-        raise InvalidParam(f"tool_choice={body.get('tool_choice')!r}: a call the model must make needs "
-                           f"constrained decoding, which this server does not have yet (use \"auto\")",
-                           "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise InvalidParam(f"response_format={fmt!r} is not supported (only {{\"type\": \"text\"}})",
-                           "response_format")
+        if grammar is not None:
+            raise InvalidParam("a response_format and a tool_choice that requires a call cannot both be met",
+                               "response_format")
+        grammar, grammar_param = tools.grammar(), "tool_choice"
     max_tokens = number(body, "max_completion_tokens", None, lo=1, integer=True)
     if max_tokens is None:
         max_tokens = number(body, "max_tokens", None, lo=1, integer=True)
@@ -181,8 +181,27 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
         raise InvalidParam("top_logprobs needs logprobs=true", "top_logprobs")
     g = GenerateRequest(None, messages, max_tokens, sampling_params(body), stop_strings(body), None,
                         (top or 0) if want_logprobs else None, speculation_request(body), shard_failure(body),
-                        tools=tools)
+                        tools=tools, grammar=grammar, grammar_param=grammar_param)
     return g, dataclasses.replace(opts, tools=tools)
+
+
+def response_format(fmt: Any) -> Grammar | None:
+    """response_format -> the grammar the reply must match; None for text."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return Grammar("json_schema", json.dumps({"type": "object"}))
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidParam('response_format.json_schema must be {"name", "schema": {...}, "strict"}',
+                               "response_format")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidParam("response_format.json_schema.name must be a string", "response_format")
+        return Grammar("json_schema", json.dumps(spec.get("schema", {})))
+    raise InvalidParam(f"response_format={repr(fmt)[:80]}: the type must be \"text\", \"json_object\" or "
+                       f"\"json_schema\"", "response_format")
 
 
 # ---------------------------------------------------------------- shapes

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.constraints import Grammar
 from common.sampling import SamplingParams
 from common.speculative import MAX_DRAFT, SOURCES
 from services.coordinator.errors import InvalidParam
@@ -38,6 +39,8 @@ class GenerateRequest:
     shard_failure: str | None = None  # "fail" | "degrade"; None: the cluster's SHARD_FAILURE
     suffix: str | None = None  # fill in the middle: the text after the one to write (prompt is before it)
     tools: ToolRequest | None = None  # chat's tools, tool_choice and parallel_tool_calls
+    grammar: Grammar | None = None  # what the reply must match (constrained decoding)
+    grammar_param: str = "response_format"  # the field that asked for it, named in its 400s
 
 
 def number(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None,

@@ -12,8 +12,8 @@ it writes an assistant's earlier `tool_calls` the same way and wraps `tool` repl
 
 A text that is not a valid call (broken JSON, an unknown function, arguments that are not an
 object) stays text with its own finish_reason, never dropped: in "auto" mode the model may write
-anything. "required" and a named function are constrained (the mask of tool_choice_grammar), so
-there the call always parses.
+anything. "required" and a named function are constrained (ToolRequest.grammar, through
+common/constraints.py), so there the calls always parse and match their functions' schemas.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from common.constraints import Grammar
 from services.coordinator.errors import InvalidParam
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -49,6 +50,12 @@ class ToolRequest:
     def schema(self, name: str) -> dict:
         return next(t["function"].get("parameters") or {"type": "object"} for t in self.tools
                     if t["function"]["name"] == name)
+
+    def grammar(self) -> Grammar:
+        """A reply of calls in the template's format, their arguments each function's schema: of
+        the named function, or of any of the tools ("required"); several where parallel."""
+        names = [self.name] if self.choice == "function" else self.names
+        return Grammar("tool_calls", json.dumps({n: self.schema(n) for n in names}), self.parallel)
 
 
 def parse_tools(body: dict) -> ToolRequest | None:

@@ -288,3 +288,90 @@ def test_tool_calls_through_the_openai_client(real_cluster):
     assert r.usage.prompt_tokens == len(ids)
     want = engine.generate(ids, SamplingParams(), max_tokens=24)
     assert r.choices[0].message.content == want.text or r.choices[0].finish_reason == "tool_calls"
+
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False}},
+        "required": ["name", "address"], "additionalProperties": False},
+    "array_enum": {"type": "object", "properties": {
+        "langs": {"type": "array", "items": {"enum": ["python", "rust", "go"]}, "minItems": 1, "maxItems": 3},
+        "level": {"type": "integer", "minimum": 1, "maximum": 5}},
+        "required": ["langs", "level"], "additionalProperties": False},
+    "any_of_format": {"type": "object", "properties": {
+        "id": {"anyOf": [{"type": "integer"}, {"type": "string", "format": "uuid"}]},
+        "born": {"type": "string", "format": "date"}, "ok": {"type": "boolean"}},
+        "required": ["id", "born", "ok"], "additionalProperties": False},
+}
+
+
+def test_json_schema_output_validates_and_equals_the_single_process(real_cluster):
+    """response_format json_schema / json_object through the cluster: every output is valid
+    against its schema (jsonschema) and equal to the single process under the same grammar, greedy
+    and seeded; the openai client's parse() gets a pydantic object; a required tool call parses."""
+    import asyncio
+    import uuid as uuid_
+
+    import jsonschema
+    import openai
+    import pydantic
+
+    from common import constraints
+    from common.constraints import Grammar
+    from common.generation import Generation, generate_events
+
+    name, cluster, running = real_cluster
+    if name != "qwen2.5-coder-0.5b":
+        pytest.skip("the grammar path is the same for every model: the small one's cluster runs it")
+    from deploy import models
+
+    engine = LocalEngine.open(models.model_path(name))
+    tok = engine.tokenizer
+    client = openai.OpenAI(base_url=running["coordinator"].url + "/v1", api_key="unused", timeout=900)
+    msgs = [{"role": "user", "content": "Describe a programmer as a JSON object."}]
+    ids = tok.encode_chat(msgs)
+
+    def single(schema: dict, sampling: dict) -> str:
+        compiled = constraints.compiler().compile(Grammar("json_schema", json.dumps(schema)), tok,
+                                                  engine.cfg.vocab_size)
+        gen = Generation(list(ids), 64, SamplingParams(**sampling), allowed=compiled.start(len(ids)).allowed,
+                         request_id=uuid_.uuid4().hex)
+
+        async def run():
+            async for _ in generate_events(engine, gen, tok, time.perf_counter):
+                pass
+        asyncio.run(run())
+        return gen.text
+
+    import time
+    for label, schema in SCHEMAS.items():
+        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
+            r = client.chat.completions.create(model=name, messages=msgs, max_tokens=64, **sampling,
+                                               response_format={"type": "json_schema", "json_schema": {
+                                                   "name": label, "schema": schema, "strict": True}})
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop", (label, text)
+            jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+            assert text == single(schema, sampling), (label, sampling)
+    r = client.chat.completions.create(model=name, messages=msgs, max_tokens=64, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+    class Programmer(pydantic.BaseModel):
+        name: str
+        years: int
+        languages: list[str]
+
+    parsed = client.beta.chat.completions.parse(model=name, messages=msgs, max_tokens=96, temperature=0,
+                                                response_format=Programmer)
+    assert isinstance(parsed.choices[0].message.parsed, Programmer), parsed
+    # a call the model must make: parsed, its arguments valid for the named function
+    r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi there!"}],
+                                       tools=[WEATHER], max_tokens=48, temperature=0, parallel_tool_calls=False,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
