@@ -89,3 +89,28 @@ def test_a_killed_shard_turns_red_and_back_after_its_restart(cluster, page):  # 
     finally:
         cluster.start("shard-3")
     page.wait_for_selector('#topology g[data-node="shard 3"][data-health="ready"]', timeout=30_000)
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_keeps_it_in_the_tab(cluster, page):  # noqa: F811
+    key = "page-test-key-" + "k" * 32
+    env = cluster.specs["coordinator"].environment
+    saved = dict(env)
+    env["KNOT_API_KEY"] = key
+    env["KNOT_VARS"] = ",".join([v for v in env.get("KNOT_VARS", "").split(",") if v] + ["KNOT_API_KEY"])
+    cluster.restart("coordinator")
+    try:
+        page.goto(cluster.url("coordinator") + "/")
+        page.wait_for_selector("#login-form", state="visible")
+        assert page.locator("#topology g").count() == 0  # nothing shown without the key
+        page.fill("#key", "wrong")
+        page.click("#login-form button")
+        page.wait_for_selector("#login-error:has-text('refused')")
+        page.fill("#key", key)
+        page.click("#login-form button")
+        node(page, "shard 7").wait_for()
+        assert page.evaluate("sessionStorage.getItem('knot_api_key')") == key
+        assert page.evaluate("document.cookie") == ""  # the key is in the tab only, never a cookie
+    finally:
+        env.clear()
+        env.update(saved)
+        cluster.restart("coordinator")
