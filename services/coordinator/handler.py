@@ -282,22 +282,28 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
                            f"POST /v1/chat/completions, GET /v1/models")
         if method != want:
             raise MethodNotAllowed(f"{method} {request.path}: use {want}")
-        co = await coordinator_for(env, check_version=path in ("/v1/completions", "/v1/chat/completions"))
+        if method == "POST":  # the completions; their trace holds the bucket's version check too
+            parse = openai_api.parse_chat if path == "/v1/chat/completions" else openai_api.parse_completion
+            endpoint = "chat_completions" if path == "/v1/chat/completions" else "completions"
+
+            async def complete() -> Response:
+                co = await coordinator_for(env, check_version=True)
+
+                async def run() -> Response:
+                    g, opts = parse(await off_loop(request.json))
+                    return await openai_api.complete(co, g, opts, ctx)
+
+                return await _counted(co, endpoint, run)
+
+            return await console.traced(request, f"POST {path}", complete)
+        co = await coordinator_for(env)
         if path == "/v1/models":
             return openai_api.models(co)
         if path.startswith("/v1/models/"):
             if path.removeprefix("/v1/models/") != co.model_id:
                 raise NotFound(f"model {path.removeprefix('/v1/models/')!r} does not exist; this server has "
                                f"{co.model_id!r}")
-            return Response.from_json(openai_api.model_card(co))
-        parse = openai_api.parse_chat if path == "/v1/chat/completions" else openai_api.parse_completion
-        endpoint = "chat_completions" if path == "/v1/chat/completions" else "completions"
-
-        async def run() -> Response:
-            g, opts = parse(await off_loop(request.json))
-            return await openai_api.complete(co, g, opts, ctx)
-
-        return await console.traced(request, f"POST {path}", lambda: _counted(co, endpoint, run))
+        return Response.from_json(openai_api.model_card(co))
     except Exception as e:  # noqa: BLE001 - OpenAI's error shape, with the runtime's status mapping
         if status_for(e) >= 500:
             log.warning("%s %s failed: %s: %s", method, request.path, type(e).__name__, e)
@@ -315,14 +321,19 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         # the API key, which its login form keeps in the tab's sessionStorage (docs/operations.md).
         return console.page_response()
     _authorized(request, env)
+    # a request's trace holds the bucket's version check (and a boot or reload, if it waits for one)
     if path == "/generate" and request.method == "POST":
-        co = await coordinator_for(env, check_version=True)
-        return await console.traced(request, "POST /generate",
-                                    lambda: _counted(co, "generate", lambda: _generate(request, co, ctx)))
+        async def generate() -> Response:
+            co = await coordinator_for(env, check_version=True)
+            return await _counted(co, "generate", lambda: _generate(request, co, ctx))
+
+        return await console.traced(request, "POST /generate", generate)
     if path in ("/tokenize", "/detokenize") and request.method == "POST":
-        co = await coordinator_for(env, check_version=True)
-        return await console.traced(request, f"POST {path}",
-                                    lambda: _counted(co, path.lstrip("/"), lambda: _tokenize(request, co)))
+        async def tokenize() -> Response:
+            co = await coordinator_for(env, check_version=True)
+            return await _counted(co, path.lstrip("/"), lambda: _tokenize(request, co))
+
+        return await console.traced(request, f"POST {path}", tokenize)
     if path == "/metrics" and request.method == "GET":
         co = await coordinator_for(env)
         await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])

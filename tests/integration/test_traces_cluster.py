@@ -33,12 +33,17 @@ def test_a_request_trace_lists_its_hops_in_order_with_timings(cluster):  # noqa:
     assert (root["name"], root["peer"], root["status"], root["parent_id"]) == ("POST /generate", "coordinator", "200",
                                                                               None)
     hops = [s for s in spans if s["parent_id"] == root["span_id"]]
-    assert all(s["status"] == "200" and s["duration_ms"] >= 0 for s in hops)
+    assert all(s["status"] in ("200", "ok") and s["duration_ms"] >= 0 for s in hops)
     # inside the request's span, but for the stations' KV releases, which run after its reply
     outside = [(s["name"], s["peer"]) for s in hops if not root["start_ms"] <= s["start_ms"]
                or s["start_ms"] + s["duration_ms"] > root["start_ms"] + root["duration_ms"] + 1e-3]
     assert {n.rpartition("/")[0] for n, _ in outside} <= {"/release"}, outside
     hops = [s for s in hops if not s["name"].startswith("/release/")]
+    # first the bucket's version check (one HEAD of the knot), the coordinator's own binding call
+    bucket = [s for s in hops if s["peer"] == "KNOT_BUCKET"]
+    assert [s["name"] for s in bucket] == ["head pipeline.knot"] and bucket[0]["status"] == "ok", bucket
+    assert hops[0] is bucket[0]
+    hops = hops[1:]
     # the first trip: the prompt's embedding on the shards, station 0, station 1, then the LM head
     first = [(s["name"], s["peer"]) for s in hops if s["name"] != "/embed" or s["start_ms"] < hops[0]["start_ms"]
              + hops[0]["duration_ms"]]
