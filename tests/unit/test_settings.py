@@ -143,6 +143,7 @@ def test_every_variable_a_deployment_sets_is_declared_for_its_readers(counts):
 # ---------------------------------------------------------------- nothing reads around the table
 
 SCANNED = ["common", "services", "deploy", "benchmarks", "tests"]
+TABLE_MODULES = ("common/settings.py", "deploy/deploy_settings.py")  # where the rows are declared
 EXEMPT = {
     "common/settings.py": "the table's own parser",
     "setup.py": "runs before the package is importable; KNOT_KERNELS_MARCH is declared in the table",
@@ -258,6 +259,39 @@ def test_every_declared_variable_is_used_somewhere():
     text = render_text(default_layout()) + (ROOT / "setup.py").read_text()
     text += "".join(p.read_text() for p in (ROOT / "scripts").glob("*.sh"))
     text += "".join(p.read_text() for top in SCANNED for p in (ROOT / top).rglob("*.py")
-                    if p.as_posix().endswith("common/settings.py") is False)
+                    if p.relative_to(ROOT).as_posix() not in TABLE_MODULES)
     for s in settings.SETTINGS:
         assert s.name.replace("<i>", "") in text, f"{s.name} is declared but nothing reads or sets it"
+
+
+# ---------------------------------------------------------------- where the rows live
+
+def test_common_declares_only_what_the_services_and_hosts_read():
+    """common/ (which runs under Pyodide) holds no row of the deployment tools: those come with deploy/."""
+    code = ("from common import settings; print(sorted({r for s in settings.SETTINGS for r in s.readers})); "
+            "print(sum(1 for s in settings.SETTINGS if s.mirror_of))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    readers, mirrors = p.stdout.split("\n")[:2]
+    tools = {"docker", "build", "tests", "bench", "deploy", "runtime"}
+    assert p.returncode == 0 and not tools & set(eval(readers)) and mirrors == "0", p.stdout + p.stderr
+    assert {s.name for s in settings.SETTINGS} >= {"KNOT_DOCKER_OFFLINE", "CI", "KNOT_KERNELS_MARCH", "KNOT_PROFILE"}
+
+
+def test_a_compose_mirror_is_its_handler_rows_type_bounds_and_default():
+    from deploy.deploy_settings import MIRRORS
+
+    assert {m.name for m in MIRRORS} >= {"STATION_MEMORY_BUDGET_BYTES", "KNOT_PROFILE", "KNOT_PREFETCH"}
+    for m in MIRRORS:
+        role, var = m.mirror_of.split()
+        src = settings.lookup(var)
+        assert (m.type, m.choices, m.minimum, m.maximum, m.positive) == \
+            (src.type, src.choices, src.minimum, src.maximum, src.positive), m.name
+        assert "compose" in m.readers and m.meaning.startswith(f"every {role.replace('_', ' ')}'s {var}"), m.name
+    profile = settings.lookup("KNOT_PROFILE")
+    assert profile.default == settings.lookup("MEMORY_PROFILE").default_for("station") == "worker"
+    assert settings.lookup("KNOT_LAYER_WARDEN_BUDGET_BYTES").default == str(1 << 30)  # the warden's own default
+    with pytest.raises(ConfigError, match="KNOT_PROFILE' must be one of worker, resident"):
+        read({"KNOT_PROFILE": "device"}, "KNOT_PROFILE", "compose")
+    made = settings.mirror("X_MIRROR", "station", "INTERLEAVE_ROWS")
+    assert (made.default, made.minimum, made.mirror_of) == ("64", 0, "station INTERLEAVE_ROWS")
