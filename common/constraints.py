@@ -7,8 +7,8 @@ generation.py): the ids that may follow the prompt and the reply so far, a bool 
 are masked with it wherever they are sampled (common/sampling.py: Row.masked), the shards'
 summaries included, and a draft token outside it is rejected like any draft of probability 0.
 
-Why an installed compiler and not an import: the engine (llguidance, deploy/constraints.py) is
-native code, which Pyodide does not have; where none is installed (the Cloudflare Workers), a
+Why an installed compiler and not an import: the engine (llguidance, deploy/llguidance_engine.py)
+is native code, which Pyodide does not have; where none is installed (the Cloudflare Workers), a
 request that needs one gets a 400 that says so. The same pattern as the matmul kernels.
 """
 from __future__ import annotations

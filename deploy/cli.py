@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, guess in settings.unknown_knot_names(os.environ):
         log.warning("%s is set but is not a setting%s, so it is ignored (docs/configuration.md lists them)",
                     name, f" (did you mean {guess}?)" if guess else "")
-    from deploy import constraints, kernels
+    from deploy import kernels, llguidance_engine
 
     kernels.install()  # quantized matmul kernels when the C extension is built; numpy otherwise
-    constraints.install_llguidance()  # constrained decoding (response_format, required tool calls) where it imports
+    llguidance_engine.install_llguidance()  # constrained decoding (response_format, tool calls) where it imports
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

@@ -7,13 +7,13 @@ import pytest
 
 from common import ops
 from common import settings
-from deploy import constraints, kernels
+from deploy import kernels, llguidance_engine
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 # The same matmul path as the services (`knot serve` installs them too): the C kernels when built.
 # Tests of the numpy reference itself uninstall them locally (see numpy_matmul).
 kernels.install()
-constraints.install_llguidance()  # as `knot serve` does: response_format, required tool calls
+llguidance_engine.install_llguidance()  # as `knot serve` does: response_format, required tool calls
 
 
 REAL_MODEL_MARKERS = ("realmodel", "oracle")

@@ -1,4 +1,4 @@
-"""Constrained decoding's requests (common/constraints.py, deploy/constraints.py): what the
+"""Constrained decoding's requests (common/constraints.py, deploy/llguidance_engine.py): what the
 coordinator refuses, with a 400 naming the field, before any token; and the grammar of required
 tool calls. The outputs themselves are tested on the real model (tests/realmodel, the schemas
 validated and equal to the single process) and on random masks (tests/unit/test_rows.py)."""
@@ -10,7 +10,7 @@ import pytest
 
 from common import constraints
 from common.runtime import Request
-from deploy.constraints import tool_calls_lark
+from deploy.llguidance_engine import tool_calls_lark
 from services.coordinator.openai_api import response_format
 from services.coordinator.errors import InvalidParam
 from tests.inprocess import build_cluster

@@ -38,7 +38,7 @@ ALLOWED = {
 WORKERS_RUNTIME = {"js", "pyodide", "workers"}  # only under Pyodide (tests/cloudflare doubles them)
 PER_MODULE = {"common/tokenizer.py": {"tokenizers", "jinja2"},  # byte-level BPE and the chat template
               "deploy/otlp.py": {"opentelemetry"},  # the trace exporter, imported only when one is configured
-              "deploy/constraints.py": {"llguidance"},  # the grammar engine, imported at the first grammar
+              "deploy/llguidance_engine.py": {"llguidance"},  # the grammar engine, imported at the first grammar
               "common/integrity.py": {"isal"},  # the accelerated CRC-32, zlib's where it does not import
               # the soak forges KV rows straight into Redis, as a holder of the Redis password would
               "benchmarks/soak.py": {"redis", "services"},
