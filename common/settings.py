@@ -321,7 +321,13 @@ SETTINGS: list[Setting] = [
 ]
 
 TABLE: dict[str, Setting] = {s.name: s for s in SETTINGS}
-_FAMILIES = [(re.compile(re.escape(s.name).replace("<i>", r"\d+") + "$"), s) for s in SETTINGS if "<i>" in s.name]
+
+
+def _family(name: str) -> re.Pattern:
+    return re.compile(re.escape(name).replace("<i>", r"\d+") + "$")  # STATION_<i> matches STATION_3
+
+
+_FAMILIES = [(_family(s.name), s) for s in SETTINGS if "<i>" in s.name]
 SECTIONS: list[tuple[str, list[Setting]]] = [("Services and hosts (common/settings.py)", list(SETTINGS))]
 
 
@@ -335,6 +341,7 @@ def extend(heading: str, rows: list[Setting]) -> None:
         raise ValueError(f"declared twice: {', '.join(twice)}")
     SETTINGS.extend(rows)
     TABLE.update((r.name, r) for r in rows)
+    _FAMILIES.extend((_family(r.name), r) for r in rows if "<i>" in r.name)
     SECTIONS.append((heading, list(rows)))
 
 
