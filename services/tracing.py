@@ -67,13 +67,17 @@ def traceparent(trace_id: str, span_id: str) -> str:
 
 
 # A span id is this process's random prefix and a counter: unique within a trace as W3C asks, and no
-# random draw per call (a coordinator makes ten calls a token).
-_SPAN_PREFIX = uuid.uuid4().hex[:8]
+# random draw per call (a coordinator makes ten calls a token). The prefix is drawn at the first span,
+# not at import: a Cloudflare Worker may not draw random bytes outside a request (workerd raises).
+_span_prefix: str | None = None
 _span_counter = itertools.count(1)
 
 
 def new_span_id() -> str:
-    return f"{_SPAN_PREFIX}{next(_span_counter) & 0xFFFFFFFF:08x}"
+    global _span_prefix
+    if _span_prefix is None:
+        _span_prefix = uuid.uuid4().hex[:8]
+    return f"{_span_prefix}{next(_span_counter) & 0xFFFFFFFF:08x}"
 
 
 @dataclass(slots=True)
