@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+KEPT_TOKENIZERS = 2  # llguidance tokenizers kept (each holds its vocabulary's token trie)
+
+
 class _Tokens:
     """Our tokenizer as llguidance's TokenizerWrapper reads it."""
 
@@ -103,7 +106,10 @@ class Llguidance:
     name = "llguidance"
 
     def __init__(self):
-        self._tokenizers: dict[int, object] = {}
+        # id(tokenizer) -> (the tokenizer, llguidance's over it). The entry holds the tokenizer, so its
+        # id cannot be reused by another while the entry exists; the oldest is dropped past
+        # KEPT_TOKENIZERS (a reload brings a new model's tokenizer).
+        self._tokenizers: dict[int, tuple[object, object]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -115,11 +121,14 @@ class Llguidance:
     def _tokenizer(self, tok, vocab_size: int):
         key = id(tok)
         with self._lock:
-            if key not in self._tokenizers:
+            held = self._tokenizers.get(key)
+            if held is None or held[0] is not tok:
                 wrapper = self._llg.TokenizerWrapper(_Tokens(tok, vocab_size))
-                self._tokenizers[key] = self._llg.LLTokenizer(wrapper, n_vocab=vocab_size,
-                                                              eos_token=sorted(tok.eog_ids))
-            return self._tokenizers[key]
+                held = tok, self._llg.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=sorted(tok.eog_ids))
+                self._tokenizers[key] = held
+                while len(self._tokenizers) > KEPT_TOKENIZERS:
+                    self._tokenizers.pop(next(iter(self._tokenizers)))
+            return held[1]
 
     def compile(self, grammar: Grammar, tokenizer, vocab_size: int) -> Compiled:
         if len(grammar.source.encode()) > MAX_GRAMMAR_BYTES:
