@@ -58,19 +58,19 @@ ROWS = [
     declare("KNOT_PYTHON_IMAGE", "str", "python:3.11-slim", "compose docker", "base of the cluster's image (the "
             "Dockerfile's PYTHON_IMAGE); scripts/docker-images.sh builds knot/python:3.11-bookworm for hosts "
             "without Docker Hub"),
-    # memory limits per container, no swap beyond (deploy/compose_writer.py), from the peaks measured with
-    # the 0.5B and a 512-token prompt (docs/runtime.md); raise a station's or a warden's with its budget
+    # memory limits per container, no swap beyond (deploy/compose_writer.py), each above the peak measured
+    # with the 0.5B and a 512-token prompt (the table in docs/runtime.md#docker; tests/compose checks
+    # every peak stays under its limit); raise a station's or a warden's with its budget
     *(declare(f"KNOT_{role}_MEM_LIMIT", "str", limit, "compose", f"{who}'s memory limit ({why})")
       for role, (limit, who, why) in {
-          "STATION": ("512m", "each station", "measured peak 241 MiB with a 128 MiB budget"),
-          "SHARD": ("384m", "each shard", "measured peak 109 MiB; budget 128 MiB"),
-          "LAYER_WARDEN": ("1536m", "the LayerWarden", "budget 1 GiB; measured peak 383 MiB with the 0.5B"),
-          "COBORDISM_WARDEN": ("512m", "the CobordismWarden", "budget 256 MiB; measured peak 86 MiB"),
-          "COORDINATOR": ("512m", "the coordinator", "measured peak 200 MiB"),
-          "DRAFTER": ("1536m", "the drafter", "the whole draft model resident, ~0.5 GB for the 0.5B; not "
-                      "measured in a container"),
-          "INIT": ("3g", "init", "encoding peaks at 0.6 GB RSS for the 0.5B, 1.7 GB for the 1.5B"),
-          "S3": ("1g", "minio", "SeaweedFS in its place: 250 MiB peak while init uploads"),
+          "STATION": ("512m", "each station", "its budget, with room for the runtime and a prompt's activations"),
+          "SHARD": ("384m", "each shard", "its budget and its slice of the LM head"),
+          "LAYER_WARDEN": ("1536m", "the LayerWarden", "its budget; the peak with the 0.5B is in docs/runtime.md"),
+          "COBORDISM_WARDEN": ("512m", "the CobordismWarden", "its budget; the peak is in docs/runtime.md"),
+          "COORDINATOR": ("512m", "the coordinator", "the tokenizer, the grammar engine and the requests in flight"),
+          "DRAFTER": ("1536m", "the drafter", "the whole draft model resident; not measured in a container"),
+          "INIT": ("3g", "init", "encoding the largest registered model, the 1.5B"),
+          "S3": ("1g", "minio", "SeaweedFS in its place, while init uploads"),
           "KV": ("256m", "redis", "it evicts past --maxmemory 128mb"),
       }.items()),
     declare("KNOT_RUN_DIR", "str", None, "launcher", "state, logs and server data of `knot cluster` "

@@ -46,8 +46,8 @@ class StationMemoryFull(PayloadTooLarge):
 
 
 PROFILES = ("worker", "resident")  # MEMORY_PROFILE's choices (common/settings.py)
-# What a streamed byte costs a decode, for the estimate a fluid station prints: about 1 GB/s for the
-# cluster (the 1.5B's fluid row of knot bench, over the socket).
+# What a streamed byte costs a decode, for the estimate a fluid station prints: the rate of the 1.5B's
+# fluid row of knot bench, over the socket (its records: benchmarks/results/).
 FLUID_BYTES_PER_S = 1.0e9
 
 

@@ -10,21 +10,14 @@ import pytest
 
 from common.quant import QUANT_TYPES, QTensor
 from deploy import kernels
-from tests.unit.test_kernels import CASES, activations, assert_bits, matmul_numpy, qtensor
+# isa: test_kernels' fixture, each kernel set this CPU runs
+from tests.unit.test_kernels import CASES, activations, assert_bits, isa, matmul_numpy, qtensor  # noqa: F401
 
 pytestmark = pytest.mark.needs_kernels
 
 # Byte offset of a block's f16 scale `d` (ggml-common.h: block_q4_0, block_q5_0, block_q8_0 and
 # block_q4_K begin with it; block_q6_K ends with it, after ql[128], qh[64] and scales[16]).
 SCALE_AT = {"Q4_0": 0, "Q5_0": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}
-
-
-@pytest.fixture(params=kernels.isas())
-def isa(request):
-    best = kernels.get_isa()
-    kernels.set_isa(request.param)
-    yield request.param
-    kernels.set_isa(best)
 
 
 def one_ulp_off(w: QTensor, row: int, block: int) -> QTensor:
