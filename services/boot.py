@@ -14,11 +14,16 @@ per reload (~120 MiB, 1.9x over 10 reloads; benchmarks/reload_rss.py). So after 
 the next turn of the event loop runs one full collection: by then the request that reloaded has
 let go of the old value, and a value that requests still held is collected at the next reload at
 the latest.
+
+`instance` names the process (the isolate) that booted: drawn at its first boot, kept across
+reloads, new after a restart. A service's /stats reports it, so the coordinator tells a peer that
+came back as another process (restarted) from one that only stopped answering for a while.
 """
 from __future__ import annotations
 
 import asyncio
 import gc
+import uuid
 from typing import Awaitable, Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -30,6 +35,8 @@ class BootCache(Generic[T]):
         self._locks: dict[str, asyncio.Lock] = {}
         self.boots = 0
         self.reloads = 0  # boots that replaced a stale value
+        self.instance: str | None = None  # this process's id, drawn at its first boot (no random draw at
+        # import: a Cloudflare Worker may draw none outside a request)
 
     async def get(self, key: str, boot: Callable[[], Awaitable[T]],
                   stale: Callable[[T], bool] | None = None) -> T:
@@ -41,6 +48,8 @@ class BootCache(Generic[T]):
             value = self._booted.get(key)
             if value is None or (stale and stale(value)):
                 replacing = value is not None
+                if self.instance is None:
+                    self.instance = uuid.uuid4().hex[:12]
                 value = await boot()
                 self._booted[key] = value
                 self.boots += 1

@@ -11,7 +11,9 @@ or a new one, its id in the reply's X-Trace-Id header.
 
 The topology is a list of nodes, each a role (station, shard, ...) with its place in the model (a
 layer range, a vocabulary slice) and its replicas: one per binding today, so a later replicated
-range lists several and the page draws each.
+range lists several and the page draws each. A station's or shard's health is health()'s rule: a
+peer that stopped answering is "restarting" for PEER_WAIT_S (what requests wait for a supervised
+restart), then "down"; a replica's `restarts` counts the times it came back as another process.
 """
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ import asyncio
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from common.runtime import BadRequest, Env, MethodNotAllowed, NotFound, Request, Response, aclose_stream
 from services import tracing
 from services.coordinator import page
+from services.coordinator.pipeline import PeerState
 
 SNAPSHOT_TTL_S = 1.0  # pollers within this share one gathering of the services' /stats
 TRACES = tracing.Ring()
@@ -121,12 +125,59 @@ async def snapshot(co) -> dict:
         return {**_snapshots.value, "in_flight": _in_flight(co), "now": time.time()}
 
 
-def _health(stats: dict | None) -> str:
-    """down: no answer to /stats; streaming: a station whose layers do not fit its budget (it loads
-    some of them again on every forward); ready otherwise."""
+@dataclass
+class Seen:
+    """One station's or shard's answers to the snapshots' GET /stats, as the page reports them."""
+
+    instance: str | None = None  # the process that answered last (its BootCache.instance)
+    answered_at: float = -math.inf  # time.monotonic() of its last answer
+    lost_since: float | None = None  # time.monotonic() of the first unanswered /stats of this outage
+    restarts: int = 0  # times it came back as another process than the one before
+
+
+def observe(seen: Seen, stats: dict | None, now: float) -> None:
+    """Note one /stats answer (None: none). An answer from another instance than the last is a restart."""
     if stats is None:
-        return "down"
+        if seen.lost_since is None:
+            seen.lost_since = now
+        return
+    instance = stats.get("instance")
+    if seen.instance is not None and instance != seen.instance:
+        seen.restarts += 1
+    seen.instance, seen.answered_at, seen.lost_since = instance, now, None
+
+
+def down_for(seen: Seen, peer: PeerState, now: float) -> float | None:
+    """Seconds since the peer stopped answering: since the first unanswered /stats, or since a
+    request's hop found it down (PeerState.down_since) if that came first and after its last
+    answer; None while it answers."""
+    if seen.lost_since is None:
+        return None
+    since = seen.lost_since
+    if peer.down_since is not None and seen.answered_at < peer.down_since < since:
+        since = peer.down_since
+    return now - since
+
+
+def health(stats: dict | None, down_for_s: float | None, peer_wait_s: float) -> str:
+    """A station's or shard's health. No answer to /stats: restarting while it has been down for
+    less than peer_wait_s (PEER_WAIT_S: how long requests wait for a supervised restart), down
+    after that (requests fail with 503 naming it). Answering: streaming for a station whose layers
+    do not fit its budget (it loads some of them again on every forward), ready otherwise."""
+    if stats is None:
+        return "restarting" if down_for_s is not None and down_for_s < peer_wait_s else "down"
     return "streaming" if (stats.get("memory") or {}).get("fits") is False else "ready"
+
+
+_seen: dict[str, Seen] = {}  # binding name -> what its /stats said, across snapshots
+
+
+def _replica(co, binding: str, stats: dict | None, peer: PeerState, now: float) -> dict:
+    seen = _seen.setdefault(binding, Seen())
+    observe(seen, stats, now)
+    lost_s = down_for(seen, peer, now)
+    return {"binding": binding, "health": health(stats, lost_s, co.pipeline.peer_wait_s), "stats": stats,
+            "down_for_s": None if lost_s is None else round(lost_s, 1), "restarts": seen.restarts}
 
 
 def _gathered(co) -> dict:
@@ -134,13 +185,15 @@ def _gathered(co) -> dict:
     nodes: list[dict] = [{"role": "coordinator", "name": "coordinator", "replicas": [
         {"binding": "coordinator", "health": "ready", "stats": {"model": co.model_id, "knot_etag": co.pipeline.knot_etag,
                                                                 "context_tokens": co.context_tokens}}]}]
-    for i, (name, st) in enumerate(zip(co.settings.stations, stations)):
+    now = time.monotonic()
+    for i, (name, st, peer) in enumerate(zip(co.settings.stations, stations, co.pipeline.station_state)):
         rng = [int(st["layer_start"]), int(st["layer_end"])] if st else None
-        nodes.append({"role": "station", "name": f"station {i}", "layers": rng, "replicas": [
-            {"binding": name, "health": _health(st), "stats": st}]})
-    for (spec, _), (name, _, _), st in zip(co.pipeline.shards, co.settings.shards, shards):
+        nodes.append({"role": "station", "name": f"station {i}", "layers": rng,
+                      "replicas": [_replica(co, name, st, peer, now)]})
+    for (spec, _), (name, _, _), st, peer in zip(co.pipeline.shards, co.settings.shards, shards,
+                                                 co.pipeline.shard_state):
         nodes.append({"role": "shard", "name": f"shard {spec.index}", "vocab": [spec.vocab_start, spec.vocab_end],
-                      "replicas": [{"binding": name, "health": _health(st), "stats": st}]})
+                      "replicas": [_replica(co, name, st, peer, now)]})
     # The wardens are the stations' and shards' peers, not the coordinator's: seen through their /stats.
     for role, peers in (("layer_warden", stations), ("cobordism_warden", shards)):
         seen = [s for s in peers if s is not None and any(k.startswith("warden_") for k in s)]

@@ -45,7 +45,7 @@ input[type=number]{width:70px} pre{white-space:pre-wrap;background:#f0f2f4;paddi
 <script>
 "use strict";
 const POLL_MS = 1000, HISTORY = 300, COLORS = {ready: "#2e7d32", streaming: "#1565c0", degraded: "#ef8f00",
-  restarting: "#ef8f00", down: "#c62828", unknown: "#9e9e9e"};
+  restarting: "#7b1fa2", down: "#c62828", unknown: "#9e9e9e"};
 const NS = "http://www.w3.org/2000/svg";
 const history = [];
 let polling = null;
@@ -106,9 +106,11 @@ function drawTopology(nodes) {
       } else if (n.role === "shard") detail = `vocab ${n.vocab[0]}–${n.vocab[1]}`;
       else if (n.role === "coordinator") detail = s.model || "";
       else if (n.role === "bucket") detail = s.note || "";
+      if (r.down_for_s != null) detail = `no answer for ${r.down_for_s.toFixed(0)} s`;
       el("text", {x: x + 6, y: y + 16, fill: "#fff", "font-weight": "bold"}, g, `${n.name} · ${r.health}`);
       el("text", {x: x + 6, y: y + 33, fill: "#fff"}, g, detail.slice(0, 34));
-      el("title", {}, g, `${r.binding}\n` + JSON.stringify(s, null, 1).slice(0, 1500));
+      el("title", {}, g, `${r.binding}${r.restarts ? ` · restarted ${r.restarts}×` : ""}\n` +
+                          JSON.stringify(s, null, 1).slice(0, 1500));
     });
   }
   // wide layouts (many shards) shrink to the section's width rather than overflow it

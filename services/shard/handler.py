@@ -325,5 +325,6 @@ async def _route(request: Request, sh: Shard) -> Response:
         return Response.from_json({"boot_key": s.boot_key, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end,
                                    "head": sh.head_name, "head_bytes": sh.head.nbytes,
                                    "head_f32_cached": sh.head_f32 is not None, **sh.stats, **sh.batcher.stats(),
-                                   **sh.warden_stats(), **sh.source.stats(), "knot_reloads": _booted.reloads})
+                                   **sh.warden_stats(), **sh.source.stats(), "knot_reloads": _booted.reloads,
+                                   "instance": _booted.instance})
     raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, POST /sample, GET /stats")

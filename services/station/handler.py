@@ -540,5 +540,6 @@ async def _route(request: Request, st: Station, ctx) -> Response:
         rid = path[len("/release/"):]
         return Response.from_json({"request_id": rid, "released": st.release(rid)})
     if path == "/stats" and request.method == "GET":
-        return Response.from_json({**st.stats(), "boots": _booted.boots, "knot_reloads": _booted.reloads})
+        return Response.from_json({**st.stats(), "boots": _booted.boots, "knot_reloads": _booted.reloads,
+                                   "instance": _booted.instance})
     raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /release/<id>, GET /stats")

@@ -1,12 +1,16 @@
 """Issue 53 on real processes: a request's trace across the cluster's hops (GET /traces/<id>), the
-client's traceparent kept, a bad one ignored, and the cluster page's data (GET /, GET /cluster)."""
+client's traceparent kept, a bad one ignored, and the cluster page's data (GET /, GET /cluster),
+including a killed shard's health: restarting until it is started again, then ready."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
-from tests.integration.conftest import http
+from deploy import servers
+from tests.integration.conftest import http, wait_for
 from tests.integration.test_pipeline_cluster import cluster, engine  # noqa: F401 - the same real cluster
 
 TID, SID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -116,3 +120,32 @@ def test_a_client_learns_nothing_of_the_hops_but_the_trace_id(cluster):  # noqa:
                                ("GET", "/cluster", None)):
         status, h, _ = http(method, cluster.url("coordinator") + path, body, {"traceparent": f"00-{TID}-{SID}-01"})
         assert status == 200 and "X-Knot-Spans" not in h, (path, h)
+
+
+def replica(cluster, name):  # noqa: F811
+    status, _, raw = http("GET", cluster.url("coordinator") + "/cluster")
+    assert status == 200, raw
+    return next(n for n in json.loads(raw)["nodes"] if n["name"] == name)["replicas"][0]
+
+
+def test_a_killed_shard_is_restarting_then_ready_as_another_process(cluster):  # noqa: F811
+    """kill -9 a shard, then start it again as the supervisor does (deploy/supervisor.py: the same
+    command, environment and port): /cluster says restarting while it is gone, ready once it
+    answers, and counts one restart (its /stats names another process)."""
+    before = wait_for(lambda: (r := replica(cluster, "shard 3"))["health"] == "ready" and r, timeout_s=10,
+                      what="shard 3 ready")
+    assert before["down_for_s"] is None and before["stats"]["instance"]
+    pid = cluster.running.pop("shard-3").pid
+    os.killpg(pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: not servers.pid_alive(pid), timeout_s=10, what="shard 3 gone")
+        lost = wait_for(lambda: (r := replica(cluster, "shard 3"))["health"] != "ready" and r, timeout_s=10,
+                        what="shard 3 seen lost", poll_s=0.2)
+        assert lost["health"] == "restarting" and lost["stats"] is None, lost  # PEER_WAIT_S is 15 s here
+        assert 0 <= lost["down_for_s"] < 15 and replica(cluster, "shard 2")["health"] == "ready"
+    finally:
+        cluster.start("shard-3")
+    back = wait_for(lambda: (r := replica(cluster, "shard 3"))["health"] == "ready" and r, timeout_s=10,
+                    what="shard 3 ready again", poll_s=0.2)
+    assert back["down_for_s"] is None and back["restarts"] == before["restarts"] + 1
+    assert back["stats"]["instance"] != before["stats"]["instance"]
