@@ -1,7 +1,8 @@
 """The coordinator's traces to an OpenTelemetry collector over OTLP/HTTP, through the standard SDK.
 
 Only when OTEL_EXPORTER_OTLP_ENDPOINT is set (the host: deploy/local/host.py); nothing leaves the
-cluster otherwise. Here, not in services/: the SDK does not import under Pyodide.
+cluster otherwise. Here, not in services/: the SDK does not import under Pyodide. The coordinator's
+export holds the whole cluster's spans: the other services keep none (services/tracing.py).
 
 Each request's spans go once, as its server span ends (tracing.Ring.on_end): that span and every
 span under it recorded by then. The stations' KV releases, which run after the reply, are not among

@@ -1,8 +1,6 @@
 """deploy/otlp.py: a request's spans reach an OTLP/HTTP endpoint (a real HTTP server here, decoding
 what the SDK's exporter sends with the OTLP protobuf schema), under the trace id the client gave."""
 import asyncio
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -10,31 +8,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from common.runtime import Request, Response
 from deploy import otlp
 from services import tracing
+from tests.otlp_receiver import Receiver
 
 TID, SID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 
 @pytest.fixture
 def collector():
-    got = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            got.append((self.path, self.headers["Content-Type"], body))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", got
-    server.shutdown()
-    server.server_close()
+    with Receiver() as r:
+        yield r.url, r.posts
 
 
 class Station:
@@ -84,7 +66,8 @@ def test_the_host_exports_the_coordinators_ring_only_where_an_endpoint_is_set(co
             export_traces(SimpleNamespace(otlp_endpoint=endpoint, service=service, name="coordinator"), stack)
             return list(TRACES.on_end)
 
-    assert asyncio.run(open_and_close(None, "services.coordinator.handler")) == []
-    assert asyncio.run(open_and_close(collector[0], "services.shard.handler")) == []  # keeps no traces
-    hooks = asyncio.run(open_and_close(collector[0], "services.coordinator.handler"))
+    # the services as KNOT_SERVICE names them (docker-compose.yml): their packages
+    assert asyncio.run(open_and_close(None, "services.coordinator")) == []
+    assert asyncio.run(open_and_close(collector[0], "services.shard")) == []  # keeps no traces
+    hooks = asyncio.run(open_and_close(collector[0], "services.coordinator"))
     assert [type(h) for h in hooks] == [otlp.OtlpExport] and TRACES.on_end == []  # unhooked at exit
