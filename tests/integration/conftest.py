@@ -241,6 +241,13 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+def page_replica(coordinator_url: str, node: str) -> dict:
+    """The first replica of a node ("shard 3", "station 1") in the coordinator's GET /cluster."""
+    status, _, raw = http("GET", coordinator_url + "/cluster")
+    assert status == 200, raw
+    return next(n for n in json.loads(raw)["nodes"] if n["name"] == node)["replicas"][0]
+
+
 PIPELINE = ["station-0", "station-1", *(f"shard-{i}" for i in range(8)), "coordinator"]
 
 

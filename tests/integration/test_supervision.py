@@ -1,6 +1,7 @@
 """Supervision (issue 13 item 1): `knot cluster up`'s supervisor restarts every kind of service that
 dies (kill -9) mid-generation, with no operator: `knot cluster status` shows the restart, readiness
-comes back, and the cluster then gives the fault-free tokens again."""
+comes back, and the cluster then gives the fault-free tokens again. The coordinator's page data
+(GET /cluster) shows a killed station or shard restarting, then ready with one restart."""
 import json
 import os
 import signal
@@ -9,13 +10,21 @@ import time
 
 from deploy import launcher, servers
 
-from .conftest import http, metric, wait_for
+from .conftest import http, metric, page_replica, wait_for
 from .test_launcher import knot_cli
 
 PROMPT = "the def the"
 MAX_TOKENS = 48
 # killed in this order; the coordinator last (its in-flight request dies with it)
 VICTIMS = ("shard-3", "station-1", "layer-warden", "cobordism-warden", "redis", "minio", "coordinator")
+ON_THE_PAGE = {"shard-3": "shard 3", "station-1": "station 1"}  # the victims /cluster reports on, by node name
+
+
+def watch(url: str, node: str, seen: list[str], stop: threading.Event) -> None:
+    """Note each health the coordinator's /cluster gives node until stop (the page polls every second)."""
+    while not stop.is_set():
+        seen.append(page_replica(url, node)["health"])
+        stop.wait(0.2)
 
 
 def generate(url: str) -> tuple[int, dict]:
@@ -54,12 +63,23 @@ def test_each_kind_of_service_killed_mid_generation_comes_back(tmp_path, knot, r
             t.start()
             wait_for(lambda: metric(url, "knot_requests_active") >= 1 or not t.is_alive(), timeout_s=60,
                      what="the request under way")
+            node, seen, stop = ON_THE_PAGE.get(name), [], threading.Event()
+            watcher = threading.Thread(target=watch, args=(url, node, seen, stop))
+            if node is not None:  # the coordinator has seen this process answer, then watches
+                assert page_replica(url, node)["health"] == "ready"
+                watcher.start()
             os.kill(row["pid"], signal.SIGKILL)
             t0 = time.monotonic()
             while not recovered(cluster, name, row["restarts"] + 1):
                 assert time.monotonic() - t0 < 180, f"{name} not back after 180 s: {cluster.status()}"
                 time.sleep(0.2)
             recovery_s[name] = round(time.monotonic() - t0, 1)
+            if node is not None:  # the page: restarting while it was gone, then ready, one restart seen
+                wait_for(lambda: (r := page_replica(url, node))["health"] == "ready" and r["restarts"] == 1,
+                         timeout_s=30, what=f"{name} ready on the page", poll_s=0.2)
+                stop.set()
+                watcher.join()
+                assert "restarting" in seen and "down" not in seen, (name, seen)  # PEER_WAIT_S is 120 s
             t.join(300)
             in_flight[name] = result["code"]
             # the request under way: the fault-free tokens, or a deliberate error; never other tokens

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from deploy import servers
-from tests.integration.conftest import http, wait_for
+from tests.integration.conftest import http, page_replica, wait_for
 from tests.integration.test_pipeline_cluster import cluster, engine  # noqa: F401 - the same real cluster
 
 TID, SID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -123,9 +123,7 @@ def test_a_client_learns_nothing_of_the_hops_but_the_trace_id(cluster):  # noqa:
 
 
 def replica(cluster, name):  # noqa: F811
-    status, _, raw = http("GET", cluster.url("coordinator") + "/cluster")
-    assert status == 200, raw
-    return next(n for n in json.loads(raw)["nodes"] if n["name"] == name)["replicas"][0]
+    return page_replica(cluster.url("coordinator"), name)
 
 
 def test_a_killed_shard_is_restarting_then_ready_as_another_process(cluster):  # noqa: F811
