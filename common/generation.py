@@ -55,6 +55,7 @@ class Generation:
     backed_off: int = field(default=0, compare=False)  # trips that drafted nothing after drafts that all failed
     drafter_error: str | None = field(default=None, compare=False)  # the drafter's fault; no drafts after it
     cached: int = field(default=0, compare=False)  # positions the engine's KV caches hold (rejected drafts too)
+    cached_prompt_tokens: int = field(default=0, compare=False)  # prompt positions taken from a prompt cache
     t0: float = field(default=0.0, compare=False)  # clock (s) at the start,
     t_first: float = field(default=0.0, compare=False)  # once the prompt's logits were in,
     t_end: float = field(default=0.0, compare=False)  # and at the end
@@ -93,7 +94,8 @@ class Generation:
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.token_ids),
-                "total_tokens": len(self.prompt_ids) + len(self.token_ids)}
+                "total_tokens": len(self.prompt_ids) + len(self.token_ids),
+                "prompt_tokens_details": {"cached_tokens": self.cached_prompt_tokens}}
 
 
 @runtime_checkable

@@ -116,6 +116,14 @@ class KVCache:
         self._n[layer] = n = n + T
         return self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
 
+    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What layer holds, as views: k, v (S, n_kv, hd) in the storage dtype, positions (S,)."""
+        n = self._n.get(layer, 0)
+        if n == 0:
+            empty = np.empty((0, self.n_kv_head, self.head_dim), self.dtype)
+            return empty, empty, np.empty(0, np.int64)
+        return self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
+
     def n_positions(self) -> int:
         """Entries of the longest layer (every layer of a sequence holds as many once a forward is done)."""
         return max(self._n.values(), default=0)

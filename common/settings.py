@@ -236,6 +236,9 @@ SETTINGS: list[Setting] = [
        "(the launcher sets it from the host's available memory)", minimum=1),
     _s("SESSION_TTL_S", "float", "600", "station", "an idle request's KV cache is dropped after this long",
        positive=True),
+    _s("PREFIX_CACHE_BYTES", "int", None, "station", "prompt caching: the most bytes of recent prompts' KV "
+       "blocks the station keeps, counted in its budget and evicted first when a forward or a session needs room "
+       "(unset: half of what the budget leaves beside the layers it keeps; 0: off; docs/runtime.md)", minimum=0),
     _s("MAX_BATCH", "int", "16", "station", "decode frames of concurrent requests stacked into one forward",
        minimum=1),
     _s("INTERLEAVE_ROWS", "int", "64", "station", "fair scheduling: frames of at most this many rows (decode steps, "

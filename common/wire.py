@@ -269,8 +269,14 @@ def decode_batch(buf: bytes | memoryview | Sequence[bytes | memoryview],
 #     12   4     seq_len      u32, sequence length once this frame is applied (position + rows)
 #     16   2     id_len       u16, bytes of the UTF-8 request id
 #     18   2     flags        bit 0 REWIND (a station first drops the session's positions from
-#                             `position` on: the rejected drafts of a speculative trip); others 0
+#                             `position` on: the rejected drafts of a speculative trip);
+#                             bit 1 PREFIX (a prefill frame: the key of the tokens [0, position) follows
+#                             the id); bit 2 BLOCK (the frame is one whole prompt block: the key of the
+#                             tokens [0, seq_len) follows, a station may keep the block's KV under it;
+#                             common/prefix.py); others 0
 #     20   ..    request_id   id_len bytes
+#     ..   16    prefix       with PREFIX
+#     ..   16    block        with BLOCK
 #     ..   8*nd  shape        u64 each, C order (rows first): (T, dim) activations, (T,) tokens
 #     ..   ..    payload      prod(shape) * itemsize bytes, little-endian
 #     ..   4     crc32        CRC-32 (zlib's) of every byte above
@@ -280,7 +286,10 @@ ENVELOPE_CONTENT_TYPE = "application/x-knot-envelope"
 MODES = ("prefill", "decode", "embed", "logits", "draft", "sample")
 DTYPES = ("<f4", "<i4", "<f8")  # index = dtype code
 FLAG_REWIND = 1
-_ENV_FLAGS = FLAG_REWIND  # every flag this decoder knows
+FLAG_PREFIX = 2
+FLAG_BLOCK = 4
+_ENV_FLAGS = FLAG_REWIND | FLAG_PREFIX | FLAG_BLOCK  # every flag this decoder knows
+PREFIX_KEY_BYTES = 16
 _ENV_HEAD = struct.Struct("<4sBBBBIIHH")
 
 
@@ -292,6 +301,8 @@ class Envelope:
     seq_len: int
     array: np.ndarray  # float32 activations (T, dim) / logits, or int32 token ids (T,)
     rewind: bool = False  # stations: drop the session's positions >= position before applying
+    prefix: bytes | None = None  # prefill: the key of the tokens before `position` (common/prefix.py)
+    block: bytes | None = None  # prefill of one whole block: the key of the tokens before `seq_len`
 
 
 def encode_envelope(env: Envelope) -> bytes:
@@ -302,9 +313,14 @@ def encode_envelope(env: Envelope) -> bytes:
         raise ValueError(f"envelope array dtype {arr.dtype} is not float32, int32 or float64")
     if env.mode not in MODES or len(rid) > 0xFFFF or arr.ndim > MAX_NDIM:
         raise ValueError(f"envelope: mode {env.mode!r}, id {len(rid)} B or ndim {arr.ndim} out of range")
+    keys = [k for k in (env.prefix, env.block) if k is not None]
+    if any(len(k) != PREFIX_KEY_BYTES for k in keys):
+        raise ValueError(f"envelope: prefix keys are {PREFIX_KEY_BYTES} bytes, got {[len(k) for k in keys]}")
+    flags = ((FLAG_REWIND if env.rewind else 0) | (FLAG_PREFIX if env.prefix is not None else 0) |
+             (FLAG_BLOCK if env.block is not None else 0))
     head = _ENV_HEAD.pack(ENVELOPE_MAGIC, VERSION, MODES.index(env.mode), DTYPES.index(dtype), arr.ndim,
-                          env.position, env.seq_len, len(rid), FLAG_REWIND if env.rewind else 0)
-    meta = head + rid + b"".join(_U64.pack(d) for d in arr.shape)
+                          env.position, env.seq_len, len(rid), flags)
+    meta = head + rid + b"".join(keys) + b"".join(_U64.pack(d) for d in arr.shape)
     payload = arr.astype(dtype, copy=False).tobytes()
     return b"".join((meta, payload, _CRC.pack(crc32(payload, crc32(meta)))))
 
@@ -343,6 +359,8 @@ def _read_envelope(r: _Reader) -> Envelope:
         rid = bytes(r.take(id_len, "request_id")).decode("utf-8")
     except UnicodeDecodeError as e:
         raise MalformedFrame(f"envelope: request id is not UTF-8 (byte {e.start})") from None
+    prefix = bytes(r.take(PREFIX_KEY_BYTES, "prefix key")) if flags & FLAG_PREFIX else None
+    block = bytes(r.take(PREFIX_KEY_BYTES, "block key")) if flags & FLAG_BLOCK else None
     itemsize = np.dtype(DTYPES[dtype]).itemsize
     shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
     # A hostile shape such as (0, 2**63) claims no payload yet no array can take it: every
@@ -363,7 +381,7 @@ def _read_envelope(r: _Reader) -> Envelope:
     if seq_len < position:
         raise MalformedFrame(f"envelope {rid}: seq_len {seq_len} < position {position}")
     arr = np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
-    return Envelope(rid, MODES[mode], position, seq_len, arr, bool(flags & FLAG_REWIND))
+    return Envelope(rid, MODES[mode], position, seq_len, arr, bool(flags & FLAG_REWIND), prefix, block)
 
 
 # ---------------------------------------------------------------- sampling spec (shard-side sampling)

@@ -14,6 +14,7 @@ import numpy as np
 
 from common.generation import Generation
 from common.kvcache import prefill_chunks
+from common.prefix import PREFIX_BLOCK_TOKENS, PrefixIndex, block_keys
 from common.runtime import ServiceUnavailable
 from common.sampling import LogitsRow, Row, apply_masks, row_masks
 from common.shard_sampling import decided, sample_spec
@@ -26,6 +27,7 @@ from services.station.station_client import SessionLost
 log = logging.getLogger(__name__)
 
 MAX_REPLAYS = 3
+PREFIX_INDEX_KEYS = 1 << 16  # block keys the coordinator remembers having had stored (16 B each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,8 @@ class ClusterGeneration(Generation):
     subrequests: subrequests.Counter | None = None  # its invocation's (services/coordinator/subrequests.py)
     asked_tokens: int = 0  # max_tokens as asked; max_tokens itself may be bounded by the subrequests left
     trace: tracing.Scope | None = None  # where its hops record their spans (services/tracing.py)
+    cache_prompt: bool = True  # may start after the blocks of its prompt the stations keep (prompt caching)
+    prompt_cache: str = ""  # what prompt caching did for its prompt: hit, miss, none or off (metrics)
 
 
 class ClusterEngine:
@@ -70,6 +74,10 @@ class ClusterEngine:
         full slices of logits and the coordinator samples from those."""
         self.pipeline, self.observe_hop, self.sample_top = pipeline, observe_hop, sample_top
         self.trip_cost = TripCost()  # its plain trips' time, shared by its generations (speculation's back-off)
+        # Prompt caching: on when every station keeps blocks (the coordinator reads their /stats)
+        self.prompt_caching = False
+        self.prefixes = PrefixIndex(PREFIX_INDEX_KEYS)
+        self.prefix_hits = self.prefix_misses = 0  # prompts started after cached blocks / whose blocks were gone
 
     def _call(self, gen: ClusterGeneration) -> Call:
         return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
@@ -77,19 +85,47 @@ class ClusterEngine:
 
     async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> Row:
         """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined
-        through the stations."""
+        through the stations. With prompt caching, the chunks start after the longest run of whole
+        blocks the stations were given to keep (common/prefix.py); when a station no longer has them,
+        the prompt runs from position 0. Either way gen.frames records every chunk from 0: a replay
+        computes the same KV caches without any cache."""
         chunks = prefill_chunks(len(ids))
-        while True:
+        keys = block_keys(ids) if self.prompt_caching and gen.cache_prompt else None
+        gen.prompt_cache = "off" if keys is None else "none"
+        h = await self._cached_prefill(gen, ids, chunks, keys) if keys else None
+        while h is None:
             try:
-                h = await self.pipeline.prefill(self._call(gen), ids, chunks)
-                break
+                h = await self.pipeline.prefill(self._call(gen), ids, chunks, keys)
             except SessionLost as e:  # a station restarted mid-prompt: our later chunks found no session
                 self._replaying(gen, e, len(ids))
+        if keys:
+            self.prefixes.add(keys)
         gen.frames[:] = [Frame("prefill", a, b, False) for a, b in chunks]
         gen.cached = len(ids)
         row = (await self._rows(gen, h, len(ids) - 1, ids))[-1]
         self._bound(gen)
         return row
+
+    async def _cached_prefill(self, gen: ClusterGeneration, ids: list[int], chunks: list[tuple[int, int]],
+                              keys: list[bytes]) -> np.ndarray | None:
+        """The prompt's chunks after its longest run of cached blocks -> the exit's (1, dim); None when
+        no block is known or a station no longer holds them (then nothing is left of the attempt)."""
+        j = self.prefixes.longest(keys, len(ids))
+        if j == 0:
+            return None
+        start = j * PREFIX_BLOCK_TOKENS
+        try:
+            h = await self.pipeline.prefill(self._call(gen), ids, [(a, b) for a, b in chunks if a >= start], keys)
+        except SessionLost as e:  # evicted, or the station restarted: those keys are no hint any more
+            self.prefixes.forget(keys[1:j + 1])
+            self.prefix_misses += 1
+            gen.prompt_cache = "miss"
+            log.info("request %s: the stations no longer hold its first %d prompt tokens (%s); prefilling from 0",
+                     gen.request_id, start, e)
+            return None
+        self.prefix_hits += 1
+        gen.cached_prompt_tokens, gen.prompt_cache = start, "hit"
+        return h
 
     async def next_logits(self, gen: ClusterGeneration, token: int, history: list[int]) -> Row:
         return (await self.verify_logits(gen, [token], history))[0]

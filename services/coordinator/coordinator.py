@@ -105,6 +105,7 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(self.admission)
         self.engine = ClusterEngine(pipeline, self.metrics.observe_hop, settings.sample_top)
         self.station_memory: list[dict | None] = []  # each station's /stats "memory", last known
+        self.station_prefix: list[dict | None] = []  # ... and "prefix_cache"
         self.in_flight: dict[str, ClusterGeneration] = {}  # by request id, while events() runs them
         self._grammars: dict[tuple, object] = {}  # compiled grammars (constraint()), least recent first
 
@@ -112,6 +113,12 @@ class Coordinator:
         """Keep the stations' memory plans (at boot, and at each /metrics scrape for those that answered)."""
         old = self.station_memory + [None] * (len(stats) - len(self.station_memory))
         self.station_memory = [old[i] if s is None else s.get("memory") for i, s in enumerate(stats)]
+        old = self.station_prefix + [None] * (len(stats) - len(self.station_prefix))
+        self.station_prefix = [old[i] if s is None else s.get("prefix_cache") for i, s in enumerate(stats)]
+        # prompt caching needs every station to keep blocks: a prompt resumed at one and not another
+        # would be refused by it and run cold every time
+        self.engine.prompt_caching = bool(self.station_prefix) and all(p and p.get("holds")
+                                                                       for p in self.station_prefix)
 
     # -------------------------------------------------------- admission
 
@@ -160,6 +167,7 @@ class Coordinator:
         return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
                                  speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
                                  timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure,
+                                 cache_prompt=g.cache_prompt,
                                  subrequests=subrequests.current(), trace=tracing.current(),
                                  allowed=compiled.start(n).allowed if compiled is not None else None)
 
@@ -208,6 +216,7 @@ class Coordinator:
             ClusterGeneration(list(first.prompt_ids), first.max_tokens, sampling(i), g.stop, g.logprobs,
                               request_id=uuid.uuid4().hex, speculation=first.speculation, deadline=first.deadline,
                               timeout_s=first.timeout_s, shard_failure=first.shard_failure,
+                              cache_prompt=first.cache_prompt,
                               subrequests=first.subrequests,
                               allowed=compiled.start(len(first.prompt_ids)).allowed if compiled is not None else None)
             for i in range(1, n)]
@@ -350,6 +359,9 @@ class Coordinator:
         m.generations.labels(outcome).inc()
         m.tokens.labels("prompt").inc(len(gen.prompt_ids))
         m.tokens.labels("completion").inc(len(gen.token_ids))
+        m.tokens.labels("prompt_cached").inc(gen.cached_prompt_tokens)
+        if getattr(gen, "prompt_cache", ""):
+            m.prompt_cache.labels(gen.prompt_cache).inc()
         if gen.replays:
             m.replays.inc(gen.replays)
         m.observe_speculation(gen)

@@ -68,6 +68,11 @@ class ServiceStats:
         streamed = GaugeMetricFamily(f"{PREFIX}_station_streamed_bytes_per_token",
                                      "layer bytes a station loads again every decode step", labels=["station"])
         budget = GaugeMetricFamily(f"{PREFIX}_station_budget_bytes", "a station's memory budget", labels=["station"])
+        prefix = CounterMetricFamily(f"{PREFIX}_station_prompt_cache", "a station's prompt cache: sessions started "
+                                     "from its blocks (hit), refused for want of them (miss), blocks kept (stored) "
+                                     "and evicted", labels=["station", "event"])
+        prefix_bytes = GaugeMetricFamily(f"{PREFIX}_station_prompt_cache_bytes", "bytes a station's prompt cache "
+                                         "holds, and its capacity", labels=["station", "of"])
         ratio = GaugeMetricFamily(f"{PREFIX}_warden_hit_ratio",
                                   "share of reads served by the warden cache rather than R2",
                                   labels=["service"])
@@ -100,6 +105,13 @@ class ServiceStats:
                 resident.add_metric([str(i), m["profile"]], m["resident_fraction"])
                 streamed.add_metric([str(i)], m["streamed_bytes_per_token"])
                 budget.add_metric([str(i)], m["budget_bytes"])
+            if "prefix_cache" in s:
+                p = s["prefix_cache"]
+                for event, field in (("hit", "hits"), ("miss", "misses"), ("stored", "stored"),
+                                     ("evicted", "evictions")):
+                    prefix.add_metric([str(i), event], p.get(field, 0))
+                prefix_bytes.add_metric([str(i), "held"], p.get("bytes", 0))
+                prefix_bytes.add_metric([str(i), "capacity"], p.get("capacity_bytes", 0))
             ratio.add_metric([f"station_{i}"], _ratio(w, r))
             tot["station"][0] += w
             tot["station"][1] += r
@@ -115,7 +127,7 @@ class ServiceStats:
             tot["shard"][1] += r
         ratio.add_metric(["stations"], _ratio(*tot["station"]))
         ratio.add_metric(["shards"], _ratio(*tot["shard"]))
-        yield from (up, loads, sessions, resident, streamed, budget, rows, ratio)
+        yield from (up, loads, sessions, resident, streamed, budget, prefix, prefix_bytes, rows, ratio)
 
 
 class _Uncounted:
@@ -141,8 +153,8 @@ class CoordinatorMetrics:
         r = self.registry = CollectorRegistry()  # per coordinator, never the process-global one
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
-        self.tokens = Counter(f"{PREFIX}_tokens", "tokens processed, by kind (prompt, completion)", ["kind"],
-                              registry=r)
+        self.tokens = Counter(f"{PREFIX}_tokens", "tokens processed, by kind (prompt, completion; prompt_cached: "
+                              "the prompt positions taken from the stations' prompt caches)", ["kind"], registry=r)
         self.generations = Counter(f"{PREFIX}_generations", "generations by outcome (stop, length, cancelled, error)",
                                    ["outcome"], registry=r)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "from admission to the first sampled token",
@@ -171,6 +183,10 @@ class CoordinatorMetrics:
                                       "after the drafter failed them (their tokens are the same)", registry=r)
         self.tokens_per_trip = Histogram(f"{PREFIX}_tokens_per_trip", "a generation's tokens per decode trip",
                                          buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16, 33), registry=r)
+        self.prompt_cache = Counter(f"{PREFIX}_prompt_cache_lookups", "prompts by what prompt caching did: hit "
+                                    "(started after blocks the stations keep), miss (they no longer held them: run "
+                                    "from 0), none (no block of it known), off (cache_prompt false, or a station "
+                                    "keeps no blocks)", ["result"], registry=r)
         self.replays = Counter(f"{PREFIX}_session_replays", "prompts replayed after a station lost a KV session",
                                registry=r)
         self.knot_reloads = Counter(f"{PREFIX}_version_reloads", "coordinator reloads on a new knot version",

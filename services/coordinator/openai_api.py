@@ -21,12 +21,13 @@ from typing import Any, AsyncIterator
 
 from common.constraints import Grammar
 from common.generation import FinishEvent, Generation, TokenEvent
+from common.prefix import PREFIX_BLOCK_TOKENS
 from common.runtime import Response, status_for
 from services.coordinator.errors import InvalidParam, openai_error_body
 from services.coordinator import subrequests
 from services.coordinator.coordinator import Coordinator, policy_headers
-from services.coordinator.params import (GenerateRequest, chat_message, fim_suffix, number, sampling_params,
-                                         shard_failure, speculation_request, stop_strings)
+from services.coordinator.params import (GenerateRequest, cache_prompt, chat_message, fim_suffix, number,
+                                         sampling_params, shard_failure, speculation_request, stop_strings)
 from services.coordinator.sse import SSE_DONE, SSE_HEADERS, ClosingStream, sse
 from services.coordinator.tools import ToolRequest, ToolStream, parse_tools, split_calls
 from services.offload import off_loop
@@ -131,7 +132,8 @@ def parse_completion(body: Any) -> tuple[GenerateRequest, Options]:
     logprobs = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
     max_tokens = number(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, integer=True)
     g = GenerateRequest(prompt, None, max_tokens, sampling_params(body), stop_strings(body), prompt_ids, logprobs,
-                        speculation_request(body), shard_failure(body), fim_suffix(body, prompt is not None))
+                        speculation_request(body), shard_failure(body), fim_suffix(body, prompt is not None),
+                        cache_prompt=cache_prompt(body))
     return g, opts
 
 
@@ -181,7 +183,7 @@ def parse_chat(body: Any) -> tuple[GenerateRequest, Options]:
         raise InvalidParam("top_logprobs needs logprobs=true", "top_logprobs")
     g = GenerateRequest(None, messages, max_tokens, sampling_params(body), stop_strings(body), None,
                         (top or 0) if want_logprobs else None, speculation_request(body), shard_failure(body),
-                        tools=tools, grammar=grammar, grammar_param=grammar_param)
+                        tools=tools, grammar=grammar, grammar_param=grammar_param, cache_prompt=cache_prompt(body))
     return g, dataclasses.replace(opts, tools=tools)
 
 
@@ -236,7 +238,8 @@ class Shape:
     def usage(self) -> dict:
         """The prompt once, the completions of every choice."""
         prompt, completion = len(self.gens[0].prompt_ids), sum(len(g.token_ids) for g in self.gens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.gens[0].cached_prompt_tokens}}
 
     def _token_str(self, tid: int) -> str:
         return self.co.tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
@@ -411,7 +414,7 @@ async def _interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[byte
 def model_card(co: Coordinator) -> dict:
     return {"id": co.model_id, "object": "model", "created": co.created, "owned_by": "knot-cluster",
             "context_length": co.cfg.context_length, "knot_digest": co.knot_digest,
-            "memory": memory_report(co.station_memory)}
+            "memory": memory_report(co.station_memory), "prompt_cache": prompt_cache_report(co)}
 
 
 def memory_report(plans: list[dict | None]) -> dict:
@@ -421,6 +424,15 @@ def memory_report(plans: list[dict | None]) -> dict:
     return {"profile": profiles.pop() if len(profiles) == 1 else "mixed" if profiles else "unknown",
             "stations": [{"station": i, **({k: p[k] for k in keys} if p else {"unknown": True})}
                          for i, p in enumerate(plans)]}
+
+
+def prompt_cache_report(co: Coordinator) -> dict:
+    """Whether prompts reuse the stations' cached blocks, and each station's part: a station that
+    cannot hold a block (a fluid one: its budget streams its layers) turns it off, and says why."""
+    return {"on": co.engine.prompt_caching, "block_tokens": PREFIX_BLOCK_TOKENS,
+            "stations": [{"station": i, **({k: p.get(k) for k in ("holds", "capacity_bytes", "why_not")}
+                                           if p else {"unknown": True})}
+                         for i, p in enumerate(co.station_prefix)]}
 
 
 def models(co: Coordinator) -> Response:

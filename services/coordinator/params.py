@@ -41,6 +41,7 @@ class GenerateRequest:
     tools: ToolRequest | None = None  # chat's tools, tool_choice and parallel_tool_calls
     grammar: Grammar | None = None  # what the reply must match (constrained decoding)
     grammar_param: str = "response_format"  # the field that asked for it, named in its 400s
+    cache_prompt: bool = True  # may reuse the stations' cached blocks of its prompt (the tokens are the same)
 
 
 def number(body: dict, name: str, default: Any, lo: float | None = None, hi: float | None = None,
@@ -173,6 +174,15 @@ def fim_suffix(body: dict, text_prompt: bool) -> str | None:
     return v
 
 
+def cache_prompt(body: dict) -> bool:
+    """cache_prompt (llama-server's name): false makes the prompt run from position 0 whatever the
+    stations keep, as a cold request would (its blocks are still kept for the next one)."""
+    v = body.get("cache_prompt", True)
+    if not isinstance(v, bool):
+        raise InvalidParam(f"cache_prompt must be true or false, got {v!r}", "cache_prompt")
+    return v
+
+
 SHARD_FAILURE_POLICIES = ("fail", "degrade")  # services/coordinator/pipeline.py says what each does
 
 
@@ -238,7 +248,7 @@ def check_messages(messages: Any, param: str = "messages") -> list[dict]:
 # would otherwise be dropped in silence, and the reply would answer another request.
 GENERATE_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-                   "speculation", "shard_failure", "suffix", "logit_bias")
+                   "speculation", "shard_failure", "suffix", "logit_bias", "cache_prompt")
 OPENAI_ONLY = {"logprobs": "/v1/completions or /v1/chat/completions", "top_logprobs": "/v1/chat/completions",
                "stream": "/v1/completions or /v1/chat/completions", "model": "/v1/completions or /v1/chat/completions",
                "n": "/v1/completions or /v1/chat/completions"}
@@ -256,7 +266,8 @@ def parse_generate(body: Any) -> GenerateRequest:
     prompt, messages, suffix = _prompt_fields(body)
     max_tokens = number(body, "max_tokens", DEFAULT_MAX_TOKENS, lo=1, integer=True)
     return GenerateRequest(prompt, messages, max_tokens, sampling_params(body), stop_strings(body),
-                           speculation=speculation_request(body), shard_failure=shard_failure(body), suffix=suffix)
+                           speculation=speculation_request(body), shard_failure=shard_failure(body), suffix=suffix,
+                           cache_prompt=cache_prompt(body))
 
 
 def _prompt_fields(body: dict) -> tuple[str | None, list[dict] | None, str | None]:

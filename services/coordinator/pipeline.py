@@ -34,6 +34,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import numpy as np
 
 from common import wire
+from common.prefix import PREFIX_BLOCK_TOKENS
 from common.runtime import BadGateway, GatewayTimeout, HttpError, Request, ServiceUnavailable
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
@@ -421,11 +422,11 @@ class Pipeline:
         return h
 
     async def _hop(self, i: int, st: StationClient, call: Call, mode: str, position: int, h: np.ndarray,
-                   rewind: bool = False) -> np.ndarray:
+                   rewind: bool = False, keys: tuple[bytes | None, bytes | None] = (None, None)) -> np.ndarray:
         """h (T, dim) through station i -> its output rows, timed as hop station_i. A station that is
         down is waited for (until_up); once it is back it answers UnknownSession (SessionLost) and
-        the caller replays."""
-        frame = wire.Envelope(call.rid, mode, position, position + h.shape[0], h, rewind)
+        the caller replays. keys: a prompt chunk's prefix and block keys (wire.Envelope)."""
+        frame = wire.Envelope(call.rid, mode, position, position + h.shape[0], h, rewind, *keys)
         t0 = time.perf_counter()
         out = await self.until_up(self.station_state[i], call, self.station_timeout_s,
                                   f"station {i} {mode} at {position}", lambda t: st.forward(frame, t), client=st)
@@ -438,12 +439,17 @@ class Pipeline:
             raise BadGateway(f"station {i} {mode} reply: {bad}")
         return out.array
 
-    async def prefill(self, call: Call, ids: list[int], chunks: list[tuple[int, int]]) -> np.ndarray:
+    async def prefill(self, call: Call, ids: list[int], chunks: list[tuple[int, int]],
+                      keys: list[bytes] | None = None) -> np.ndarray:
         """A prompt's chunks [(a, b)] through the embedding and every station, pipelined (the
         seed's Wallington Rotation): chunk k+1 enters station 0 while chunk k runs on station 1.
         Each station still receives its chunks in order, as its KV cache needs. A chunk is
         embedded once the previous one has entered station 0, so at most about two chunks of
-        activations are alive. -> the exit's (1, dim) for the last chunk."""
+        activations are alive. -> the exit's (1, dim) for the last chunk.
+
+        keys: the prompt's block keys (common.prefix.block_keys): each chunk then names the prefix
+        before it, and a chunk that is one whole block its own key, so the stations keep it (prompt
+        caching); a first chunk after position 0 starts its sessions from the blocks they keep."""
         entered = [asyncio.Event() for _ in chunks]                        # station 0 began chunk k
         done = [[asyncio.Event() for _ in chunks] for _ in self.stations]  # [station][chunk] finished
         aborted = False
@@ -452,6 +458,12 @@ class Pipeline:
             await ev.wait()
             if aborted:
                 raise PrefillAborted("an earlier chunk failed")
+
+        def chunk_keys(a: int, b: int) -> tuple[bytes | None, bytes | None]:
+            if keys is None or a % PREFIX_BLOCK_TOKENS:
+                return None, None
+            whole = b - a == PREFIX_BLOCK_TOKENS and b // PREFIX_BLOCK_TOKENS < len(keys)
+            return keys[a // PREFIX_BLOCK_TOKENS], keys[b // PREFIX_BLOCK_TOKENS] if whole else None
 
         async def run(k: int, a: int, b: int) -> np.ndarray:
             if k:
@@ -462,7 +474,7 @@ class Pipeline:
                     await after(done[i][k - 1])  # station i has taken chunk k-1 in full
                 if i == 0:
                     entered[k].set()
-                h = await self._hop(i, st, call, "prefill", a, h)
+                h = await self._hop(i, st, call, "prefill", a, h, False, chunk_keys(a, b))
                 done[i][k].set()
             return h
 

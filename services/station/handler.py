@@ -9,7 +9,7 @@
 
 Env: KNOT_KEY, SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER, SPECIALIZATION_ROLE,
 MEMORY_BUDGET_BYTES (default 128 MiB), MEMORY_PROFILE (worker | resident), RESIDENT_MAX_BYTES,
-SESSION_TTL_S (default 600), MAX_BATCH (default 16), PREFETCH (on | off, default on);
+SESSION_TTL_S (default 600), MAX_BATCH (default 16), PREFETCH (on | off, default on), PREFIX_CACHE_BYTES;
 bindings KNOT_BUCKET (R2) and LAYER_WARDEN (DO namespace, optional).
 
 Speculative decoding: a decode frame may hold several rows (the last token and the drafts the
@@ -17,6 +17,13 @@ coordinator verifies in one trip). The next frame then says REWIND: its position
 the session's end, and the positions from there on (the rejected drafts) are dropped first. Only
 the positions of the last frame can be dropped: a rewind below its start, or past the session's
 end, is refused as UnknownSession (the coordinator replays), so a stray frame never erases a prompt.
+
+Prompt caching (services/station/prefix_store.py): a prefill frame that is one whole prompt block
+(flag BLOCK) leaves a copy of its KV in the prompt cache under the block's key; a prefill frame at
+position P > 0 whose session is missing, with the key of the tokens before it (flag PREFIX), starts
+its session from the cached blocks of that prefix, or is refused as UnknownSession when they are
+gone (the coordinator prefills from 0). The cache is counted in the KV bytes and evicted before
+sessions; PREFIX_CACHE_BYTES bounds it, and /stats "prefix_cache" says what it holds and did.
 
 Batched decode: decode frames of different requests that arrive while a forward runs are
 stacked into the next forward (services/batcher.py), so each weight is read once per step for
@@ -59,6 +66,7 @@ import numpy as np
 from common import wire
 from common.knot import KnotHeader
 from common.kvcache import KV_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS, KVCache, largest
+from common.prefix import PREFIX_BLOCK_TOKENS
 from common.layers import run_layers, steps
 from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
@@ -68,6 +76,7 @@ from services.batcher import LATER, Batcher
 from services.boot import BootCache
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 from services.layer_warden.layer_warden_client import LayerWardenClient
+from services.station.prefix_store import PrefixStore
 from services.station.station_memory import (ForwardWeights, MemoryPlan, StationMemory, StationMemoryFull,
                                               describe_plan, plan_memory)
 from services.station.tensors import PhaseLoader
@@ -98,6 +107,7 @@ class StationSettings:
     resident_max_bytes: int | None = None
     prefetch: bool = True
     interleave_rows: int = DEFAULT_INTERLEAVE_ROWS
+    prefix_cache_bytes: int | None = None  # None: from the plan (Station.prefix_capacity)
 
     @property
     def boot_key(self) -> str:
@@ -111,7 +121,8 @@ class StationSettings:
 
         s = cls(get("KNOT_KEY"), get("SPECIALIZATION_START_LAYER"), get("SPECIALIZATION_END_LAYER"),
                 get("SPECIALIZATION_ROLE"), get("MEMORY_BUDGET_BYTES"), get("SESSION_TTL_S"), get("MAX_BATCH"),
-                get("MEMORY_PROFILE"), get("RESIDENT_MAX_BYTES"), get("PREFETCH") == "on", get("INTERLEAVE_ROWS"))
+                get("MEMORY_PROFILE"), get("RESIDENT_MAX_BYTES"), get("PREFETCH") == "on", get("INTERLEAVE_ROWS"),
+                get("PREFIX_CACHE_BYTES"))
         if not 0 <= s.layer_start < s.layer_end:
             raise ConfigError(f"station layers [{s.layer_start}, {s.layer_end}) are empty or negative",
                               name="SPECIALIZATION_END_LAYER")
@@ -160,6 +171,8 @@ class Station:
                                interjects=self._interjects)
         self.paused: list[tuple[wire.Envelope, Session]] = []  # a long prefill's frame, between two of its phases
         self.paused_bytes = 0  # the activations it holds meanwhile, at most (its phases' temporaries)
+        capacity, self.prefix_why = self.prefix_capacity()
+        self.prefix = PrefixStore(capacity)  # recent prompts' KV blocks (prompt caching)
 
     async def boot(self) -> None:
         """Load the role's resident set: the small tensors of our layers (norms, biases), output_norm on exit."""
@@ -199,7 +212,27 @@ class Station:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.kv.nbytes for s in self.sessions.values())
+        """The sessions' KV caches and the prompt cache's blocks."""
+        return sum(s.kv.nbytes for s in self.sessions.values()) + self.prefix.nbytes
+
+    def prefix_capacity(self) -> tuple[int, str | None]:
+        """The prompt cache's capacity in bytes, and why it holds no block when it cannot (None: it can).
+        Unset PREFIX_CACHE_BYTES: half of what the plan leaves beside the layers it keeps, their
+        loading and a decode step, so a fluid station, whose kept layers fill its budget, keeps no
+        prompt rather than stream more of its layers."""
+        p, setting = self.plan, self.settings.prefix_cache_bytes
+        spare = max(p.budget_bytes - p.fixed_bytes - p.kept_bytes - p.held_phase_bytes, 0)
+        capacity = spare // 2 if setting is None else min(setting, spare)
+        block = PrefixStore(0).block_bytes(self.model.new_kv(), len(range(self.settings.layer_start,
+                                                                          self.settings.layer_end)))
+        if capacity >= block:
+            return capacity, None
+        if setting == 0:
+            return 0, "PREFIX_CACHE_BYTES=0"
+        return 0, (f"the {p.profile} budget of {p.budget_bytes} bytes leaves {spare} beside the layers it keeps "
+                   f"({p.kept_bytes}), their loading and a decode step; the prompt cache may take "
+                   f"{'half of that' if setting is None else f'PREFIX_CACHE_BYTES={setting}'}, less than a block of "
+                   f"{PREFIX_BLOCK_TOKENS} tokens ({block} bytes)")
 
     # -------------------------------------------------------- sessions
 
@@ -213,11 +246,13 @@ class Station:
             log.info("session %s expired after %.0f s idle", rid, self.settings.session_ttl_s)
 
     def _session(self, env: wire.Envelope) -> Session:
+        s = self.sessions.get(env.request_id)
         if env.mode == "prefill" and env.position == 0:
             s = Session(self.model.new_kv())
             self.sessions[env.request_id] = s
+        elif env.mode == "prefill" and env.prefix is not None and (s is None or s.length != env.position):
+            s = self._resume(env)
         else:
-            s = self.sessions.get(env.request_id)
             if s is None:
                 raise UnknownSession(f"request {env.request_id}: no KV session on this station (expired, evicted "
                                      f"or the station restarted); replay the prompt from position 0")
@@ -234,6 +269,29 @@ class Station:
         self.sessions.move_to_end(env.request_id)
         s.last_used = self.clock()
         return s
+
+    def _resume(self, env: wire.Envelope) -> Session:
+        """A new session for a prefill frame at position > 0, from the prompt cache's blocks of the
+        prefix env.prefix names; UnknownSession (the coordinator prefills from 0) when they are gone."""
+        kv = self.model.new_kv()
+        if env.position % PREFIX_BLOCK_TOKENS or not self.prefix.restore(env.prefix, env.position, kv, self.layers):
+            raise UnknownSession(f"request {env.request_id}: the prompt cache no longer holds the {env.position} "
+                                 f"positions before this frame; prefill the prompt from position 0")
+        s = Session(kv, env.position, env.position)
+        self.sessions[env.request_id] = s
+        return s
+
+    def _keep_blocks(self, runs: list[tuple[wire.Envelope, Session]]) -> None:
+        """After a forward: keep each frame that is one whole prompt block (its BLOCK key) in the
+        prompt cache, within the room the KV caches' half of the budget leaves (_fit_sessions)."""
+        if self.paused:  # between two phases of a paused forward, whose reservation counted the store as it was
+            return
+        for env, sess in runs:
+            if env.block is None or env.mode != "prefill" or env.position % PREFIX_BLOCK_TOKENS \
+                    or env.seq_len - env.position != PREFIX_BLOCK_TOKENS or (env.position and env.prefix is None):
+                continue
+            room = self.settings.budget_bytes // 2 - self.kv_bytes
+            self.prefix.put(env.block, env.prefix if env.position else None, env.position, sess.kv, self.layers, room)
 
     # -------------------------------------------------------- the budget
 
@@ -254,7 +312,7 @@ class Station:
             return self.memory.kv_after_bytes + sum(sess.kv.nbytes_after(self.layers, env.array.shape[0]) -
                                                     sess.kv.nbytes for env, sess in runs)
         batch = {id(sess) for _, sess in runs}
-        idle = sum(s.kv.nbytes for s in self.sessions.values() if id(s) not in batch)
+        idle = sum(s.kv.nbytes for s in self.sessions.values() if id(s) not in batch) + self.prefix.nbytes
         return idle + sum(sess.kv.nbytes_after(self.layers, env.array.shape[0]) for env, sess in runs)
 
     def max_session_tokens(self) -> int:
@@ -275,8 +333,10 @@ class Station:
             with self.memory.reserve(self.kv_after(runs), self._frames(N)):
                 t = self.memory.rows_per_pass(N, S, self.phase_bytes)
             idle = [r for r in self.sessions if r not in keep]
-            if t >= min(N, PASS_FLOOR_ROWS) or not idle:
+            if t >= min(N, PASS_FLOOR_ROWS) or not (idle or len(self.prefix)):
                 return t
+            if self.prefix.evict_one():  # cached prompts go before live sessions
+                continue
             del self.sessions[idle[0]]
             self.sessions_evicted += 1
             log.warning("session %s evicted: the KV caches leave no room for a forward of %d rows", idle[0], N)
@@ -286,6 +346,8 @@ class Station:
         caches overflow half the budget."""
         keep = keep | {env.request_id for env, _ in self.paused}
         # half the configured budget: in the resident profile that is what is left beside the layers
+        while self.kv_bytes > self.settings.budget_bytes // 2 and self.prefix.evict_one():
+            pass  # cached prompts go before live sessions
         while self.kv_bytes > self.settings.budget_bytes // 2 and len(self.sessions) > len(keep):
             rid = next(r for r in self.sessions if r not in keep)
             del self.sessions[rid]
@@ -417,6 +479,7 @@ class Station:
             raise
         for env, sess in runs:
             sess.floor, sess.length = env.position, env.seq_len
+        self._keep_blocks(runs)
         self._fit_sessions({env.request_id for env, _ in runs})
         self.forwards += 1
         self.batched_rows += N
@@ -479,6 +542,7 @@ class Station:
             "kept_tensors": len(self.memory.kept), "kept_copies": self.memory.kept_copies,
             "kept_copy_bytes": self.memory.kept_copy_bytes, "kept_evictions": self.memory.kept_evictions,
             "kv_bytes": self.kv_bytes, "sessions": len(self.sessions), "sessions_evicted": self.sessions_evicted,
+            "prefix_cache": {**self.prefix.stats(), "holds": self.prefix_why is None, "why_not": self.prefix_why},
             "max_session_tokens": self.max_session_tokens(), "phase_bytes": self.phase_bytes,
             "split_frames": self.split_frames, "refused_frames": self.refused_frames,
             "prefetched_phases": self.prefetched_phases, "forward_s": round(self.forward_s, 6),

@@ -81,7 +81,8 @@ async def test_completion_equals_generate_and_the_engine(cluster, engine):
     assert choice["text"] == want.text and choice["index"] == 0 and choice["logprobs"] is None
     assert choice["finish_reason"] == ("length" if len(want.token_ids) == 8 else "stop")
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want.token_ids),
-                             "total_tokens": len(ids) + len(want.token_ids)}
+                             "total_tokens": len(ids) + len(want.token_ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     gen = (await cluster.generate(prompt=PROMPT, max_tokens=8)).json()
     assert gen["text"] == choice["text"] and gen["tokens"] == want.token_ids
     # a prompt of token ids, and a batch of one, give the same
@@ -585,7 +586,8 @@ async def test_n_choices(cluster, engine):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [c["text"] for c in body["choices"]] == [w.text for w in want]
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": sum(len(w.token_ids) for w in want),
-                             "total_tokens": len(ids) + sum(len(w.token_ids) for w in want)}
+                             "total_tokens": len(ids) + sum(len(w.token_ids) for w in want),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     # streamed: each chunk names its choice; each choice's chunks make its text, and it finishes once
     r = await post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "n": 3, "stream": True,
                                                 "stream_options": {"include_usage": True}, **params})
