@@ -5,45 +5,19 @@ cluster (`knot cluster up`), with response_format json_schema against without, a
                                             [--rounds 5] [--json FILE]
 
 Each request is streamed, greedy, speculation off; its decode rate is (chunks - 1) / (last chunk -
-first chunk), so prefill is left out. Prints each side's median and their ratio (the goal: >= 0.9),
-and the time of a first request with a new schema (llguidance compiles it; later ones are cached).
---json appends the figures as records (deploy/records.py).
+first chunk), so prefill is left out (deploy/feature_bench.py). Prints each side's median and their
+ratio (the goal: >= 0.9), and the time of a first request with a new schema (llguidance compiles
+it; later ones are cached). --json appends the figures as records (deploy/records.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 from deploy import records
+from deploy.feature_bench import json_schema_decode
 from deploy.machine import describe
-
-MESSAGES = [{"role": "user", "content": "List twenty programming languages and what each is good for."}]
-SCHEMA = {"type": "object", "properties": {"languages": {"type": "array", "items": {
-    "type": "object", "properties": {"name": {"type": "string"}, "good_for": {"type": "string"}},
-    "required": ["name", "good_for"], "additionalProperties": False}}},
-    "required": ["languages"], "additionalProperties": False}
-
-
-def stream(url: str, body: dict) -> tuple[float, float, int]:
-    """(seconds to the first content chunk, decode tok/s after it, chunks)."""
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
-    t0, times = time.perf_counter(), []
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for line in r:
-            if not line.startswith(b"data: {"):
-                continue
-            delta = json.loads(line[6:])["choices"][0]["delta"]
-            if delta.get("content"):
-                times.append(time.perf_counter())
-    if len(times) < 2:
-        raise SystemExit(f"fewer than two content chunks: {body}")
-    return times[0] - t0, (len(times) - 1) / (times[-1] - times[0]), len(times)
 
 
 def main() -> None:
@@ -53,17 +27,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="append the figures as records")
     args = p.parse_args()
-    base = {"messages": MESSAGES, "max_tokens": args.max_tokens, "temperature": 0, "speculation": "off"}
-    schema = {"type": "json_schema", "json_schema": {"name": "languages", "schema": SCHEMA}}
-    fresh = {"type": "json_schema", "json_schema": {"name": "fresh", "schema": {**SCHEMA, "title": os.urandom(6).hex()}}}
-    first_s, _, _ = stream(args.url, {**base, "response_format": fresh, "max_tokens": 2})  # a grammar not cached
-    stream(args.url, base)  # warm both paths
-    plain, constrained = [], []
-    for i in range(args.rounds):
-        order = [(plain, base), (constrained, {**base, "response_format": schema})]
-        for out, body in order if i % 2 == 0 else order[::-1]:
-            out.append(stream(args.url, body)[1])
-    a, b = statistics.median(plain), statistics.median(constrained)
+    m = json_schema_decode(args.url, args.max_tokens, args.rounds)
+    a, b, first_s = m["plain_tok_s"], m["schema_tok_s"], m["first_schema_ttft_s"]
     machine = describe()
     print(f"{machine.get('cpu')} (family {machine.get('family')}, model {machine.get('model')})")
     print(f"decode, no schema:   {a:6.2f} tok/s (median of {args.rounds})")

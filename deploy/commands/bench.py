@@ -27,6 +27,11 @@ Measures (issue 7's benchmark):
                                       time to first token with speculation off and with the draft
                                       model (which reads the prompt too, beside the stations), and
                                       the draft model's share of decode time spent drafting
+    prompt caching, JSON schema       (deploy/feature_bench.py; --no-features skips them) time to first
+                                      token of a --cache-context-tokens chat context re-sent with its answer
+                                      and a new question, cached against cache_prompt false (equal answers
+                                      required); decode tok/s with a JSON schema against without; each the
+                                      median of --feature-rounds
     long prompts (--long-prompts)     optional: prefill tok/s of prompts of N tokens (e.g. 2048,8192,30000)
                                       through the cluster (POST /generate, 1 token: N over the time to
                                       first token) and through llama.cpp (one eval of the N tokens, in its
@@ -248,6 +253,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "path, same vocabulary) and measure the speculation source draft_model")
     p.add_argument("--spec-repeats", type=positive_int, default=2, metavar="N",
                    help="runs of each speculation measurement; the best is reported (default 2)")
+    p.add_argument("--no-features", action="store_true", help="skip prompt caching and the JSON schema decode")
+    p.add_argument("--cache-context-tokens", type=positive_int, default=4000, metavar="N",
+                   help="prompt caching: the re-sent context's length (default 4000)")
+    p.add_argument("--feature-rounds", type=positive_int, default=2, metavar="N",
+                   help="rounds of the prompt caching and JSON schema measurements (default 2)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also append the figures to FILE as records, one JSON object a line (deploy/records.py; "
                    "benchmarks/results/README.md)")
@@ -533,6 +543,17 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
         sources = ["off", "prompt_lookup"] + (["draft_model"] if args.draft_model else [])
         out["speculation"] = measure_speculation(url, tokens, sources, args.spec_repeats, beside)
 
+        if not args.no_features:
+            from deploy import feature_bench
+
+            base = running["coordinator"].url
+            progress(f"cluster prompt caching: a {args.cache_context_tokens}-token context re-sent, cached "
+                     f"against cold")
+            out["prompt_cache"] = feature_bench.prompt_cache(base, args.cache_context_tokens, args.feature_rounds,
+                                                             progress=progress)
+            progress("cluster decode with a JSON schema against without")
+            out["json_schema"] = feature_bench.json_schema_decode(base, tokens, args.feature_rounds)
+
         out["aggregate"] = {}
         for c in concurrency:
             progress(f"cluster aggregate: {c} concurrent requests of {tokens} tokens")
@@ -651,6 +672,16 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
     for n in long_ns:
         figs.append(Figure(f"prefill, {n}-token prompt", cl.get("long_prompts", {}).get(n, {}).get("prefill_tok_s"),
                            ll.get("long_prefill_tok_s", {}).get(n), "tok/s"))
+    if "prompt_cache" in cl:
+        pc = cl["prompt_cache"]
+        what = f"ttft, {pc['prompt_tokens']}-token context re-sent"
+        figs += [Figure(f"{what}, cold", pc["cold_ttft_s"] * 1e3, None, "ms"),
+                 Figure(f"{what}, cached ({pc['cached_tokens']:.0f} tokens)", pc["cached_ttft_s"] * 1e3, None, "ms"),
+                 Figure(f"{what}, cached / cold (goal <= 0.1)", round(pc["ratio"], 3), None, "x")]
+    if "json_schema" in cl:
+        js = cl["json_schema"]
+        figs += [Figure("decode, JSON schema", js["schema_tok_s"], None, "tok/s"),
+                 Figure("decode, JSON schema / none (goal >= 0.9)", round(js["ratio"], 3), None, "x")]
     figs.append(Figure("R2 bytes per token", cl.get("r2_bytes_per_token"), None, "B"))
     mib = fluid_budget_bytes / 2**20
     # The fluid run of another model (--fluid-model) is set against nothing: llama.cpp ran --model.

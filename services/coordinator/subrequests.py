@@ -18,8 +18,9 @@ counter (Generation.subrequests) and sets it again wherever it resumes (a stream
 drive it from another task). A wait_until task copies the context: the stations' releases at the
 end of a generation count too, and a generation reserves them from the start.
 
-Not budgeted in advance: a replay after a station lost a KV session (it re-runs every trip so far;
-counted when it happens, so the trips after it are bounded by what is left).
+Not budgeted in advance: a replay after a station lost a KV session (it re-runs every trip so far),
+and a prompt whose cached blocks a station no longer held (it runs again from 0); each is counted
+when it happens, so the trips after it are bounded by what is left.
 """
 from __future__ import annotations
 

@@ -377,3 +377,46 @@ def test_json_schema_output_validates_and_equals_the_single_process(real_cluster
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_cached_prompt_prefix_gives_the_tokens_of_a_cold_one(real_cluster):
+    """Issue 50, prompt caching: a long context re-sent with a new tail starts after the blocks the
+    stations kept, and its tokens equal the single process's and a cold run's (cache_prompt false),
+    greedy and seeded. Where a station is fluid (the worker profile on these models' two stations)
+    /v1/models says why it keeps no prompt, and the request still runs."""
+    name, cluster, running = real_cluster
+    from deploy import models
+    from deploy.commands.bench import long_prompt_ids
+
+    url = running["coordinator"].url
+    status, _, raw = http("GET", url + "/v1/models")
+    card = json.loads(raw)["data"][0]["prompt_cache"]
+    engine = LocalEngine.open(models.model_path(name))
+    n = 700 if "0.5b" in name else 520
+    ids = long_prompt_ids(engine.tokenizer, n + 40)
+    first, second = ids[:n], ids
+    status, _, raw = http("POST", url + "/v1/completions", {"prompt": first, "max_tokens": 1, "temperature": 0},
+                          timeout_s=1800)
+    assert status == 200, raw
+    blocks = (n // 256) * 256 if card["on"] else 0
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+        replies = {}
+        for cache in (True, False):
+            status, _, raw = http("POST", url + "/v1/completions", {"prompt": second, "max_tokens": 6,
+                                                                    "cache_prompt": cache, **sampling},
+                                  timeout_s=1800)
+            assert status == 200, raw
+            replies[cache] = json.loads(raw)
+        assert replies[True]["usage"]["prompt_tokens_details"]["cached_tokens"] >= blocks
+        assert replies[False]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert replies[True]["choices"][0]["text"] == replies[False]["choices"][0]["text"], sampling
+        if sampling["temperature"] == 0:
+            assert replies[True]["choices"][0]["text"] == engine.generate(second, SamplingParams(),
+                                                                          max_tokens=6).text
+    if not card["on"]:  # only a fluid station turns it off: it says why
+        off = [s for s in card["stations"] if not s["holds"]]
+        assert off and all("budget" in s["why_not"] for s in off), card
+    else:
+        for st in ("station-0", "station-1"):
+            s = stats(cluster, running[st])["prefix_cache"]
+            assert s["hits"] >= 2 and s["bytes"] <= s["capacity_bytes"], s
