@@ -10,13 +10,20 @@ shaped like workerd's; tests/cloudflare holds one test per pitfall):
   as_bytes() takes either;
 - a streamed body is a ReadableStream whose pull awaits the handler's __anext__, highWaterMark 0
   (no read-ahead: a chunk is produced only when the client asks); on cancel the pull in flight is
-  cancelled first, then the stream is closed (aclose), so the producer's `finally` runs.
+  cancelled first, then the stream is closed (aclose), so the producer's `finally` runs;
+- workerd calls no cancel on a response body whose client went away: it stops pulling and ends
+  the invocation with "Network connection lost.", and the producer's cleanup (the station
+  releases, subrequests) would never run. So a response's stream is piped through an
+  IdentityTransformStream, whose readable side is the body, the pipe's promise in waitUntil:
+  when the client goes, workerd errors the transform, and the pipe cancels the stream (pipeTo
+  propagates a destination's error back as the source's cancel) while waitUntil keeps the
+  invocation alive for the cleanup.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import js
 from pyodide.ffi import create_proxy, to_js
@@ -75,13 +82,14 @@ async def response_from_js(js_response: Any) -> Response:
     return Response(int(js_response.status), Headers(_header_pairs(js_response.headers)), body)
 
 
-def response_to_js(response: Response) -> Any:
-    """Response -> the SDK's workers.Response (the runtime sends its js_object); streams stay streams."""
+def response_to_js(response: Response, wait_until: Callable[[Awaitable[Any]], None] | None = None) -> Any:
+    """Response -> the SDK's workers.Response (the runtime sends its js_object); streams stay streams
+    (with the invocation's wait_until, cancelled when the client goes away: readable_stream)."""
     from workers import Response as WorkersResponse  # the SDK: only under the Workers runtime or its doubles
 
     headers = list(response.headers.items())
     if response.stream is not None:
-        body: Any = readable_stream(response.stream)
+        body: Any = readable_stream(response.stream, wait_until)
     elif response.status in NULL_BODY_STATUSES:
         body = None
     else:
@@ -90,11 +98,26 @@ def response_to_js(response: Response) -> Any:
     return WorkersResponse(body, status=response.status, headers=headers)
 
 
-def readable_stream(chunks: AsyncIterator[bytes]) -> Any:
-    """An async iterator of bytes -> a JS ReadableStream (pull-based, highWaterMark 0)."""
+def readable_stream(chunks: AsyncIterator[bytes], wait_until: Callable[[Awaitable[Any]], None] | None = None) -> Any:
+    """An async iterator of bytes -> a JS ReadableStream (pull-based, highWaterMark 0). With the
+    invocation's wait_until: the readable side of an IdentityTransformStream the stream is piped
+    into, the pipe in wait_until, so a client that goes away cancels the stream (module docstring)."""
     pump = _Pump(chunks)
     source = js_object({"pull": pump.pull_proxy, "cancel": pump.cancel_proxy})
-    return js.ReadableStream.new(source, js_object({"highWaterMark": 0}))
+    stream = js.ReadableStream.new(source, js_object({"highWaterMark": 0}))
+    if wait_until is None:
+        return stream
+    pipe = js.IdentityTransformStream.new()
+    wait_until(_piped(stream.pipeTo(pipe.writable)))
+    return pipe.readable
+
+
+async def _piped(done: Any) -> None:
+    """The pipe's end. It fails when the client went away (the stream was cancelled then): not an error."""
+    try:
+        await done
+    except Exception as e:  # noqa: BLE001 - a JsException ("Network connection lost.") under workerd
+        log.info("response stream ended early: %s", e)
 
 
 class _Pump:

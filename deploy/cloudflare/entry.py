@@ -92,7 +92,7 @@ async def serve(handler: Handler, js_request: Any, env: Env, ctx: Any,
         handler = _signed(handler, verifier)
     response = await call_handler(handler, request, env, ctx, rid)
     response.headers.setdefault(REQUEST_ID_HEADER, rid)
-    return response_to_js(response)
+    return response_to_js(response, ctx.wait_until)
 
 
 def _raising(exc: Exception) -> Handler:

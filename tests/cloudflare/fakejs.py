@@ -370,7 +370,8 @@ def install() -> None:
     sys.modules (the SDK imports them at import time). Idempotent."""
     if getattr(sys.modules.get("js"), "__knot_double__", False):
         return
-    from tests.cloudflare.webapi import FetchResponse, Headers, JsObjectStatics, ReadableStream, Request, Response, pyfetch
+    from tests.cloudflare.webapi import (FetchResponse, Headers, IdentityTransformStream, JsObjectStatics, ReadableStream,
+                                        Request, Response, pyfetch)
 
     js = types.ModuleType("js")
     js.__knot_double__ = True
@@ -384,6 +385,7 @@ def install() -> None:
     js.Request = Request
     js.Response = Response
     js.ReadableStream = ReadableStream
+    js.IdentityTransformStream = IdentityTransformStream
     js.queueMicrotask = lambda fn: asyncio.get_event_loop().call_soon(fn)
 
     pyodide = types.ModuleType("pyodide")

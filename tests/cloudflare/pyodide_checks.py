@@ -84,3 +84,29 @@ def signature(secret: str, method: str, path: str, body: str, to: str) -> str:
 
     signed = Signer(secret, to).signed(Request(method, path, body=body.encode("utf-8")))
     return signed.headers[signing.SIGNATURE_HEADER]
+
+
+def check_tool_calls(json_path: str) -> list:
+    """services/coordinator/tools.py under Pyodide: each text's split_calls and, streamed in pieces of
+    3 characters, ToolStream's content and calls ([content, [[name, arguments]...]], or TEXT)."""
+    from services.coordinator.tools import ToolStream, parse_tools, split_calls
+
+    with open(json_path, encoding="utf-8") as f:
+        case = json.load(f)
+    return [tool_call_outcome(text, parse_tools(case["body"]), split_calls, ToolStream) for text in case["texts"]]
+
+
+TEXT = "kept as text"
+
+
+def tool_call_outcome(text: str, tools, split_calls, stream_class) -> dict:
+    """One text's calls whole and streamed, without the calls' random ids (CPython computes it too)."""
+    def named(calls):
+        return [[c["function"]["name"], c["function"]["arguments"]] for c in calls]
+
+    split = split_calls(text, tools)
+    s = stream_class(tools)
+    sent = "".join(s.feed(text[i:i + 3]) for i in range(0, len(text), 3))
+    rest, calls = s.finish_with("")
+    whole = TEXT if split is None else [split[0], named(split[1])]  # (None would not cross to JS and back)
+    return {"whole": whole, "streamed": [sent + rest, named(calls)]}

@@ -261,6 +261,48 @@ async def test_stream_pulls_only_when_read_and_cancel_runs_the_producers_cleanup
     assert (await pending).done
 
 
+async def test_a_client_that_goes_away_cancels_the_stream_through_the_pipe_in_wait_until():
+    """workerd's way (docs/cloudflare.md): no cancel reaches a response body; the body is the readable
+    side of an IdentityTransformStream the stream is piped into, the pipe in waitUntil, and the
+    runtime's cancel of that side (the client gone) cancels the stream: the producer's cleanup runs."""
+    produced, closed, started, gate = [], [], asyncio.Event(), asyncio.Event()
+
+    async def chunks():
+        try:
+            for i in range(100):
+                if i == 2:
+                    started.set()
+                    await gate.wait()  # the pull in flight when the client goes away
+                produced.append(i)
+                yield f"chunk {i}\n".encode()
+        finally:
+            closed.append(True)
+
+    ctx = ExecutionContext()
+    body = convert.readable_stream(chunks(), workers_bindings.JsContext(ctx).wait_until)
+    assert body.JS_TYPE == "ReadableStream" and len(ctx.promises) == 1 and body.pulls == 0
+    reader = body.getReader()
+    assert (await reader.read()).value.to_bytes() == b"chunk 0\n"
+    assert (await reader.read()).value.to_bytes() == b"chunk 1\n"
+    assert produced == [0, 1]  # no read-ahead through the pipe
+    in_flight = asyncio.ensure_future(reader.read())
+    await started.wait()
+    await body.cancel("Network connection lost.")  # what workerd does to the body when the client goes
+    await ctx.promises[0]  # the pipe's end: failed, as a pipe to a gone client does, and no error
+    assert closed == [True] and produced == [0, 1]
+    assert (await in_flight).done
+    # read to its end, the pipe ends too
+    whole_ctx = ExecutionContext()
+
+    async def two():
+        yield b"a"
+        yield b"b"
+
+    whole = convert.readable_stream(two(), workers_bindings.JsContext(whole_ctx).wait_until)
+    assert await whole.read_all() == b"ab"
+    await whole_ctx.promises[0]
+
+
 async def test_stream_error_ends_the_stream_with_it():
     async def chunks():
         yield b"a"

@@ -6,7 +6,10 @@ workers-runtime-sdk, and the Workers `knot deploy cloudflare` writes.
 - the pure-Python tokenizer (tokenizers cannot import there) gives tokenizers' ids;
 - the coordinator, both stations (Durable Objects), the shards and both wardens run a tiny model
   end to end through the adapter, greedy tokens equal to CPython's, streamed too, and speculative
-  trips (drafts verified in one pass, the rejected ones rewound) give the single process's tokens.
+  trips (drafts verified in one pass, the rejected ones rewound) give the single process's tokens;
+- tool calls in `auto` mode: the template renders the tools, a reply of plain text stays text (whole
+  and streamed, equal to CPython's), and <tool_call> blocks parse as on CPython; what needs the
+  grammar engine (llguidance is native code) is a 400 that says so.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 
 from common.quant import QUANT_TYPES, dequantize
+from common.runtime import Request
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from deploy import wrangler
@@ -28,6 +32,7 @@ from tests.inprocess import build_cluster
 from tests.tokenizer_corpus import corpus
 from tests.unit.test_quant import ne0_for, random_raw
 from tests.unit.test_speculative import CODE, LOOKUP_CASES
+from tests.unit.test_tool_calls import TIME, WEATHER, call_text
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "node" / "harness.mjs"
@@ -75,6 +80,23 @@ CHOICES = {"prompt": "the", "max_tokens": 6, "n": 2, "seed": 5, "temperature": 0
 # speculative trips (LOOKUP_CASES): greedy drafts by prompt lookup (the default), and sampled ones of
 # which some are rejected, so the Station Durable Objects rewind (a missed rewind showed at the 26th)
 SPECULATIVE_TOKENS = 40
+# tools in auto mode (no grammar: the model's own output, parsed); what needs the grammar engine is a 400
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS_AUTO = {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": MAX_TOKENS}
+NEEDS_GRAMMAR = [  # (body, the field the 400 names)
+    ({"messages": ASK, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "weather", "schema": {"type": "object", "properties": {"city": {"type": "string"}}}}}},
+     "response_format"),
+    ({"messages": ASK, "max_tokens": 4, "tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+]
+TOOL_TEXTS = [  # replies the parser reads: calls, bare call objects, and what stays text
+    "Let me look.\n" + call_text(("get_weather", {"city": "Paris"}), ("get_time", {})),
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa",
+    call_text(("rm_rf", {})),
+    "```python\nprint(1)\n```",
+]
 
 
 def _clear_boot_caches():
@@ -108,6 +130,7 @@ def pyodide_run(tiny_knot, tmp_path_factory):
         "tokenizer": f"/data/{tokenizer_case(trained_data(), corpus()[:80], tmp / 'tok.json').name}",
         "deploy": str(out), "deploy_mount": "/deploy", "bucket": "knots", "knot_key": "model.knot",
         "knot": str(tiny_knot), "secrets": {"KNOT_INTERNAL_SECRET": SECRET},
+        "tool_calls": f"/data/{_tool_call_case(tmp / 'tool_calls.json').name}",
         "requests": [
             {"worker": "knot-coordinator", "path": "/generate", "body": {"prompt": PROMPT, "max_tokens": MAX_TOKENS}},
             {"worker": "knot-coordinator", "path": "/v1/chat/completions", "body": chat, "stream": True},
@@ -118,9 +141,18 @@ def pyodide_run(tiny_knot, tmp_path_factory):
                "body": {"prompt": CODE, "max_tokens": SPECULATIVE_TOKENS, **sampling,
                         **({} if spec is None else {"speculation": spec})}} for sampling, spec in LOOKUP_CASES),
             {"worker": "knot-station-0", "path": "/stats", "method": "GET"},  # unsigned: refused
+            {"worker": "knot-coordinator", "path": "/v1/chat/completions", "body": TOOLS_AUTO},
+            {"worker": "knot-coordinator", "path": "/v1/chat/completions", "body": {**TOOLS_AUTO, "stream": True},
+             "stream": True},
+            *({"worker": "knot-coordinator", "path": "/v1/chat/completions", "body": body} for body, _ in NEEDS_GRAMMAR),
         ],
     }
     return run_harness(config, tmp)
+
+
+def _tool_call_case(path: Path) -> Path:
+    path.write_text(json.dumps({"body": {"tools": [WEATHER, TIME]}, "texts": TOOL_TEXTS}))
+    return path
 
 
 def test_pyodide_environment(pyodide_run):
@@ -147,7 +179,7 @@ def test_pure_python_tokenizer_equals_tokenizers_under_pyodide(pyodide_run):
 async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyodide_run, tiny_knot, tmp_path,
                                                                             numpy_matmul):
     """CPython on the numpy matmul path, as Pyodide runs (the C kernels sum in another order)."""
-    gen, stream, bad, stats, choices, *speculative, unsigned = pyodide_run["requests"]
+    gen, stream, bad, stats, choices, *speculative, unsigned = pyodide_run["requests"][:-2 - len(NEEDS_GRAMMAR)]
     _clear_boot_caches()
     cluster = await build_cluster(tiny_knot, tmp_path, n_stations=2, n_shards=4)
     want = (await cluster.generate(prompt=PROMPT, max_tokens=MAX_TOKENS)).json()
@@ -210,6 +242,48 @@ async def test_a_generation_through_the_workers_under_pyodide_equals_cpython(pyo
     assert greedy["source"] == "prompt_lookup" and 0 < greedy["accepted"] <= greedy["drafted"], greedy
     assert greedy["trips"] < SPECULATIVE_TOKENS, greedy
     assert rejected["source"] == "prompt_lookup" and rejected["accepted"] < rejected["drafted"], rejected
+
+
+async def test_tool_calls_in_auto_mode_under_pyodide_and_a_400_for_what_needs_the_grammar_engine(
+        pyodide_run, tiny_knot, tmp_path, numpy_matmul):
+    """docs/cloudflare.md: tools in `auto` mode work on the Workers (the calls parsed from the model's
+    own output); response_format json_schema and tool_choice "required" need llguidance: a 400 naming
+    the field and why. The reference is the in-process cluster (CPython, same request)."""
+    from services.coordinator.tools import ToolStream, parse_tools, split_calls
+    from tests.cloudflare.pyodide_checks import TEXT, tool_call_outcome
+
+    whole, streamed, *needs_grammar = pyodide_run["requests"][-2 - len(NEEDS_GRAMMAR):]
+    # the parser under Pyodide reads each reply as CPython does (calls, bare objects, text)
+    tools = parse_tools({"tools": [WEATHER, TIME]})
+    want_parsed = [tool_call_outcome(t, tools, split_calls, ToolStream) for t in TOOL_TEXTS]
+    assert pyodide_run["tool_calls"] == want_parsed
+    assert [w["whole"] != TEXT for w in want_parsed] == [True, True, True, False, False, False]
+    # a tools request in auto mode: the template lists the tools (same prompt as CPython's), and the
+    # tiny model's reply, plain text, stays text, whole and streamed
+    _clear_boot_caches()
+    cluster = await build_cluster(tiny_knot, tmp_path, n_stations=2, n_shards=4)
+    want = (await cluster.coordinator.fetch(Request("POST", "https://coordinator/v1/chat/completions",
+                                                    {"Content-Type": "application/json"},
+                                                    json.dumps(TOOLS_AUTO).encode()))).json()
+    await cluster.drain()
+    _clear_boot_caches()
+    assert whole["status"] == 200, whole["text"]
+    got = json.loads(whole["text"])
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"] in ("length", "stop")
+    assert not want["choices"][0]["message"].get("tool_calls") and want["choices"][0]["message"]["content"]
+    assert streamed["status"] == 200 and streamed["text"].endswith("data: [DONE]\n\n"), streamed["text"][-300:]
+    events = [json.loads(e[6:]) for e in streamed["text"].split("\n\n") if e.startswith("data: {")]
+    deltas = [ev["choices"][0]["delta"] for ev in events if ev["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == want["choices"][0]["message"]["content"]
+    assert not any(d.get("tool_calls") for d in deltas)
+    # what needs the grammar engine: a 400 naming the field, and that it is not available here
+    for (body, field), res in zip(NEEDS_GRAMMAR, needs_grammar):
+        assert res["status"] == 400, (field, res["text"][:500])
+        err = json.loads(res["text"])
+        message = err.get("message") or err["error"]["message"]
+        assert field in message and "not available" in message and "Pyodide" in message, message
 
 
 @pytest.mark.realmodel

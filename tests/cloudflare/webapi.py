@@ -1,5 +1,6 @@
 """CPython doubles of the Web APIs a Python Worker reaches through `js` (Object, Headers, Request,
-Response, ReadableStream) and of pyodide.http's FetchResponse, which workers.Response builds on.
+Response, ReadableStream, workerd's IdentityTransformStream) and of pyodide.http's FetchResponse,
+which workers.Response builds on.
 They follow the FFI rules of fakejs.py: inits must be plain objects (a Map is ignored, a Python
 object refused), bodies must be bytes-like JS values, and a ReadableStream pulls its source only
 when a read waits (what highWaterMark 0 asks for).
@@ -277,6 +278,58 @@ class ReadableStream(JsProxy):
     def getReader(self) -> Any:
         return types.SimpleNamespace(read=lambda: JsPromise.of(self.read()), cancel=self.cancel,
                                      releaseLock=lambda: None)
+
+    def pipeTo(self, writable: "IdentityTransformStream") -> JsPromise:
+        """Into an IdentityTransformStream: a chunk read from here when its readable side is read; a
+        cancel of that side cancels this stream with the reason (pipeTo's error propagated back),
+        and the promise fails with it."""
+        if not isinstance(writable, IdentityTransformStream):
+            raise type_error("test double: pipeTo into an IdentityTransformStream's writable only")
+        writable.upstream = self
+        return JsPromise(writable.done)
+
+
+class IdentityTransformStream(JsProxy):
+    """workerd's IdentityTransformStream: no buffer, what is written is what its readable side reads.
+    `writable` is the object itself (the end a pipeTo takes)."""
+
+    JS_TYPE = "IdentityTransformStream"
+
+    def __init__(self) -> None:
+        self.upstream: ReadableStream | None = None
+        self.done: asyncio.Future = asyncio.get_event_loop().create_future()
+        self.writable = self
+        self.readable = ReadableStream.new(JsObject({"pull": self._pull, "cancel": self._cancel}),
+                                           JsObject({"highWaterMark": 0}))
+
+    @classmethod
+    @js_function
+    def new(cls) -> "IdentityTransformStream":
+        return cls()
+
+    def _pull(self, controller: ReadableStream) -> JsPromise:
+        async def pull() -> None:
+            assert self.upstream is not None, "nothing is piped into this IdentityTransformStream"
+            try:
+                got = await self.upstream.read()
+            except JsException as e:
+                controller.error(e)
+                self.done.set_exception(e)
+                return
+            if got.done:
+                controller.close()
+                self.done.set_result(None)
+            else:
+                controller.enqueue(got.value)
+        return JsPromise.of(pull())
+
+    def _cancel(self, reason: Any = None) -> JsPromise:
+        async def cancel() -> None:
+            if self.upstream is not None:
+                await self.upstream.cancel(reason)
+            if not self.done.done():
+                self.done.set_exception(JsException("Error", str(reason)))
+        return JsPromise.of(cancel())
 
 
 # ---------------------------------------------------------------- pyodide.http

@@ -9,6 +9,10 @@
 //  - ctx.waitUntil(p) resolves p later: a borrowed PyProxy is destroyed by then.
 import { createHash } from "node:crypto";
 
+// workerd's IdentityTransformStream (deploy/cloudflare/convert.py pipes a response's stream through
+// one): Node has the standard TransformStream, whose default transform is the identity.
+globalThis.IdentityTransformStream ??= class IdentityTransformStream extends TransformStream {};
+
 function bytesOf(value, what, isPyProxy) {
   if (value === null || value === undefined) return new Uint8Array(0);
   if (typeof value === "string") return new TextEncoder().encode(value);

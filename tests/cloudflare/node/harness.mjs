@@ -49,6 +49,7 @@ if (cfg.dequant) {
   result.timings.dequant_s = +(t() - t0).toFixed(3);
 }
 if (cfg.tokenizer) result.tokenizer = toJs(checks.check_tokenizer(cfg.tokenizer));
+if (cfg.tool_calls) result.tool_calls = toJs(checks.check_tool_calls(cfg.tool_calls));
 
 if (cfg.deploy) {
   const configs = {};

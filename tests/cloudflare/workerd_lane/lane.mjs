@@ -80,6 +80,9 @@ const mf = new Miniflare({
   host: "127.0.0.1", port: 0, cf: false,
   r2Persist: false, kvPersist: false, durableObjectsPersist: false,
   log: new Log(LogLevel.WARN),
+  // workerd's log and the Workers' console (Python's print and logging) into the lane's log, which the
+  // tests read: stdout stays the READY / KV protocol
+  verbose: true, handleRuntimeStdio: (out, err) => { out.pipe(process.stderr); err.pipe(process.stderr); },
 });
 const url = await mf.ready;
 const readyS = (performance.now() - t0) / 1000;
