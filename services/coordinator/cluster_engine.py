@@ -14,7 +14,7 @@ import numpy as np
 
 from common.generation import Generation
 from common.kvcache import prefill_chunks
-from common.prefix import PREFIX_BLOCK_TOKENS, PrefixIndex, block_keys
+from common.prefix import PREFIX_BLOCK_TOKENS, block_keys, reusable_blocks
 from common.runtime import ServiceUnavailable
 from common.sampling import LogitsRow, Row, apply_masks, row_masks
 from common.shard_sampling import decided, sample_spec
@@ -27,7 +27,6 @@ from services.station.station_client import SessionLost
 log = logging.getLogger(__name__)
 
 MAX_REPLAYS = 3
-PREFIX_INDEX_KEYS = 1 << 16  # block keys the coordinator remembers having had stored (16 B each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +75,6 @@ class ClusterEngine:
         self.trip_cost = TripCost()  # its plain trips' time, shared by its generations (speculation's back-off)
         # Prompt caching: on when every station keeps blocks (the coordinator reads their /stats)
         self.prompt_caching = False
-        self.prefixes = PrefixIndex(PREFIX_INDEX_KEYS)
-        self.prefix_hits = self.prefix_misses = 0  # prompts started after cached blocks / whose blocks were gone
 
     def _call(self, gen: ClusterGeneration) -> Call:
         return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
@@ -85,9 +82,9 @@ class ClusterEngine:
 
     async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> Row:
         """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined
-        through the stations. With prompt caching, the chunks start after the longest run of whole
-        blocks the stations were given to keep (common/prefix.py); when a station no longer has them,
-        the prompt runs from position 0. Either way gen.frames records every chunk from 0: a replay
+        through the stations. With prompt caching, the chunks start after the leading blocks every
+        station keeps (common/prefix.py; one /prefix call to each); when a station no longer has
+        them by the time the prompt reaches it, the prompt runs from position 0. Either way gen.frames records every chunk from 0: a replay
         computes the same KV caches without any cache."""
         chunks = prefill_chunks(len(ids))
         keys = block_keys(ids) if self.prompt_caching and gen.cache_prompt else None
@@ -98,8 +95,6 @@ class ClusterEngine:
                 h = await self.pipeline.prefill(self._call(gen), ids, chunks, keys)
             except SessionLost as e:  # a station restarted mid-prompt: our later chunks found no session
                 self._replaying(gen, e, len(ids))
-        if keys:
-            self.prefixes.add(keys)
         gen.frames[:] = [Frame("prefill", a, b, False) for a, b in chunks]
         gen.cached = len(ids)
         row = (await self._rows(gen, h, len(ids) - 1, ids))[-1]
@@ -108,22 +103,20 @@ class ClusterEngine:
 
     async def _cached_prefill(self, gen: ClusterGeneration, ids: list[int], chunks: list[tuple[int, int]],
                               keys: list[bytes]) -> np.ndarray | None:
-        """The prompt's chunks after its longest run of cached blocks -> the exit's (1, dim); None when
-        no block is known or a station no longer holds them (then nothing is left of the attempt)."""
-        j = self.prefixes.longest(keys, len(ids))
+        """The prompt's chunks after the leading blocks every station keeps -> the exit's (1, dim); None
+        when they keep none, or a station no longer held them when asked to resume (an eviction in
+        between, a restart)."""
+        j = await self.pipeline.cached_blocks(self._call(gen), keys, reusable_blocks(len(ids)))
         if j == 0:
             return None
         start = j * PREFIX_BLOCK_TOKENS
         try:
             h = await self.pipeline.prefill(self._call(gen), ids, [(a, b) for a, b in chunks if a >= start], keys)
-        except SessionLost as e:  # evicted, or the station restarted: those keys are no hint any more
-            self.prefixes.forget(keys[1:j + 1])
-            self.prefix_misses += 1
+        except SessionLost as e:  # evicted since, or the station restarted
             gen.prompt_cache = "miss"
             log.info("request %s: the stations no longer hold its first %d prompt tokens (%s); prefilling from 0",
                      gen.request_id, start, e)
             return None
-        self.prefix_hits += 1
         gen.cached_prompt_tokens, gen.prompt_cache = start, "hit"
         return h
 

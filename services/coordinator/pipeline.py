@@ -495,6 +495,27 @@ class Pipeline:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    async def cached_blocks(self, call: Call, keys: list[bytes], most: int) -> int:
+        """How many leading blocks of a prompt (its block keys) every station's prompt cache holds, at
+        most `most`: one call to each station at once. A station that does not answer holds none
+        (the prompt then runs from 0, and its own hops wait for the station as ever)."""
+        if most <= 0:
+            return 0
+        keys = keys[:most + 1]
+
+        async def one(i: int, st: StationClient) -> int:
+            t0 = time.perf_counter()
+            try:
+                return await st.prefix(keys, call.timeout(self.station_timeout_s, f"station {i} prefix"))
+            except Exception as e:  # noqa: BLE001 - a hint: without it the prompt runs from 0
+                log.info("request %s: station %d did not say which blocks it holds (%s: %s)", call.rid, i,
+                         type(e).__name__, e)
+                return 0
+            finally:
+                call.hops.add("prefix", t0)
+
+        return min(await asyncio.gather(*(one(i, st) for i, st in enumerate(self.stations))))
+
     async def release(self, rid: str) -> None:
         """Free the request's KV caches on every station (best effort, after the response)."""
         async def one(i: int, st: StationClient) -> None:

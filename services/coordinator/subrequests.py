@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.kvcache import prefill_chunks
+from common.prefix import reusable_blocks
 
 LIMITED_BY = "subrequests"
 LIMITED_HEADER = "X-Knot-Limited-By"  # on a whole reply: why it ended before max_tokens
@@ -139,9 +140,12 @@ class HopCost:
         return min(n_tokens, self.shards) + self.stations + self.shards + int(self.drafter)
 
     def prompt(self, n_prompt: int) -> int:
-        """The prompt's trip: its chunks through the embedding and the stations, then one LM-head gather."""
+        """The prompt's trip: its chunks through the embedding and the stations, then one LM-head gather;
+        a prompt of a whole block and more first asks each station which of its blocks it keeps."""
         chunks = prefill_chunks(n_prompt)
-        return sum(min(b - a, self.shards) + self.stations for a, b in chunks) + self.shards + int(self.drafter)
+        probe = self.stations if reusable_blocks(n_prompt) else 0
+        return (sum(min(b - a, self.shards) + self.stations for a, b in chunks) + probe + self.shards +
+                int(self.drafter))
 
     def release(self) -> int:
         return self.stations + int(self.drafter)

@@ -5,6 +5,8 @@
                              output-normed hidden states of the last row of a prefill,
                              (1, dim), and of every row of a decode, (T, dim)
     POST /release/<rid>      drop a request's attention KV cache
+    POST /prefix             16-byte block keys of a prompt (common/prefix.py), back to back ->
+                             {"blocks": j}: the leading blocks its prompt cache holds
     GET  /stats              boot key, memory accounting, tensor sources, sessions
 
 Env: KNOT_KEY, SPECIALIZATION_START_LAYER, SPECIALIZATION_END_LAYER, SPECIALIZATION_ROLE,
@@ -22,7 +24,8 @@ Prompt caching (services/station/prefix_store.py): a prefill frame that is one w
 (flag BLOCK) leaves a copy of its KV in the prompt cache under the block's key; a prefill frame at
 position P > 0 whose session is missing, with the key of the tokens before it (flag PREFIX), starts
 its session from the cached blocks of that prefix, or is refused as UnknownSession when they are
-gone (the coordinator prefills from 0). The cache is counted in the KV bytes and evicted before
+gone (the coordinator prefills from 0). POST /prefix tells the coordinator which leading blocks of
+a prompt it holds. The cache is counted in the KV bytes and evicted before
 sessions; PREFIX_CACHE_BYTES bounds it, and /stats "prefix_cache" says what it holds and did.
 
 Batched decode: decode frames of different requests that arrive while a forward runs are
@@ -66,7 +69,7 @@ import numpy as np
 from common import wire
 from common.knot import KnotHeader
 from common.kvcache import KV_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS, KVCache, largest
-from common.prefix import PREFIX_BLOCK_TOKENS
+from common.prefix import KEY_BYTES, PREFIX_BLOCK_TOKENS
 from common.layers import run_layers, steps
 from common.matmul import DEFAULT_TILE_BYTES, tile_rows
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
@@ -600,10 +603,18 @@ async def _route(request: Request, st: Station, ctx) -> Response:
             raise BadRequest(f"malformed envelope: {e}") from None
         out = await st.forward(frame, ctx)
         return Response.from_bytes(wire.encode_envelope(out), wire.ENVELOPE_CONTENT_TYPE)
+    if path == "/prefix" and request.method == "POST":
+        keys = request.body
+        if len(keys) % KEY_BYTES or len(keys) // KEY_BYTES > st.cfg.context_length // PREFIX_BLOCK_TOKENS + 1:
+            raise BadRequest(f"POST /prefix: {len(keys)} bytes, expected whole {KEY_BYTES}-byte block keys, at most "
+                             f"{st.cfg.context_length // PREFIX_BLOCK_TOKENS + 1} (the context's blocks and the root)")
+        keys = [bytes(keys[i:i + KEY_BYTES]) for i in range(0, len(keys), KEY_BYTES)]
+        return Response.from_json({"blocks": st.prefix.held(keys) if st.prefix_why is None else 0})
     if path.startswith("/release/") and request.method == "POST":
         rid = path[len("/release/"):]
         return Response.from_json({"request_id": rid, "released": st.release(rid)})
     if path == "/stats" and request.method == "GET":
         return Response.from_json({**st.stats(), "boots": _booted.boots, "knot_reloads": _booted.reloads,
                                    "instance": _booted.instance})
-    raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /release/<id>, GET /stats")
+    raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /prefix, POST /release/<id>, "
+                   f"GET /stats")

@@ -67,6 +67,14 @@ class PrefixStore:
             self.blocks.move_to_end(k)
         return [b for _, b in reversed(found)]
 
+    def held(self, keys: list[bytes]) -> int:
+        """The most leading blocks of a prompt (keys[j] names its first j blocks; keys[0] the empty
+        prefix) this store can restore: the largest j whose chain is here whole, else 0."""
+        for j in range(len(keys) - 1, 0, -1):
+            if self.chain(keys[j], j * self.block_tokens) is not None:
+                return j
+        return 0
+
     def restore(self, key: bytes, end: int, kv: KVCache, layers: range) -> bool:
         """Fill the empty kv with the prefix key names, [0, end) in every layer; whether it was here."""
         blocks = self.chain(key, end)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from common import wire
-from common.runtime import PayloadTooLarge, Request
-from services.peer import PEER_URL, PeerError, call, get_json, post_envelope
+from common.runtime import BadGateway, PayloadTooLarge, Request
+from services.peer import PEER_URL, PeerError, call, get_json, post_envelope, post_pinned
 
 
 class SessionLost(Exception):
@@ -29,6 +29,16 @@ class StationClient:
             if e.peer_status == PayloadTooLarge.status:  # StationMemoryFull: the client's sequence is too long here
                 raise PayloadTooLarge(f"station: {e.peer_message}") from None
             raise
+
+    async def prefix(self, keys: list[bytes], timeout_s: float | None = None) -> int:
+        """How many leading blocks of a prompt (its block keys, common.prefix.block_keys) the station's
+        prompt cache holds."""
+        resp = await post_pinned(self.binding, "/prefix", b"".join(keys), "application/octet-stream",
+                                 timeout_s or self.timeout_s, self.knot_etag)
+        blocks = resp.json().get("blocks")
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks < len(keys):
+            raise BadGateway(f"station /prefix: {blocks!r} blocks for {len(keys)} keys")
+        return blocks
 
     async def release(self, request_id: str) -> bool:
         """Drop the request's KV cache; whether the station held one."""

@@ -11,7 +11,7 @@ import pytest
 
 from common import wire
 from common.kvcache import KVCache
-from common.prefix import PREFIX_BLOCK_TOKENS, ROOT, PrefixIndex, block_keys, reusable_blocks
+from common.prefix import PREFIX_BLOCK_TOKENS, ROOT, block_keys, reusable_blocks
 from common.runtime import Request
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
@@ -38,21 +38,8 @@ def test_block_keys_name_whole_prefixes():
     assert len({*ka}) == 4
 
 
-def test_the_index_leaves_a_prompts_last_token_to_compute():
-    ids = list(range(2 * B))  # exactly two blocks
-    keys = block_keys(ids)
-    idx = PrefixIndex(max_keys=8)
-    assert idx.longest(keys, len(ids)) == 0
-    idx.add(keys)
-    assert ROOT not in idx._keys
-    # the same prompt again: its last token's row gives the logits, so only the first block is taken
-    assert reusable_blocks(len(ids)) == 1 and idx.longest(keys, len(ids)) == 1
-    longer = block_keys(ids + [7] * 10)
-    assert idx.longest(longer, 2 * B + 10) == 2
-    idx.forget(keys[1:])
-    assert idx.longest(longer, 2 * B + 10) == 0
-    idx.add(block_keys(list(range(20 * B))))  # bounded: the oldest keys go first
-    assert len(idx) == 8
+def test_a_prompt_always_computes_its_last_token():
+    assert [reusable_blocks(n) for n in (0, 1, B, B + 1, 2 * B, 2 * B + 1)] == [0, 0, 0, 1, 1, 2]
 
 
 # ------------------------------------------------------------------ the envelope
@@ -94,6 +81,7 @@ def test_the_store_restores_exact_blocks_and_evicts_leaves_first():
     k1, k2, k3 = b"1" * 16, b"2" * 16, b"3" * 16
     assert store.put(k1, None, 0, kv, layers, 1 << 20) and store.put(k2, k1, blk, kv, layers, 1 << 20)
     assert store.put(k3, k2, 2 * blk, kv, layers, 1 << 20)
+    assert store.held([ROOT, k1, k2, k3]) == 3 and store.held([ROOT, k1, b"x" * 16]) == 1
     out = KVCache(1, 4, np.float32)
     assert store.restore(k2, 2 * blk, out, layers)
     for layer in layers:
@@ -102,7 +90,7 @@ def test_the_store_restores_exact_blocks_and_evicts_leaves_first():
     assert (store.hits, store.misses, store.reused_tokens) == (1, 1, 2 * blk)
     # the restore touched k2 then k1: k3, a leaf, is the least recently used and goes first
     store.evict_one()
-    assert list(store.blocks) == [k2, k1]
+    assert list(store.blocks) == [k2, k1] and store.held([ROOT, k1, k2, k3]) == 2
     one = store.block_bytes(kv, 2)
     assert one == 2 * blk * 4 * 4 * 2 and store.nbytes == 2 * one
     # room for one more block only: storing k3 again evicts the oldest (k2), never goes over
@@ -178,9 +166,9 @@ async def test_a_cached_prefix_gives_the_cold_tokens(knot, engine, tmp_path):
     await c.drain()
 
 
-async def test_a_small_cache_evicts_and_a_gone_prefix_runs_cold(knot, engine, tmp_path):
+async def test_a_small_cache_evicts_least_recently_used_blocks(knot, engine, tmp_path):
     """Room for three blocks: three prompts of two blocks each push the first one's out; re-sent, it
-    is a miss at the stations (the coordinator still remembered it), runs from 0, same tokens."""
+    runs from 0 with the same tokens, and keeps its blocks again."""
     kv = KVCache(SPEC.n_kv_head, SPEC.hidden // SPEC.n_head, np.float16)
     three = 3 * PrefixStore(0).block_bytes(kv, 1)
     c = await build_cluster(knot, tmp_path, 2, 2, station_vars={"PREFIX_CACHE_BYTES": str(three)})
@@ -192,12 +180,39 @@ async def test_a_small_cache_evicts_and_a_gone_prefix_runs_cold(knot, engine, tm
     resent = await generate(c, prompts[0] + digits(40, 9), max_tokens=6)
     assert resent["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert resent["tokens"] == engine.generate(resent["prompt_tokens"], SamplingParams(), max_tokens=6).token_ids
-    assert sum(s["misses"] for s in await stats(c)) >= 1
-    # the miss ran the prompt from 0 with its keys, so its blocks are back: the next one hits
     again = await generate(c, prompts[0] + digits(50, 8), max_tokens=2)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * B
     metrics = (await c.coordinator.fetch(Request("GET", "https://coordinator/metrics"))).body.decode()
+    assert 'knot_prompt_cache_lookups_total{result="none"} 4.0' in metrics  # 3 cold prompts and the re-sent one
+    await c.drain()
+
+
+async def test_blocks_gone_between_the_question_and_the_prompt_run_it_cold(knot, engine, tmp_path, monkeypatch):
+    """A station that said it held the blocks and no longer does when the prompt reaches it (an
+    eviction in between): it refuses, the prompt runs from 0, the tokens are a cold run's."""
+    c = await build_cluster(knot, tmp_path, 2, 2)
+    p = digits(2 * B + 30)
+    await generate(c, p, max_tokens=2)
+    booted = sorted(station._booted._booted.values(), key=lambda st: st.settings.layer_start)
+    while booted[1].prefix.evict_one():
+        pass
+    monkeypatch.setattr(PrefixStore, "held", lambda self, keys: len(keys) - 1)  # they say they hold it all
+    r = await generate(c, p + digits(20, 4), max_tokens=5)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and r["replays"] == 0
+    assert r["tokens"] == engine.generate(r["prompt_tokens"], SamplingParams(), max_tokens=5).token_ids
+    assert [s["misses"] for s in await stats(c)] == [0, 1]
+    metrics = (await c.coordinator.fetch(Request("GET", "https://coordinator/metrics"))).body.decode()
     assert 'knot_prompt_cache_lookups_total{result="miss"} 1.0' in metrics
+    await c.drain()
+
+
+async def test_a_station_refuses_a_malformed_prefix_question(knot, tmp_path):
+    c = await build_cluster(knot, tmp_path, 2, 2)
+    for body in (b"x" * 17, b"\0" * 16 * 1000):
+        r = await c.stations[0].fetch(Request("POST", "/prefix", {}, body))
+        assert r.status == 400 and b"block keys" in r.body, r.body
+    r = await c.stations[0].fetch(Request("POST", "/prefix", {}, ROOT + b"k" * 16))
+    assert r.status == 200 and r.json() == {"blocks": 0}
     await c.drain()
 
 
