@@ -80,6 +80,8 @@ const mf = new Miniflare({
   host: "127.0.0.1", port: 0, cf: false,
   r2Persist: false, kvPersist: false, durableObjectsPersist: false,
   log: new Log(LogLevel.WARN),
+  // with "inspector_port": workerd's V8 inspector there, one target per Worker (heap_usage.mjs reads it)
+  ...(cfg.inspector_port ? { inspectorPort: cfg.inspector_port } : {}),
   // workerd's log and the Workers' console (Python's print and logging) into the lane's log, which the
   // tests read: stdout stays the READY / KV protocol
   verbose: true, handleRuntimeStdio: (out, err) => { out.pipe(process.stderr); err.pipe(process.stderr); },
