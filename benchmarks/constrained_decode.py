@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from deploy import records
-from deploy.feature_bench import json_schema_decode
+from deploy.feature_bench import SCHEMA_RATIO, json_schema_decode, served_model
 from deploy.machine import describe
 
 
@@ -40,9 +40,10 @@ def main() -> None:
         day = time.strftime("%Y-%m-%d", time.gmtime())
         m = records.machine_of(machine)
         records.append(args.json, [
-            records.record(day, m, cmd, "decode, JSON schema / none", round(b / a, 3), "ratio",
-                           f"{b:.2f} against {a:.2f} tok/s"),
-            records.record(day, m, cmd, "first token with a new schema", round(first_s, 2), "s", "compile included")])
+            records.record(day, m, cmd, SCHEMA_RATIO, round(b / a, 3), "x", f"{b:.2f} against {a:.2f} tok/s",
+                           model=served_model(args.url)),
+            records.record(day, m, cmd, "first token with a new schema", round(first_s, 2), "s", "compile included",
+                           model=served_model(args.url))])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from deploy import records
-from deploy.feature_bench import prompt_cache
+from deploy.feature_bench import cache_ratio_metric, prompt_cache, served_model
 from deploy.machine import describe
 
 
@@ -42,9 +42,9 @@ def main() -> None:
         cmd = f"python benchmarks/prompt_cache.py --context-tokens {args.context_tokens} --rounds {args.rounds}"
         records.append(args.json, [records.record(
             time.strftime("%Y-%m-%d", time.gmtime()), records.machine_of(machine), cmd,
-            "time to first token, re-sent context, cached / cold", round(m["ratio"], 3), "ratio",
+            cache_ratio_metric(args.context_tokens), round(m["ratio"], 3), "x",
             f"{m['cached_ttft_s']:.3f} against {m['cold_ttft_s']:.3f} s, {m['prompt_tokens']} prompt tokens, "
-            f"{m['cached_tokens']:.0f} cached")])
+            f"{m['cached_tokens']:.0f} cached, median of {args.rounds}", model=served_model(args.url))])
 
 
 if __name__ == "__main__":

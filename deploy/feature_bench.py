@@ -25,6 +25,19 @@ FILLER = '''def parse_record_{i}(line: str) -> dict:
 
 '''
 
+SCHEMA_RATIO = "decode, JSON schema / none"  # the records' metric names (deploy/records.py rows)
+
+
+def cache_ratio_metric(context_tokens: int) -> str:
+    return f"ttft, re-sent {context_tokens}-token context, cached / cold"
+
+
+def served_model(url: str) -> str:
+    """The model id a running coordinator serves (GET /v1/models)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        return json.load(r)["data"][0]["id"]
+
+
 SCHEMA_MESSAGES = [{"role": "user", "content": "List twenty programming languages and what each is good for."}]
 SCHEMA = {"type": "object", "properties": {"languages": {"type": "array", "items": {
     "type": "object", "properties": {"name": {"type": "string"}, "good_for": {"type": "string"}},
@@ -100,7 +113,7 @@ def prompt_cache(url: str, context_tokens: int = 4000, rounds: int = 3, max_toke
                  f"{cached[-1]:.3f} s cached, {cold[-1]:.3f} s cold; same answers")
     a, b = statistics.median(cold), statistics.median(cached)
     return {"cold_ttft_s": a, "cached_ttft_s": b, "ratio": b / a, "prompt_tokens": prompt_tokens,
-            "cached_tokens": statistics.median(cached_tokens), "rounds": rounds}
+            "cached_tokens": statistics.median(cached_tokens), "rounds": rounds, "context_tokens": context_tokens}
 
 
 def json_schema_decode(url: str, max_tokens: int = 64, rounds: int = 5) -> dict:

@@ -132,6 +132,14 @@ RATIO_ROWS = (
     ("1.5B code, 0.5B drafting", M15, "decode, code prompt, draft model" + RATIO, None),
     ("prefill, 512 tokens, 0.5B", M05, "prefill" + RATIO, None),
     ("prefill, 512 tokens, 1.5B", M15, "prefill" + RATIO, None),
+    # issue 50: time to first token of a re-sent context, cached / cold (goal <= 0.1), and decode under
+    # a JSON schema / without (goal >= 0.9): ours against ours (deploy/feature_bench.py)
+    ("re-sent 4,000-token context, ttft cached / cold, 0.5B", M05, "ttft, re-sent 4000-token context, cached / cold",
+     None),
+    ("re-sent 4,000-token context, ttft cached / cold, 1.5B", M15, "ttft, re-sent 4000-token context, cached / cold",
+     None),
+    ("JSON schema decode / none, 0.5B", M05, "decode, JSON schema / none", None),
+    ("JSON schema decode / none, 1.5B", M15, "decode, JSON schema / none", None),
 )
 FLUID = "fluid (128 MiB stations, qwen7b-synth.knot) decode"
 BEGIN, END = "<!-- records: begin (python -m deploy.records --write docs/performance.md) -->", "<!-- records: end -->"
