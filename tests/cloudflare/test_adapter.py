@@ -647,3 +647,33 @@ async def test_a_streamed_generation_says_why_it_ended_at_the_subrequest_limit(t
     text = "".join(ev["choices"][0]["text"] for ev in events)
     assert text and raw.endswith(b"data: [DONE]\n\n")
     assert await cloud.drain() == []
+
+
+async def test_a_cached_prompt_prefix_through_the_workers(tmp_path):
+    """Prompt caching on the Workers: the Station Durable Objects keep a prompt's blocks, the
+    coordinator asks them (POST /prefix) and resumes after them; the tokens equal a cold run's."""
+    from deploy.encoder import encode
+    from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+    knot = tmp_path / "long.knot"
+    encode(write_tiny_gguf(tmp_path / "long.gguf", TinySpec(hidden=64, ffn=128, n_head=2, n_kv_head=1,
+                                                            context=1024, seed=9)), knot, progress=False)
+    _clear_boot_caches()
+    cloud = _deploy(knot, tmp_path / "out")
+    prompt = "".join(str(i * 7 % 10) for i in range(300))  # a digit is a token
+
+    async def generate(**body) -> dict:
+        resp = await cloud.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
+                                 json.dumps({"max_tokens": 6, **body}).encode(), {"Content-Type": "application/json"})
+        got = await _json(resp)
+        assert resp.status == 200, got
+        return got
+
+    first = await generate(prompt=prompt)
+    hit = await generate(prompt=prompt + "12345")
+    cold = await generate(prompt=prompt + "12345", cache_prompt=False)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert hit["tokens"] == cold["tokens"] and hit["prompt_tokens"] == cold["prompt_tokens"]
+    assert await cloud.drain() == []
