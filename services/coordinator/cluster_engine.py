@@ -84,8 +84,9 @@ class ClusterEngine:
         """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined
         through the stations. With prompt caching, the chunks start after the leading blocks every
         station keeps (common/prefix.py; one /prefix call to each); when a station no longer has
-        them by the time the prompt reaches it, the prompt runs from position 0. Either way gen.frames records every chunk from 0: a replay
-        computes the same KV caches without any cache."""
+        them by the time the prompt reaches it, the prompt runs from position 0. Either way
+        gen.frames records every chunk from 0: a replay computes the same KV caches without any
+        cache."""
         chunks = prefill_chunks(len(ids))
         keys = block_keys(ids) if self.prompt_caching and gen.cache_prompt else None
         gen.prompt_cache = "off" if keys is None else "none"

@@ -184,9 +184,9 @@ class CoordinatorMetrics:
         self.tokens_per_trip = Histogram(f"{PREFIX}_tokens_per_trip", "a generation's tokens per decode trip",
                                          buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16, 33), registry=r)
         self.prompt_cache = Counter(f"{PREFIX}_prompt_cache_lookups", "prompts by what prompt caching did: hit "
-                                    "(started after blocks the stations keep), miss (a station no longer held them when "
-                                    "the prompt reached it: run from 0), none (no block of it held), off (cache_prompt false, or a station "
-                                    "keeps no blocks)", ["result"], registry=r)
+                                    "(started after blocks the stations keep), miss (a station no longer held them "
+                                    "when the prompt reached it: run from 0), none (no block of it held), off "
+                                    "(cache_prompt false, or a station keeps no blocks)", ["result"], registry=r)
         self.replays = Counter(f"{PREFIX}_session_replays", "prompts replayed after a station lost a KV session",
                                registry=r)
         self.knot_reloads = Counter(f"{PREFIX}_version_reloads", "coordinator reloads on a new knot version",

@@ -177,7 +177,9 @@ def fim_suffix(body: dict, text_prompt: bool) -> str | None:
 def cache_prompt(body: dict) -> bool:
     """cache_prompt (llama-server's name): false makes the prompt run from position 0 whatever the
     stations keep, as a cold request would (its blocks are still kept for the next one)."""
-    v = body.get("cache_prompt", True)
+    v = body.get("cache_prompt")
+    if v is None:  # absent or JSON null: the default
+        return True
     if not isinstance(v, bool):
         raise InvalidParam(f"cache_prompt must be true or false, got {v!r}", "cache_prompt")
     return v

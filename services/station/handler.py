@@ -25,8 +25,8 @@ Prompt caching (services/station/prefix_store.py): a prefill frame that is one w
 position P > 0 whose session is missing, with the key of the tokens before it (flag PREFIX), starts
 its session from the cached blocks of that prefix, or is refused as UnknownSession when they are
 gone (the coordinator prefills from 0). POST /prefix tells the coordinator which leading blocks of
-a prompt it holds. The cache is counted in the KV bytes and evicted before
-sessions; PREFIX_CACHE_BYTES bounds it, and /stats "prefix_cache" says what it holds and did.
+a prompt it holds. The cache is counted in the KV bytes and evicted before sessions;
+PREFIX_CACHE_BYTES bounds it, and /stats "prefix_cache" says what it holds and did.
 
 Batched decode: decode frames of different requests that arrive while a forward runs are
 stacked into the next forward (services/batcher.py), so each weight is read once per step for
@@ -69,9 +69,9 @@ import numpy as np
 from common import wire
 from common.knot import KnotHeader
 from common.kvcache import KV_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS, KVCache, largest
-from common.prefix import KEY_BYTES, PREFIX_BLOCK_TOKENS
 from common.layers import run_layers, steps
 from common.matmul import DEFAULT_TILE_BYTES, tile_rows
+from common.prefix import KEY_BYTES, PREFIX_BLOCK_TOKENS
 from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Response
 from common.settings import ConfigError, default, read
 from common.topology import TopologyError

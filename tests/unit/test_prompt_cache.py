@@ -208,6 +208,9 @@ async def test_blocks_gone_between_the_question_and_the_prompt_run_it_cold(knot,
 
 async def test_a_station_refuses_a_malformed_prefix_question(knot, tmp_path):
     c = await build_cluster(knot, tmp_path, 2, 2)
+    for bad in ("yes", 1):
+        r = await c.generate(prompt="12", max_tokens=1, cache_prompt=bad)
+        assert r.status == 400 and b"cache_prompt must be true or false" in r.body, r.body
     for body in (b"x" * 17, b"\0" * 16 * 1000):
         r = await c.stations[0].fetch(Request("POST", "/prefix", {}, body))
         assert r.status == 400 and b"block keys" in r.body, r.body
