@@ -41,10 +41,12 @@ COMPATIBILITY_FLAGS = ("python_workers",)
 CPU_MS = 300_000  # the most a Worker or DO request may use (Paid plan); a long prefill needs it
 
 ISOLATE_BYTES = 128 << 20  # per isolate and per Durable Object
-RUNTIME_RESERVE_BYTES = 56 << 20  # Pyodide, numpy, our modules, request buffers (docs/cloudflare.md)
+# Pyodide, numpy, our modules, request buffers: what an isolate holds at rest under workerd, before
+# any model data (docs/cloudflare.md, "Worker sizes and memory under workerd")
+RUNTIME_RESERVE_BYTES = 72 << 20
 BUDGETS = {  # MEMORY_BUDGET_BYTES per role, each + RUNTIME_RESERVE_BYTES <= ISOLATE_BYTES
-    "station": 64 << 20,
-    "shard": 64 << 20,
+    "station": 56 << 20,
+    "shard": 56 << 20,
     "layer-warden": 48 << 20,
     "cobordism-warden": 32 << 20,
 }

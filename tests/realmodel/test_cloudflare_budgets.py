@@ -1,6 +1,6 @@
 """The Cloudflare station budget on the real 0.5B: with the stations `knot deploy cloudflare` does not
-warn about (6: four layers, ~39 MiB each), every station keeps its layers within 64 MiB and a second
-generation loads nothing; with 2 (the default, ~120 MiB each) the stations run fluid."""
+warn about (6: four layers, ~39 MiB each), every station keeps its layers within its 56 MiB and a
+second generation loads nothing; with 2 (~120 MiB each) the stations run fluid."""
 from __future__ import annotations
 
 import pytest
