@@ -1,7 +1,8 @@
 """Issue 53 in a real browser: the coordinator's page (GET /) against a real cluster of processes.
 It loads and draws every service; the playground streams the API's greedy answer; a killed shard
-shows restarting and turns ready again after its restart; a request's waterfall lists its hops in order. Screenshots of
-the page go to docs/images/ (docs/operations.md shows them)."""
+shows restarting, then red (down) past PEER_WAIT_S, and ready again after its restart; a request's
+waterfall lists its hops in order. Screenshots of the page go to docs/images/ (docs/operations.md
+shows them)."""
 from __future__ import annotations
 
 import json
@@ -76,17 +77,19 @@ def test_the_page_shows_the_cluster_and_a_streamed_answer_with_its_waterfall(clu
         assert set(running.result()) == {200}
 
 
-def test_a_killed_shard_shows_restarting_and_back_after_its_restart(cluster, page):  # noqa: F811
+def test_a_killed_shard_shows_restarting_then_red_and_back_after_its_restart(cluster, page):  # noqa: F811
     page.goto(cluster.url("coordinator") + "/")
     node(page, "shard 3").wait_for()
     page.wait_for_selector('#topology g[data-node="shard 3"][data-health="ready"]')
     cluster.stop("shard-3")
-    try:  # restarting for PEER_WAIT_S (15 s here), then down: started again before that
+    try:  # restarting for PEER_WAIT_S (15 s here), then down (red) until it is started again
         page.wait_for_selector('#topology g[data-node="shard 3"][data-health="restarting"]', timeout=10_000)
         assert node(page, "shard 3").locator("rect").get_attribute("fill") == "#7b1fa2"
         assert "no answer for" in node(page, "shard 3").text_content()
         assert node(page, "shard 2").get_attribute("data-health") == "ready"
         page.screenshot(path=str(IMAGES / "cluster-page-shard-restarting.png"))
+        page.wait_for_selector('#topology g[data-node="shard 3"][data-health="down"]', timeout=30_000)
+        assert node(page, "shard 3").locator("rect").get_attribute("fill") == "#c62828"
     finally:
         cluster.start("shard-3")
     page.wait_for_selector('#topology g[data-node="shard 3"][data-health="ready"]', timeout=30_000)
