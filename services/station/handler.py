@@ -286,14 +286,15 @@ class Station:
 
     def _keep_blocks(self, runs: list[tuple[wire.Envelope, Session]]) -> None:
         """After a forward: keep each frame that is one whole prompt block (its BLOCK key) in the
-        prompt cache, within the room the KV caches' half of the budget leaves (_fit_sessions)."""
+        prompt cache, within what the budget spares beside the kept layers, a decode step and the
+        sessions (a forward evicts blocks again when it needs their room: _rows_per_pass)."""
         if self.paused:  # between two phases of a paused forward, whose reservation counted the store as it was
             return
         for env, sess in runs:
             if env.block is None or env.mode != "prefill" or env.position % PREFIX_BLOCK_TOKENS \
                     or env.seq_len - env.position != PREFIX_BLOCK_TOKENS or (env.position and env.prefix is None):
                 continue
-            room = self.settings.budget_bytes // 2 - self.kv_bytes
+            room = self.plan.budget_bytes - self.plan.fixed_bytes - self.memory.kept.bytes_used - self.kv_bytes
             self.prefix.put(env.block, env.prefix if env.position else None, env.position, sess.kv, self.layers, room)
 
     # -------------------------------------------------------- the budget
@@ -335,23 +336,23 @@ class Station:
         while True:
             with self.memory.reserve(self.kv_after(runs), self._frames(N)):
                 t = self.memory.rows_per_pass(N, S, self.phase_bytes)
-            idle = [r for r in self.sessions if r not in keep]
-            if t >= min(N, PASS_FLOOR_ROWS) or not (idle or len(self.prefix)):
-                return t
-            if self.prefix.evict_one():  # cached prompts go before live sessions
+            if t < N and self.prefix.evict_one():  # cached prompts yield to a whole pass, before live sessions
                 continue
+            idle = [r for r in self.sessions if r not in keep]
+            if t >= min(N, PASS_FLOOR_ROWS) or not idle:
+                return t
             del self.sessions[idle[0]]
             self.sessions_evicted += 1
             log.warning("session %s evicted: the KV caches leave no room for a forward of %d rows", idle[0], N)
 
     def _fit_sessions(self, keep: set[str]) -> None:
-        """Evict least recently used sessions (never those in `keep`, nor a paused prefill's) while KV
-        caches overflow half the budget."""
+        """Evict least recently used sessions (never those in `keep`, nor a paused prefill's) while their
+        KV caches overflow half the budget."""
         keep = keep | {env.request_id for env, _ in self.paused}
-        # half the configured budget: in the resident profile that is what is left beside the layers
-        while self.kv_bytes > self.settings.budget_bytes // 2 and self.prefix.evict_one():
-            pass  # cached prompts go before live sessions
-        while self.kv_bytes > self.settings.budget_bytes // 2 and len(self.sessions) > len(keep):
+        # half the configured budget: in the resident profile that is what is left beside the layers.
+        # The prompt cache is bounded apart (its capacity, and forwards evict it first).
+        half = self.settings.budget_bytes // 2
+        while self.kv_bytes - self.prefix.nbytes > half and len(self.sessions) > len(keep):
             rid = next(r for r in self.sessions if r not in keep)
             del self.sessions[rid]
             self.sessions_evicted += 1

@@ -8,8 +8,9 @@ chain that ends at its PREFIX key, if every block of it is still here (restore).
 
 Bytes are counted in the station's KV bytes (the budget's), the store never holds more than its
 capacity, and it is the first thing evicted when a forward or a session needs room, least recently
-used first. A restore touches its chain from the last block to the first, so a parent is never
-older than its children and eviction takes leaves before the blocks they hang from.
+used first. A restore touches its chain from the last block to the first, and a new block touches
+the chain it hangs from, so a parent is never older than its children and eviction takes leaves
+before the blocks they hang from (a long prompt's first blocks outlive its last ones).
 """
 from __future__ import annotations
 
@@ -115,6 +116,10 @@ class PrefixStore:
         self.blocks[key] = block
         self.nbytes += block.nbytes
         self.stored += 1
+        at = start  # its prefix is used again: more recent than this leaf, up to the first block
+        while parent is not None and (b := self.blocks.get(parent)) is not None and b.end == at:
+            self.blocks.move_to_end(parent)
+            at, parent = b.start, b.parent  # strictly down: the walk ends
         return True
 
     def evict_one(self) -> bool:

@@ -97,6 +97,13 @@ def test_the_store_restores_exact_blocks_and_evicts_leaves_first():
     assert store.put(k3, k2, 2 * blk, kv, layers, room=one - 1)
     assert store.nbytes <= 2 * one and k2 not in store.blocks
     assert not store.restore(k3, 3 * blk, KVCache(1, 4, np.float32), layers)  # its parent is gone
+    # a chain stored block by block: each new block touches its ancestors, so the first block is the
+    # newest and the last one goes first (a long prompt keeps its head)
+    chain = PrefixStore(capacity_bytes=1 << 20, block_tokens=blk)
+    assert chain.put(k1, None, 0, kv, layers, 1 << 20) and chain.put(k2, k1, blk, kv, layers, 1 << 20)
+    assert chain.put(k3, k2, 2 * blk, kv, layers, 1 << 20)
+    assert list(chain.blocks) == [k3, k2, k1]
+    assert chain.put(b"s" * 16, b"s" * 16, 3 * blk, _filled(4 * blk), layers, 1 << 20)  # its own parent: no loop
     assert not store.put(b"4" * 16, k3, 3 * blk, kv, layers, 1 << 20)  # kv holds no 4th block
     small = PrefixStore(capacity_bytes=one - 1, block_tokens=blk)
     assert not small.put(k1, None, 0, kv, layers, 1 << 20) and small.refused == 1
