@@ -117,6 +117,16 @@ def tensor_plan(spec: TinySpec, vocab: int) -> list[tuple[str, tuple[int, ...], 
     return out
 
 
+def tiny_knot(directory: str | Path, spec: TinySpec | None = None, name: str = "tiny") -> Path:
+    """A tiny model as a .knot in directory (its GGUF beside it): <name>.gguf encoded to <name>.knot."""
+    from deploy.encoder import encode
+
+    directory = Path(directory)
+    out = directory / f"{name}.knot"
+    encode(write_tiny_gguf(directory / f"{name}.gguf", spec), out, progress=False)
+    return out
+
+
 def write_tiny_gguf(path: str | Path, spec: TinySpec | None = None) -> Path:
     spec = spec or TinySpec()
     path = Path(path)

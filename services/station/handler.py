@@ -79,7 +79,7 @@ from services.batcher import LATER, Batcher
 from services.boot import BootCache
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 from services.layer_warden.layer_warden_client import LayerWardenClient
-from services.station.prefix_store import PrefixStore
+from services.station.prefix_store import PrefixStore, block_bytes
 from services.station.station_memory import (ForwardWeights, MemoryPlan, StationMemory, StationMemoryFull,
                                               describe_plan, plan_memory)
 from services.station.tensors import PhaseLoader
@@ -226,8 +226,7 @@ class Station:
         p, setting = self.plan, self.settings.prefix_cache_bytes
         spare = max(p.budget_bytes - p.fixed_bytes - p.kept_bytes - p.held_phase_bytes, 0)
         capacity = spare // 2 if setting is None else min(setting, spare)
-        block = PrefixStore(0).block_bytes(self.model.new_kv(), len(range(self.settings.layer_start,
-                                                                          self.settings.layer_end)))
+        block = block_bytes(self.model.new_kv(), len(self.layers))
         if capacity >= block:
             return capacity, None
         if setting == 0:

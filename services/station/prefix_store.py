@@ -23,6 +23,11 @@ from common.kvcache import KVCache
 from common.prefix import PREFIX_BLOCK_TOKENS
 
 
+def block_bytes(kv: KVCache, n_layers: int, block_tokens: int = PREFIX_BLOCK_TOKENS) -> int:
+    """What one block of n_layers layers of kv's shape and dtype holds: its keys and values."""
+    return 2 * block_tokens * kv.n_kv_head * kv.head_dim * kv.dtype.itemsize * n_layers
+
+
 @dataclass(frozen=True)
 class Block:
     parent: bytes | None  # the key of the block before it; None for the first block
@@ -49,7 +54,7 @@ class PrefixStore:
 
     def block_bytes(self, kv: KVCache, n_layers: int) -> int:
         """What one block of n_layers layers holds."""
-        return 2 * self.block_tokens * kv.n_kv_head * kv.head_dim * kv.dtype.itemsize * n_layers
+        return block_bytes(kv, n_layers, self.block_tokens)
 
     def chain(self, key: bytes, end: int) -> list[Block] | None:
         """The blocks of the prefix key names, first to last, if all are here and tile [0, end); None

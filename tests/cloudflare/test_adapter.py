@@ -652,12 +652,9 @@ async def test_a_streamed_generation_says_why_it_ended_at_the_subrequest_limit(t
 async def test_a_cached_prompt_prefix_through_the_workers(tmp_path):
     """Prompt caching on the Workers: the Station Durable Objects keep a prompt's blocks, the
     coordinator asks them (POST /prefix) and resumes after them; the tokens equal a cold run's."""
-    from deploy.encoder import encode
-    from tests.tiny_gguf import TinySpec, write_tiny_gguf
+    from tests.tiny_gguf import TinySpec, tiny_knot
 
-    knot = tmp_path / "long.knot"
-    encode(write_tiny_gguf(tmp_path / "long.gguf", TinySpec(hidden=64, ffn=128, n_head=2, n_kv_head=1,
-                                                            context=1024, seed=9)), knot, progress=False)
+    knot = tiny_knot(tmp_path, TinySpec(hidden=64, ffn=128, n_head=2, n_kv_head=1, context=1024, seed=9), "long")
     _clear_boot_caches()
     cloud = _deploy(knot, tmp_path / "out")
     prompt = "".join(str(i * 7 % 10) for i in range(300))  # a digit is a token

@@ -11,7 +11,7 @@ from common.runtime import Request
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
-from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, tiny_knot
 
 # Small dims keep 30k tokens fast; one layer per station, a context past 30k.
 SPEC = TinySpec(n_layers=2, hidden=32, ffn=64, n_head=2, n_kv_head=1, context=32768, seed=3)
@@ -20,12 +20,7 @@ BUDGET = 16 << 20  # a 30k-token KV cache of one layer (~8.7 MB at most) and a 2
 
 @pytest.fixture(scope="module")
 def long_knot(tmp_path_factory):
-    from deploy.encoder import encode
-
-    d = tmp_path_factory.mktemp("longctx")
-    out = d / "long.knot"
-    encode(write_tiny_gguf(d / "long.gguf", SPEC), out, progress=False)
-    return out
+    return tiny_knot(tmp_path_factory.mktemp("longctx"), SPEC, "long")
 
 
 @pytest.fixture(scope="module")

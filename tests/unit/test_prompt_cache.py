@@ -18,7 +18,7 @@ from deploy.engine_local import LocalEngine
 from services.station import handler as station
 from services.station.prefix_store import PrefixStore
 from tests.inprocess import build_cluster
-from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, tiny_knot
 
 B = PREFIX_BLOCK_TOKENS
 SPEC = TinySpec(n_layers=2, hidden=32, ffn=64, n_head=2, n_kv_head=1, context=4096, seed=5)
@@ -113,12 +113,7 @@ def test_the_store_restores_exact_blocks_and_evicts_leaves_first():
 
 @pytest.fixture(scope="module")
 def knot(tmp_path_factory):
-    from deploy.encoder import encode
-
-    d = tmp_path_factory.mktemp("prompt-cache")
-    out = d / "tiny.knot"
-    encode(write_tiny_gguf(d / "tiny.gguf", SPEC), out, progress=False)
-    return out
+    return tiny_knot(tmp_path_factory.mktemp("prompt-cache"), SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -251,10 +246,7 @@ async def test_a_restarted_station_has_no_blocks_and_the_prompt_runs_cold(knot, 
 
 async def test_a_fluid_station_keeps_no_prompt_and_says_so(tmp_path):
     """A wider tiny model whose layers (4.7 MB) a 7 MiB station streams."""
-    from deploy.encoder import encode
-
-    path = tmp_path / "wide.knot"
-    encode(write_tiny_gguf(tmp_path / "wide.gguf", WIDE), path, progress=False)
+    path = tiny_knot(tmp_path, WIDE, "wide")
     engine = LocalEngine.open(path)
     c = await build_cluster(path, tmp_path, 1, 2, station_budget_bytes=7 << 20)
     r = await generate(c, digits(B + 20), max_tokens=3)
