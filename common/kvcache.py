@@ -149,9 +149,11 @@ class KVCache:
         self._k[layer], self._v[layer], self._pos[layer] = k, v, pos
 
 
-def prefill_chunks(n_tokens: int, chunk_size: int = PREFILL_CHUNK_TOKENS) -> list[tuple[int, int]]:
-    """[start, end) ranges covering [0, n_tokens) in order, each at most chunk_size long; a pure
-    function of its arguments."""
+def prefill_chunks(n_tokens: int, chunk_size: int = PREFILL_CHUNK_TOKENS, start: int = 0) -> list[tuple[int, int]]:
+    """[a, b) ranges covering [start, n_tokens) in order: the chunks cut at multiples of chunk_size
+    from position 0, the first one's rows before `start` left out (a prompt resumed after cached
+    blocks, common/prefix.py); a pure function of its arguments."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size {chunk_size} < 1")
-    return [(a, min(a + chunk_size, n_tokens)) for a in range(0, n_tokens, chunk_size)]
+    return [(max(a, start), min(a + chunk_size, n_tokens))
+            for a in range(start - start % chunk_size, n_tokens, chunk_size)]

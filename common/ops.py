@@ -37,11 +37,30 @@ ATTN_TILE_ALIGN = 64  # tiles start at multiples of this many keys
 ATTN_CONVERT_BYTES = 2 << 20
 
 
+# A prompt chunk's tiles are sized for this many rows whatever its own rows (prefill_tile_keys), so
+# a row's tiles and bits do not depend on where its chunk starts: a prefill resumed after a cached
+# prefix (common/prefix.py) computes each row as the cold prefill did. The prefill chunks are no
+# longer (common.kvcache.PREFILL_CHUNK_TOKENS).
+PREFILL_TILE_ROWS = 256
+
+
 def attn_tile_keys(n_head: int, T: int) -> int:
     """Keys per tile for T query rows: as many as keep the tile's float32 scores (n_head, T, tile)
     within ATTN_TILE_BYTES; a multiple of ATTN_TILE_ALIGN, and at least that."""
     n = ATTN_TILE_BYTES // (4 * n_head * T)
     return max(ATTN_TILE_ALIGN, n - n % ATTN_TILE_ALIGN)
+
+
+def prefill_tile_keys(n_head: int, T: int) -> int:
+    """Keys per tile of a prompt chunk of T rows: attn_tile_keys for PREFILL_TILE_ROWS rows, the same
+    for every T up to that (past it, fewer, so the tile stays within ATTN_TILE_BYTES)."""
+    return attn_tile_keys(n_head, max(T, PREFILL_TILE_ROWS))
+
+
+def row_by_row(T: int, S: int) -> bool:
+    """Whether attention() runs T rows over S keys one row at a time (a decode step or verify trip)
+    rather than as one prompt chunk (EXACT_ROWS)."""
+    return T == 1 or (T <= EXACT_ROWS and S != T)
 
 
 def _convert_keys(n_kv: int, hd: int, rows: int) -> int:
@@ -55,7 +74,8 @@ def attention_bytes(n_head: int, hd: int, T: int, S: int, n_kv: int | None = Non
     """An upper bound of Ops.attention()'s temporaries for T query rows over S keys (any T_i <= T,
     S_i <= S of a batch's sequences, run one after another, stay within it); n_kv: the kv heads
     (None: as many as n_head, an upper bound)."""
-    scores = min(4 * n_head * T * S, max(ATTN_TILE_BYTES, 4 * n_head * T * ATTN_TILE_ALIGN))  # one tile
+    # one tile: a chunk's (prefill_tile_keys), or one row's at a time (row_by_row)
+    scores = 4 * n_head * max(T * min(S, prefill_tile_keys(n_head, T)), min(S, attn_tile_keys(n_head, 1)))
     mask = scores // (4 * n_head)                                # (T, tile) bool
     convert = min(ATTN_CONVERT_BYTES, S * (8 * (n_kv or n_head) * hd + 12 * n_head * T))  # _convert_keys
     # q in float64, the float64 output and one slice's product into it; m, l, alpha per row
@@ -201,11 +221,13 @@ class Ops:
         up to EXACT_ROWS rows appended to a cache that held some already (a verify trip: S > T), go
         row by row (attend_rows): the same bits as decoding them one by one. A prompt's first chunk
         and longer chunks are one product (attend), as the llama.cpp oracle tests measured it
-        (docs/fidelity.md)."""
+        (docs/fidelity.md), in tiles that do not depend on T (prefill_tile_keys): a row's bits
+        depend on its keys and S alone, so a chunk's rows equal those of any longer chunk that ends
+        where it does and is not row_by_row either (tests/unit/test_attention.py)."""
         T, S = q.shape[0], k.shape[0]
-        if T == 1 or (T <= EXACT_ROWS and S != T):
+        if row_by_row(T, S):
             return self.attend_rows(q, k, v, q_pos, k_pos)
-        return self.attend(q, k, v, q_pos, k_pos)
+        return self.attend(q, k, v, q_pos, k_pos, prefill_tile_keys(q.shape[1], T))
 
     def attend_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                     k_pos: np.ndarray) -> np.ndarray:

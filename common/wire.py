@@ -271,12 +271,14 @@ def decode_batch(buf: bytes | memoryview | Sequence[bytes | memoryview],
 #     18   2     flags        bit 0 REWIND (a station first drops the session's positions from
 #                             `position` on: the rejected drafts of a speculative trip);
 #                             bit 1 PREFIX (a prefill frame: the key of the tokens [0, position) follows
-#                             the id); bit 2 BLOCK (the frame is one whole prompt block: the key of the
-#                             tokens [0, seq_len) follows, a station may keep the block's KV under it;
-#                             common/prefix.py); others 0
+#                             the id); bit 2 BLOCK (the frame holds whole prompt blocks from `position`
+#                             on: their count and the key of the tokens up to each block's end follow,
+#                             a station may keep each block's KV under its key; common/prefix.py);
+#                             others 0
 #     20   ..    request_id   id_len bytes
 #     ..   16    prefix       with PREFIX
-#     ..   16    block        with BLOCK
+#     ..   1     blocks       with BLOCK: u8 n >= 1, the whole blocks' count
+#     ..   16*n  block keys   with BLOCK: key i names the tokens [0, position + (i + 1) * block)
 #     ..   8*nd  shape        u64 each, C order (rows first): (T, dim) activations, (T,) tokens
 #     ..   ..    payload      prod(shape) * itemsize bytes, little-endian
 #     ..   4     crc32        CRC-32 (zlib's) of every byte above
@@ -302,7 +304,7 @@ class Envelope:
     array: np.ndarray  # float32 activations (T, dim) / logits, or int32 token ids (T,)
     rewind: bool = False  # stations: drop the session's positions >= position before applying
     prefix: bytes | None = None  # prefill: the key of the tokens before `position` (common/prefix.py)
-    block: bytes | None = None  # prefill of one whole block: the key of the tokens before `seq_len`
+    blocks: tuple[bytes, ...] = ()  # prefill: the keys of the whole blocks it holds from `position` on
 
 
 def encode_envelope(env: Envelope) -> bytes:
@@ -313,14 +315,16 @@ def encode_envelope(env: Envelope) -> bytes:
         raise ValueError(f"envelope array dtype {arr.dtype} is not float32, int32 or float64")
     if env.mode not in MODES or len(rid) > 0xFFFF or arr.ndim > MAX_NDIM:
         raise ValueError(f"envelope: mode {env.mode!r}, id {len(rid)} B or ndim {arr.ndim} out of range")
-    keys = [k for k in (env.prefix, env.block) if k is not None]
-    if any(len(k) != PREFIX_KEY_BYTES for k in keys):
-        raise ValueError(f"envelope: prefix keys are {PREFIX_KEY_BYTES} bytes, got {[len(k) for k in keys]}")
+    keys = [k for k in (env.prefix, *env.blocks) if k is not None]
+    if any(len(k) != PREFIX_KEY_BYTES for k in keys) or len(env.blocks) > 0xFF:
+        raise ValueError(f"envelope: prefix keys are {PREFIX_KEY_BYTES} bytes, at most 255 blocks, "
+                         f"got {[len(k) for k in keys]}")
     flags = ((FLAG_REWIND if env.rewind else 0) | (FLAG_PREFIX if env.prefix is not None else 0) |
-             (FLAG_BLOCK if env.block is not None else 0))
+             (FLAG_BLOCK if env.blocks else 0))
     head = _ENV_HEAD.pack(ENVELOPE_MAGIC, VERSION, MODES.index(env.mode), DTYPES.index(dtype), arr.ndim,
                           env.position, env.seq_len, len(rid), flags)
-    meta = head + rid + b"".join(keys) + b"".join(_U64.pack(d) for d in arr.shape)
+    keys_bytes = (env.prefix or b"") + (bytes([len(env.blocks)]) + b"".join(env.blocks) if env.blocks else b"")
+    meta = head + rid + keys_bytes + b"".join(_U64.pack(d) for d in arr.shape)
     payload = arr.astype(dtype, copy=False).tobytes()
     return b"".join((meta, payload, _CRC.pack(crc32(payload, crc32(meta)))))
 
@@ -360,7 +364,13 @@ def _read_envelope(r: _Reader) -> Envelope:
     except UnicodeDecodeError as e:
         raise MalformedFrame(f"envelope: request id is not UTF-8 (byte {e.start})") from None
     prefix = bytes(r.take(PREFIX_KEY_BYTES, "prefix key")) if flags & FLAG_PREFIX else None
-    block = bytes(r.take(PREFIX_KEY_BYTES, "block key")) if flags & FLAG_BLOCK else None
+    blocks: tuple[bytes, ...] = ()
+    if flags & FLAG_BLOCK:
+        n_blocks = bytes(r.take(1, "block count"))[0]
+        if n_blocks == 0:
+            raise MalformedFrame(f"envelope {rid}: flag BLOCK with no block key")
+        raw = bytes(r.take(n_blocks * PREFIX_KEY_BYTES, "block keys"))
+        blocks = tuple(raw[i:i + PREFIX_KEY_BYTES] for i in range(0, len(raw), PREFIX_KEY_BYTES))
     itemsize = np.dtype(DTYPES[dtype]).itemsize
     shape = tuple(r.unpack(_U64, f"shape[{i}]")[0] for i in range(ndim))
     # A hostile shape such as (0, 2**63) claims no payload yet no array can take it: every
@@ -381,7 +391,7 @@ def _read_envelope(r: _Reader) -> Envelope:
     if seq_len < position:
         raise MalformedFrame(f"envelope {rid}: seq_len {seq_len} < position {position}")
     arr = np.frombuffer(payload, dtype=DTYPES[dtype]).reshape(shape)
-    return Envelope(rid, MODES[mode], position, seq_len, arr, bool(flags & FLAG_REWIND), prefix, block)
+    return Envelope(rid, MODES[mode], position, seq_len, arr, bool(flags & FLAG_REWIND), prefix, blocks)
 
 
 # ---------------------------------------------------------------- sampling spec (shard-side sampling)

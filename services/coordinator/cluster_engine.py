@@ -14,7 +14,7 @@ import numpy as np
 
 from common.generation import Generation
 from common.kvcache import prefill_chunks
-from common.prefix import PREFIX_BLOCK_TOKENS, block_keys, reusable_blocks
+from common.prefix import PREFIX_BLOCK_TOKENS, block_keys, resume_at, reusable_blocks
 from common.runtime import ServiceUnavailable
 from common.sampling import LogitsRow, Row, apply_masks, row_masks
 from common.shard_sampling import decided, sample_spec
@@ -90,7 +90,7 @@ class ClusterEngine:
         chunks = prefill_chunks(len(ids))
         keys = block_keys(ids) if self.prompt_caching and gen.cache_prompt else None
         gen.prompt_cache = "off" if keys is None else "none"
-        h = await self._cached_prefill(gen, ids, chunks, keys) if keys else None
+        h = await self._cached_prefill(gen, ids, keys) if keys else None
         while h is None:
             try:
                 h = await self.pipeline.prefill(self._call(gen), ids, chunks, keys)
@@ -102,17 +102,16 @@ class ClusterEngine:
         self._bound(gen)
         return row
 
-    async def _cached_prefill(self, gen: ClusterGeneration, ids: list[int], chunks: list[tuple[int, int]],
-                              keys: list[bytes]) -> np.ndarray | None:
-        """The prompt's chunks after the leading blocks every station keeps -> the exit's (1, dim); None
-        when they keep none, or a station no longer held them when asked to resume (an eviction in
-        between, a restart)."""
-        j = await self.pipeline.cached_blocks(self._call(gen), keys, reusable_blocks(len(ids)))
+    async def _cached_prefill(self, gen: ClusterGeneration, ids: list[int], keys: list[bytes]) -> np.ndarray | None:
+        """The prompt's chunks after the leading blocks every station keeps (common.prefix.resume_at)
+        -> the exit's (1, dim); None when they keep none, or a station no longer held them when asked
+        to resume (an eviction in between, a restart)."""
+        j = resume_at(len(ids), await self.pipeline.cached_blocks(self._call(gen), keys, reusable_blocks(len(ids))))
         if j == 0:
             return None
         start = j * PREFIX_BLOCK_TOKENS
         try:
-            h = await self.pipeline.prefill(self._call(gen), ids, [(a, b) for a, b in chunks if a >= start], keys)
+            h = await self.pipeline.prefill(self._call(gen), ids, prefill_chunks(len(ids), start=start), keys)
         except SessionLost as e:  # evicted since, or the station restarted
             gen.prompt_cache = "miss"
             log.info("request %s: the stations no longer hold its first %d prompt tokens (%s); prefilling from 0",

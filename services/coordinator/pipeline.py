@@ -422,7 +422,7 @@ class Pipeline:
         return h
 
     async def _hop(self, i: int, st: StationClient, call: Call, mode: str, position: int, h: np.ndarray,
-                   rewind: bool = False, keys: tuple[bytes | None, bytes | None] = (None, None)) -> np.ndarray:
+                   rewind: bool = False, keys: tuple[bytes | None, tuple[bytes, ...]] = (None, ())) -> np.ndarray:
         """h (T, dim) through station i -> its output rows, timed as hop station_i. A station that is
         down is waited for (until_up); once it is back it answers UnknownSession (SessionLost) and
         the caller replays. keys: a prompt chunk's prefix and block keys (wire.Envelope)."""
@@ -448,8 +448,8 @@ class Pipeline:
         activations are alive. -> the exit's (1, dim) for the last chunk.
 
         keys: the prompt's block keys (common.prefix.block_keys): each chunk then names the prefix
-        before it, and a chunk that is one whole block its own key, so the stations keep it (prompt
-        caching); a first chunk after position 0 starts its sessions from the blocks they keep."""
+        before it and the whole blocks it holds, so the stations keep them (prompt caching); a first
+        chunk after position 0 starts its sessions from the blocks they keep."""
         entered = [asyncio.Event() for _ in chunks]                        # station 0 began chunk k
         done = [[asyncio.Event() for _ in chunks] for _ in self.stations]  # [station][chunk] finished
         aborted = False
@@ -459,11 +459,11 @@ class Pipeline:
             if aborted:
                 raise PrefillAborted("an earlier chunk failed")
 
-        def chunk_keys(a: int, b: int) -> tuple[bytes | None, bytes | None]:
+        def chunk_keys(a: int, b: int) -> tuple[bytes | None, tuple[bytes, ...]]:
             if keys is None or a % PREFIX_BLOCK_TOKENS:
-                return None, None
-            whole = b - a == PREFIX_BLOCK_TOKENS and b // PREFIX_BLOCK_TOKENS < len(keys)
-            return keys[a // PREFIX_BLOCK_TOKENS], keys[b // PREFIX_BLOCK_TOKENS] if whole else None
+                return None, ()
+            j = a // PREFIX_BLOCK_TOKENS  # keys[j + i] names the tokens up to its i-th whole block's end
+            return keys[j], tuple(keys[j + 1:min(b // PREFIX_BLOCK_TOKENS, len(keys) - 1) + 1])
 
         async def run(k: int, a: int, b: int) -> np.ndarray:
             if k:

@@ -20,8 +20,8 @@ the session's end, and the positions from there on (the rejected drafts) are dro
 the positions of the last frame can be dropped: a rewind below its start, or past the session's
 end, is refused as UnknownSession (the coordinator replays), so a stray frame never erases a prompt.
 
-Prompt caching (services/station/prefix_store.py): a prefill frame that is one whole prompt block
-(flag BLOCK) leaves a copy of its KV in the prompt cache under the block's key; a prefill frame at
+Prompt caching (services/station/prefix_store.py): a prefill frame that holds whole prompt blocks
+(flag BLOCK) leaves a copy of their KV in the prompt cache, each under its block's key; a prefill frame at
 position P > 0 whose session is missing, with the key of the tokens before it (flag PREFIX), starts
 its session from the cached blocks of that prefix, or is refused as UnknownSession when they are
 gone (the coordinator prefills from 0). POST /prefix tells the coordinator which leading blocks of
@@ -284,17 +284,22 @@ class Station:
         return s
 
     def _keep_blocks(self, runs: list[tuple[wire.Envelope, Session]]) -> None:
-        """After a forward: keep each frame that is one whole prompt block (its BLOCK key) in the
+        """After a forward: keep the whole prompt blocks of each prefill frame (its BLOCK keys) in the
         prompt cache, within what the budget spares beside the kept layers, a decode step and the
         sessions (a forward evicts blocks again when it needs their room: _rows_per_pass)."""
         if self.paused:  # between two phases of a paused forward, whose reservation counted the store as it was
             return
         for env, sess in runs:
-            if env.block is None or env.mode != "prefill" or env.position % PREFIX_BLOCK_TOKENS \
-                    or env.seq_len - env.position != PREFIX_BLOCK_TOKENS or (env.position and env.prefix is None):
+            if not env.blocks or env.mode != "prefill" or env.position % PREFIX_BLOCK_TOKENS \
+                    or env.seq_len - env.position < len(env.blocks) * PREFIX_BLOCK_TOKENS \
+                    or (env.position and env.prefix is None):
                 continue
-            room = self.plan.budget_bytes - self.plan.fixed_bytes - self.memory.kept.bytes_used - self.kv_bytes
-            self.prefix.put(env.block, env.prefix if env.position else None, env.position, sess.kv, self.layers, room)
+            parent = env.prefix if env.position else None
+            for i, key in enumerate(env.blocks):  # first to last: each one's parent is kept before it
+                room = self.plan.budget_bytes - self.plan.fixed_bytes - self.memory.kept.bytes_used - self.kv_bytes
+                if not self.prefix.put(key, parent, env.position + i * PREFIX_BLOCK_TOKENS, sess.kv, self.layers, room):
+                    break  # a block after one not kept could never be restored
+                parent = key
 
     # -------------------------------------------------------- the budget
 

@@ -652,12 +652,14 @@ async def test_a_streamed_generation_says_why_it_ended_at_the_subrequest_limit(t
 async def test_a_cached_prompt_prefix_through_the_workers(tmp_path):
     """Prompt caching on the Workers: the Station Durable Objects keep a prompt's blocks, the
     coordinator asks them (POST /prefix) and resumes after them; the tokens equal a cold run's."""
+    from common.kvcache import PREFILL_CHUNK_TOKENS
+    from common.prefix import PREFIX_BLOCK_TOKENS, resume_at
     from tests.tiny_gguf import TinySpec, tiny_knot
 
     knot = tiny_knot(tmp_path, TinySpec(hidden=64, ffn=128, n_head=2, n_kv_head=1, context=1024, seed=9), "long")
     _clear_boot_caches()
     cloud = _deploy(knot, tmp_path / "out")
-    prompt = "".join(str(i * 7 % 10) for i in range(300))  # a digit is a token
+    prompt = "".join(str(i * 7 % 10) for i in range(350))  # a digit is a token
 
     async def generate(**body) -> dict:
         resp = await cloud.fetch("knot-coordinator", "https://knot-coordinator/generate", "POST",
@@ -670,7 +672,9 @@ async def test_a_cached_prompt_prefix_through_the_workers(tmp_path):
     hit = await generate(prompt=prompt + "12345")
     cold = await generate(prompt=prompt + "12345", cache_prompt=False)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    resumed = resume_at(len(hit["prompt_tokens"]), len(first["prompt_tokens"]) // PREFIX_BLOCK_TOKENS)
+    assert resumed * PREFIX_BLOCK_TOKENS % PREFILL_CHUNK_TOKENS  # inside a chunk
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == resumed * PREFIX_BLOCK_TOKENS
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert hit["tokens"] == cold["tokens"] and hit["prompt_tokens"] == cold["prompt_tokens"]
     assert await cloud.drain() == []

@@ -11,7 +11,9 @@ import pytest
 
 from common import wire
 from common.kvcache import KVCache
-from common.prefix import PREFIX_BLOCK_TOKENS, ROOT, block_keys, reusable_blocks
+from common.kvcache import PREFILL_CHUNK_TOKENS, prefill_chunks
+from common.ops import EXACT_ROWS
+from common.prefix import PREFIX_BLOCK_TOKENS, ROOT, block_keys, resume_at, reusable_blocks
 from common.runtime import Request
 from common.sampling import SamplingParams
 from deploy.engine_local import LocalEngine
@@ -20,7 +22,7 @@ from services.station.prefix_store import PrefixStore
 from tests.inprocess import build_cluster
 from tests.tiny_gguf import TinySpec, tiny_knot
 
-B = PREFIX_BLOCK_TOKENS
+B, C = PREFIX_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS
 SPEC = TinySpec(n_layers=2, hidden=32, ffn=64, n_head=2, n_kv_head=1, context=4096, seed=5)
 WIDE = TinySpec(n_layers=2, hidden=512, ffn=1024, n_head=8, n_kv_head=2, context=1024, seed=6)
 
@@ -42,21 +44,43 @@ def test_a_prompt_always_computes_its_last_token():
     assert [reusable_blocks(n) for n in (0, 1, B, B + 1, 2 * B, 2 * B + 1)] == [0, 0, 0, 1, 1, 2]
 
 
+def test_a_prompt_resumes_where_its_rows_are_computed_as_a_cold_chunks():
+    """resume_at: inside a chunk, the resumed rows run as one product exactly when the cold chunk's
+    do (common.ops.row_by_row); else an earlier block. The chunks after it are the cold ones."""
+    assert C == 4 * B and EXACT_ROWS < B
+    assert resume_at(C + 3 * B + 10, 99) == 6  # C + 3B would leave 10 rows, row by row: C + 2B leaves 74
+    assert resume_at(C + B + 10, 99) == 4  # C + B leaves 10 rows: back to the chunk's start
+    assert resume_at(C + 3 * B + 10, 3) == 3  # no more than the stations hold
+    assert resume_at(C + 3 * B + EXACT_ROWS + 1, 99) == 7  # 34 rows: one product, as the cold chunk's
+    assert resume_at(3 * B + 10, 99) == 2  # the first chunk: its cold rows are one product (S = T)
+    assert resume_at(B + 5, 1) == 0 and resume_at(10 * B, 0) == 0
+    assert prefill_chunks(C + 100, start=B) == [(B, C), (C, C + 100)]
+    assert prefill_chunks(C + 100, start=C) == [(C, C + 100)] and prefill_chunks(C + 100) == [(0, C), (C, C + 100)]
+
+
 # ------------------------------------------------------------------ the envelope
 
 def test_an_envelope_carries_its_prefix_and_block_keys():
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
-    p, b = bytes(range(16)), bytes(range(16, 32))
-    for prefix, block in ((p, b), (p, None), (None, None)):
-        env = wire.Envelope("r", "prefill", 256, 259, x, False, prefix, block)
+    p, b, b2 = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
+    for prefix, blocks in ((p, (b,)), (p, (b, b2)), (None, (b,)), (p, ()), (None, ())):
+        env = wire.Envelope("r", "prefill", 256, 259, x, False, prefix, blocks)
         out = wire.decode_envelope(wire.encode_envelope(env))
-        assert (out.prefix, out.block, out.position, out.seq_len) == (prefix, block, 256, 259)
+        assert (out.prefix, out.blocks, out.position, out.seq_len) == (prefix, blocks, 256, 259)
         assert np.array_equal(out.array, x)
     with pytest.raises(ValueError, match="16 bytes"):
         wire.encode_envelope(wire.Envelope("r", "prefill", 0, 3, x, False, b"short"))
-    data = bytearray(wire.encode_envelope(wire.Envelope("r", "prefill", 0, 3, x, False, p, b)))
+    with pytest.raises(ValueError, match="16 bytes"):
+        wire.encode_envelope(wire.Envelope("r", "prefill", 0, 3, x, False, p, (b, b"short")))
+    data = bytearray(wire.encode_envelope(wire.Envelope("r", "prefill", 0, 3, x, False, p, (b, b2))))
     with pytest.raises(wire.WireError):  # a key cut short
         wire.decode_envelope(bytes(data[:25]))
+    head = 20 + 1 + 16  # the header, the id "r", the prefix key
+    assert data[head] == 2
+    zero = bytearray(data)
+    zero[head] = 0  # BLOCK with no key (the crc would also fail: the count is checked first)
+    with pytest.raises(wire.MalformedFrame, match="no block key"):
+        wire.decode_envelope(bytes(zero))
     data[18] |= 8  # a flag this decoder does not know
     with pytest.raises(wire.MalformedFrame, match="flags"):
         wire.decode_envelope(bytes(data))
@@ -138,14 +162,18 @@ async def generate(c, prompt: str, **kw) -> dict:
 
 async def test_a_cached_prefix_gives_the_cold_tokens(knot, engine, tmp_path):
     c = await build_cluster(knot, tmp_path, 2, 2)
-    first = digits(2 * B + 100)
+    first = digits(C + 100)
     cold = await generate(c, first, max_tokens=6)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert [s["stored"] for s in await stats(c)] == [2, 2]  # the two whole blocks; the tail is not one
+    n1 = len(cold["prompt_tokens"])
+    assert [s["stored"] for s in await stats(c)] == [n1 // B] * 2  # the whole blocks; the tail is not one
     # the same context with a new last part, as an agent re-sends it
     second = first + digits(300, 3)
-    # 2 blocks from the first prompt; then 3: the first hit kept its own third block
-    for blocks, kw in ((2, {}), (3, {"temperature": 0.9, "seed": 11, "top_k": 5})):
+    n2 = n1 + 300
+    # the first prompt's blocks, which end inside a chunk; then more: the first hit kept its own
+    first_hit, second_hit = resume_at(n2, n1 // B), resume_at(n2, reusable_blocks(n2))
+    assert first_hit * B % C and second_hit > first_hit
+    for blocks, kw in ((first_hit, {}), (second_hit, {"temperature": 0.9, "seed": 11, "top_k": 5})):
         hit = await generate(c, second, max_tokens=8, **kw)
         assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * B
         miss = await generate(c, second, max_tokens=8, cache_prompt=False, **kw)
@@ -157,7 +185,7 @@ async def test_a_cached_prefix_gives_the_cold_tokens(knot, engine, tmp_path):
     # the identical prompt again: every block but the one holding its last token comes from the cache
     again = await generate(c, second, max_tokens=8)
     n = len(again["prompt_tokens"])
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // B * B
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == resume_at(n, reusable_blocks(n)) * B
     for s in await stats(c):
         assert s["hits"] == 3 and s["misses"] == 0 and s["holds"], s
     card = (await c.coordinator.fetch(Request("GET", "https://coordinator/v1/models"))).json()["data"][0]
