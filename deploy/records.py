@@ -6,7 +6,8 @@
 
 Required: date (YYYY-MM-DD, UTC), machine (cpu, family, model, isa; family/model may be null where the
 CPU was not read), command (what reproduces it), metric, value (a number), unit ("" for a plain count),
-note (a string, may be empty). Optional: "model" (the model measured), "commit". `knot bench --json FILE`
+note (a string, may be empty). Optional: "model" (the model measured), "commit", "superseded" (what
+changed in the code since, which the record no longer measures: docs/performance.md leaves it out). `knot bench --json FILE`
 appends records of this shape; benchmarks/results/README.md shows the same schema to a reader.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 from pathlib import Path
 
 REQUIRED = ("date", "machine", "command", "metric", "value", "unit", "note")
-OPTIONAL = ("model", "commit")
+OPTIONAL = ("model", "commit", "superseded")
 MACHINE_REQUIRED = ("cpu", "family", "model", "isa")
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
@@ -146,8 +147,8 @@ BEGIN, END = "<!-- records: begin (python -m deploy.records --write docs/perform
 
 
 def _latest(recs: list[dict], model: str, metric: str) -> list[float]:
-    """The values of `metric` for `model` on the latest day that has any."""
-    hits = [r for r in recs if r.get("model") == model and r["metric"] == metric]
+    """The values of `metric` for `model` on the latest day that has any, superseded records left out."""
+    hits = [r for r in recs if r.get("model") == model and r["metric"] == metric and not r.get("superseded")]
     if not hits:
         return []
     day = max(r["date"] for r in hits)

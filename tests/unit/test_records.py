@@ -70,6 +70,7 @@ def test_the_table_takes_each_figure_from_its_latest_day_as_a_range():
     intel = {"cpu": "Intel Xeon", "family": 6, "model": 167, "isa": ["AVX2", "AVX-512F"]}
     recs = [_rec("2026-12-04", "decode" + r, 0.66), _rec("2026-12-05", "decode" + r, 0.91),
             _rec("2026-12-05", "decode" + r, 0.90), _rec("2026-12-04", "single-process decode" + r, 1.2),
+            {**_rec("2026-12-05", "decode" + r, 0.5), "superseded": "the code changed since"},  # left out
             _rec("2026-12-02", "decode, code prompt, speculation off" + r, 0.64, machine=intel)]
     rows = {line.split(" | ")[0].strip("| "): line for line in records.latest_table(recs).splitlines()}
     assert rows[""].startswith("|  | Zen 4 | Intel AVX-512 |")  # classes in CLASSES' order
