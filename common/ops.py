@@ -37,10 +37,12 @@ ATTN_TILE_ALIGN = 64  # tiles start at multiples of this many keys
 ATTN_CONVERT_BYTES = 2 << 20
 
 
-# A prompt chunk's tiles are sized for this many rows whatever its own rows (prefill_tile_keys), so
-# a row's tiles and bits do not depend on where its chunk starts: a prefill resumed after a cached
-# prefix (common/prefix.py) computes each row as the cold prefill did. The prefill chunks are no
-# longer (common.kvcache.PREFILL_CHUNK_TOKENS).
+# A prompt chunk's tiles are sized for this many rows whatever its own rows, a whole multiple of
+# them (prefill_tile_keys), and its last tile is padded with masked keys to the next multiple of
+# them: so a row's bits depend on its own keys alone, not on where its chunk starts or ends, and a prefill
+# resumed after cached blocks (common/prefix.py) computes each row as a cold prefill does. Why a
+# multiple: chunks are cut at multiples of this (common.kvcache.PREFILL_CHUNK_TOKENS), so whether a
+# chunk fits one tile depends on which chunk it is, not on its length.
 PREFILL_TILE_ROWS = 256
 
 
@@ -52,9 +54,13 @@ def attn_tile_keys(n_head: int, T: int) -> int:
 
 
 def prefill_tile_keys(n_head: int, T: int) -> int:
-    """Keys per tile of a prompt chunk of T rows: attn_tile_keys for PREFILL_TILE_ROWS rows, the same
-    for every T up to that (past it, fewer, so the tile stays within ATTN_TILE_BYTES)."""
-    return attn_tile_keys(n_head, max(T, PREFILL_TILE_ROWS))
+    """Keys per tile of a prompt chunk of T rows: attn_tile_keys for PREFILL_TILE_ROWS rows rounded
+    down to a multiple of PREFILL_TILE_ROWS (at least one), the same for every T up to that; past
+    it, fewer keys, so that the tile stays within ATTN_TILE_BYTES."""
+    if T > PREFILL_TILE_ROWS:
+        return attn_tile_keys(n_head, T)
+    n = attn_tile_keys(n_head, PREFILL_TILE_ROWS)
+    return max(PREFILL_TILE_ROWS, n - n % PREFILL_TILE_ROWS)
 
 
 def row_by_row(T: int, S: int) -> bool:
@@ -80,7 +86,8 @@ def attention_bytes(n_head: int, hd: int, T: int, S: int, n_kv: int | None = Non
     convert = min(ATTN_CONVERT_BYTES, S * (8 * (n_kv or n_head) * hd + 12 * n_head * T))  # _convert_keys
     # q in float64, the float64 output and one slice's product into it; m, l, alpha per row
     rows = T * n_head * (3 * 8 * hd + 3 * 8)
-    return scores + mask + convert + rows + NUMPY_BUFFER_BYTES
+    padded = 0 if T == 1 else min(S + PREFILL_TILE_ROWS, prefill_tile_keys(n_head, T)) * (2 * 4 * (n_kv or n_head) * hd + 8)
+    return scores + mask + convert + rows + padded + NUMPY_BUFFER_BYTES
 
 
 # numpy's casting buffers (8192 elements of the wider type, both ways), e.g. a float32 sum in double.
@@ -139,6 +146,17 @@ def score_scale(hd: int) -> np.float32:
     """What every score is multiplied by, 1 / sqrt(hd) in float32 (llama.cpp's kq_scale): _scores
     and the kernels' row calls (deploy.kernels.KernelOps.attend_rows) take it from here."""
     return np.float32(1.0 / np.sqrt(np.float32(hd)))
+
+
+def _padded(k: np.ndarray, v: np.ndarray, k_pos: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """k, v (t, n_kv, hd), k_pos (t,) -> the same with n - t keys after them: zeros at a position no
+    query reaches (masked: their weight is exactly 0, and 0 times a zero value adds nothing)."""
+    t = k.shape[0]
+    kp, vp = np.zeros((n, *k.shape[1:]), k.dtype), np.zeros((n, *v.shape[1:]), v.dtype)
+    kp[:t], vp[:t] = k, v
+    pp = np.full(n, np.iinfo(np.int64).max, np.int64)
+    pp[:t] = k_pos
+    return kp, vp, pp
 
 
 def _f64_slices(x: np.ndarray, rows: int):
@@ -221,13 +239,15 @@ class Ops:
         up to EXACT_ROWS rows appended to a cache that held some already (a verify trip: S > T), go
         row by row (attend_rows): the same bits as decoding them one by one. A prompt's first chunk
         and longer chunks are one product (attend), as the llama.cpp oracle tests measured it
-        (docs/fidelity.md), in tiles that do not depend on T (prefill_tile_keys): a row's bits
-        depend on its keys and S alone, so a chunk's rows equal those of any longer chunk that ends
-        where it does and is not row_by_row either (tests/unit/test_attention.py)."""
+        (docs/fidelity.md), in tiles that do not depend on T (prefill_tile_keys), the last one
+        padded: a row's bits depend on its keys alone, so a chunk's rows equal the same rows of any
+        chunk of the same cell of PREFILL_TILE_ROWS that is not row_by_row either
+        (tests/unit/test_attention.py)."""
         T, S = q.shape[0], k.shape[0]
         if row_by_row(T, S):
             return self.attend_rows(q, k, v, q_pos, k_pos)
-        return self.attend(q, k, v, q_pos, k_pos, prefill_tile_keys(q.shape[1], T))
+        cell_end = -(-S // PREFILL_TILE_ROWS) * PREFILL_TILE_ROWS
+        return self.attend(q, k, v, q_pos, k_pos, prefill_tile_keys(q.shape[1], T), pad_to=cell_end)
 
     def attend_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                     k_pos: np.ndarray) -> np.ndarray:
@@ -240,10 +260,13 @@ class Ops:
                                            k_pos[:S - T + 1 + t]) for t in range(T)])
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-               tile: int | None = None) -> np.ndarray:
+               tile: int | None = None, pad_to: int | None = None) -> np.ndarray:
         """Causal grouped-query attention of T rows in one product, tiled over the keys: q (T, n_head,
         hd) f32, k/v (S, n_kv, hd), q_pos (T,), k_pos (S,) -> (T, n_head * hd) f32.
-        tile: keys per tile (default attn_tile_keys); S <= tile is the one-tile computation."""
+        tile: keys per tile (default attn_tile_keys); S <= tile is the one-tile computation.
+        pad_to: the keys go on to pad_to (>= S) with masked zeros in the last tile (or the one tile),
+        so that every sum runs over the same keys whatever S is short of it (attention(): the end
+        of S's cell of PREFILL_TILE_ROWS, where tiles end too)."""
         T, n_head, hd = q.shape
         S, n_kv, _ = k.shape
         g = n_head // n_kv  # query heads per kv head: head h reads kv head h // g (ggml broadcast)
@@ -252,9 +275,11 @@ class Ops:
         qg = np.ascontiguousarray(to_f16(q).reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3),
                                   self.q_dtype)  # -> (n_kv, g, T, hd), f16 numbers
         if S <= tile:  # softmax(scores) (n_kv, g, T, S), gone once it has weighed the values
+            if pad_to and pad_to > S:
+                k, v, k_pos = _padded(k, v, k_pos, pad_to)
             out = self._weighted_values(softmax_(self._scores(qg, k, q_pos, k_pos)), v)  # (n_kv, g, T, hd) f64
         else:
-            out = self._attend_tiles(qg, k, v, q_pos, k_pos, tile)
+            out = self._attend_tiles(qg, k, v, q_pos, k_pos, tile, pad_to)
         out = np.ascontiguousarray(out.transpose(2, 0, 1, 3), np.float32)  # (n_kv, g, T, hd) -> (T, n_kv, g, hd)
         return out.reshape(T, n_head * hd)                                  # -> (T, n_head * hd), a view
 
@@ -296,7 +321,7 @@ class Ops:
             out = np.zeros((*p.shape[:3], v.shape[-1]), np.float64)
         return self.values(p, v, out)
 
-    def _attend_tiles(self, qg, k, v, q_pos, k_pos, tile: int) -> np.ndarray:
+    def _attend_tiles(self, qg, k, v, q_pos, k_pos, tile: int, pad_to: int | None = None) -> np.ndarray:
         """The keys in tiles of `tile`, with an online softmax (ref: FlashAttention, Dao et al. 2022,
         algorithm 1): per query row a running max m and sum l; the output accumulates exp(s - m) @ V
         and is rescaled by exp(m_old - m_new) whenever the max grows. -> (n_kv, g, T, hd) f64.
@@ -314,7 +339,10 @@ class Ops:
             b = min(a + tile, S)
             if k_pos[a:b].min() > q_last:
                 continue  # every key of the tile is after every query: masked out entirely
-            s = self._scores(qg, k[a:b], q_pos, k_pos[a:b])          # (n_kv, g, T, t)
+            kt, vt, pt = k[a:b], v[a:b], k_pos[a:b]
+            if pad_to and b == S < pad_to:  # the last tile, on to where it ends for any S of the cell
+                kt, vt, pt = _padded(kt, vt, pt, min(a + tile, pad_to) - a)
+            s = self._scores(qg, kt, q_pos, pt)                        # (n_kv, g, T, t)
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             m_use = np.where(m_new == -np.inf, np.float32(0), m_new)  # a row that has seen no key yet
             s -= m_use
@@ -322,7 +350,7 @@ class Ops:
             alpha = np.exp(m - m_use)                                 # 0 before the row's first key
             l = l * alpha + s.sum(axis=-1, keepdims=True, dtype=np.float64)
             acc *= alpha
-            self._weighted_values(s, v[a:b], out=acc)                 # acc += f16(s) @ V
+            self._weighted_values(s, vt, out=acc)                 # acc += f16(s) @ V
             m = m_new
             del s  # before the next tile's scores: one tile alive at a time
         return acc / l

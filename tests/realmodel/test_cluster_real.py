@@ -106,8 +106,6 @@ def test_a_long_prompt_gives_the_tokens_of_knot_generate(real_cluster):
     name, cluster, running = real_cluster
     from deploy import models
     from deploy.commands.bench import long_prompt_ids
-    from common.kvcache import PREFILL_CHUNK_TOKENS
-    from common.prefix import PREFIX_BLOCK_TOKENS, resume_at
 
     n = 3000 if "0.5b" in name else 1000
     engine = LocalEngine.open(models.model_path(name))
@@ -389,6 +387,8 @@ def test_a_cached_prompt_prefix_gives_the_tokens_of_a_cold_one(real_cluster):
     name, cluster, running = real_cluster
     from deploy import models
     from deploy.commands.bench import long_prompt_ids
+    from common.kvcache import PREFILL_CHUNK_TOKENS
+    from common.prefix import PREFIX_BLOCK_TOKENS, resume_at
 
     url = running["coordinator"].url
     status, _, raw = http("GET", url + "/v1/models")

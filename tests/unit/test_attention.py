@@ -301,25 +301,28 @@ def test_a_short_batch_of_rows_is_each_row_decoded_alone(T, impl):
     assert ops.EXACT_ROWS == MAX_DRAFT + 1, "a verify trip of the longest draft is exact"
 
 
-@pytest.mark.parametrize("S,starts", [(256, [0, 100, 222]), (700, [512, 530, 640]), (1100, [1024, 1040, 1066])])
-def test_a_prompt_chunks_rows_do_not_depend_on_where_it_starts(S, starts, impl):
-    """Prompt caching's premise (common/prefix.py): a prefill resumed at a block inside a chunk runs
-    the rows [start, S) of the cold chunk that ends at S, and each row is bit for bit the cold
-    one's, in one tile or many, as long as neither side is row_by_row. The 0.5B's heads, whose
-    tiles hold 256 keys; the keys at 3x so that the softmax is peaked and the f16 weights span far."""
-    rng = np.random.default_rng(S)
-    n_kv, g, hd = 2, 7, 64
-    q = rng.standard_normal((S, n_kv * g, hd)).astype(np.float32)
-    k = to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32) * 3)
-    v = to_f16(rng.standard_normal((S, n_kv, hd)).astype(np.float32))
-    pos = np.arange(S)
-    cold_start = starts[0]
-    cold = impl.attention(q[cold_start:], k, v, pos[cold_start:], pos)  # (S - cold_start, n_head * hd)
-    assert ops.prefill_tile_keys(n_kv * g, S - cold_start) == 256
-    for start in starts[1:]:
-        assert not ops.row_by_row(S - start, S)
-        resumed = impl.attention(q[start:], k, v, pos[start:], pos)
-        np.testing.assert_array_equal(resumed, cold[start - cold_start:], err_msg=f"rows [{start}, {S})")
+@pytest.mark.parametrize("n_head,cells", [(14, [(0, 256), (512, 768), (1024, 1280)]), (12, [(256, 512), (768, 1024)])])
+def test_a_prompt_rows_bits_do_not_depend_on_where_its_chunk_starts_or_ends(n_head, cells, impl):
+    """Prompt caching's premise (common/prefix.py): a row of a prompt chunk (cut on the grid of
+    PREFILL_TILE_ROWS) has the same bits in any chunk of its cell that holds it, whatever the chunk's
+    first row and last: a prefill resumed at a block inside a chunk, over blocks an earlier and
+    shorter prompt computed, gives the cold rows. In one tile (the first cells) or many, as long as
+    the chunk is not row_by_row. The 0.5B's heads (tiles of 256 keys) and the 1.5B's (whose 341-key
+    tiles are cut to 256); keys at 3x so that the softmax is peaked and the f16 weights span far."""
+    rng = np.random.default_rng(n_head)
+    n_kv, hd = 2, 64
+    S_max = cells[-1][1]
+    q = rng.standard_normal((S_max, n_head, hd)).astype(np.float32)
+    k = to_f16(rng.standard_normal((S_max, n_kv, hd)).astype(np.float32) * 3)
+    v = to_f16(rng.standard_normal((S_max, n_kv, hd)).astype(np.float32))
+    pos = np.arange(S_max)
+    assert ops.prefill_tile_keys(n_head, 40) == ops.prefill_tile_keys(n_head, 256) == 256
+    for lo, hi in cells:
+        cold = impl.attention(q[lo:hi], k[:hi], v[:hi], pos[lo:hi], pos[:hi])  # the whole chunk of the cell
+        for a, b in ((lo, hi - 20), (lo + 64, hi), (lo + 128, lo + 200), (lo + 192, lo + 192 + 40)):
+            assert not ops.row_by_row(b - a, b)
+            got = impl.attention(q[a:b], k[:b], v[:b], pos[a:b], pos[:b])
+            np.testing.assert_array_equal(got, cold[a - lo:b - lo], err_msg=f"rows [{a}, {b}) of [{lo}, {hi})")
 
 
 def test_the_cache_stores_float16_where_the_kernels_read_it_and_float32_on_numpy():
