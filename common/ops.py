@@ -86,7 +86,8 @@ def attention_bytes(n_head: int, hd: int, T: int, S: int, n_kv: int | None = Non
     convert = min(ATTN_CONVERT_BYTES, S * (8 * (n_kv or n_head) * hd + 12 * n_head * T))  # _convert_keys
     # q in float64, the float64 output and one slice's product into it; m, l, alpha per row
     rows = T * n_head * (3 * 8 * hd + 3 * 8)
-    padded = 0 if T == 1 else min(S + PREFILL_TILE_ROWS, prefill_tile_keys(n_head, T)) * (2 * 4 * (n_kv or n_head) * hd + 8)
+    # _padded's keys, values and positions past S (a prompt chunk's, never a single row's)
+    padded = 0 if T == 1 else min(S + PREFILL_TILE_ROWS, prefill_tile_keys(n_head, T)) * (8 * (n_kv or n_head) * hd + 8)
     return scores + mask + convert + rows + padded + NUMPY_BUFFER_BYTES
 
 

@@ -9,12 +9,12 @@ a prompt they all hold (POST /prefix) and starts its prefill after them (resume_
 
 Why a resumed prompt gives a cold one's tokens: a prompt is prefilled in chunks cut from position 0
 (common.kvcache.prefill_chunks); a prefill resumed at a block inside a chunk runs that chunk's last
-rows, ending where the cold chunk ends, then the very chunks a cold one runs, on KV caches whose
-bits are those the cold one computed. Each row's bits depend on its keys and its chunk's end alone
-(common.ops.Ops.attention: a prompt chunk's tiles do not depend on its rows; the matmuls, norms and
-RoPE are row-exact), unless one side's rows are few enough to run row by row (ops.row_by_row), which
-resume_at avoids. The blocks are a quarter of a chunk, so a re-sent prompt recomputes 32 tokens of
-its cached part on average rather than 128.
+rows, then the very chunks a cold one runs, on KV caches whose bits are those the cold one computed
+(blocks an earlier prompt left, in a chunk that may have ended elsewhere). Each row's bits depend on
+its own keys alone (common.ops.Ops.attention: a prompt chunk's tiles and sums do not depend on its
+rows or its end; the matmuls, norms and RoPE are row-exact), unless one side's rows are few enough to
+run row by row (ops.row_by_row), which resume_at avoids. The blocks are a quarter of a chunk, so a
+re-sent prompt recomputes 32 tokens of its cached part on average rather than 128.
 """
 from __future__ import annotations
 
