@@ -1,7 +1,7 @@
 """A station's prompt cache: the KV of recent prompts' blocks, kept under their keys (common/prefix.py).
 
 A block is PREFIX_BLOCK_TOKENS positions of every layer the station runs, copied out of a session's
-KVCache once a prefill frame that is exactly that block has run; its key names the tokens [0, end)
+KVCache once a prefill frame that holds that block has run; its key names the tokens [0, end)
 and its parent's key the tokens [0, start), so blocks form a tree of prefixes that several prompts
 share. A prefill frame at position P > 0 whose session is missing starts a new session from the
 chain that ends at its PREFIX key, if every block of it is still here (restore).
@@ -10,7 +10,9 @@ Bytes are counted in the station's KV bytes (the budget's), the store never hold
 capacity, and it is the first thing evicted when a forward or a session needs room, least recently
 used first. A restore touches its chain from the last block to the first, and a new block touches
 the chain it hangs from, so a parent is never older than its children and eviction takes leaves
-before the blocks they hang from (a long prompt's first blocks outlive its last ones).
+before the blocks they hang from (a long prompt's first blocks outlive its last ones). A new block
+that would fit only by evicting its own prefix is refused, so a prompt longer than the cache keeps
+its first blocks rather than none.
 """
 from __future__ import annotations
 
@@ -105,11 +107,18 @@ class PrefixStore:
             return True
         need = self.block_bytes(kv, len(layers))
         limit = min(self.capacity_bytes, self.nbytes + room)  # evicting a block frees what it held
-        if need > limit or any(kv.n_tokens(layer) < end for layer in layers):
-            self.refused += 1
+        orphan = parent is not None and ((p := self.blocks.get(parent)) is None or p.end != start)
+        if need > limit or orphan or any(kv.n_tokens(layer) < end for layer in layers):
+            self.refused += 1  # an orphan could never be restored: its prefix is gone
             return False
-        while self.nbytes + need > limit and self.evict_one():
-            pass
+        ancestors = self._touch_chain(parent, start)  # the most recently used now: evicted last
+        while self.nbytes + need > limit:
+            if not self.blocks or next(iter(self.blocks)) in ancestors:
+                # only its own prefix is left to evict: keep the prefix (a prompt keeps its head
+                # when the cache cannot hold it whole), not a block that could never be restored
+                self.refused += 1
+                return False
+            self.evict_one()
         k, v = {}, {}
         for layer in layers:
             ks, vs, pos = kv.layer(layer)
@@ -121,11 +130,18 @@ class PrefixStore:
         self.blocks[key] = block
         self.nbytes += block.nbytes
         self.stored += 1
-        at = start  # its prefix is used again: more recent than this leaf, up to the first block
-        while parent is not None and (b := self.blocks.get(parent)) is not None and b.end == at:
-            self.blocks.move_to_end(parent)
-            at, parent = b.start, b.parent  # strictly down: the walk ends
+        self._touch_chain(parent, start)  # more recent than this leaf, up to the first block
         return True
+
+    def _touch_chain(self, parent: bytes | None, at: int) -> set[bytes]:
+        """Make the chain of blocks that ends at `at` under key `parent` the most recently used, the
+        first block last (so parents outlive children); -> their keys."""
+        keys = set()
+        while parent is not None and parent not in keys and (b := self.blocks.get(parent)) is not None and b.end == at:
+            self.blocks.move_to_end(parent)
+            keys.add(parent)
+            at, parent = b.start, b.parent  # strictly down: the walk ends
+        return keys
 
     def evict_one(self) -> bool:
         """Drop the least recently used block; whether there was one."""

@@ -117,18 +117,27 @@ def test_the_store_restores_exact_blocks_and_evicts_leaves_first():
     assert list(store.blocks) == [k2, k1] and store.held([ROOT, k1, k2, k3]) == 2
     one = store.block_bytes(kv, 2)
     assert one == 2 * blk * 4 * 4 * 2 and store.nbytes == 2 * one
-    # room for one more block only: storing k3 again evicts the oldest (k2), never goes over
-    assert store.put(k3, k2, 2 * blk, kv, layers, room=one - 1)
-    assert store.nbytes <= 2 * one and k2 not in store.blocks
-    assert not store.restore(k3, 3 * blk, KVCache(1, 4, np.float32), layers)  # its parent is gone
+    # less room than a block beside them: k3 would fit only by evicting its own prefix, so it is refused
+    assert not store.put(k3, k2, 2 * blk, kv, layers, room=one - 1)
+    assert store.nbytes == 2 * one and store.held([ROOT, k1, k2, k3]) == 2
     # a chain stored block by block: each new block touches its ancestors, so the first block is the
     # newest and the last one goes first (a long prompt keeps its head)
     chain = PrefixStore(capacity_bytes=1 << 20, block_tokens=blk)
     assert chain.put(k1, None, 0, kv, layers, 1 << 20) and chain.put(k2, k1, blk, kv, layers, 1 << 20)
     assert chain.put(k3, k2, 2 * blk, kv, layers, 1 << 20)
     assert list(chain.blocks) == [k3, k2, k1]
-    assert chain.put(b"s" * 16, b"s" * 16, 3 * blk, _filled(4 * blk), layers, 1 << 20)  # its own parent: no loop
+    assert not chain.put(b"s" * 16, b"s" * 16, 3 * blk, _filled(4 * blk), layers, 1 << 20)  # its own parent: no loop
+    assert not chain.put(b"t" * 16, b"x" * 16, 3 * blk, _filled(4 * blk), layers, 1 << 20)  # a prefix not here
     assert not store.put(b"4" * 16, k3, 3 * blk, kv, layers, 1 << 20)  # kv holds no 4th block
+    # a prompt longer than the cache keeps its head: its later blocks are refused, not stored by
+    # evicting the prefix they hang from (which would leave nothing restorable)
+    two = PrefixStore(capacity_bytes=2 * one, block_tokens=blk)
+    four = _filled(4 * blk)
+    keys = [bytes([65 + i]) * 16 for i in range(4)]
+    stored = [two.put(keys[i], keys[i - 1] if i else None, i * blk, four, layers, 1 << 20) for i in range(4)]
+    assert stored == [True, True, False, False] and two.held([ROOT, *keys]) == 2 and two.refused == 2  # 3: an orphan
+    assert two.put(b"o" * 16, None, 0, kv, layers, 1 << 20)  # another prompt's block: the LRU (a leaf) goes
+    assert set(two.blocks) == {keys[0], b"o" * 16} and two.held([ROOT, *keys]) == 1
     small = PrefixStore(capacity_bytes=one - 1, block_tokens=blk)
     assert not small.put(k1, None, 0, kv, layers, 1 << 20) and small.refused == 1
 
