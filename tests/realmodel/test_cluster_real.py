@@ -382,8 +382,8 @@ def test_json_schema_output_validates_and_equals_the_single_process(real_cluster
 def test_a_cached_prompt_prefix_gives_the_tokens_of_a_cold_one(real_cluster):
     """Issue 50, prompt caching: a long context re-sent with a new tail starts after the blocks the
     stations kept, and its tokens equal the single process's and a cold run's (cache_prompt false),
-    greedy and seeded. Where a station is fluid (the worker profile on these models' two stations)
-    /v1/models says why it keeps no prompt, and the request still runs."""
+    greedy and seeded. A fluid station (the worker profile on these models' two stations) keeps
+    the first blocks its slack holds, or none, which /v1/models says why; the request runs either way."""
     name, cluster, running = real_cluster
     from deploy import models
     from deploy.commands.bench import long_prompt_ids
