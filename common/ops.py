@@ -39,10 +39,10 @@ ATTN_CONVERT_BYTES = 2 << 20
 
 # A prompt chunk's tiles are sized for this many rows whatever its own rows, a whole multiple of
 # them (prefill_tile_keys), and its last tile is padded with masked keys to the next multiple of
-# them: so a row's bits depend on its own keys alone, not on where its chunk starts or ends, and a prefill
-# resumed after cached blocks (common/prefix.py) computes each row as a cold prefill does. Why a
-# multiple: chunks are cut at multiples of this (common.kvcache.PREFILL_CHUNK_TOKENS), so whether a
-# chunk fits one tile depends on which chunk it is, not on its length.
+# them: so a row's bits depend on its own keys alone, not on where its chunk starts or ends, and a
+# prefill resumed after cached blocks (common/prefix.py) computes each row as a cold prefill does.
+# Why a multiple: chunks are cut at multiples of this (common.kvcache.PREFILL_CHUNK_TOKENS), so
+# whether a chunk fits one tile depends on which chunk it is, not on its length.
 PREFILL_TILE_ROWS = 256
 
 
@@ -276,8 +276,8 @@ class Ops:
         qg = np.ascontiguousarray(to_f16(q).reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3),
                                   self.q_dtype)  # -> (n_kv, g, T, hd), f16 numbers
         if S <= tile:  # softmax(scores) (n_kv, g, T, S), gone once it has weighed the values
-            if pad_to and pad_to > S:
-                k, v, k_pos = _padded(k, v, k_pos, pad_to)
+            if pad_to and pad_to > S:  # within the tile (a chunk of over PREFILL_TILE_ROWS may have less)
+                k, v, k_pos = _padded(k, v, k_pos, min(pad_to, max(tile, S)))
             out = self._weighted_values(softmax_(self._scores(qg, k, q_pos, k_pos)), v)  # (n_kv, g, T, hd) f64
         else:
             out = self._attend_tiles(qg, k, v, q_pos, k_pos, tile, pad_to)

@@ -7,8 +7,9 @@
 Required: date (YYYY-MM-DD, UTC), machine (cpu, family, model, isa; family/model may be null where the
 CPU was not read), command (what reproduces it), metric, value (a number), unit ("" for a plain count),
 note (a string, may be empty). Optional: "model" (the model measured), "commit", "superseded" (what
-changed in the code since, which the record no longer measures: docs/performance.md leaves it out). `knot bench --json FILE`
-appends records of this shape; benchmarks/results/README.md shows the same schema to a reader.
+changed in the code since, which the record no longer measures: docs/performance.md leaves it out).
+`knot bench --json FILE` appends records of this shape; benchmarks/results/README.md shows the same
+schema to a reader.
 """
 from __future__ import annotations
 
