@@ -21,10 +21,10 @@ the positions of the last frame can be dropped: a rewind below its start, or pas
 end, is refused as UnknownSession (the coordinator replays), so a stray frame never erases a prompt.
 
 Prompt caching (services/station/prefix_store.py): a prefill frame that holds whole prompt blocks
-(flag BLOCK) leaves a copy of their KV in the prompt cache, each under its block's key; a prefill frame at
-position P > 0 whose session is missing, with the key of the tokens before it (flag PREFIX), starts
-its session from the cached blocks of that prefix, or is refused as UnknownSession when they are
-gone (the coordinator prefills from 0). POST /prefix tells the coordinator which leading blocks of
+(flag BLOCK) leaves a copy of their KV in the prompt cache, each under its block's key; a prefill
+frame at position P > 0 whose session is missing, with the key of the tokens before it (flag
+PREFIX), starts its session from the cached blocks of that prefix, or is refused as UnknownSession
+when they are gone (the coordinator prefills from 0). POST /prefix tells the coordinator which leading blocks of
 a prompt it holds. The cache is counted in the KV bytes and evicted before sessions;
 PREFIX_CACHE_BYTES bounds it, and /stats "prefix_cache" says what it holds and did.
 
