@@ -13,8 +13,8 @@ rows, then the very chunks a cold one runs, on KV caches whose bits are those th
 (blocks an earlier prompt left, in a chunk that may have ended elsewhere). Each row's bits depend on
 its own keys alone (common.ops.Ops.attention: a prompt chunk's tiles and sums do not depend on its
 rows or its end; the matmuls, norms and RoPE are row-exact), unless one side's rows are few enough to
-run row by row (ops.row_by_row), which resume_at avoids. The blocks are a quarter of a chunk, so a
-re-sent prompt recomputes 32 tokens of its cached part on average rather than 128.
+run row by row (ops.row_by_row), which resume_at avoids. Why blocks smaller than a chunk: a re-sent
+prompt recomputes about half a block of what it shares with the cached one (benchmarks/prompt_cache.py).
 """
 from __future__ import annotations
 

@@ -463,7 +463,7 @@ class Pipeline:
             if keys is None or a % PREFIX_BLOCK_TOKENS:
                 return None, ()
             j = a // PREFIX_BLOCK_TOKENS  # keys[j + i] names the tokens up to its i-th whole block's end
-            return keys[j], tuple(keys[j + 1:min(b // PREFIX_BLOCK_TOKENS, len(keys) - 1) + 1])
+            return keys[j], tuple(keys[j + 1:b // PREFIX_BLOCK_TOKENS + 1])
 
         async def run(k: int, a: int, b: int) -> np.ndarray:
             if k:

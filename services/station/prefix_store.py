@@ -113,7 +113,7 @@ class PrefixStore:
             return False
         ancestors = self._touch_chain(parent, start)  # the most recently used now: evicted last
         while self.nbytes + need > limit:
-            if not self.blocks or next(iter(self.blocks)) in ancestors:
+            if len(self.blocks) <= len(ancestors):
                 # only its own prefix is left to evict: keep the prefix (a prompt keeps its head
                 # when the cache cannot hold it whole), not a block that could never be restored
                 self.refused += 1
@@ -130,17 +130,18 @@ class PrefixStore:
         self.blocks[key] = block
         self.nbytes += block.nbytes
         self.stored += 1
-        self._touch_chain(parent, start)  # more recent than this leaf, up to the first block
+        for ancestor in ancestors:  # more recent than this leaf again, the first block last
+            self.blocks.move_to_end(ancestor)
         return True
 
-    def _touch_chain(self, parent: bytes | None, at: int) -> set[bytes]:
+    def _touch_chain(self, parent: bytes | None, at: int) -> list[bytes]:
         """Make the chain of blocks that ends at `at` under key `parent` the most recently used, the
-        first block last (so parents outlive children); -> their keys."""
-        keys = set()
-        while parent is not None and parent not in keys and (b := self.blocks.get(parent)) is not None and b.end == at:
+        first block last (so parents outlive children); -> their keys, parent first."""
+        keys: list[bytes] = []
+        while parent is not None and (b := self.blocks.get(parent)) is not None and b.end == at:
             self.blocks.move_to_end(parent)
-            keys.add(parent)
-            at, parent = b.start, b.parent  # strictly down: the walk ends
+            keys.append(parent)
+            at, parent = b.start, b.parent  # strictly down (b.start < b.end): the walk ends
         return keys
 
     def evict_one(self) -> bool:
