@@ -158,12 +158,18 @@ SETTINGS: list[Setting] = [
        "(deploy/local/shm.py)"),
     _s("STATION_<i>", "binding", None, "coordinator", "service binding to station i"),
     _s("SHARD_<i>", "binding", None, "coordinator", "service binding to shard i"),
+    _s("STATION_<i>_R<i>", "binding", None, "coordinator", "service binding to replica r of station i "
+       "(replica 0 is STATION_<i>)"),
+    _s("SHARD_<i>_R<i>", "binding", None, "coordinator", "service binding to replica r of shard i "
+       "(replica 0 is SHARD_<i>)"),
     _s("DRAFTER", "binding", None, "coordinator", "service binding to the drafter (optional): enables the "
        "speculation source draft_model"),
     # ------------------------------------------------------------ coordinator
-    _s("STATIONS", "names", REQUIRED, "coordinator", "station binding names in chain order, e.g. STATION_0,STATION_1"),
+    _s("STATIONS", "names", REQUIRED, "coordinator", "station binding names in chain order, e.g. STATION_0,STATION_1; "
+       "a station's replicas joined by |, e.g. STATION_0|STATION_0_R1,STATION_1|STATION_1_R1"),
     _s("SHARDS", "str", REQUIRED, "coordinator",
-       "BINDING:START-END,... one per shard; the ranges must tile [0, vocab)"),
+       "BINDING:START-END,... one per shard; the ranges must tile [0, vocab); a shard's replicas joined by |, "
+       "e.g. SHARD_0|SHARD_0_R1:0-18992"),
     _s("SHARD_TIMEOUT_S", "float", "30", "coordinator", "timeout of one shard call (a late shard has failed)",
        positive=True),
     _s("STATION_TIMEOUT_S", "float", "300", "coordinator", "timeout of one station forward", positive=True),

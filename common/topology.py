@@ -162,6 +162,15 @@ class Service:
         return self.module is not None
 
 
+MAX_REPLICAS = 8
+
+
+def replica_name(base: str, k: int, sep: str = "-r") -> str:
+    """Replica k of a service or binding: replica 0 keeps the name (station-0, STATION_0), the others
+    add their index (station-0-r1, STATION_0_R1)."""
+    return base if k == 0 else f"{base}{sep}{k}"
+
+
 def _dims(model) -> tuple[int, int]:
     """(n_layers, vocab_size) from hparams (block_count, vocab_size) or a config object."""
     if isinstance(model, dict):
@@ -179,17 +188,25 @@ class ClusterLayout:
     stations: tuple[StationSpec, ...]
     shards: tuple[ShardSpec, ...]
     services: tuple[Service, ...]  # in start order: a service after everything it depends on
+    replicas: int = 1  # processes serving each station range and each shard slice
 
     @classmethod
     def build(cls, model, n_stations: int = 2, n_shards: int = 8, *, knot_key: str = "model.knot",
-              model_source: str = "", draft_knot_key: str | None = None, draft_source: str = "") -> "ClusterLayout":
+              model_source: str = "", draft_knot_key: str | None = None, draft_source: str = "",
+              replicas: int = 1) -> "ClusterLayout":
         """The cluster for a model (hparams or config) split over n_stations and n_shards.
+
+        replicas: processes per station range and per shard slice: station-0, station-0-r1, ...
+        (bindings STATION_0, STATION_0_R1, ...); the coordinator spreads generations over them and
+        moves a generation to another replica when one fails (services/coordinator/pipeline.py).
 
         knot_key: the object key of its .knot; model_source: what the init job fetches (a name or path).
         draft_knot_key, draft_source: a draft model for speculative decoding (the drafter service,
         uploaded by its own init job, bound to the coordinator as DRAFTER); None: no drafter.
         TopologyError when the counts do not fit the model (1 <= stations <= layers, 1 <= shards <= vocab)."""
         n_layers, vocab = _dims(model)
+        if not 1 <= replicas <= MAX_REPLICAS:
+            raise TopologyError(f"{replicas} replicas: need 1 <= replicas <= {MAX_REPLICAS}")
         stations = tuple(split_layers(n_layers, n_stations))
         shards = tuple(split_vocab(vocab, n_shards))
         key = Knob("KNOT_KEY", knot_key)
@@ -216,23 +233,29 @@ class ClusterLayout:
                     {"init": "completed", "redis": "healthy"}),
         ]
         for s in stations:
-            services.append(Service(f"station-{s.index}", "station", "services.station", {
-                "KNOT_KEY": key, "KNOT_DIGEST": pin, "SPECIALIZATION_START_LAYER": str(s.layer_start),
-                "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
-                "MEMORY_BUDGET_BYTES": Knob("STATION_MEMORY_BUDGET_BYTES"), "MEMORY_PROFILE": Knob("KNOT_PROFILE"),
-                "RESIDENT_MAX_BYTES": Knob("KNOT_RESIDENT_MAX_BYTES"),
-                "SESSION_TTL_S": dflt("SESSION_TTL_S", "station"),
-                "MAX_BATCH": dflt("MAX_BATCH", "station"), "PREFETCH": Knob("KNOT_PREFETCH"),
-                "INTERLEAVE_ROWS": Knob("KNOT_INTERLEAVE_ROWS")},
-                (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
+            for k in range(replicas):
+                services.append(Service(replica_name(f"station-{s.index}", k), "station", "services.station", {
+                    "KNOT_KEY": key, "KNOT_DIGEST": pin, "SPECIALIZATION_START_LAYER": str(s.layer_start),
+                    "SPECIALIZATION_END_LAYER": str(s.layer_end), "SPECIALIZATION_ROLE": s.role,
+                    "MEMORY_BUDGET_BYTES": Knob("STATION_MEMORY_BUDGET_BYTES"),
+                    "MEMORY_PROFILE": Knob("KNOT_PROFILE"), "RESIDENT_MAX_BYTES": Knob("KNOT_RESIDENT_MAX_BYTES"),
+                    "SESSION_TTL_S": dflt("SESSION_TTL_S", "station"),
+                    "MAX_BATCH": dflt("MAX_BATCH", "station"), "PREFETCH": Knob("KNOT_PREFETCH"),
+                    "INTERLEAVE_ROWS": Knob("KNOT_INTERLEAVE_ROWS")},
+                    (bucket, layer_ns), depends_on={"layer-warden": "healthy"}))
         for s in shards:
-            services.append(Service(f"shard-{s.index}", "shard", "services.shard", {
-                "KNOT_KEY": key, "KNOT_DIGEST": pin, "VOCAB_START": str(s.vocab_start), "VOCAB_END": str(s.vocab_end),
-                "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "shard"),
-                "ROW_CACHE_BYTES": dflt("ROW_CACHE_BYTES", "shard"), "WARM_WARDEN": Knob("KNOT_WARM_WARDEN")},
-                (bucket, row_ns), depends_on={"cobordism-warden": "healthy"}))
-        peers = [(f"STATION_{s.index}", f"station-{s.index}") for s in stations] + \
-                [(f"SHARD_{s.index}", f"shard-{s.index}") for s in shards]
+            for k in range(replicas):
+                services.append(Service(replica_name(f"shard-{s.index}", k), "shard", "services.shard", {
+                    "KNOT_KEY": key, "KNOT_DIGEST": pin, "VOCAB_START": str(s.vocab_start),
+                    "VOCAB_END": str(s.vocab_end), "MEMORY_BUDGET_BYTES": dflt("MEMORY_BUDGET_BYTES", "shard"),
+                    "ROW_CACHE_BYTES": dflt("ROW_CACHE_BYTES", "shard"), "WARM_WARDEN": Knob("KNOT_WARM_WARDEN")},
+                    (bucket, row_ns), depends_on={"cobordism-warden": "healthy"}))
+        def replicas_of(kind: str, index: int) -> list[tuple[str, str]]:  # (binding, service) per replica
+            return [(replica_name(f"{kind.upper()}_{index}", k, "_R"), replica_name(f"{kind}-{index}", k, "-r"))
+                    for k in range(replicas)]
+
+        peers = [p for s in stations for p in replicas_of("station", s.index)] + \
+                [p for s in shards for p in replicas_of("shard", s.index)]
         if draft_knot_key is not None:
             services.insert(3, Service("init-draft", "init", None, {
                 "KNOT_MODEL": Knob("KNOT_DRAFT_MODEL", draft_source), "KNOT_KEY": draft_knot_key,
@@ -245,8 +268,9 @@ class ClusterLayout:
             peers.append(("DRAFTER", "drafter"))
         services.append(Service("coordinator", "coordinator", "services.coordinator", {
             "KNOT_KEY": key, "KNOT_DIGEST": pin,
-            "STATIONS": ",".join(f"STATION_{s.index}" for s in stations),
-            "SHARDS": ",".join(f"SHARD_{s.index}:{s.vocab_start}-{s.vocab_end}" for s in shards),
+            "STATIONS": ",".join("|".join(b for b, _ in replicas_of("station", s.index)) for s in stations),
+            "SHARDS": ",".join("|".join(b for b, _ in replicas_of("shard", s.index)) + f":{s.vocab_start}-{s.vocab_end}"
+                               for s in shards),
             **{n: dflt(n, "coordinator") for n in ("SHARD_TIMEOUT_S", "STATION_TIMEOUT_S", "DRAFTER_TIMEOUT_S",
                                                    "MAX_CONCURRENT_REQUESTS", "MAX_QUEUED_REQUESTS", "RETRY_AFTER_S",
                                                    "SPECULATION", "BUCKET_CHECK_TIMEOUT_S", "BUCKET_CHECK_BACKOFF_S")},
@@ -258,7 +282,7 @@ class ClusterLayout:
             "MODEL_NAME": Knob("KNOT_MODEL_NAME")},
             (bucket, *(Binding(b, "service", peer) for b, peer in peers)),
             depends_on={peer: "healthy" for _, peer in peers}, public=True))
-        return cls(n_layers, vocab, stations, shards, tuple(services))
+        return cls(n_layers, vocab, stations, shards, tuple(services), replicas)
 
     def service(self, name: str) -> Service:
         for s in self.services:

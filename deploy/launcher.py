@@ -116,7 +116,7 @@ def model_digest(source: str) -> str:
 
 
 def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8,
-               draft: ModelChoice | None = None) -> ClusterLayout:
+               draft: ModelChoice | None = None, replicas: int = 1) -> ClusterLayout:
     """The cluster for a model (and a draft model's drafter); TopologyError (a clear message) when the
     counts do not fit it, or the draft model's vocabulary is not the model's."""
     if draft is not None and draft.hparams["vocab_size"] != choice.hparams["vocab_size"]:
@@ -124,7 +124,7 @@ def layout_for(choice: ModelChoice, n_stations: int = 2, n_shards: int = 8,
                             f"the model's is {choice.hparams['vocab_size']}: it must share the tokenizer")
     return ClusterLayout.build(choice.hparams, n_stations, n_shards, knot_key=choice.knot_key,
                                model_source=choice.source, draft_knot_key=draft and draft.knot_key,
-                               draft_source=draft.source if draft else "")
+                               draft_source=draft.source if draft else "", replicas=replicas)
 
 
 def default_layout() -> ClusterLayout:
@@ -259,7 +259,8 @@ class Cluster:
     def _save(self, running: list[Running], layout: ClusterLayout, supervisor_pid: int | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"layout": {"stations": len(layout.stations), "shards": len(layout.shards)},
+        tmp.write_text(json.dumps({"layout": {"stations": len(layout.stations), "shards": len(layout.shards),
+                                              "replicas": layout.replicas},
                                    "supervisor": supervisor_pid,
                                    "services": [asdict(r) for r in running]}, indent=2))
         os.replace(tmp, self.state_path)
@@ -290,14 +291,14 @@ class Cluster:
         return out
 
     def up(self, model: str | None = None, base_port: int | None = None, env: Mapping[str, str] | None = None,
-           n_stations: int = 2, n_shards: int = 8, profile: str | None = None,
+           n_stations: int = 2, n_shards: int = 8, profile: str | None = None, replicas: int = 1,
            draft_model: str | None = None) -> list[Running]:
         base_env = dict(os.environ if env is None else env)
         choice = choose_model(model, base_env)
         draft = choose_model(draft_model, {}) if draft_model else None
         # before anything starts: counts that do not fit fail here
-        layout = layout_for(choice, n_stations, n_shards, draft)
-        base_env.update(profile_env(profile, base_env, len(layout.stations)))
+        layout = layout_for(choice, n_stations, n_shards, draft, replicas)
+        base_env.update(profile_env(profile, base_env, len(layout.stations) * replicas))
         if draft is not None:
             base_env["KNOT_DRAFT_MODEL"] = draft.source
         if "KNOT_SHM_DIR" not in base_env:  # set empty, it stays off

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common.settings import default, lookup
-from common.topology import ClusterLayout, Knob
+from common.topology import ClusterLayout, Knob, replica_name
 from deploy.r2_upload import RECORD as RECORD_NAME
 from services.coordinator.subrequests import HopCost
 
@@ -145,14 +145,16 @@ def _text(v: Any) -> str:
 
 def plan(n_layers: int, vocab_size: int, knot_key: str, n_stations: int = 2, n_shards: int = 8,
          bucket: str = "knots", kv_id: str = KV_ID_PLACEHOLDER, model_name: str = "",
-         public: bool = False, subrequest_limit: int = PLAN_SUBREQUESTS["paid"]) -> list[Worker]:
+         public: bool = False, subrequest_limit: int = PLAN_SUBREQUESTS["paid"], replicas: int = 1) -> list[Worker]:
     """The Workers of ClusterLayout (the object docker-compose.yml is rendered from), in its start
     order, which is also the deploy order (a Worker after those whose classes it binds). public: the
-    coordinator serves without an API key (else KNOT_API_KEY is one of its secrets)."""
+    coordinator serves without an API key (else KNOT_API_KEY is one of its secrets). replicas: Workers
+    per station range and shard slice (a station replica's Durable Object is its own Worker's)."""
     layout = ClusterLayout.build({"block_count": n_layers, "vocab_size": vocab_size}, n_stations, n_shards,
-                                 knot_key=knot_key)
+                                 knot_key=knot_key, replicas=replicas)
     name = {s.name: f"{PREFIX}-{s.name}" for s in layout.services}
-    instance = {f"station-{s.index}": station_instance(knot_key, s.layer_start, s.layer_end) for s in layout.stations}
+    instance = {replica_name(f"station-{s.index}", k): station_instance(knot_key, s.layer_start, s.layer_end)
+                for s in layout.stations for k in range(replicas)}
     workers = []
     for svc in layout.services:
         if not svc.is_worker:

@@ -39,6 +39,8 @@ def add_arguments(p) -> None:
 def add_layout_arguments(p) -> None:
     p.add_argument("--stations", type=int, default=2, help="layer stations: 1 to the model's layers (default 2)")
     p.add_argument("--shards", type=int, default=8, help="vocabulary shards: 1 to its vocabulary (default 8)")
+    p.add_argument("--replicas", type=int, default=1, help="processes per station range and per shard slice: the "
+                   "coordinator spreads generations over them and moves one off a replica that fails (default 1)")
     p.add_argument("--draft-model", default=None, help="also a drafter serving this smaller model of the same "
                    "vocabulary (name or path), for the speculation source draft_model")
 
@@ -57,7 +59,8 @@ def run(args) -> int:
         if args.cluster_action in ("up", "reload"):
             start = cluster.up if args.cluster_action == "up" else cluster.reload
             running = start(model=args.model, base_port=args.base_port, n_stations=args.stations,
-                            n_shards=args.shards, profile=args.profile, draft_model=args.draft_model)
+                            n_shards=args.shards, profile=args.profile, draft_model=args.draft_model,
+                            replicas=args.replicas)
             print(_table(cluster.status()), file=sys.stderr)
             for line in cluster.memory_lines(running):
                 print(line, file=sys.stderr)

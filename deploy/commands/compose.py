@@ -16,19 +16,21 @@ def add_arguments(p) -> None:
     add_layout_arguments(p)
 
 
-def command_args(model: str | None, n_stations: int, n_shards: int, draft_model: str | None = None) -> str:
+def command_args(model: str | None, n_stations: int, n_shards: int, draft_model: str | None = None,
+                 replicas: int = 1) -> str:
     """The options that differ from the defaults, as the file's header repeats them."""
     parts = [f"--model {model}"] if model else []
     parts += [f"--stations {n_stations}"] if n_stations != 2 else []
     parts += [f"--shards {n_shards}"] if n_shards != 8 else []
     parts += [f"--draft-model {draft_model}"] if draft_model else []
+    parts += [f"--replicas {replicas}"] if replicas != 1 else []
     return "".join(" " + p for p in parts)
 
 
 def run(args) -> int:
     choice = choose_model(args.model, {})  # the file is the same whatever this shell's KNOT_MODEL says
     draft = choose_model(args.draft_model, {}) if args.draft_model else None
-    layout = layout_for(choice, args.stations, args.shards, draft)
-    sys.stdout.write(compose_writer.render_text(layout, choice.source, command_args(args.model, args.stations,
-                                                                                   args.shards, args.draft_model)))
+    layout = layout_for(choice, args.stations, args.shards, draft, args.replicas)
+    sys.stdout.write(compose_writer.render_text(layout, choice.source, command_args(
+        args.model, args.stations, args.shards, args.draft_model, args.replicas)))
     return 0

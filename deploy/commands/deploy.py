@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vocabulary); default: the default model")
     p.add_argument("--stations", type=int, default=2, help="layer stations (default 2)")
     p.add_argument("--shards", type=int, default=8, help="vocabulary shards (default 8)")
+    p.add_argument("--replicas", type=int, default=1, help="Workers per station range and shard slice (default 1)")
     p.add_argument("--bucket", default="knots", help="the R2 bucket that holds the knot (default knots)")
     p.add_argument("--knot-key", default=None, help="the knot's key in the bucket (default: MODEL.knot)")
     p.add_argument("--kv-id", default=None, help="the EMBED_CACHE KV namespace id (default: a placeholder "
@@ -85,6 +86,7 @@ def command_line(args: argparse.Namespace, out: Path) -> str:
     """The `knot deploy cloudflare` that writes this deployment again, with --upload (the README's step 2)."""
     parts = ["knot", "deploy", "cloudflare", "--out", str(out)]
     for flag, value in (("--model", args.model), ("--stations", args.stations), ("--shards", args.shards),
+                        ("--replicas", args.replicas if args.replicas != 1 else None),
                         ("--bucket", args.bucket), ("--knot-key", args.knot_key), ("--kv-id", args.kv_id),
                         ("--plan", args.plan), ("--part-size-mib", args.part_size_mib)):
         if value is not None:
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     limit = wrangler.PLAN_SUBREQUESTS[args.plan]
     workers = wrangler.plan(n_layers, vocab_size, knot_key, args.stations, args.shards,
                             args.bucket, args.kv_id or wrangler.KV_ID_PLACEHOLDER, public=args.public,
-                            subrequest_limit=limit)
+                            subrequest_limit=limit, replicas=args.replicas)
     out = Path(args.out)
     try:
         dirs = wrangler.write(out, workers, args.public, command_line(args, out))

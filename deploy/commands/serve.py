@@ -56,7 +56,7 @@ async def _embedded(args) -> int:
     draft = choose_model(args.draft_model, {}) if args.draft_model else None
     if draft is not None:
         env["KNOT_DRAFT_MODEL"] = draft.source
-    specs = plan(layout_for(choice, args.stations, args.shards, draft), env)
+    specs = plan(layout_for(choice, args.stations, args.shards, draft, args.replicas), env)
     run_dir = Path(args.run_dir or default_run_dir()) / "embedded"
     cluster = EmbeddedCluster(specs, run_dir)
     for s in specs:  # the init service, in-process: the bucket is a directory here

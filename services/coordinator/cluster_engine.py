@@ -54,6 +54,7 @@ class ClusterGeneration(Generation):
     trace: tracing.Scope | None = None  # where its hops record their spans (services/tracing.py)
     cache_prompt: bool = True  # may start after the blocks of its prompt the stations keep (prompt caching)
     prompt_cache: str = ""  # what prompt caching did for its prompt: hit, miss, none or off (metrics)
+    picks: dict = field(default_factory=dict)  # the replicas it is pinned to (pipeline.Call.picks)
 
 
 class ClusterEngine:
@@ -78,7 +79,7 @@ class ClusterEngine:
 
     def _call(self, gen: ClusterGeneration) -> Call:
         return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
-                    gen.degraded, gen.timeout_s)
+                    gen.degraded, gen.timeout_s, gen.picks)
 
     async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> Row:
         """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined

@@ -10,8 +10,8 @@ A generation request's trace (services/tracing.py) starts in traced(): under the
 or a new one, its id in the reply's X-Trace-Id header.
 
 The topology is a list of nodes, each a role (station, shard, ...) with its place in the model (a
-layer range, a vocabulary slice) and its replicas: one per binding today, so a later replicated
-range lists several and the page draws each. A station's or shard's health is health()'s rule: a
+layer range, a vocabulary slice) and its replicas, one per binding (ClusterLayout replicas), with
+the generations pinned to each; the page draws each. A station's or shard's health is health()'s rule: a
 peer that stopped answering is "restarting" for PEER_WAIT_S (what requests wait for a supervised
 restart), then "down"; a replica's `restarts` counts the times it came back as another process.
 """
@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 from common.runtime import BadRequest, Env, MethodNotAllowed, NotFound, Request, Response, aclose_stream
 from services import tracing
 from services.coordinator import page
-from services.coordinator.pipeline import PeerState
+from services.coordinator.pipeline import PeerState, Replica
 
 SNAPSHOT_TTL_S = 1.0  # pollers within this share one gathering of the services' /stats
 TRACES = tracing.Ring()
@@ -118,7 +118,7 @@ _snapshots = _Snapshots()
 async def snapshot(co) -> dict:
     async with _snapshots.lock:
         if time.monotonic() - _snapshots.at >= SNAPSHOT_TTL_S:
-            await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
+            await co.metrics.gather(co.pipeline)
             co.note_station_stats(co.metrics.services.stations)
             co.metrics.note_row_cache(co.pipeline)
             _snapshots.value, _snapshots.at = _gathered(co), time.monotonic()
@@ -172,12 +172,13 @@ def health(stats: dict | None, down_for_s: float | None, peer_wait_s: float) -> 
 _seen: dict[str, Seen] = {}  # binding name -> what its /stats said, across snapshots
 
 
-def _replica(co, binding: str, stats: dict | None, peer: PeerState, now: float) -> dict:
-    seen = _seen.setdefault(binding, Seen())
+def _replica(co, r: Replica, stats: dict | None, now: float) -> dict:
+    seen = _seen.setdefault(r.binding, Seen())
     observe(seen, stats, now)
-    lost_s = down_for(seen, peer, now)
-    return {"binding": binding, "health": health(stats, lost_s, co.pipeline.peer_wait_s), "stats": stats,
-            "down_for_s": None if lost_s is None else round(lost_s, 1), "restarts": seen.restarts}
+    lost_s = down_for(seen, r.state, now)
+    return {"binding": r.binding, "health": health(stats, lost_s, co.pipeline.peer_wait_s), "stats": stats,
+            "down_for_s": None if lost_s is None else round(lost_s, 1), "restarts": seen.restarts,
+            "generations": r.load}
 
 
 def _gathered(co) -> dict:
@@ -186,14 +187,15 @@ def _gathered(co) -> dict:
         {"binding": "coordinator", "health": "ready", "stats": {"model": co.model_id, "knot_etag": co.pipeline.knot_etag,
                                                                 "context_tokens": co.context_tokens}}]}]
     now = time.monotonic()
-    for i, (name, st, peer) in enumerate(zip(co.settings.stations, stations, co.pipeline.station_state)):
+    answers = {id(r): st for _, _, r, st in co.metrics.services.replicas}
+    for i, rset in enumerate(co.pipeline.station_sets):
+        st = stations[i] if i < len(stations) else None
         rng = [int(st["layer_start"]), int(st["layer_end"])] if st else None
         nodes.append({"role": "station", "name": f"station {i}", "layers": rng,
-                      "replicas": [_replica(co, name, st, peer, now)]})
-    for (spec, _), (name, _, _), st, peer in zip(co.pipeline.shards, co.settings.shards, shards,
-                                                 co.pipeline.shard_state):
+                      "replicas": [_replica(co, r, answers.get(id(r)), now) for r in rset.replicas]})
+    for spec, rset in co.pipeline.shard_sets:
         nodes.append({"role": "shard", "name": f"shard {spec.index}", "vocab": [spec.vocab_start, spec.vocab_end],
-                      "replicas": [_replica(co, name, st, peer, now)]})
+                      "replicas": [_replica(co, r, answers.get(id(r)), now) for r in rset.replicas]})
     # The wardens are the stations' and shards' peers, not the coordinator's: seen through their /stats.
     for role, peers in (("layer_warden", stations), ("cobordism_warden", shards)):
         seen = [s for s in peers if s is not None and any(k.startswith("warden_") for k in s)]

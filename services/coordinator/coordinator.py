@@ -343,7 +343,8 @@ class Coordinator:
             tracing.enter(gen.trace)
             subrequests.finish(counter, cost)
             self.in_flight.pop(gen.request_id, None)
-            ctx.wait_until(self.pipeline.release(gen.request_id))  # free the stations' KV caches, however we ended
+            # free the stations' KV caches (on the replicas it was pinned to), however we ended
+            ctx.wait_until(self.pipeline.release(gen.request_id, gen.picks))
             if gen.speculation.source == "draft_model" and self.drafter_client.checked:  # (else it holds nothing)
                 ctx.wait_until(self._release_draft(gen.request_id))
             self._count(gen, outcome or "cancelled")

@@ -32,14 +32,17 @@ alone rules it out is refused before tokenizing, tokenizing stops as soon as the
 than the context, and parsing and tokenizing run off the event loop (services/offload.py).
 
 Env: KNOT_KEY; STATIONS = binding names in chain order ("STATION_0,STATION_1");
-SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); the rest in docs/configuration.md;
+SHARDS = "BINDING:START-END,..." (must tile [0, vocab)); a station's or shard's replicas joined
+by | ("STATION_0|STATION_0_R1", "SHARD_0|SHARD_0_R1:0-18992"); the rest in docs/configuration.md;
 bindings KNOT_BUCKET and the named service bindings.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -59,7 +62,6 @@ from services.coordinator.pipeline import Pipeline
 from services.drafter.drafter_client import DrafterClient
 from services.knot_source import KnotSource, read_pin, serving_version
 from services.offload import off_loop
-from services.station.station_client import StationClient
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +74,21 @@ PUBLIC = True
 # Its requests' traces (console.py); a host exports them where OTEL_EXPORTER_OTLP_ENDPOINT is set.
 TRACES = console.TRACES
 
+def _replicas(item: str, var: str) -> tuple[str, ...]:
+    """"STATION_0|STATION_0_R1" -> its replicas' binding names."""
+    names = tuple(n.strip() for n in item.split("|"))
+    if not all(names):
+        raise TopologyError(f"{var} entry {item!r}: an empty binding name (replicas are joined by |)")
+    if len(set(names)) != len(names):
+        raise TopologyError(f"{var} entry {item!r}: a binding named twice")
+    return names
+
+
 @dataclass(frozen=True)
 class CoordinatorSettings:
     knot_key: str
-    stations: tuple[str, ...]
-    shards: tuple[tuple[str, int, int], ...]  # (binding, vocab_start, vocab_end)
+    stations: tuple[tuple[str, ...], ...]  # per station in chain order, its replicas' binding names
+    shards: tuple[tuple[tuple[str, ...], int, int], ...]  # (replicas' binding names, vocab_start, vocab_end)
     shard_timeout_s: float
     station_timeout_s: float
     peer_wait_s: float  # how long requests wait for a peer that is down (a restart)
@@ -99,14 +111,14 @@ class CoordinatorSettings:
         def get(name: str):
             return read(env, name, "coordinator")
 
-        stations = get("STATIONS")
+        stations = tuple(_replicas(item, "STATIONS") for item in get("STATIONS"))
         shards = []
         for item in get("SHARDS").split(","):
-            name, _, rng = item.strip().partition(":")
+            names, _, rng = item.strip().partition(":")
             if not rng:
                 raise TopologyError(f"SHARDS entry {item!r}: expected BINDING:START-END")
             a, b = parse_range(rng, f"SHARDS entry {item!r}")
-            shards.append((name, a, b))
+            shards.append((_replicas(names, "SHARDS"), a, b))
         return cls(get("KNOT_KEY"), stations, tuple(shards), get("SHARD_TIMEOUT_S"), get("STATION_TIMEOUT_S"),
                    get("PEER_WAIT_S"), get("REQUEST_TIMEOUT_S"), get("SHARD_FAILURE"),
                    get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"), get("RETRY_AFTER_S"), get("MODEL_NAME"),
@@ -142,13 +154,13 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         header, cfg = await source.header(), (await source.model()).cfg
         shards = [ShardSpec(i, a, b) for i, (_, a, b) in enumerate(settings.shards)]
         check_vocab_tiling(shards, cfg.vocab_size)
-        bindings = {i: counted(getattr(env, name)) for i, (name, _, _) in enumerate(settings.shards)}
+        bindings = {i: [(n, counted(_binding(env, n))) for n in names] for i, (names, _, _) in enumerate(settings.shards)}
         ordered = [(s, bindings[s.index]) for s in sorted(shards, key=lambda s: s.vocab_start)]
-        stations = [counted(getattr(env, name)) for name in settings.stations]
+        stations = [[(n, counted(_binding(env, n))) for n in names] for names in settings.stations]
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
                             settings.station_timeout_s, settings.peer_wait_s, settings.retry_after_s, source.etag,
                             settings.row_cache_bytes)
-        station_stats = await _check_stations(pipeline.stations, cfg.n_layer)
+        station_stats = await _check_stations(pipeline, cfg.n_layer)
         drafter = await _drafter(env, settings, cfg.vocab_size)
         capacity = [StationCapacity(i, int(s["max_session_tokens"]), int(s["budget_bytes"]))
                     for i, s in enumerate(station_stats)]
@@ -183,18 +195,46 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         raise ServiceUnavailable(f"coordinator topology: {e}") from None
 
 
-async def _check_stations(stations: list[StationClient], n_layers: int) -> list[dict]:
-    """Ask each station for its layer range; together they must chain [0, n_layers). Their /stats."""
-    if not stations:
+def _binding(env: Env, name: str):
+    try:
+        return getattr(env, name)
+    except AttributeError:
+        raise TopologyError(f"no binding {name} (STATIONS and SHARDS name it)") from None
+
+
+async def _check_stations(pipeline: Pipeline, n_layers: int) -> list[dict]:
+    """Ask each station's replicas for their layer range; together the stations must chain
+    [0, n_layers), and a station's replicas must all hold its range. -> per station the /stats of
+    its first replica that answered (the least max_session_tokens of those that did). A station
+    none of whose replicas answers fails the boot; a replica that does not is marked down (it
+    rejoins once it answers, pipeline.ReplicaSet)."""
+    if not pipeline.station_sets:
         raise TopologyError("STATIONS is empty: need at least 1 station")
     specs, stats = [], []
-    for i, st in enumerate(stations):
-        try:
-            s = await st.stats()
-        except HttpError as e:
-            raise ServiceUnavailable(f"station {i} {e}") from None
-        specs.append(StationSpec(i, int(s["layer_start"]), int(s["layer_end"]), str(s["role"])))
-        stats.append(s)
+    for i, rset in enumerate(pipeline.station_sets):
+        answers = await asyncio.gather(*(r.client.stats() for r in rset.replicas), return_exceptions=True)
+        got = []
+        for r, a in zip(rset.replicas, answers):
+            if isinstance(a, BaseException):
+                if not isinstance(a, (HttpError, TimeoutError)):
+                    raise a
+                if len(rset.replicas) == 1:
+                    raise ServiceUnavailable(f"station {i} {a}") from None
+                log.warning("%s (%s) did not answer at boot: %s; marked down", r.state.name, r.binding, a)
+                r.state.down(time.monotonic())
+                continue
+            got.append((r, a))
+        if not got:
+            raise ServiceUnavailable(f"station {i}: none of its {len(rset.replicas)} replicas answers: "
+                                     f"{'; '.join(str(a) for a in answers)}")
+        ranges = {(int(a["layer_start"]), int(a["layer_end"])) for _, a in got}
+        if len(ranges) > 1:
+            raise TopologyError(f"station {i}'s replicas hold different layer ranges: " + ", ".join(
+                f"{r.binding} [{a['layer_start']}, {a['layer_end']})" for r, a in got))
+        first = dict(got[0][1])
+        first["max_session_tokens"] = min(int(a["max_session_tokens"]) for _, a in got)
+        specs.append(StationSpec(i, int(first["layer_start"]), int(first["layer_end"]), str(first["role"])))
+        stats.append(first)
     check_station_chain(specs, n_layers)
     return stats
 
@@ -336,16 +376,17 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
         return await console.traced(request, f"POST {path}", tokenize)
     if path == "/metrics" and request.method == "GET":
         co = await coordinator_for(env)
-        await co.metrics.gather(co.pipeline.stations, [b for _, b in co.pipeline.shards])
+        await co.metrics.gather(co.pipeline)
         co.note_station_stats(co.metrics.services.stations)
         co.metrics.note_row_cache(co.pipeline)
         return co.metrics.exposition()
     if path == "/topology" and request.method == "GET":
         co = await coordinator_for(env)
         return Response.from_json({
-            "stations": list(co.settings.stations),
-            "shards": [{"index": s.index, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end}
-                       for s, _ in co.pipeline.shards],
+            "stations": [{"index": i, "replicas": [r.binding for r in rs.replicas]}
+                         for i, rs in enumerate(co.pipeline.station_sets)],
+            "shards": [{"index": s.index, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end,
+                        "replicas": [r.binding for r in rs.replicas]} for s, rs in co.pipeline.shard_sets],
             "hparams": {"n_layer": co.cfg.n_layer, "dim": co.cfg.dim, "vocab_size": co.cfg.vocab_size,
                         "context_length": co.cfg.context_length},
             "max_sequence_tokens": co.context_tokens,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
 from common.runtime import HttpError, Response, ServiceUnavailable
 
@@ -50,8 +50,10 @@ class ServiceStats:
     """A custom collector over the last snapshot of the stations' and shards' /stats."""
 
     def __init__(self) -> None:
-        self.stations: list[dict | None] = []
-        self.shards: list[dict | None] = []
+        self.stations: list[dict | None] = []  # per station, the /stats of its first replica that answered
+        self.shards: list[dict | None] = []  # per shard, likewise
+        # every replica as the pipeline has it (kind, range index, pipeline.Replica) and its /stats
+        self.replicas: list[tuple[str, int, Any, dict | None]] = []
 
     def collect(self) -> Iterable:
         up = GaugeMetricFamily(f"{PREFIX}_peer_stats_up", "1 if the peer answered GET /stats at the last scrape",
@@ -128,6 +130,19 @@ class ServiceStats:
         ratio.add_metric(["stations"], _ratio(*tot["station"]))
         ratio.add_metric(["shards"], _ratio(*tot["shard"]))
         yield from (up, loads, sessions, resident, streamed, budget, prefix, prefix_bytes, rows, ratio)
+        state = GaugeMetricFamily(f"{PREFIX}_replica_up", "1 while the coordinator takes a replica of a station or "
+                                  "shard to be up (its last call or probe answered), 0 while it is down",
+                                  labels=["range", "binding"])
+        pinned = GaugeMetricFamily(f"{PREFIX}_replica_generations", "generations pinned to a replica",
+                                   labels=["range", "binding"])
+        outages = CounterMetricFamily(f"{PREFIX}_replica_outages", "times the coordinator found a replica down",
+                                      labels=["range", "binding"])
+        for kind, i, r, _ in self.replicas:
+            labels = [f"{kind}_{i}", r.binding]
+            state.add_metric(labels, 1 if r.state.down_since is None else 0)
+            pinned.add_metric(labels, r.load)
+            outages.add_metric(labels, r.state.outages)
+        yield from (state, pinned, outages)
 
 
 class _Uncounted:
@@ -246,8 +261,8 @@ class CoordinatorMetrics:
     def observe_hop(self, name: str, seconds: float) -> None:
         self.hops.labels(name).observe(seconds)
 
-    async def gather(self, stations: list, shards: list) -> None:
-        """Refresh the services' snapshot: GET /stats of each station and shard client, concurrently."""
+    async def gather(self, pipeline) -> None:
+        """Refresh the services' snapshot: GET /stats of every replica of each station and shard, concurrently."""
         if not self.enabled:
             return  # nothing would show them: exposition() answers 503
 
@@ -258,8 +273,16 @@ class CoordinatorMetrics:
                 log.warning("metrics: /stats failed: %s", e)
                 return None
 
-        got = await asyncio.gather(*(one(b) for b in [*stations, *shards]))
-        self.services.stations, self.services.shards = got[:len(stations)], got[len(stations):]
+        pipeline.probe_down()  # a replica that came back rejoins even while no generation starts
+        replicas = pipeline.replicas()
+        got = await asyncio.gather(*(one(r.client) for _, _, r in replicas))
+        self.services.replicas = [(kind, i, r, st) for (kind, i, r), st in zip(replicas, got)]
+        first: dict[tuple[str, int], dict | None] = {}
+        for kind, i, _, st in self.services.replicas:
+            if first.get((kind, i)) is None:
+                first[(kind, i)] = st
+        self.services.stations = [first[("station", i)] for i in range(len(pipeline.station_sets))]
+        self.services.shards = [first[("shard", spec.index)] for spec, _ in pipeline.shard_sets]
 
     def exposition(self) -> Response:
         if not self.enabled:

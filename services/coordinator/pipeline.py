@@ -11,6 +11,15 @@ Failures are a policy, never a silent guess (issue 13):
   that is computing answers its probes, so a long hop is waited for, up to its own timeout.
 - Past the request's deadline (REQUEST_TIMEOUT_S) the request gets 504, whatever the hop was
   doing: a peer still computing is not down.
+- Replicas (ClusterLayout replicas, `knot cluster up --replicas R`): each station range and each
+  shard slice may be served by several processes. A generation is pinned to the least loaded
+  replica of each that is up (Call.picks), and keeps it for every later token: its KV caches
+  live there. When a replica it uses is down while another of the same range is up, it moves
+  there at once instead of waiting: a shard's call is made again, and a station's move is a
+  SessionLost, so the engine replays every frame exactly on the new replica (cluster_engine.py)
+  and the tokens equal a fault-free run's. A replica that is down is probed (GET /readyz) when
+  replicas are chosen, and rejoins once it answers. With one replica, or once every replica of a
+  range is down, the rules above hold: wait up to PEER_WAIT_S, then 503 naming the range.
 - A shard still down after that fails the request with 503 naming the vocabulary range that is
   missing (shard_failure "fail", the default). The seed's allSettled merge (section 3) is an
   explicit opt-in, per cluster (SHARD_FAILURE) or per request (shard_failure "degrade"): a shard
@@ -95,6 +104,14 @@ class PeerUnavailable(ServiceUnavailable):
     """A station or shard the request needs stayed down: 503 with Retry-After."""
 
 
+class ReplicaDown(Exception):
+    """A replica failed as an outage while another replica of its range is up: move there."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 class PeerHung(Exception):
     """Neither a hop nor a probe of the peer's /healthz answered since `quiet_since` (time.monotonic())."""
 
@@ -114,6 +131,9 @@ class Call:
     shard_failure: str = "fail"  # or "degrade" (params.SHARD_FAILURE_POLICIES)
     degraded: list[Degradation] = field(default_factory=list)
     timeout_s: float = math.inf  # the whole deadline, for messages
+    # ("station" | "shard", index) -> the replica the generation is pinned to (its KV caches live
+    # on a station's): the generation's own dict, shared by its calls
+    picks: dict = field(default_factory=dict)
 
     def timeout(self, hop_timeout_s: float, what: str) -> float:
         """A hop's timeout: its own, or what is left of the request's deadline; RequestTimeout when none is."""
@@ -170,33 +190,199 @@ class PeerState:
             self.outages += 1
         return self.down_since
 
+
+@dataclass(eq=False)
+class Replica:
+    """One process serving a station's layer range or a shard's vocabulary slice."""
+
+    binding: str  # its binding's name: STATION_0, STATION_0_R1, ...
+    client: Any  # StationClient | ShardClient
+    state: PeerState
+    load: int = 0  # generations pinned to it
+    probe: asyncio.Task | None = None  # a GET /readyz of it while it is down
+
+
+class ReplicaSet:
+    """The replicas of one station range or shard slice, replica 0 first."""
+
+    def __init__(self, name: str, replicas: list[Replica]):
+        if not replicas:
+            raise ValueError(f"{name}: no replica")
+        self.name, self.replicas = name, replicas
+
+    def choose(self, exclude: Replica | None = None) -> Replica | None:
+        """The least loaded replica that is up, other than exclude (ties: the lowest index); None if
+        none is. Replicas that are down are probed meanwhile, so one that came back rejoins."""
+        self.probe_down()
+        up = [r for r in self.replicas if r is not exclude and r.state.down_since is None]
+        return min(up, key=lambda r: r.load) if up else None
+
+    def others_up(self, r: Replica) -> bool:
+        return any(o is not r and o.state.down_since is None for o in self.replicas)
+
+    def probe_down(self) -> None:
+        """GET /readyz of each replica that is down (one probe at a time each): one that answers 200
+        is up again. Not under a subrequest limit (Cloudflare), where a probe would be a
+        subrequest the generation's budget does not hold."""
+        if len(self.replicas) == 1:
+            return
+        counter = subrequests.current()
+        if counter is not None and counter.limit is not None:
+            return
+        for r in self.replicas:
+            if r.state.down_since is not None and (r.probe is None or r.probe.done()):
+                r.probe = asyncio.get_running_loop().create_task(_probe_ready(r))
+
+
+async def _probe_ready(r: Replica) -> None:
+    binding = getattr(r.client, "binding", None)
+    try:
+        async with asyncio.timeout(PROBE_EVERY_S * 4):
+            resp = await binding.fetch(Request("GET", PEER_URL + "/readyz"))
+    except Exception:  # noqa: BLE001 - no answer: still down
+        resp = None
+    if resp is None or not resp.ok:
+        await asyncio.sleep(PROBE_EVERY_S)  # the next probe of it no sooner
+    else:
+        r.state.up()
+
+def _named(bindings: Any, kind: str, index: int) -> list[tuple[str, Any]]:
+    """A range's bindings: one binding, a list of them, or of (name, binding) -> [(name, binding)]."""
+    items = bindings if isinstance(bindings, (list, tuple)) else [bindings]
+    base = f"{kind.upper()}_{index}"
+    return [b if isinstance(b, tuple) else (base if k == 0 else f"{base}_R{k}", b) for k, b in enumerate(items)]
+
+
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
                  shard_timeout_s: float, station_timeout_s: float, peer_wait_s: float = 15.0,
                  retry_after_s: int = 1, knot_etag: str | None = None, row_cache_bytes: int = 0):
-        """stations: service bindings, entry first; shards: (spec, binding) sorted by vocab_start,
-        tiling [0, vocab). Each binding is called through its typed client, which pins every hop to
-        knot_etag (None: not checked). row_cache_bytes: embedding rows kept from the shards' replies
-        (embed()); a pipeline serves one knot version, so its rows are that version's."""
+        """stations: per station, entry first, its service binding, or its replicas' (a list of
+        bindings or of (binding name, binding)); shards: (spec, binding or replicas) sorted by
+        vocab_start, tiling [0, vocab). Each binding is called through its typed client, which pins
+        every hop to knot_etag (None: not checked). row_cache_bytes: embedding rows kept from the
+        shards' replies (embed()); a pipeline serves one knot version, so its rows are that version's."""
         self.knot_etag = knot_etag
         self.rows = SealedRows(row_cache_bytes, "coordinator")
-        self.stations = [StationClient(b, station_timeout_s, knot_etag) for b in stations]
-        self.shards = [(spec, ShardClient(b, shard_timeout_s, knot_etag)) for spec, b in shards]
-        self.station_state = [PeerState(f"station {i}") for i in range(len(stations))]
-        self.shard_state = [PeerState(f"shard {spec.index} (vocabulary [{spec.vocab_start}, {spec.vocab_end}))")
-                            for spec, _ in shards]
+        self.station_sets = [ReplicaSet(f"station {i}", [
+            Replica(name, StationClient(b, station_timeout_s, knot_etag),
+                    PeerState(f"station {i}" + (f" replica {k}" if k else "")))
+            for k, (name, b) in enumerate(_named(bs, "station", i))]) for i, bs in enumerate(stations)]
+        self.shard_sets = [(spec, ReplicaSet(f"shard {spec.index}", [
+            Replica(name, ShardClient(b, shard_timeout_s, knot_etag),
+                    PeerState(f"shard {spec.index}" + (f" replica {k}" if k else "") +
+                              f" (vocabulary [{spec.vocab_start}, {spec.vocab_end}))"))
+            for k, (name, b) in enumerate(_named(bs, "shard", spec.index))])) for spec, bs in shards]
         self.dim, self.vocab_size = dim, vocab_size
         self.shard_timeout_s, self.station_timeout_s = shard_timeout_s, station_timeout_s
         self.peer_wait_s, self.retry_after_s = peer_wait_s, retry_after_s
 
+    # Replica 0 of each range: the whole range where it has no other replica.
+    @property
+    def stations(self) -> list[StationClient]:
+        return [rs.replicas[0].client for rs in self.station_sets]
+
+    @property
+    def shards(self) -> list[tuple[ShardSpec, ShardClient]]:
+        return [(spec, rs.replicas[0].client) for spec, rs in self.shard_sets]
+
+    @property
+    def station_state(self) -> list[PeerState]:
+        return [rs.replicas[0].state for rs in self.station_sets]
+
+    @property
+    def shard_state(self) -> list[PeerState]:
+        return [rs.replicas[0].state for _, rs in self.shard_sets]
+
+    def probe_down(self) -> None:
+        """Probe every replica that is down (ReplicaSet.probe_down), so one that came back rejoins."""
+        for rs in [*self.station_sets, *(rs for _, rs in self.shard_sets)]:
+            rs.probe_down()
+
+    def replicas(self) -> list[tuple[str, int, Replica]]:
+        """Every replica as (kind, range index, replica): stations in chain order, then shards."""
+        return [("station", i, r) for i, rs in enumerate(self.station_sets) for r in rs.replicas] + \
+               [("shard", spec.index, r) for spec, rs in self.shard_sets for r in rs.replicas]
+
+    # -------------------------------------------------------- replicas
+
+    def pinned(self, call: Call, kind: str, k: int, rset: ReplicaSet) -> Replica:
+        """The replica of range k the call's generation is pinned to; on its first hop there, the
+        least loaded one that is up (replica 0 when none is: its hop then waits for it)."""
+        r = call.picks.get((kind, k))
+        if r is None:
+            r = rset.choose() or rset.replicas[0]
+            r.load += 1
+            call.picks[(kind, k)] = r
+        return r
+
+    def _move(self, call: Call, kind: str, k: int, rset: ReplicaSet, r: Replica, e: ReplicaDown) -> Replica:
+        """Pin the call's generation to another replica of range k than r, which failed."""
+        new = rset.choose(exclude=r)
+        if new is None:  # every other one went down meanwhile: r's hop waits for r again
+            return r
+        r.load -= 1
+        new.load += 1
+        call.picks[(kind, k)] = new
+        log.warning("request %s: %s is down (%s); moving to %s", call.rid, r.state.name, e, new.state.name)
+        return new
+
+    def unpin(self, picks: dict) -> list[tuple[str, int, Replica]]:
+        """A generation ended: its replicas' loads drop. -> what it was pinned to."""
+        out = []
+        for (kind, k), r in picks.items():
+            r.load -= 1
+            out.append((kind, k, r))
+        picks.clear()
+        return out
+
+    async def on_replica(self, call: Call, kind: str, k: int, rset: ReplicaSet, hop_timeout_s: float, what: str,
+                         attempt: Callable[[Any, float], Awaitable[T]], why: str = "", wait: bool = True) -> T:
+        """attempt(client, timeout_s) on the call's replica of range k (until_up; without wait, once,
+        as the shards' degrade policy wants). When that replica is down and another of the range is
+        up, the call's generation moves there: a shard's call runs again on it; a station's raises
+        SessionLost, since the new replica does not hold the generation's KV caches (the engine
+        replays exactly)."""
+        while True:
+            r = self.pinned(call, kind, k, rset)
+            others = (lambda: rset.others_up(r)) if len(rset.replicas) > 1 else None
+            try:
+                if wait:
+                    try:
+                        return await self.until_up(r.state, call, hop_timeout_s, what,
+                                                   lambda t: attempt(r.client, t), why, r.client, others)
+                    except PeerUnavailable as e:
+                        if others is None:
+                            raise
+                        raise PeerUnavailable(f"{rset.name}: none of its {len(rset.replicas)} replicas is up; {e}",
+                                              headers=e.headers) from None
+                try:
+                    return await self.watched(r.state, r.client, lambda: attempt(
+                        r.client, call.timeout(hop_timeout_s, what)))
+                except Exception as e:  # noqa: BLE001 - outages move to another replica, the rest raise
+                    if not (others is not None and (isinstance(e, PeerHung) or unavailable(e))):
+                        raise
+                    r.state.down(time.monotonic())
+                    if not others():
+                        raise
+                    raise ReplicaDown(e) from None
+            except ReplicaDown as e:
+                new = self._move(call, kind, k, rset, r, e)
+                if kind == "station" and new is not r:
+                    raise SessionLost(f"{r.state.name} is down ({e}); the generation moves to {new.state.name}, "
+                                      f"which does not hold its KV caches") from None
+
     # -------------------------------------------------------- waiting for a peer that is down
 
     async def until_up(self, peer: PeerState, call: Call, hop_timeout_s: float, what: str,
-                       attempt: Callable[[float], Awaitable[T]], why: str = "", client: Any = None) -> T:
+                       attempt: Callable[[float], Awaitable[T]], why: str = "", client: Any = None,
+                       others: Callable[[], bool] | None = None) -> T:
         """attempt(timeout_s) until it succeeds, while `peer` is down for less than peer_wait_s and the
         request's deadline holds; then PeerUnavailable (503, Retry-After), or RequestTimeout (504) once
         the deadline has passed. Only outages are retried (unavailable()); any other failure is raised
-        at once. client: the peer's typed client, whose binding is probed while a hop is slow (watched)."""
+        at once. client: the peer's typed client, whose binding is probed while a hop is slow (watched).
+        others: whether another replica of the peer's range is up; then an outage raises ReplicaDown
+        at once instead of waiting."""
         delay = 0.05
         while True:
             try:
@@ -210,6 +396,8 @@ class Pipeline:
                     raise RequestTimeout(f"request {call.rid}: its deadline of {call.timeout_s:g} s (REQUEST_TIMEOUT_S) "
                                          f"passed during {what}: {type(e).__name__}: {e}") from None
                 since = peer.down(e.quiet_since if hung else now)
+                if others is not None and others():
+                    raise ReplicaDown(e) from None
                 give_up = min(since + self.peer_wait_s, call.deadline)
                 if now >= give_up or hung:  # a hung peer has had its PEER_WAIT_S (watched)
                     raise PeerUnavailable(
@@ -282,14 +470,13 @@ class Pipeline:
                       attempt: Callable[[ShardClient, float], Awaitable[wire.Envelope]]) -> list:
         """One call per shard index in owners, at once -> a reply or, under "degrade", the exception."""
         def one(k: int) -> Awaitable[wire.Envelope]:
-            spec, client = self.shards[k]
+            spec, rset = self.shard_sets[k]
+            what = f"shard {spec.index} {stage}"
             if call.shard_failure == "degrade":  # the seed's allSettled: no waiting, a failure is degraded around
-                return self.watched(self.shard_state[k], client, lambda: attempt(
-                    client, call.timeout(self.shard_timeout_s, f"shard {spec.index} {stage}")))
+                return self.on_replica(call, "shard", k, rset, self.shard_timeout_s, what, attempt, wait=False)
             missing = (f"; the tokens [{spec.vocab_start}, {spec.vocab_end}) cannot be embedded or scored without it, "
                        f"so the request fails rather than answer without them (shard_failure=degrade opts into that)")
-            return self.until_up(self.shard_state[k], call, self.shard_timeout_s, f"shard {spec.index} {stage}",
-                                 lambda t: attempt(client, t), missing, client)
+            return self.on_replica(call, "shard", k, rset, self.shard_timeout_s, what, attempt, missing)
 
         results = await asyncio.gather(*(one(k) for k in owners), return_exceptions=True)
         for r in results:  # another knot version, or a refusal over its integrity: never degraded around
@@ -324,14 +511,14 @@ class Pipeline:
         ids = np.asarray([tokens[i] for i in fetch], dtype=np.int32)  # (F,) the rows still needed
         # position: the first row's, as the frame always carried (the shards only check T = seq_len - position)
         frame = wire.Envelope(call.rid, "embed", position + fetch[0], position + fetch[0] + len(ids), ids)
-        owners = [k for k, (s, _) in enumerate(self.shards) if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
+        owners = [k for k, (s, _) in enumerate(self.shard_sets) if ((ids >= s.vocab_start) & (ids < s.vocab_end)).any()]
         t0 = time.perf_counter()
         results = await self._shards(owners, call, "embed", lambda shard, t: shard.embed(frame, t))
         call.hops.add("embed", t0)
         got = np.zeros((len(ids), self.dim), np.float32)  # (F, dim)
         ok = np.zeros(len(ids), bool)  # the owner answered: the row is the token's
         for k, res in zip(owners, results):
-            spec = self.shards[k][0]
+            spec = self.shard_sets[k][0]
             if not isinstance(res, BaseException):
                 if (bad := misfit(res, frame, "embed", got.shape)) is not None:
                     res = BadGateway(f"shard {spec.index} embed reply: {bad}")
@@ -356,12 +543,12 @@ class Pipeline:
         """h (T, dim) final normed hidden -> (T, vocab) logits, slices concatenated in vocab order."""
         frame = wire.Envelope(call.rid, "logits", position, position + h.shape[0], h)
         t0 = time.perf_counter()
-        results = await self._shards(list(range(len(self.shards))), call, "logits",
+        results = await self._shards(list(range(len(self.shard_sets))), call, "logits",
                                      lambda shard, t: shard.logits(frame, t))
         call.hops.add("logits", t0)
         out = np.full((h.shape[0], self.vocab_size), -np.inf, np.float32)  # (T, vocab)
         ok = 0
-        for (spec, _), res in zip(self.shards, results):
+        for (spec, _), res in zip(self.shard_sets, results):
             want = (h.shape[0], spec.n_rows)
             if not isinstance(res, BaseException):
                 bad = misfit(res, frame, "logits", want) or (None if np.isfinite(res.array).all() else
@@ -384,11 +571,11 @@ class Pipeline:
         summaries of the slices (common/shard_sampling.py), not their logits."""
         frame = wire.Envelope(call.rid, "logits", position, position + h.shape[0], h)
         t0 = time.perf_counter()
-        results = await self._shards(list(range(len(self.shards))), call, "logits",
+        results = await self._shards(list(range(len(self.shard_sets))), call, "logits",
                                      lambda shard, t: shard.sample(spec, frame, t))
         call.hops.add("logits", t0)  # the LM-head hop, whatever the shards send back
         slices = []
-        for (spec_s, _), res in zip(self.shards, results):
+        for (spec_s, _), res in zip(self.shard_sets, results):
             if not isinstance(res, BaseException):
                 sl = SliceSummary(spec_s.vocab_start, spec_s.vocab_end, *(e.array for e in res))
                 bad = next((b for e in res if (b := not_for(e, frame, "sample")) is not None), None) or \
@@ -417,24 +604,25 @@ class Pipeline:
         """x (T, dim) through every station in order -> the exit's final normed hidden: (1, dim) for a
         prefill, (T, dim) for a decode. rewind: the stations first drop their positions >= position."""
         h = x
-        for i, st in enumerate(self.stations):
-            h = await self._hop(i, st, call, mode, position, h, rewind)
+        for i in range(len(self.station_sets)):
+            h = await self._hop(i, call, mode, position, h, rewind)
         return h
 
-    async def _hop(self, i: int, st: StationClient, call: Call, mode: str, position: int, h: np.ndarray,
+    async def _hop(self, i: int, call: Call, mode: str, position: int, h: np.ndarray,
                    rewind: bool = False, keys: tuple[bytes | None, tuple[bytes, ...]] = (None, ())) -> np.ndarray:
         """h (T, dim) through station i -> its output rows, timed as hop station_i. A station that is
         down is waited for (until_up); once it is back it answers UnknownSession (SessionLost) and
-        the caller replays. keys: a prompt chunk's prefix and block keys (wire.Envelope)."""
+        the caller replays, as it does when the generation moves to another replica (on_replica).
+        keys: a prompt chunk's prefix and block keys (wire.Envelope)."""
         frame = wire.Envelope(call.rid, mode, position, position + h.shape[0], h, rewind, *keys)
         t0 = time.perf_counter()
-        out = await self.until_up(self.station_state[i], call, self.station_timeout_s,
-                                  f"station {i} {mode} at {position}", lambda t: st.forward(frame, t), client=st)
+        out = await self.on_replica(call, "station", i, self.station_sets[i], self.station_timeout_s,
+                                    f"station {i} {mode} at {position}", lambda st, t: st.forward(frame, t))
         call.hops.add(f"station_{i}", t0)
         # Why: a station stacks several requests' decode frames and splits the rows back. A reply
         # that is not this frame's rows would be computed on as if it were: other tokens, a 200.
         # The exit station sends a prefill's last row only (its logits are all a prompt needs).
-        rows = 1 if mode == "prefill" and i == len(self.stations) - 1 else h.shape[0]
+        rows = 1 if mode == "prefill" and i == len(self.station_sets) - 1 else h.shape[0]
         if (bad := misfit(out, frame, mode, (rows, self.dim))) is not None:
             raise BadGateway(f"station {i} {mode} reply: {bad}")
         return out.array
@@ -451,7 +639,7 @@ class Pipeline:
         before it and the whole blocks it holds, so the stations keep them (prompt caching); a first
         chunk after position 0 starts its sessions from the blocks they keep."""
         entered = [asyncio.Event() for _ in chunks]                        # station 0 began chunk k
-        done = [[asyncio.Event() for _ in chunks] for _ in self.stations]  # [station][chunk] finished
+        done = [[asyncio.Event() for _ in chunks] for _ in self.station_sets]  # [station][chunk] finished
         aborted = False
 
         async def after(ev: asyncio.Event) -> None:
@@ -469,12 +657,12 @@ class Pipeline:
             if k:
                 await after(entered[k - 1])
             h = await self.embed(call, ids[a:b], a)                        # (T_k, dim)
-            for i, st in enumerate(self.stations):
+            for i in range(len(self.station_sets)):
                 if k:
                     await after(done[i][k - 1])  # station i has taken chunk k-1 in full
                 if i == 0:
                     entered[k].set()
-                h = await self._hop(i, st, call, "prefill", a, h, False, chunk_keys(a, b))
+                h = await self._hop(i, call, "prefill", a, h, False, chunk_keys(a, b))
                 done[i][k].set()
             return h
 
@@ -503,7 +691,8 @@ class Pipeline:
             return 0
         keys = keys[:most + 1]
 
-        async def one(i: int, st: StationClient) -> int:
+        async def one(i: int) -> int:
+            st = self.pinned(call, "station", i, self.station_sets[i]).client
             t0 = time.perf_counter()
             try:
                 return await st.prefix(keys, call.timeout(self.station_timeout_s, f"station {i} prefix"))
@@ -514,17 +703,24 @@ class Pipeline:
             finally:
                 call.hops.add("prefix", t0)
 
-        return min(await asyncio.gather(*(one(i, st) for i, st in enumerate(self.stations))))
+        return min(await asyncio.gather(*(one(i) for i in range(len(self.station_sets)))))
 
-    async def release(self, rid: str) -> None:
-        """Free the request's KV caches on every station (best effort, after the response)."""
-        async def one(i: int, st: StationClient) -> None:
+    async def release(self, rid: str, picks: dict | None = None) -> None:
+        """Free the request's KV caches on the stations (best effort, after the response): on the
+        replicas its generation was pinned to (picks: Call.picks, then emptied) that are up, or on
+        replica 0 of each station without picks."""
+        if picks is None:
+            held = [(i, rs.replicas[0]) for i, rs in enumerate(self.station_sets)]
+        else:
+            held = [(i, r) for kind, i, r in self.unpin(picks) if kind == "station" and r.state.down_since is None]
+
+        async def one(i: int, r: Replica) -> None:
             try:
-                await st.release(rid)
+                await r.client.release(rid)
             except (HttpError, TimeoutError) as e:
-                log.warning("release %s on station %d failed: %s", rid, i, e)
+                log.warning("release %s on %s failed: %s", rid, r.state.name, e)
 
-        await asyncio.gather(*(one(i, st) for i, st in enumerate(self.stations)))
+        await asyncio.gather(*(one(i, r) for i, r in held))
 
     @staticmethod
     def _degrade(spec: ShardSpec, stage: str, err: BaseException, degraded: list[Degradation]) -> None:
