@@ -55,6 +55,7 @@ class ClusterGeneration(Generation):
     cache_prompt: bool = True  # may start after the blocks of its prompt the stations keep (prompt caching)
     prompt_cache: str = ""  # what prompt caching did for its prompt: hit, miss, none or off (metrics)
     picks: dict = field(default_factory=dict)  # the replicas it is pinned to (pipeline.Call.picks)
+    affinity: bytes | None = None  # what chooses its station replicas (pipeline.ReplicaSet.choose)
 
 
 class ClusterEngine:
@@ -79,7 +80,7 @@ class ClusterEngine:
 
     def _call(self, gen: ClusterGeneration) -> Call:
         return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
-                    gen.degraded, gen.timeout_s, gen.picks)
+                    gen.degraded, gen.timeout_s, gen.picks, gen.affinity)
 
     async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> Row:
         """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined
@@ -91,6 +92,8 @@ class ClusterEngine:
         chunks = prefill_chunks(len(ids))
         keys = block_keys(ids) if self.prompt_caching and gen.cache_prompt else None
         gen.prompt_cache = "off" if keys is None else "none"
+        if gen.affinity is None and keys is not None and len(keys) > 1:
+            gen.affinity = keys[1]  # its first block: prompts that share it find their blocks on the same replicas
         h = await self._cached_prefill(gen, ids, keys) if keys else None
         while h is None:
             try:

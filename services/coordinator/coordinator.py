@@ -36,7 +36,7 @@ from services.coordinator.cluster_engine import ClusterEngine, ClusterGeneration
 from services.coordinator.errors import InvalidParam
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.params import GenerateRequest
-from services.coordinator.pipeline import Hops, Pipeline, RequestTimeout
+from services.coordinator.pipeline import Hops, Pipeline, RequestTimeout, session_affinity
 from services.drafter.drafter_client import DrafterClient, RemoteDraftModel
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class Coordinator:
         return ClusterGeneration(prompt_ids, max_tokens, g.sampling, g.stop, g.logprobs, request_id=uuid.uuid4().hex,
                                  speculation=self.speculation(g, n), deadline=time.monotonic() + timeout_s,
                                  timeout_s=timeout_s, shard_failure=g.shard_failure or self.settings.shard_failure,
-                                 cache_prompt=g.cache_prompt,
+                                 cache_prompt=g.cache_prompt, affinity=session_affinity.get(),
                                  subrequests=subrequests.current(), trace=tracing.current(),
                                  allowed=compiled.start(n).allowed if compiled is not None else None)
 
@@ -216,7 +216,7 @@ class Coordinator:
             ClusterGeneration(list(first.prompt_ids), first.max_tokens, sampling(i), g.stop, g.logprobs,
                               request_id=uuid.uuid4().hex, speculation=first.speculation, deadline=first.deadline,
                               timeout_s=first.timeout_s, shard_failure=first.shard_failure,
-                              cache_prompt=first.cache_prompt,
+                              cache_prompt=first.cache_prompt, affinity=first.affinity,
                               subrequests=first.subrequests,
                               allowed=compiled.start(len(first.prompt_ids)).allowed if compiled is not None else None)
             for i in range(1, n)]

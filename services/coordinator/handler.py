@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from common.knot import TOKENIZER_BLOB, decode_tokenizer_blob
-from common.runtime import Env, HttpError, MethodNotAllowed, NotFound, Request, Response, ServiceUnavailable, status_for
+from common.runtime import (BadRequest, Env, HttpError, MethodNotAllowed, NotFound, Request, Response,
+                            ServiceUnavailable, status_for)
 from common.settings import default, read
 from common.tokenizer import Tokenizer
 from common.topology import ShardSpec, StationSpec, TopologyError, check_station_chain, check_vocab_tiling, parse_range
@@ -58,7 +59,7 @@ from services.coordinator.errors import InvalidAPIKey, openai_error_response
 from services.coordinator.cluster_engine import StationCapacity
 from services.coordinator.coordinator import Coordinator, policy_headers, summary
 from services.coordinator.params import parse_detokenize, parse_generate, parse_tokenize
-from services.coordinator.pipeline import Pipeline
+from services.coordinator.pipeline import AFFINITY_HEADER, MAX_AFFINITY_BYTES, Pipeline, session_affinity
 from services.drafter.drafter_client import DrafterClient
 from services.knot_source import KnotSource, read_pin, serving_version
 from services.offload import off_loop
@@ -330,6 +331,7 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
                 co = await coordinator_for(env, check_version=True)
 
                 async def run() -> Response:
+                    session_affinity.set(_affinity(request))
                     g, opts = parse(await off_loop(request.json))
                     return await openai_api.complete(co, g, opts, ctx)
 
@@ -350,6 +352,19 @@ async def _openai(request: Request, env: Env, ctx) -> Response:
         return openai_error_response(e)
 
 
+def _affinity(request: Request) -> bytes | None:
+    """X-Session-Affinity: requests that carry the same value share station replicas, so a session's
+    prompts find the blocks the earlier ones left (pipeline.ReplicaSet.choose)."""
+    hint = request.headers.get(AFFINITY_HEADER)
+    if hint is None:
+        return None
+    raw = hint.encode("utf-8", "surrogateescape")
+    if not raw.strip() or len(raw) > MAX_AFFINITY_BYTES:
+        raise BadRequest(f"{AFFINITY_HEADER}: {len(raw)} bytes; give 1 to {MAX_AFFINITY_BYTES} bytes naming the "
+                         f"session, or leave the header out")
+    return b"hint:" + raw
+
+
 async def fetch(request: Request, env: Env, ctx) -> Response:
     # this invocation's subrequests, counted through the bindings (counted() at boot) and bounded
     subrequests.begin(read(env, "SUBREQUEST_LIMIT", "coordinator"))
@@ -364,6 +379,7 @@ async def fetch(request: Request, env: Env, ctx) -> Response:
     # a request's trace holds the bucket's version check (and a boot or reload, if it waits for one)
     if path == "/generate" and request.method == "POST":
         async def generate() -> Response:
+            session_affinity.set(_affinity(request))
             co = await coordinator_for(env, check_version=True)
             return await _counted(co, "generate", lambda: _generate(request, co, ctx))
 

@@ -414,7 +414,16 @@ async def _interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[byte
 def model_card(co: Coordinator) -> dict:
     return {"id": co.model_id, "object": "model", "created": co.created, "owned_by": "knot-cluster",
             "context_length": co.cfg.context_length, "knot_digest": co.knot_digest,
-            "memory": memory_report(co.station_memory), "prompt_cache": prompt_cache_report(co)}
+            "memory": memory_report(co.station_memory), "prompt_cache": prompt_cache_report(co),
+            "replicas": replica_report(co.pipeline)}
+
+
+def replica_report(pipeline) -> dict:
+    """Per station and shard, each replica's binding, whether the coordinator takes it to be up and
+    the generations pinned to it (services/coordinator/pipeline.py)."""
+    sets = [rs for rs in pipeline.station_sets] + [rs for _, rs in pipeline.shard_sets]
+    return {rs.name: [{"binding": r.binding, "up": r.state.down_since is None, "generations": r.load}
+                      for r in rs.replicas] for rs in sets}
 
 
 def memory_report(plans: list[dict | None]) -> dict:

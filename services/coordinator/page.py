@@ -91,10 +91,14 @@ function drawTopology(nodes) {
   svg.innerHTML = "";
   const rows = {coordinator: 0, station: 1, shard: 2, layer_warden: 3, cobordism_warden: 3, bucket: 3, drafter: 3};
   const col = {}, W = 170, H = 46;
+  // a row is as tall as its most replicated node: replicas stand one below the other
+  const depth = [0, 1, 2, 3].map(row => Math.max(1, ...nodes.filter(n => (rows[n.role] ?? 3) === row)
+                                                              .map(n => n.replicas.length)));
+  const top = depth.map((_, row) => 6 + depth.slice(0, row).reduce((a, d) => a + d * (H + 4) + 10, 0));
   for (const n of nodes) {
     const row = rows[n.role] ?? 3, i = col[row] = (col[row] ?? -1) + 1;
     n.replicas.forEach((r, k) => {
-      const x = 8 + i * (W + 12), y = 6 + row * (H + 14) + k * 6;
+      const x = 8 + i * (W + 12), y = top[row] + k * (H + 4);
       const g = el("g", {"data-node": n.name, "data-health": r.health, "data-binding": r.binding}, svg);
       el("rect", {x, y, width: W, height: H, rx: 5, fill: COLORS[r.health] || COLORS.unknown, opacity: .9}, g);
       const s = r.stats || {};
@@ -107,14 +111,16 @@ function drawTopology(nodes) {
       else if (n.role === "coordinator") detail = s.model || "";
       else if (n.role === "bucket") detail = s.note || "";
       if (r.down_for_s != null) detail = `no answer for ${r.down_for_s.toFixed(0)} s`;
-      el("text", {x: x + 6, y: y + 16, fill: "#fff", "font-weight": "bold"}, g, `${n.name} · ${r.health}`);
+      const name = k ? `${n.name} r${k}` : n.name;
+      el("text", {x: x + 6, y: y + 16, fill: "#fff", "font-weight": "bold"}, g, `${name} · ${r.health}`);
       el("text", {x: x + 6, y: y + 33, fill: "#fff"}, g, detail.slice(0, 34));
       el("title", {}, g, `${r.binding}${r.restarts ? ` · restarted ${r.restarts}×` : ""}\n` +
                           JSON.stringify(s, null, 1).slice(0, 1500));
     });
   }
   // wide layouts (many shards) shrink to the section's width rather than overflow it
-  const width = 8 + (Math.max(...Object.values(col)) + 1) * (W + 12), height = 6 + 4 * (H + 14);
+  const width = 8 + (Math.max(...Object.values(col)) + 1) * (W + 12);
+  const height = top[3] + depth[3] * (H + 4) + 6;
   svg.setAttribute("viewBox", `0 0 ${Math.max(width, 600)} ${height}`);
   svg.setAttribute("height", height * Math.min(1, (svg.clientWidth || width) / Math.max(width, 600)));
 }

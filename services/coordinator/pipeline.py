@@ -34,6 +34,8 @@ degraded around: a generation uses the bytes of one knot version or none.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import hashlib
 import logging
 import math
 import time
@@ -58,6 +60,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PROBE_EVERY_S = 0.5  # a hop slower than this has its peer's /healthz asked, and again this often
+AFFINITY_HEADER = "X-Session-Affinity"  # a client's hint: requests that share it share replicas (prompt caching)
+MAX_AFFINITY_BYTES = 256
+AFFINITY_SLACK = 1.25  # a replica takes an affine generation while its load stays under this times the mean
+# the request's X-Session-Affinity, set by the handler for the generations it starts
+session_affinity: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("session_affinity", default=None)
 MIN_SILENCE_S = 1.0  # a hop to a peer known to hang still has this long to show a sign of life
 
 
@@ -134,6 +141,7 @@ class Call:
     # ("station" | "shard", index) -> the replica the generation is pinned to (its KV caches live
     # on a station's): the generation's own dict, shared by its calls
     picks: dict = field(default_factory=dict)
+    affinity: bytes | None = None  # what its replicas are chosen by (ReplicaSet.choose); None: load alone
 
     def timeout(self, hop_timeout_s: float, what: str) -> float:
         """A hop's timeout: its own, or what is left of the request's deadline; RequestTimeout when none is."""
@@ -210,12 +218,25 @@ class ReplicaSet:
             raise ValueError(f"{name}: no replica")
         self.name, self.replicas = name, replicas
 
-    def choose(self, exclude: Replica | None = None) -> Replica | None:
-        """The least loaded replica that is up, other than exclude (ties: the lowest index); None if
-        none is. Replicas that are down are probed meanwhile, so one that came back rejoins."""
+    def choose(self, exclude: Replica | None = None, affinity: bytes | None = None) -> Replica | None:
+        """A replica that is up, other than exclude; None if none is. Without affinity the least
+        loaded (ties: the lowest index). With it, the first in the affinity's rendezvous order
+        (highest hash of affinity and binding) whose load is under AFFINITY_SLACK times the mean
+        with this generation (consistent hashing with bounded loads, Mirrokni et al. 2018): requests
+        of one affinity (a prompt's first block, a session) land on the replicas that keep their
+        prompt blocks, and one hot prefix still spreads. Replicas that are down are probed
+        meanwhile, so one that came back rejoins."""
         self.probe_down()
         up = [r for r in self.replicas if r is not exclude and r.state.down_since is None]
-        return min(up, key=lambda r: r.load) if up else None
+        if not up:
+            return None
+        least = min(up, key=lambda r: r.load)
+        if affinity is None or len(up) == 1:
+            return least
+        cap = math.ceil(AFFINITY_SLACK * (sum(r.load for r in up) + 1) / len(up))
+        order = sorted(up, key=lambda r: hashlib.blake2b(affinity + r.binding.encode(), digest_size=8).digest(),
+                       reverse=True)
+        return next((r for r in order if r.load < cap), least)
 
     def others_up(self, r: Replica) -> bool:
         return any(o is not r and o.state.down_since is None for o in self.replicas)
@@ -311,7 +332,8 @@ class Pipeline:
         least loaded one that is up (replica 0 when none is: its hop then waits for it)."""
         r = call.picks.get((kind, k))
         if r is None:
-            r = rset.choose() or rset.replicas[0]
+            # a shard keeps nothing of a generation: load alone chooses
+            r = rset.choose(affinity=call.affinity if kind == "station" else None) or rset.replicas[0]
             r.load += 1
             call.picks[(kind, k)] = r
         return r
