@@ -119,7 +119,9 @@ def run_cluster(model: str, replicas: int, args) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"knot-replicas-{replicas}-"))
     cluster = launcher.Cluster(run_dir)
     print(f"-- {replicas} replica(s): starting the cluster in {run_dir}", file=sys.stderr, flush=True)
-    running = cluster.up(model=model, profile="resident", replicas=replicas)
+    wide = str(max(args.concurrency))  # every stream runs at once, none queued
+    running = cluster.up(model=model, profile="resident", replicas=replicas,
+                         env={**os.environ, "MAX_CONCURRENT_REQUESTS": wide, "MAX_QUEUED_REQUESTS": wide})
     url = next(r.url for r in running if r.published)
     try:
         stream(url, PROMPTS[0], 8, {})  # warm-up: every replica's first forward

@@ -272,12 +272,14 @@ class ClusterLayout:
             "SHARDS": ",".join("|".join(b for b, _ in replicas_of("shard", s.index)) + f":{s.vocab_start}-{s.vocab_end}"
                                for s in shards),
             **{n: dflt(n, "coordinator") for n in ("SHARD_TIMEOUT_S", "STATION_TIMEOUT_S", "DRAFTER_TIMEOUT_S",
-                                                   "MAX_CONCURRENT_REQUESTS", "MAX_QUEUED_REQUESTS", "RETRY_AFTER_S",
-                                                   "SPECULATION", "BUCKET_CHECK_TIMEOUT_S", "BUCKET_CHECK_BACKOFF_S")},
+                                                   "RETRY_AFTER_S", "SPECULATION", "BUCKET_CHECK_TIMEOUT_S",
+                                                   "BUCKET_CHECK_BACKOFF_S")},
             # what a deployer chooses per cluster: how long to wait for a restart, the deadline, the
-            # shard-failure policy, the public API's key
+            # shard-failure policy, the public API's key, how many generations at once (replicas
+            # serve more)
             **{n: Knob(n) for n in ("PEER_WAIT_S", "REQUEST_TIMEOUT_S", "SHARD_FAILURE", "KNOT_API_KEY",
-                                    "SHARD_SAMPLE_TOP", "EMBED_ROW_CACHE_BYTES")},
+                                    "SHARD_SAMPLE_TOP", "EMBED_ROW_CACHE_BYTES", "MAX_CONCURRENT_REQUESTS",
+                                    "MAX_QUEUED_REQUESTS")},
             "SPEC_MAX_DRAFT": Knob("SPEC_MAX_DRAFT", ""),  # empty: by source (common/speculative.DEFAULT_MAX_DRAFT)
             "MODEL_NAME": Knob("KNOT_MODEL_NAME")},
             (bucket, *(Binding(b, "service", peer) for b, peer in peers)),
