@@ -85,6 +85,12 @@ ROWS = [
     declare("KNOT_COMPOSE_STACK", "choice", "0", "tests", "1: a compose stack is up for tests/compose "
             "(scripts/test-compose.sh sets it, with COMPOSE_FILE, COMPOSE_PROJECT_NAME and KNOT_PORT); else they skip",
             choices=("0", "1")),
+    declare("KNOT_SWARM_STACK", "choice", "0", "tests", "1: a Swarm stack is up for tests/swarm "
+            "(scripts/test-swarm.sh sets it with the KNOT_SWARM_* below); else they skip", choices=("0", "1")),
+    declare("KNOT_SWARM_URL", "str", None, "tests", "tests/swarm: the coordinator's URL on the Swarm"),
+    declare("KNOT_SWARM_MANAGER", "str", None, "tests", "tests/swarm: the manager node's engine (a DOCKER_HOST)"),
+    declare("KNOT_SWARM_SECRETS", "str", None, "tests", "tests/swarm: the secrets file `knot secrets --swarm` wrote"),
+    declare("KNOT_SWARM_NODES", "names", "", "tests", "tests/swarm: the node containers, manager first"),
     # ------------------------------------------------------------ Cloudflare: `knot deploy cloudflare`
     # ref: developers.cloudflare.com/workers/platform/limits ("Subrequests: 50/request Free, 10,000/request
     # Paid"; older revisions of the page said 1,000 for Paid)
@@ -108,8 +114,11 @@ ROWS = [
             "the CA bundle copied into the Debian base image (a site proxy's CA included)"),
     declare("KNOT_DOCKERD_LOG", "str", "/var/log/knot-dockerd.log", "docker",
             "where a dockerd started by the scripts logs"),
-    declare("KNOT_MODELS_DIR", "str", None, "docker", "compose tests: the host directory whose cached .knot the init "
-            "container uploads (tests/compose/override.yml)"),
+    declare("KNOT_MODELS_DIR", "str", None, "docker compose", "compose tests: the host directory whose cached .knot "
+            "the init container uploads (tests/compose/override.yml); a Swarm stack: the node directory the init job "
+            "bind-mounts at /cache (default: a volume)"),
+    declare("KNOT_REGISTRY", "str", "127.0.0.1:5000", "compose", "a Swarm stack (`knot compose --swarm`): the "
+            "registry every node pulls the images from"),
 ]
 
 extend("Deployment tools (deploy/deploy_settings.py)", ROWS + MIRRORS)

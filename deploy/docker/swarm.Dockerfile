@@ -1,0 +1,25 @@
+# The lab for a multi-node Docker Swarm on one machine (scripts/test-swarm.sh), from Debian packages
+# on the Debian base (scripts/docker-images.sh builds PYTHON_IMAGE):
+#   --target registry   Debian's docker-registry (the Distribution registry), on :5000: the
+#                       registry the nodes pull the cluster's images from
+#   --target node       Debian's docker.io and iptables: a Docker engine that runs in a container
+#                       (vfs storage: overlay2 does not nest) and joins the Swarm as a node
+ARG PYTHON_IMAGE=knot/python:3.11-bookworm
+
+FROM ${PYTHON_IMAGE} AS registry
+RUN apt-get update -q \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker-registry \
+ && rm -rf /var/lib/apt/lists/*
+EXPOSE 5000
+# the package's config: filesystem storage under /var/lib/docker-registry, HTTP on :5000
+CMD ["docker-registry", "serve", "/etc/docker/registry/config.yml"]
+
+FROM ${PYTHON_IMAGE} AS node
+RUN apt-get update -q \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker.io iptables procps \
+ && rm -rf /var/lib/apt/lists/*
+VOLUME /var/lib/docker
+# REGISTRY: the lab registry's address, trusted over plain HTTP; the engine also listens on :2375
+# of the lab network, so the host drives the Swarm with DOCKER_HOST (the lab is a private bridge).
+ENV REGISTRY=10.77.0.2:5000
+CMD ["sh", "-c", "exec dockerd --storage-driver=vfs --insecure-registry \"$REGISTRY\" -H unix:///var/run/docker.sock -H tcp://0.0.0.0:2375 --tls=false"]
