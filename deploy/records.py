@@ -198,6 +198,14 @@ def latest_table(recs: list[dict]) -> str:
         gb_s = [v for k in (0, 1) for v in _latest(by_class[c], M7B, f"fluid: station-{k} GB/s from its warden")]
         fluid.append("-" if not tok_s else f"{_span(tok_s)} tok/s, {_span(gb_s, '{:.1f}')} GB/s")
     rows.append(["7B shape, fluid (128 MiB stations)"] + fluid)
+    # issue 56: replicas (benchmarks/replicas.py): what they cost per stream and the stall a replica's death makes
+    for n in (1, 8, 32):
+        rows.append([f"0.5B aggregate decode, {n} concurrent, 1 / 2 replicas (tok/s)"] + [
+            " / ".join(_span(_latest(by_class[c], M05, f"aggregate decode, {n} concurrent, {r} replica(s)"), "{:.1f}")
+                       for r in (1, 2)) for c in classes])
+    rows.append(["0.5B failover, kill -9 of a station / shard replica to the next token (s)"] + [
+        " / ".join(_span(_latest(by_class[c], M05, f"failover, kill -9 of a {what} replica to the next token"),
+                         "{:.3f}") for what in ("station", "shard")) for c in classes])
     head = ["", *classes]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
