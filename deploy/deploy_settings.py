@@ -87,6 +87,8 @@ ROWS = [
             choices=("0", "1")),
     declare("KNOT_SWARM_STACK", "choice", "0", "tests", "1: a Swarm stack is up for tests/swarm "
             "(scripts/test-swarm.sh sets it with the KNOT_SWARM_* below); else they skip", choices=("0", "1")),
+    declare("KNOT_SWARM_KEEP", "choice", "0", "tests", "1: scripts/test-swarm.sh leaves the lab running "
+            "(`bash scripts/test-swarm.sh --down` removes it)", choices=("0", "1")),
     declare("KNOT_SWARM_URL", "str", None, "tests", "tests/swarm: the coordinator's URL on the Swarm"),
     declare("KNOT_SWARM_MANAGER", "str", None, "tests", "tests/swarm: the manager node's engine (a DOCKER_HOST)"),
     declare("KNOT_SWARM_SECRETS", "str", None, "tests", "tests/swarm: the secrets file `knot secrets --swarm` wrote"),

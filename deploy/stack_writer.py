@@ -13,9 +13,10 @@ Each service is compose_writer's, changed where a Swarm differs from one Docker 
 - **Images** come from a registry every node pulls from (KNOT_REGISTRY), not a build: the cluster's
   image and the stand-ins for MinIO and Redis that scripts/docker-images.sh builds from Debian and
   PyPI packages (scripts/test-swarm.sh pushes them to a registry of Debian's docker-registry).
-- **One overlay network**, `knot`; only the coordinator publishes a port (KNOT_PORT), in host mode
-  on the manager node it runs on: clients call that node's address. (The routing mesh needs IPVS in
-  every node's kernel, which nodes in containers lack.)
+- **One overlay network**, `knot`, and names that resolve to the one task of each service
+  (endpoint_mode dnsrr): the coordinator chooses among replicas itself, and Swarm's virtual IPs
+  need IPVS in every node's kernel, which nodes in containers lack. Only the coordinator publishes
+  a port (KNOT_PORT), in host mode on the manager node it runs on: clients call that node's address.
 - **Placement:** the stores, the wardens, the init job and the coordinator run on manager nodes
   (the stores keep their data in node-local volumes). Replica k of every station and shard runs on
   nodes labelled `knot.replica=k` (`docker node update --label-add knot.replica=k NODE`), so
@@ -120,7 +121,7 @@ def service_doc(s: Service, layout: ClusterLayout) -> dict:
     placement: dict = {"constraints": ["node.role == manager"]} if s.role in MANAGER_ROLES else {}
     if k is not None and layout.replicas > 1:
         placement = {"constraints": [f"node.labels.{REPLICA_LABEL} == {k}"], "max_replicas_per_node": 1}
-    deploy: dict = {"replicas": 1, "restart_policy": {
+    deploy: dict = {"replicas": 1, "endpoint_mode": "dnsrr", "restart_policy": {
         "condition": "on-failure" if c.restart == "no" else "any", "delay": "2s"}}
     if c.mem_limit is not None:
         deploy["resources"] = {"limits": {"memory": value(c.mem_limit)}}

@@ -42,7 +42,7 @@ finish() {
   if [ "$rc" != 0 ] && docker -H "$MANAGER" info >/dev/null 2>&1; then
     docker -H "$MANAGER" stack ps knot --no-trunc 2>&1 | tail -30 >&2 || true
   fi
-  if [ -z "${KNOT_SWARM_KEEP:-}" ]; then teardown; step down; fi
+  if [ "${KNOT_SWARM_KEEP:-0}" != 1 ]; then teardown; step down; fi
   timings+=("total $(( $(date +%s) - t_start )) s")
   say "stage times: $(IFS=,; echo "${timings[*]}" | sed 's/,/, /g')"
   exit "$rc"
@@ -109,7 +109,7 @@ step deploy
 
 # ---- 4. the tests
 export KNOT_SWARM_STACK=1 KNOT_SWARM_URL="$url" KNOT_SWARM_MANAGER="$MANAGER" KNOT_SWARM_SECRETS="$secrets"
-export KNOT_SWARM_NODES="${NODES[*]}"
+export KNOT_SWARM_NODES="$(IFS=,; echo "${NODES[*]}")"
 status=0
 .venv/bin/python -m pytest -m swarm tests/swarm "$@" || status=$?
 step tests

@@ -10,9 +10,12 @@ FROM ${PYTHON_IMAGE} AS registry
 RUN apt-get update -q \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker-registry \
  && rm -rf /var/lib/apt/lists/*
+# The package's config asks for htpasswd logins; the lab's registry is reached only on its private
+# network and the host's loopback, so it takes none: filesystem storage, HTTP on :5000.
+RUN printf '%s\n' 'version: 0.1' 'storage:' '  filesystem:' '    rootdirectory: /var/lib/docker-registry' \
+      'http:' '  addr: :5000' > /etc/docker/registry/lab.yml
 EXPOSE 5000
-# the package's config: filesystem storage under /var/lib/docker-registry, HTTP on :5000
-CMD ["docker-registry", "serve", "/etc/docker/registry/config.yml"]
+CMD ["docker-registry", "serve", "/etc/docker/registry/lab.yml"]
 
 FROM ${PYTHON_IMAGE} AS node
 RUN apt-get update -q \

@@ -66,6 +66,10 @@ AFFINITY_SLACK = 1.25  # a replica takes an affine generation while its load sta
 # the request's X-Session-Affinity, set by the handler for the generations it starts
 session_affinity: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("session_affinity", default=None)
 MIN_SILENCE_S = 1.0  # a hop to a peer known to hang still has this long to show a sign of life
+# A replica whose range has another one up is taken to hang after this long without an answer to its
+# hop or its probes (PEER_WAIT_S when it has none): a lost node drops packets rather than refusing
+# connections, and a computing replica answers its probes every PROBE_EVERY_S (tests/swarm).
+FAILOVER_SILENCE_S = 2.0
 
 
 @dataclass
@@ -380,7 +384,7 @@ class Pipeline:
                                               headers=e.headers) from None
                 try:
                     return await self.watched(r.state, r.client, lambda: attempt(
-                        r.client, call.timeout(hop_timeout_s, what)))
+                        r.client, call.timeout(hop_timeout_s, what)), others)
                 except Exception as e:  # noqa: BLE001 - outages move to another replica, the rest raise
                     if not (others is not None and (isinstance(e, PeerHung) or unavailable(e))):
                         raise
@@ -408,7 +412,7 @@ class Pipeline:
         delay = 0.05
         while True:
             try:
-                out = await self.watched(peer, client, lambda: attempt(call.timeout(hop_timeout_s, what)))
+                out = await self.watched(peer, client, lambda: attempt(call.timeout(hop_timeout_s, what)), others)
             except Exception as e:  # noqa: BLE001 - sorted by unavailable(): outages wait, the rest raise
                 hung = isinstance(e, PeerHung)
                 if not (hung or unavailable(e)):
@@ -434,10 +438,12 @@ class Pipeline:
                 peer.up()
                 return out
 
-    async def watched(self, peer: PeerState, client: Any, attempt: Callable[[], Awaitable[T]]) -> T:
+    async def watched(self, peer: PeerState, client: Any, attempt: Callable[[], Awaitable[T]],
+                      others: Callable[[], bool] | None = None) -> T:
         """attempt() -> its result, or PeerHung once neither it nor a probe of the peer's /healthz has
-        answered for peer_wait_s (MIN_SILENCE_S at least), counted from the last sign of life: the
-        hop's start, or when the peer was last seen if it is down already.
+        answered for peer_wait_s (FAILOVER_SILENCE_S when others() says another replica of its range
+        is up; MIN_SILENCE_S at least), counted from the last sign of life: the hop's start, or when
+        the peer was last seen if it is down already.
 
         Why: a stopped (SIGSTOP) or wedged process still accepts connections, so its calls neither
         fail nor end before their timeout (STATION_TIMEOUT_S: minutes); a computing one answers the
@@ -451,7 +457,8 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         quiet_since = now if peer.down_since is None else peer.down_since
-        silence_s = max(quiet_since + self.peer_wait_s - now, MIN_SILENCE_S)
+        wait_s = min(self.peer_wait_s, FAILOVER_SILENCE_S) if others is not None and others() else self.peer_wait_s
+        silence_s = max(quiet_since + wait_s - now, MIN_SILENCE_S)
         watch: asyncio.Task | None = None
 
         async def probe(hang: asyncio.Timeout) -> None:
@@ -464,7 +471,7 @@ class Pipeline:
                     pass
                 else:  # any reply, even an error status: the process runs
                     quiet_since = time.monotonic()
-                    hang.reschedule(max(hang.when(), loop.time() + self.peer_wait_s))
+                    hang.reschedule(max(hang.when(), loop.time() + wait_s))
                 await asyncio.sleep(PROBE_EVERY_S)
 
         def start(hang: asyncio.Timeout) -> None:

@@ -214,3 +214,23 @@ def test_cloudflare_renders_a_worker_per_replica_bound_to_the_coordinator():
     co = workers["knot-coordinator"]
     assert co.vars["SHARDS"] == "SHARD_0|SHARD_0_R1:0-500,SHARD_1|SHARD_1_R1:500-1000"
     assert co.peers["STATION_1_R1"] == "knot-station-1-r1" and co.peers["SHARD_0_R1"] == "knot-shard-0-r1"
+
+
+async def test_a_hung_replica_is_left_after_the_failover_silence_not_peer_wait():
+    from services.coordinator.pipeline import FAILOVER_SILENCE_S
+
+    p, st, sh = cluster(peer_wait_s=60.0)
+    a = Call("a")
+    await step(p, a, [1, 2, 3], 0)
+    never = asyncio.Event()
+
+    async def hang(request: Request) -> Response:  # a lost node: no answer, not even to /healthz
+        await never.wait()
+
+    st[1][0].fetch = hang
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(SessionLost, match="answers nothing"):
+        await step(p, a, [7], 3)
+    waited = asyncio.get_running_loop().time() - t0
+    assert FAILOVER_SILENCE_S <= waited < FAILOVER_SILENCE_S + 1.5, waited
+    assert a.picks[("station", 1)].binding == "STATION_1_R1"
