@@ -189,6 +189,7 @@ class PeerState:
         self.name = name
         self.down_since: float | None = None  # time.monotonic() of the first failure of this outage
         self.outages = 0
+        self.on_down: set[Callable[[], None]] = set()  # called when it goes down (hops waiting on it: watched)
 
     def up(self) -> None:
         if self.down_since is not None:
@@ -200,6 +201,8 @@ class PeerState:
         if self.down_since is None:
             self.down_since = now
             self.outages += 1
+            for f in list(self.on_down):
+                f()
         return self.down_since
 
 
@@ -212,6 +215,7 @@ class Replica:
     state: PeerState
     load: int = 0  # generations pinned to it
     probe: asyncio.Task | None = None  # a GET /readyz of it while it is down
+    check: asyncio.Task | None = None  # a GET /healthz of it after another replica was found hung (sweep)
 
 
 class ReplicaSet:
@@ -257,6 +261,18 @@ class ReplicaSet:
         for r in self.replicas:
             if r.state.down_since is not None and (r.probe is None or r.probe.done()):
                 r.probe = asyncio.get_running_loop().create_task(_probe_ready(r))
+
+
+async def _probe_alive(r: Replica) -> None:
+    """GET /healthz of a replica that is up; no answer within MIN_SILENCE_S: down."""
+    binding = getattr(r.client, "binding", None)
+    try:
+        async with asyncio.timeout(MIN_SILENCE_S):
+            await binding.fetch(Request("GET", PEER_URL + "/healthz"))
+    except Exception:  # noqa: BLE001 - no answer is no sign of life
+        if r.state.down_since is None:
+            log.warning("%s answers no GET /healthz within %.1f s; marked down", r.state.name, MIN_SILENCE_S)
+            r.state.down(time.monotonic())
 
 
 async def _probe_ready(r: Replica) -> None:
@@ -342,7 +358,19 @@ class Pipeline:
             call.picks[(kind, k)] = r
         return r
 
-    def _move(self, call: Call, kind: str, k: int, rset: ReplicaSet, r: Replica, e: ReplicaDown) -> Replica:
+    def sweep(self, hung: Replica) -> None:
+        """A replica hung (a lost node drops packets): ask every other replica that is up for its
+        /healthz at once, so those that went with it (the same node) are marked down together,
+        rather than each found after its own FAILOVER_SILENCE_S when a generation reaches it.
+        Not under a subrequest limit (Cloudflare), as for every probe."""
+        counter = subrequests.current()
+        if counter is not None and counter.limit is not None:
+            return
+        for _, _, r in self.replicas():
+            if r is not hung and r.state.down_since is None and (r.check is None or r.check.done()):
+                r.check = asyncio.get_running_loop().create_task(_probe_alive(r))
+
+    def _move(self, call: Call, kind: str, k: int, rset: ReplicaSet, r: Replica, e: object) -> Replica:
         """Pin the call's generation to another replica of range k than r, which failed."""
         new = rset.choose(exclude=r)
         if new is None:  # every other one went down meanwhile: r's hop waits for r again
@@ -363,15 +391,23 @@ class Pipeline:
         return out
 
     async def on_replica(self, call: Call, kind: str, k: int, rset: ReplicaSet, hop_timeout_s: float, what: str,
-                         attempt: Callable[[Any, float], Awaitable[T]], why: str = "", wait: bool = True) -> T:
+                         attempt: Callable[[Any, float], Awaitable[T]], why: str = "", wait: bool = True,
+                         fresh: bool = False) -> T:
         """attempt(client, timeout_s) on the call's replica of range k (until_up; without wait, once,
         as the shards' degrade policy wants). When that replica is down and another of the range is
         up, the call's generation moves there: a shard's call runs again on it; a station's raises
         SessionLost, since the new replica does not hold the generation's KV caches (the engine
-        replays exactly)."""
+        replays exactly), unless the frame is `fresh` (a prefill from position 0, which starts the
+        session wherever it lands). A replica already known down is left before it is tried."""
         while True:
             r = self.pinned(call, kind, k, rset)
             others = (lambda: rset.others_up(r)) if len(rset.replicas) > 1 else None
+            if others is not None and r.state.down_since is not None and others():
+                new = self._move(call, kind, k, rset, r, "marked down")
+                if kind == "station" and not fresh and new is not r:
+                    raise SessionLost(f"{r.state.name} is down; the generation moves to {new.state.name}, which does "
+                                      f"not hold its KV caches")
+                continue
             try:
                 if wait:
                     try:
@@ -393,8 +429,10 @@ class Pipeline:
                         raise
                     raise ReplicaDown(e) from None
             except ReplicaDown as e:
+                if isinstance(e.cause, PeerHung):
+                    self.sweep(r)
                 new = self._move(call, kind, k, rset, r, e)
-                if kind == "station" and new is not r:
+                if kind == "station" and not fresh and new is not r:
                     raise SessionLost(f"{r.state.name} is down ({e}); the generation moves to {new.state.name}, "
                                       f"which does not hold its KV caches") from None
 
@@ -478,12 +516,18 @@ class Pipeline:
             nonlocal watch
             watch = loop.create_task(probe(hang))
 
+        def marked_down() -> None:  # another hop or a sweep found it down: no need to wait out the silence
+            if others is not None and others():
+                hang.reschedule(loop.time())
+
         try:
             async with asyncio.timeout(silence_s) as hang:
                 timer = loop.call_later(min(PROBE_EVERY_S, silence_s / 2), start, hang)
+                peer.on_down.add(marked_down)
                 try:
                     return await attempt()
                 finally:
+                    peer.on_down.discard(marked_down)
                     timer.cancel()
                     if watch is not None:
                         watch.cancel()
@@ -646,7 +690,8 @@ class Pipeline:
         frame = wire.Envelope(call.rid, mode, position, position + h.shape[0], h, rewind, *keys)
         t0 = time.perf_counter()
         out = await self.on_replica(call, "station", i, self.station_sets[i], self.station_timeout_s,
-                                    f"station {i} {mode} at {position}", lambda st, t: st.forward(frame, t))
+                                    f"station {i} {mode} at {position}", lambda st, t: st.forward(frame, t),
+                                    fresh=mode == "prefill" and position == 0)
         call.hops.add(f"station_{i}", t0)
         # Why: a station stacks several requests' decode frames and splits the rows back. A reply
         # that is not this frame's rows would be computed on as if it were: other tokens, a 200.

@@ -234,3 +234,31 @@ async def test_a_hung_replica_is_left_after_the_failover_silence_not_peer_wait()
     waited = asyncio.get_running_loop().time() - t0
     assert FAILOVER_SILENCE_S <= waited < FAILOVER_SILENCE_S + 1.5, waited
     assert a.picks[("station", 1)].binding == "STATION_1_R1"
+
+
+async def test_a_first_prefill_lands_on_another_replica_without_a_replay():
+    p, st, sh = cluster(peer_wait_s=30.0)
+    st[0][0].dead = True
+    h = await step(p, Call("a"), [1, 2, 3], 0)  # no SessionLost: the session starts where the frame lands
+    assert h.shape == (1, DIM) and "a" in st[0][1].sessions and "a" not in st[0][0].sessions
+
+
+async def test_a_hung_replica_has_the_others_swept_so_its_node_mates_go_at_once():
+    from services.coordinator.pipeline import FAILOVER_SILENCE_S
+
+    p, st, sh = cluster(peer_wait_s=60.0)
+    a = Call("a")
+    await step(p, a, [1, 2, 3], 0)
+    never = asyncio.Event()
+
+    async def hang(request: Request) -> Response:  # a lost node takes shard 0's and station 1's replica 0
+        await never.wait()
+
+    sh[0].fetch = st[1][0].fetch = hang
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(SessionLost):  # the shard is found hung first, the sweep finds the station
+        await step(p, a, [7], 3)
+    waited = asyncio.get_running_loop().time() - t0
+    assert waited < 2 * FAILOVER_SILENCE_S, waited  # one silence, not one per replica on the node
+    assert [r.state.down_since is not None for r in p.station_sets[1].replicas] == [True, False]
+    assert [r.state.down_since is not None for r in p.station_sets[0].replicas] == [False, False]
