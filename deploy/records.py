@@ -206,6 +206,9 @@ def latest_table(recs: list[dict]) -> str:
     rows.append(["0.5B failover, kill -9 of a station / shard replica to the next token (s)"] + [
         " / ".join(_span(_latest(by_class[c], M05, f"failover, kill -9 of a {what} replica to the next token"),
                          "{:.3f}") for what in ("station", "shard")) for c in classes])
+    rows.append(["0.5B on a 3-node Swarm, docker stop of a node to the next token (s)"] + [
+        _span(_latest(by_class[c], M05, "Swarm failover, docker stop of a node to the next token"), "{:.2f}")
+        for c in classes])
     head = ["", *classes]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
