@@ -4,6 +4,8 @@ shard, and, with 2, the time from a replica's death (kill -9) to the stream's ne
 
     python benchmarks/replicas.py [--model qwen2.5-coder-0.5b] [--concurrency 1,8,32]
                                   [--max-tokens 48] [--kills 3] [--json FILE]
+    python benchmarks/replicas.py --url URL [--api-key-file F] [--label L] ...   aggregate decode only,
+                                  of a running cluster (a Swarm: scripts/test-swarm.sh with KNOT_SWARM_KEEP=1)
 
 Aggregate decode: N streamed completions started at once, each of a different short prompt,
 greedy; the tokens each stream sent after its first, over the span from the earliest first token to
@@ -37,11 +39,13 @@ PROMPTS = ["def fibonacci(n):", "class Stack:", "import json\n\ndef load(path):"
            "def merge(a, b):"]
 
 
+HEADERS = {"Content-Type": "application/json"}  # and the API key, with --api-key-file
+
+
 def stream(url: str, prompt: str, max_tokens: int, out: dict, on_event=None) -> None:
     """One streamed greedy completion: out gets its chunks' arrival times and text."""
     req = urllib.request.Request(url + "/v1/completions", json.dumps(
-        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode(),
-        {"Content-Type": "application/json"})
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode(), HEADERS)
     times, text = [], []
     with urllib.request.urlopen(req, timeout=1800) as r:
         for line in r:
@@ -149,6 +153,28 @@ def run_cluster(model: str, replicas: int, args) -> dict:
         cluster.down()
 
 
+def running_cluster(args, machine: dict) -> None:
+    """Aggregate decode of the cluster at args.url, at each concurrency."""
+    if args.api_key_file:
+        from deploy import cluster_secrets
+        HEADERS["Authorization"] = f"Bearer {cluster_secrets.read(args.api_key_file)['KNOT_API_KEY']}"
+    stream(args.url, PROMPTS[0], 8, {})
+    got = {}
+    for n in args.concurrency:
+        aggregate(args.url, n, 8)
+        got[n] = aggregate(args.url, n, args.max_tokens)
+    print(f"{machine.get('cpu')} (family {machine.get('family')}, model {machine.get('model')}), "
+          f"{os.cpu_count()} cores; {args.url} ({args.label or 'a running cluster'}), {args.max_tokens} tokens a stream")
+    for n in args.concurrency:
+        print(f"{n:>3} concurrent: {got[n]:.1f} tok/s aggregate")
+    if args.json:
+        date, mach = time.strftime("%Y-%m-%d", time.gmtime()), records.machine_of(machine)
+        cmd = f"python benchmarks/replicas.py --url URL --label {args.label!r}"
+        records.append(args.json, [records.record(date, mach, cmd, f"aggregate decode, {n} concurrent, {args.label}",
+                                                  round(got[n], 1), "tok/s", f"{args.max_tokens} tokens a stream",
+                                                  model=args.model) for n in args.concurrency])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -157,8 +183,13 @@ def main() -> None:
     p.add_argument("--fail-tokens", type=int, default=96)
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="append the figures as records")
+    p.add_argument("--url", default=None, help="measure this running cluster's aggregate decode only")
+    p.add_argument("--api-key-file", type=Path, default=None, help="a dotenv file with its KNOT_API_KEY")
+    p.add_argument("--label", default="", help="with --url: what the cluster is, for the records' metric")
     args = p.parse_args()
     machine = describe()
+    if args.url:
+        return running_cluster(args, machine)
     results = {r: run_cluster(args.model, r, args) for r in (1, 2)}
     print(f"{machine.get('cpu')} (family {machine.get('family')}, model {machine.get('model')}), "
           f"{os.cpu_count()} cores; {args.model}, resident profile, {args.max_tokens} tokens a stream")

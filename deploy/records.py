@@ -144,6 +144,7 @@ RATIO_ROWS = (
     ("JSON schema decode / none, 1.5B", M15, "decode, JSON schema / none", None),
 )
 FLUID = "fluid (128 MiB stations, qwen7b-synth.knot) decode"
+SWARM = "Swarm of 3 nodes, 2 replicas, 4 shards"  # scripts/test-swarm.sh's lab (benchmarks/replicas.py --label)
 BEGIN, END = "<!-- records: begin (python -m deploy.records --write docs/performance.md) -->", "<!-- records: end -->"
 
 
@@ -206,6 +207,9 @@ def latest_table(recs: list[dict]) -> str:
     rows.append(["0.5B failover, kill -9 of a station / shard replica to the next token (s)"] + [
         " / ".join(_span(_latest(by_class[c], M05, f"failover, kill -9 of a {what} replica to the next token"),
                          "{:.3f}") for what in ("station", "shard")) for c in classes])
+    rows.append(["0.5B on a 3-node Swarm, aggregate decode, 1 / 8 / 32 concurrent (tok/s)"] + [
+        " / ".join(_span(_latest(by_class[c], M05, f"aggregate decode, {n} concurrent, {SWARM}"), "{:.1f}")
+                   for n in (1, 8, 32)) for c in classes])
     rows.append(["0.5B on a 3-node Swarm, docker stop of a node to the next token (s)"] + [
         _span(_latest(by_class[c], M05, "Swarm failover, docker stop of a node to the next token"), "{:.2f}")
         for c in classes])

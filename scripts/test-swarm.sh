@@ -95,9 +95,9 @@ secrets="$(mktemp -d)/secrets.env"
 DOCKER_HOST="$MANAGER" .venv/bin/knot secrets --swarm --file "$secrets" >/dev/null
 stack="$(mktemp -d)/docker-stack.yml"
 .venv/bin/knot compose --swarm --replicas 2 --shards 4 >"$stack"
-# shellcheck disable=SC2046  # the bucket's access key is not a secret to docker stack deploy's substitution
 DOCKER_HOST="$MANAGER" KNOT_REGISTRY="$REGISTRY" KNOT_MODELS_DIR=/models KNOT_PORT=$PORT PEER_WAIT_S=5 \
   KNOT_MODEL=/cache/qwen2.5-coder-0.5b-q4_k_m.knot KNOT_PROFILE=resident \
+  MAX_CONCURRENT_REQUESTS=32 MAX_QUEUED_REQUESTS=32 \
   docker stack deploy --with-registry-auth -c "$stack" knot >/dev/null
 url="http://${NODE_IPS[0]}:$PORT"
 for _ in $(seq 600); do
