@@ -31,6 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from common.topology import replica_service
 from deploy import launcher, records
 from deploy.machine import describe
 
@@ -101,7 +102,7 @@ def failover(url: str, cluster: launcher.Cluster, tokens: int, want: str) -> dic
         if rng is None:
             return
         binding = next(b for b, (r, load) in replica_loads(url).items() if r == rng and load >= 1)
-        os.kill(pids[binding.lower().replace("_r", "-r").replace("_", "-")], signal.SIGKILL)
+        os.kill(pids[replica_service(binding)], signal.SIGKILL)
         at[rng] = time.perf_counter()
 
     out: dict = {}

@@ -171,6 +171,11 @@ def replica_name(base: str, k: int, sep: str = "-r") -> str:
     return base if k == 0 else f"{base}{sep}{k}"
 
 
+def replica_service(binding: str) -> str:
+    """The service behind a station's or shard's binding: STATION_1_R1 -> station-1-r1 (replica_name's inverse)."""
+    return binding.lower().replace("_r", "-r").replace("_", "-")
+
+
 def _dims(model) -> tuple[int, int]:
     """(n_layers, vocab_size) from hparams (block_count, vocab_size) or a config object."""
     if isinstance(model, dict):

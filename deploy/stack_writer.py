@@ -45,9 +45,9 @@ SWARM_SECRETS = ("KNOT_INTERNAL_SECRET", "KNOT_REDIS_PASSWORD", "MINIO_ROOT_USER
                  "KNOT_API_KEY")
 NETWORK = "knot"
 REPLICA_LABEL = "knot.replica"
-# Exports every file of /run/secrets as the variable it is named after, then runs the command.
-SECRET_LOADER = ('for f in /run/secrets/*; do [ -f "$$f" ] && export "$${f##*/}=$$(cat "$$f")"; done; '
-                 'exec "$$@"')
+# Exports every file of /run/secrets as the variable it is named after; SECRET_LOADER then runs the command.
+LOAD_SECRETS = 'for f in /run/secrets/*; do [ -f "$$f" ] && export "$${f##*/}=$$(cat "$$f")"; done; '
+SECRET_LOADER = LOAD_SECRETS + 'exec "$$@"'
 # the stand-ins' images (scripts/docker-images.sh) and what they run
 STORE_IMAGES = {"bucket": "knot/seaweedfs:4.48", "kv": "knot/valkey:9.1"}
 STORE_COMMANDS = {  # the bucket's stand-in's own (its image's CMD); the kv's is compose's
@@ -58,8 +58,7 @@ STORE_COMMANDS = {  # the bucket's stand-in's own (its image's CMD); the kv's is
                "-volume.concurrentUploadLimitMB=128"),
 }
 STORE_HEALTHCHECKS = {
-    "bucket": ("CMD", "sh", "-c", SECRET_LOADER.replace('exec "$$@"', "") +
-               "exec python3 /usr/local/lib/knot/seaweedfs.py check http://127.0.0.1:9000"),
+    "bucket": ("CMD", "sh", "-c", LOAD_SECRETS + "exec python3 /usr/local/lib/knot/seaweedfs.py check http://127.0.0.1:9000"),
     # AUTH with the password from its secret file, then PING, as RESP arrays, with bash builtins
     "kv": ("CMD", "bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/6379 && p=$$(cat /run/secrets/KNOT_REDIS_PASSWORD) && "
            "printf '*2\\r\\n$$4\\r\\nAUTH\\r\\n$$%d\\r\\n%s\\r\\n*1\\r\\n$$4\\r\\nPING\\r\\n' $${#p} \"$$p\" >&3 && "
@@ -90,9 +89,7 @@ def replica_of(s: Service) -> int | None:
 def service_doc(s: Service, layout: ClusterLayout) -> dict:
     c = CONTAINERS[s.role]
     doc = compose_writer.service_doc(s, layout)
-    env = doc.pop("environment", {})
-    if s.role == "coordinator":
-        env["KNOT_API_KEY"] = "from its secret"  # always: a Swarm's coordinator wants the API key
+    env = doc.pop("environment", {})  # the coordinator's has KNOT_API_KEY: a secret here, so always set
     secrets = sorted((var, SECRET_VARS[var]) for var in env if var in SECRET_VARS)
     env = {k: v for k, v in env.items() if k not in SECRET_VARS}
     for gone in ("build", "restart", "mem_limit", "memswap_limit", "depends_on", "x-knot-local", "ports"):

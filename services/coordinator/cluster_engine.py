@@ -146,7 +146,7 @@ class ClusterEngine:
 
     def cost(self, gen: ClusterGeneration) -> subrequests.HopCost:
         """The most subrequests each of gen's hops costs the coordinator."""
-        return subrequests.HopCost(len(self.pipeline.stations), len(self.pipeline.shards),
+        return subrequests.HopCost(len(self.pipeline.station_sets), len(self.pipeline.shard_sets),
                                    gen.speculation.source == "draft_model")
 
     def _bound(self, gen: ClusterGeneration) -> None:
@@ -186,7 +186,7 @@ class ClusterEngine:
         when they decide every row's token (common/shard_sampling.py), else the full slices' logits."""
         p, call = self.pipeline, self._call(gen)
         masks = row_masks(gen.allowed, seq, h.shape[0])
-        spec = sample_spec(gen, seq, h.shape[0], self.sample_top, p.vocab_size, len(p.shards), masks)
+        spec = sample_spec(gen, seq, h.shape[0], self.sample_top, p.vocab_size, len(p.shard_sets), masks)
         if spec is not None:
             rows = apply_masks(await p.sample(call, h, pos, spec), masks)
             if decided(rows, gen):

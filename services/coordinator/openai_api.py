@@ -421,9 +421,8 @@ def model_card(co: Coordinator) -> dict:
 def replica_report(pipeline) -> dict:
     """Per station and shard, each replica's binding, whether the coordinator takes it to be up and
     the generations pinned to it (services/coordinator/pipeline.py)."""
-    sets = [rs for rs in pipeline.station_sets] + [rs for _, rs in pipeline.shard_sets]
     return {rs.name: [{"binding": r.binding, "up": r.state.down_since is None, "generations": r.load}
-                      for r in rs.replicas] for rs in sets}
+                      for r in rs.replicas] for rs in pipeline.sets()}
 
 
 def memory_report(plans: list[dict | None]) -> dict:

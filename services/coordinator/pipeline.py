@@ -251,41 +251,45 @@ class ReplicaSet:
 
     def probe_down(self) -> None:
         """GET /readyz of each replica that is down (one probe at a time each): one that answers 200
-        is up again. Not under a subrequest limit (Cloudflare), where a probe would be a
-        subrequest the generation's budget does not hold."""
-        if len(self.replicas) == 1:
-            return
-        counter = subrequests.current()
-        if counter is not None and counter.limit is not None:
+        is up again (may_probe)."""
+        if len(self.replicas) == 1 or not may_probe():
             return
         for r in self.replicas:
             if r.state.down_since is not None and (r.probe is None or r.probe.done()):
                 r.probe = asyncio.get_running_loop().create_task(_probe_ready(r))
 
 
-async def _probe_alive(r: Replica) -> None:
-    """GET /healthz of a replica that is up; no answer within MIN_SILENCE_S: down."""
-    binding = getattr(r.client, "binding", None)
+def may_probe() -> bool:
+    """Not under a subrequest limit (Cloudflare): there a probe would be a subrequest the generation's
+    budget does not hold, and the platform bounds a hung Worker's call itself."""
+    counter = subrequests.current()
+    return counter is None or counter.limit is None
+
+
+async def _answers(r: Replica, path: str, timeout_s: float) -> bool:
+    """Whether the replica answers GET path within timeout_s (a 2xx, when path is /readyz; any reply
+    for /healthz: the process runs)."""
     try:
-        async with asyncio.timeout(MIN_SILENCE_S):
-            await binding.fetch(Request("GET", PEER_URL + "/healthz"))
-    except Exception:  # noqa: BLE001 - no answer is no sign of life
-        if r.state.down_since is None:
-            log.warning("%s answers no GET /healthz within %.1f s; marked down", r.state.name, MIN_SILENCE_S)
-            r.state.down(time.monotonic())
+        async with asyncio.timeout(timeout_s):
+            resp = await r.client.binding.fetch(Request("GET", PEER_URL + path))
+    except Exception:  # noqa: BLE001 - no answer
+        return False
+    return resp.ok or path == "/healthz"
+
+
+async def _probe_alive(r: Replica) -> None:
+    """A replica that is up and answers no GET /healthz within MIN_SILENCE_S: down."""
+    if not await _answers(r, "/healthz", MIN_SILENCE_S) and r.state.down_since is None:
+        log.warning("%s answers no GET /healthz within %.1f s; marked down", r.state.name, MIN_SILENCE_S)
+        r.state.down(time.monotonic())
 
 
 async def _probe_ready(r: Replica) -> None:
-    binding = getattr(r.client, "binding", None)
-    try:
-        async with asyncio.timeout(PROBE_EVERY_S * 4):
-            resp = await binding.fetch(Request("GET", PEER_URL + "/readyz"))
-    except Exception:  # noqa: BLE001 - no answer: still down
-        resp = None
-    if resp is None or not resp.ok:
-        await asyncio.sleep(PROBE_EVERY_S)  # the next probe of it no sooner
-    else:
+    """A replica that is down and answers GET /readyz: up again."""
+    if await _answers(r, "/readyz", PROBE_EVERY_S * 4):
         r.state.up()
+    else:
+        await asyncio.sleep(PROBE_EVERY_S)  # the next probe of it no sooner
 
 def _named(bindings: Any, kind: str, index: int) -> list[tuple[str, Any]]:
     """A range's bindings: one binding, a list of them, or of (name, binding) -> [(name, binding)]."""
@@ -335,9 +339,13 @@ class Pipeline:
     def shard_state(self) -> list[PeerState]:
         return [rs.replicas[0].state for _, rs in self.shard_sets]
 
+    def sets(self) -> list[ReplicaSet]:
+        """Every station's and shard's replica set, stations in chain order first."""
+        return [*self.station_sets, *(rs for _, rs in self.shard_sets)]
+
     def probe_down(self) -> None:
         """Probe every replica that is down (ReplicaSet.probe_down), so one that came back rejoins."""
-        for rs in [*self.station_sets, *(rs for _, rs in self.shard_sets)]:
+        for rs in self.sets():
             rs.probe_down()
 
     def replicas(self) -> list[tuple[str, int, Replica]]:
@@ -361,10 +369,9 @@ class Pipeline:
     def sweep(self, hung: Replica) -> None:
         """A replica hung (a lost node drops packets): ask every other replica that is up for its
         /healthz at once, so those that went with it (the same node) are marked down together,
-        rather than each found after its own FAILOVER_SILENCE_S when a generation reaches it.
-        Not under a subrequest limit (Cloudflare), as for every probe."""
-        counter = subrequests.current()
-        if counter is not None and counter.limit is not None:
+        rather than each found after its own FAILOVER_SILENCE_S when a generation reaches it
+        (may_probe)."""
+        if not may_probe():
             return
         for _, _, r in self.replicas():
             if r is not hung and r.state.down_since is None and (r.check is None or r.check.done()):
@@ -485,12 +492,9 @@ class Pipeline:
 
         Why: a stopped (SIGSTOP) or wedged process still accepts connections, so its calls neither
         fail nor end before their timeout (STATION_TIMEOUT_S: minutes); a computing one answers the
-        probes (its forward runs between them), so a long forward is not taken for a hang. Not
-        under a subrequest limit (Cloudflare): a probe would be a subrequest the generation's budget
-        does not hold, and the platform bounds a hung Worker's call itself."""
-        counter = subrequests.current()
-        if (client is None or (binding := getattr(client, "binding", None)) is None
-                or (counter is not None and counter.limit is not None)):
+        probes (its forward runs between them), so a long forward is not taken for a hang. Only
+        where may_probe()."""
+        if client is None or (binding := getattr(client, "binding", None)) is None or not may_probe():
             return await attempt()
         loop = asyncio.get_running_loop()
         now = time.monotonic()

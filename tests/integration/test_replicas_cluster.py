@@ -11,6 +11,7 @@ import time
 from http.client import HTTPConnection
 from urllib.parse import urlsplit
 
+from common.topology import replica_service
 from deploy import launcher
 
 from .conftest import http, metric, wait_for
@@ -39,16 +40,11 @@ def replicas(url: str) -> dict[str, dict]:
     return out
 
 
-def service_of(binding: str) -> str:
-    """STATION_1_R1 -> station-1-r1 (common.topology.replica_name)."""
-    return binding.lower().replace("_r", "-r").replace("_", "-")
-
-
 def pinned(url: str, rng: str) -> str:
     """The service of the replica of range rng ("station_1") that holds a generation."""
     held = [b for b, r in replicas(url).items() if r["range"] == rng and r.get("generations", 0) >= 1]
     assert len(held) == 1, replicas(url)
-    return service_of(held[0])
+    return replica_service(held[0])
 
 
 def kill(cluster: launcher.Cluster, name: str, sig: int = signal.SIGKILL) -> int:
