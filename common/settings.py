@@ -211,6 +211,11 @@ SETTINGS: list[Setting] = [
     _s("EMBED_ROW_CACHE_BYTES", "int", str(4 * MiB), "coordinator compose",
        "embedding rows the coordinator keeps from the shards' replies, so a decode step whose tokens are all "
        "there skips the embed hop (0: off)", minimum=0),
+    _s("STEP_BATCH", "int", "16", "coordinator compose",
+       "continuous batching: the decode steps of up to this many concurrent generations cross each station and "
+       "shard together, one call per hop (POST /forward_many, /sample_many), so each weight is read once for all; "
+       "0: each generation makes its own calls (the Cloudflare deploy's: a Worker's subrequest belongs to the "
+       f"request that made it)", minimum=0, maximum=64),
     _s("SHARD_SAMPLE_TOP", "int", "64", "coordinator compose", "sampling on the shards: candidates per row each shard "
        "sends with its max and log-sum-exp, from which the tokens are decided exactly; 0: full slices of logits",
        minimum=0, maximum=MAX_SAMPLE_TOP),

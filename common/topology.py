@@ -284,7 +284,7 @@ class ClusterLayout:
             # serve more)
             **{n: Knob(n) for n in ("PEER_WAIT_S", "REQUEST_TIMEOUT_S", "SHARD_FAILURE", "KNOT_API_KEY",
                                     "SHARD_SAMPLE_TOP", "EMBED_ROW_CACHE_BYTES", "MAX_CONCURRENT_REQUESTS",
-                                    "MAX_QUEUED_REQUESTS")},
+                                    "MAX_QUEUED_REQUESTS", "STEP_BATCH")},
             "SPEC_MAX_DRAFT": Knob("SPEC_MAX_DRAFT", ""),  # empty: by source (common/speculative.DEFAULT_MAX_DRAFT)
             "MODEL_NAME": Knob("KNOT_MODEL_NAME")},
             (bucket, *(Binding(b, "service", peer) for b, peer in peers)),

@@ -518,3 +518,54 @@ def decode_rows(body: bytes) -> list[int]:
     if not body or len(body) % 4:
         raise MalformedFrame(f"row ids: {len(body)} bytes, expected a non-zero multiple of 4 (int32 each)")
     return np.frombuffer(body, dtype="<i4").tolist()
+
+
+# ---------------------------------------------------------------- bundles (continuous batching)
+# POST /forward_many (a station) and POST /sample_many (a shard) carry the bodies of several single
+# calls (/forward, /sample) in one request, and their replies in one reply, so the decode steps of
+# concurrent generations cross each hop as one call (services/coordinator/pipeline.py):
+#
+#     off  size  field
+#     0    4     magic      b"KBDL"
+#     4    1     version    1
+#     5    1     flags      0
+#     6    2     count      u16, 1..MAX_BUNDLE parts
+#     8    6*n   table      per part: u16 status, u32 length (a request's statuses are 0; a reply's are
+#                           the HTTP status of that part's single call: 200 and its reply body, or the
+#                           error's status and its JSON body {"error", "message"})
+#     ..   4     crc32      CRC-32 of the bytes above (each part's body carries its own check)
+#     ..   ..    parts      the bodies back to back, nothing after them
+
+BUNDLE_MAGIC = b"KBDL"
+BUNDLE_CONTENT_TYPE = "application/x-knot-bundle"
+MAX_BUNDLE = 64  # parts a bundle may hold: a coordinator runs far fewer generations at once
+_BUNDLE_HEAD = struct.Struct("<4sBBH")
+_BUNDLE_PART = struct.Struct("<HI")
+
+
+def encode_bundle(parts: Iterable[tuple[int, bytes]]) -> bytes:
+    """(status, body) per part -> one body."""
+    parts = list(parts)
+    if not 1 <= len(parts) <= MAX_BUNDLE:
+        raise ValueError(f"bundle: {len(parts)} parts, expected 1..{MAX_BUNDLE}")
+    head = _BUNDLE_HEAD.pack(BUNDLE_MAGIC, VERSION, 0, len(parts)) + \
+        b"".join(_BUNDLE_PART.pack(status, len(body)) for status, body in parts)
+    return b"".join((head, _CRC.pack(crc32(head)), *(body for _, body in parts)))
+
+
+def decode_bundle(buf: bytes | memoryview) -> list[tuple[int, memoryview]]:
+    """A bundle's parts, (status, body) in order; WireError when it is not exactly one bundle."""
+    r = _Reader(buf, "bundle")
+    magic, version, flags, count = r.unpack(_BUNDLE_HEAD, "bundle header")
+    _check_magic_version("bundle", magic, BUNDLE_MAGIC, version, flags)
+    if not 1 <= count <= MAX_BUNDLE:
+        raise MalformedFrame(f"bundle: {count} parts, expected 1..{MAX_BUNDLE}")
+    table = [r.unpack(_BUNDLE_PART, f"part {i}'s status and length") for i in range(count)]
+    (crc,) = r.unpack(_CRC, "crc32")
+    got = crc32(r.span(0, r.pos - _CRC.size))
+    if got != crc:
+        raise ChecksumMismatch(f"bundle: crc32 0x{got:08x}, frame says 0x{crc:08x}")
+    parts = [(status, r.take(n, f"part {i} ({n} bytes)")) for i, (status, n) in enumerate(table)]
+    if r.remaining():
+        raise MalformedFrame(f"bundle: {r.remaining()} trailing bytes after its {count} parts")
+    return parts

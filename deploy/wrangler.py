@@ -167,6 +167,8 @@ def plan(n_layers: int, vocab_size: int, knot_key: str, n_stations: int = 2, n_s
             w.secrets = (INTERNAL_SECRET, API_KEY)
         if svc.role == "coordinator":
             w.vars["SUBREQUEST_LIMIT"] = str(subrequest_limit)
+            # a subrequest's I/O belongs to the request that made it: no call made for several
+            w.vars["STEP_BATCH"] = "0"
         if "MEMORY_BUDGET_BYTES" in w.vars:
             w.vars["MEMORY_BUDGET_BYTES"] = str(BUDGETS[role])
         if "MODEL_NAME" in w.vars:

@@ -40,11 +40,18 @@ LATER = Later()
 class Batcher(Generic[I, R]):
     def __init__(self, run: Callable[[list[I]], Awaitable[Sequence[R | BaseException | Later]]],
                  batchable: Callable[[I], bool] = lambda item: True, max_batch: int = 16,
-                 interjects: Callable[[I], bool] = lambda item: False):
+                 interjects: Callable[[I], bool] = lambda item: False,
+                 quorum: Callable[[], int] | None = None, linger_s: float = 0.0):
+        """quorum: how many items a batch should wait for (the callers known to come back, as the
+        generations a coordinator steps); a batch waits up to linger_s for them to arrive."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._run, self._batchable, self.max_batch = run, batchable, max_batch
         self._interjects = interjects
+        self._quorum, self._linger_s = quorum, linger_s
+        self._full: asyncio.Future | None = None  # set once the quorum has arrived
+        self._want = 0
+        self.lingered = 0  # batches that waited for their quorum
         self._waiting: list[tuple[I, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
         self.batches = 0
@@ -56,6 +63,8 @@ class Batcher(Generic[I, R]):
     async def submit(self, item: I) -> R:
         fut = asyncio.get_running_loop().create_future()
         self._waiting.append((item, fut))
+        if self._full is not None and len(self._waiting) >= self._want and not self._full.done():
+            self._full.set_result(None)
         if self._worker is None or self._worker.done():
             # Its own task: a caller that is cancelled (client gone) must not cancel the batch
             # that other callers are waiting on.
@@ -101,10 +110,26 @@ class Batcher(Generic[I, R]):
         while self._waiting:
             # One turn of the loop first: requests parsed in the same turn as the first join it.
             await asyncio.sleep(0)
+            await self._linger()
             batch = [(i, f) for i, f in self._take() if not f.cancelled()]
             if batch:
                 await self._settle(batch)
                 self._later.clear()  # the item they waited for has ended
+
+    async def _linger(self) -> None:
+        """Wait up to linger_s for the quorum's items, while fewer are waiting."""
+        want = min(self._quorum(), self.max_batch) if self._quorum is not None and self._linger_s > 0 else 0
+        if len(self._waiting) >= want:
+            return
+        self._full, self._want = asyncio.get_running_loop().create_future(), want
+        self.lingered += 1
+        try:
+            async with asyncio.timeout(self._linger_s):
+                await self._full
+        except TimeoutError:
+            pass
+        finally:
+            self._full = None
 
     async def _settle(self, batch: list[tuple[I, asyncio.Future]], interjected: bool = False) -> int:
         """Run one batch and hand each caller its result -> how many ran (LATER ones are queued
@@ -142,7 +167,7 @@ class Batcher(Generic[I, R]):
 
     def stats(self) -> dict:
         return {"batches": self.batches, "batched_items": self.items, "largest_batch": self.largest,
-                "interjected_items": self.interjected}
+                "interjected_items": self.interjected, "lingered_batches": self.lingered}
 
 
 def _without(entries: list, taken: list) -> list:

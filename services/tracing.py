@@ -181,6 +181,17 @@ def enter(scope: Scope | None) -> None:
         _current.set(scope)
 
 
+def leave() -> None:
+    """No trace is current in this task (a call made for several generations: each records its own span)."""
+    _current.set(None)
+
+
+def shared_span(scope: Scope | None, path: str, peer: str, t0: float, t1: float, status: str) -> None:
+    """A call made for several generations (a bundle): its span in one generation's trace."""
+    if scope is not None:
+        scope.sink.record(scope.span_id, new_span_id(), path, peer, t0, t1, status)
+
+
 def begin(ring: Ring, headers: Mapping[str, str], name: str, peer: str = "coordinator") -> Scope | None:
     """A request's server span in ring: under the client's traceparent (same trace id) or a new trace
     when it sent none or an invalid one. Current from here on; end() closes it. None, and nothing

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from common import wire
 from common.generation import Generation
 from common.kvcache import prefill_chunks
 from common.prefix import PREFIX_BLOCK_TOKENS, block_keys, resume_at, reusable_blocks
@@ -80,7 +81,7 @@ class ClusterEngine:
 
     def _call(self, gen: ClusterGeneration) -> Call:
         return Call(gen.request_id, Hops(gen.hop_ms, self.observe_hop), gen.deadline, gen.shard_failure,
-                    gen.degraded, gen.timeout_s, gen.picks, gen.affinity)
+                    gen.degraded, gen.timeout_s, gen.picks, gen.affinity, gen.trace, gen.subrequests)
 
     async def prompt_logits(self, gen: ClusterGeneration, ids: list[int]) -> Row:
         """The prompt in chunks of at most PREFILL_CHUNK_TOKENS (common.kvcache.prefill_chunks), pipelined
@@ -133,14 +134,18 @@ class ClusterEngine:
         session, every frame the stations had applied runs again exactly (_replay), then this one."""
         pos = len(context) - len(tokens)
         frame = Frame("decode", pos, pos + len(tokens), gen.cached > pos, tuple(tokens))
+        masks, spec = self._spec(gen, context, len(tokens))
+        summaries = None  # the LM head's, when the step brought them
         try:
-            h = await self._forward(gen, frame)
+            call = self._call(gen)
+            x = await self.pipeline.embed(call, list(frame.tokens), frame.start)  # (T, dim)
+            h, summaries = await self.pipeline.step(call, frame.start, x, frame.rewind, spec)
         except SessionLost as e:
             self._replaying(gen, e, pos)
             h = await self._replay(gen, context, [*gen.frames, frame])
         gen.frames.append(frame)
         gen.cached = pos + len(tokens)
-        rows = await self._rows(gen, h, pos, context)
+        rows = await self._rows(gen, h, pos, context, (masks, spec), summaries)
         self._bound(gen)
         return rows
 
@@ -180,15 +185,23 @@ class ClusterEngine:
             except SessionLost as e:  # lost again during the replay: once more from position 0
                 self._replaying(gen, e, len(context))
 
-    async def _rows(self, gen: ClusterGeneration, h: np.ndarray, pos: int, seq: list[int]) -> list[Row]:
+    def _spec(self, gen: ClusterGeneration, seq: list[int], n: int) -> tuple[list, wire.SampleSpec | None]:
+        """The masks of n rows whose last input token ends seq, and what the shards are asked to
+        summarize of them (None: the full slices)."""
+        masks = row_masks(gen.allowed, seq, n)
+        p = self.pipeline
+        return masks, sample_spec(gen, seq, n, self.sample_top, p.vocab_size, len(p.shard_sets), masks)
+
+    async def _rows(self, gen: ClusterGeneration, h: np.ndarray, pos: int, seq: list[int],
+                    masks_spec: tuple | None = None, summaries: list | None = None) -> list[Row]:
         """h (T, dim), the first row's input token at pos, seq the sequence up to the last row's input
         token -> the rows the sampler takes, masked where gen is constrained: the shards' summaries
-        when they decide every row's token (common/shard_sampling.py), else the full slices' logits."""
+        when they decide every row's token (common/shard_sampling.py), else the full slices' logits.
+        masks_spec: _spec's, when computed already; summaries: the shards', when the step brought them."""
         p, call = self.pipeline, self._call(gen)
-        masks = row_masks(gen.allowed, seq, h.shape[0])
-        spec = sample_spec(gen, seq, h.shape[0], self.sample_top, p.vocab_size, len(p.shard_sets), masks)
+        masks, spec = masks_spec or self._spec(gen, seq, h.shape[0])
         if spec is not None:
-            rows = apply_masks(await p.sample(call, h, pos, spec), masks)
+            rows = apply_masks(summaries if summaries is not None else await p.sample(call, h, pos, spec), masks)
             if decided(rows, gen):
                 gen.shard_sampled += 1
                 return rows

@@ -185,7 +185,8 @@ def _gathered(co) -> dict:
     stations, shards = co.metrics.services.stations, co.metrics.services.shards
     nodes: list[dict] = [{"role": "coordinator", "name": "coordinator", "replicas": [
         {"binding": "coordinator", "health": "ready", "stats": {"model": co.model_id, "knot_etag": co.pipeline.knot_etag,
-                                                                "context_tokens": co.context_tokens}}]}]
+                                                                "context_tokens": co.context_tokens,
+                                                                "step_batching": co.pipeline.step_stats()}}]}]
     now = time.monotonic()
     answers = {id(r): st for _, _, r, st in co.metrics.services.replicas}
     for i, rset in enumerate(co.pipeline.station_sets):

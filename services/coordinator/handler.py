@@ -106,6 +106,7 @@ class CoordinatorSettings:
     drafter_timeout_s: float = default("DRAFTER_TIMEOUT_S", "coordinator")  # and auto's wait after a drafter fault
     bucket_check_timeout_s: float = default("BUCKET_CHECK_TIMEOUT_S", "coordinator")  # the knot version's HEAD
     bucket_check_backoff_s: float = default("BUCKET_CHECK_BACKOFF_S", "coordinator")  # no HEAD after one failed
+    step_batch: int = default("STEP_BATCH", "coordinator")  # generations stepped together; 0: each alone
 
     @classmethod
     def from_env(cls, env: Env) -> "CoordinatorSettings":
@@ -124,7 +125,8 @@ class CoordinatorSettings:
                    get("PEER_WAIT_S"), get("REQUEST_TIMEOUT_S"), get("SHARD_FAILURE"),
                    get("MAX_CONCURRENT_REQUESTS"), get("MAX_QUEUED_REQUESTS"), get("RETRY_AFTER_S"), get("MODEL_NAME"),
                    get("SPECULATION"), get("SPEC_MAX_DRAFT"), get("SHARD_SAMPLE_TOP"), get("EMBED_ROW_CACHE_BYTES"),
-                   get("DRAFTER_TIMEOUT_S"), get("BUCKET_CHECK_TIMEOUT_S"), get("BUCKET_CHECK_BACKOFF_S"))
+                   get("DRAFTER_TIMEOUT_S"), get("BUCKET_CHECK_TIMEOUT_S"), get("BUCKET_CHECK_BACKOFF_S"),
+                   get("STEP_BATCH"))
 
     @property
     def model_id(self) -> str:
@@ -160,7 +162,7 @@ async def coordinator_for(env: Env, check_version: bool = False) -> Coordinator:
         stations = [[(n, counted(_binding(env, n))) for n in names] for names in settings.stations]
         pipeline = Pipeline(stations, ordered, cfg.dim, cfg.vocab_size, settings.shard_timeout_s,
                             settings.station_timeout_s, settings.peer_wait_s, settings.retry_after_s, source.etag,
-                            settings.row_cache_bytes)
+                            settings.row_cache_bytes, settings.step_batch)
         station_stats = await _check_stations(pipeline, cfg.n_layer)
         drafter = await _drafter(env, settings, cfg.vocab_size)
         capacity = [StationCapacity(i, int(s["max_session_tokens"]), int(s["budget_bytes"]))

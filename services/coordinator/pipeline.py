@@ -49,7 +49,9 @@ from common.prefix import PREFIX_BLOCK_TOKENS
 from common.runtime import BadGateway, GatewayTimeout, HttpError, Request, ServiceUnavailable
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
+from services import tracing
 from services.coordinator import subrequests
+from services.batcher import Batcher
 from services.embed_cache import SealedRows
 from services.peer import PEER_URL, IntegrityFailure, PeerError
 from services.shard.shard_client import ShardClient
@@ -70,6 +72,7 @@ MIN_SILENCE_S = 1.0  # a hop to a peer known to hang still has this long to show
 # hop or its probes (PEER_WAIT_S when it has none): a lost node drops packets rather than refusing
 # connections, and a computing replica answers its probes every PROBE_EVERY_S (tests/swarm).
 FAILOVER_SILENCE_S = 2.0
+STEP_LINGER_S = 0.005  # the longest a decode step waits for the generations that lag behind (Pipeline.steps)
 
 
 @dataclass
@@ -146,6 +149,10 @@ class Call:
     # on a station's): the generation's own dict, shared by its calls
     picks: dict = field(default_factory=dict)
     affinity: bytes | None = None  # what its replicas are chosen by (ReplicaSet.choose); None: load alone
+    # its trace and its invocation's subrequests (services/tracing.py, subrequests.py), entered where
+    # its calls run in a task of their own (a step batch's: _own)
+    trace: Any = None
+    counter: Any = None
 
     def timeout(self, hop_timeout_s: float, what: str) -> float:
         """A hop's timeout: its own, or what is left of the request's deadline; RequestTimeout when none is."""
@@ -259,6 +266,27 @@ class ReplicaSet:
                 r.probe = asyncio.get_running_loop().create_task(_probe_ready(r))
 
 
+async def _own(call: Call, fn: Callable[[], Awaitable[T]]) -> T:
+    """fn() as the call's generation: its trace and its invocation's subrequests current (a step
+    batch runs it in the task of whichever generation started the batch)."""
+    tracing.leave()
+    tracing.enter(call.trace)
+    subrequests.leave()
+    subrequests.enter(call.counter)
+    return await fn()
+
+
+def _slice(spec: ShardSpec, envs: list[wire.Envelope], frame: wire.Envelope,
+           sample: wire.SampleSpec) -> tuple[SliceSummary, str | None]:
+    """A shard's /sample reply to frame -> its slice's summary, and what makes it wrong (None: nothing)."""
+    sl = SliceSummary(spec.vocab_start, spec.vocab_end, *(e.array for e in envs))
+    if any(e.array.ndim != 2 for e in envs):
+        return sl, f"arrays of {[e.array.ndim for e in envs]} dimensions, expected 2"
+    bad = next((b for e in envs if (b := not_for(e, frame, "sample")) is not None), None) or \
+        sl.check(frame.array.shape[0], sample.lse)
+    return sl, bad
+
+
 def may_probe() -> bool:
     """Not under a subrequest limit (Cloudflare): there a probe would be a subrequest the generation's
     budget does not hold, and the platform bounds a hung Worker's call itself."""
@@ -301,12 +329,15 @@ def _named(bindings: Any, kind: str, index: int) -> list[tuple[str, Any]]:
 class Pipeline:
     def __init__(self, stations: list, shards: list[tuple[ShardSpec, object]], dim: int, vocab_size: int,
                  shard_timeout_s: float, station_timeout_s: float, peer_wait_s: float = 15.0,
-                 retry_after_s: int = 1, knot_etag: str | None = None, row_cache_bytes: int = 0):
+                 retry_after_s: int = 1, knot_etag: str | None = None, row_cache_bytes: int = 0,
+                 step_batch: int = 0):
         """stations: per station, entry first, its service binding, or its replicas' (a list of
         bindings or of (binding name, binding)); shards: (spec, binding or replicas) sorted by
         vocab_start, tiling [0, vocab). Each binding is called through its typed client, which pins
         every hop to knot_etag (None: not checked). row_cache_bytes: embedding rows kept from the
-        shards' replies (embed()); a pipeline serves one knot version, so its rows are that version's."""
+        shards' replies (embed()); a pipeline serves one knot version, so its rows are that version's.
+        step_batch: generations whose decode steps and LM-head calls are stepped together (STEP_BATCH;
+        0 or 1: each makes its own calls)."""
         self.knot_etag = knot_etag
         self.rows = SealedRows(row_cache_bytes, "coordinator")
         self.station_sets = [ReplicaSet(f"station {i}", [
@@ -321,6 +352,17 @@ class Pipeline:
         self.dim, self.vocab_size = dim, vocab_size
         self.shard_timeout_s, self.station_timeout_s = shard_timeout_s, station_timeout_s
         self.peer_wait_s, self.retry_after_s = peer_wait_s, retry_after_s
+        # Continuous batching: decode steps (and LM-head calls) that arrive while a step runs wait, then
+        # cross every hop together, one bundle per replica (_steps, _samples).
+        # A step waits up to STEP_LINGER_S for every generation that is stepping (its first step
+        # taken, not yet released): those that lag behind by their token's work (sampling, a
+        # stream's write) would otherwise fall into a batch of their own, which reads every weight
+        # again (benchmarks/replicas.py --url, its batches in /cluster).
+        self.stepping: set[str] = set()
+        self.steps = Batcher(self._steps, max_batch=step_batch, quorum=lambda: len(self.stepping),
+                             linger_s=STEP_LINGER_S) if step_batch > 1 else None
+        self.bundled = {"station": 0, "shard": 0}  # calls that carried several generations
+        self.unbundled = 0  # parts of those that failed and were made alone
 
     # Replica 0 of each range: the whole range where it has no other replica.
     @property
@@ -654,9 +696,7 @@ class Pipeline:
         slices = []
         for (spec_s, _), res in zip(self.shard_sets, results):
             if not isinstance(res, BaseException):
-                sl = SliceSummary(spec_s.vocab_start, spec_s.vocab_end, *(e.array for e in res))
-                bad = next((b for e in res if (b := not_for(e, frame, "sample")) is not None), None) or \
-                    sl.check(h.shape[0], spec.lse)
+                sl, bad = _slice(spec_s, res, frame, spec)
                 if bad is None:
                     slices.append(sl)
                     continue
@@ -679,11 +719,189 @@ class Pipeline:
     async def stations_forward(self, call: Call, mode: str, position: int, x: np.ndarray,
                                rewind: bool = False) -> np.ndarray:
         """x (T, dim) through every station in order -> the exit's final normed hidden: (1, dim) for a
-        prefill, (T, dim) for a decode. rewind: the stations first drop their positions >= position."""
-        h = x
-        for i in range(len(self.station_sets)):
-            h = await self._hop(i, call, mode, position, h, rewind)
+        prefill, (T, dim) for a decode. rewind: the stations first drop their positions >= position.
+        A generation's decode steps go through step()."""
+        return await self._chain(call, mode, position, x, rewind)
+
+    async def step(self, call: Call, position: int, x: np.ndarray, rewind: bool,
+                   spec: wire.SampleSpec | None) -> tuple[np.ndarray, list[RowSummary] | None]:
+        """A decode step: x (T, dim) through every station -> the exit's rows (T, dim), and with spec
+        the LM head's summaries of them (sample()). Concurrent generations' steps go together
+        (STEP_BATCH: _steps)."""
+        if self.steps is not None:
+            self.stepping.add(call.rid)
+            return await self.steps.submit((call, position, x, rewind, spec))
+        return await self._alone(call, position, x, rewind, spec)
+
+    async def _alone(self, call: Call, position: int, x: np.ndarray, rewind: bool, spec: wire.SampleSpec | None,
+                     first: int = 0, again: bool = False) -> tuple[np.ndarray, list[RowSummary] | None]:
+        """step(), one generation's calls, from station `first` on (_chain)."""
+        h = await self._chain(call, "decode", position, x, rewind, first, again)
+        return h, None if spec is None else await self.sample(call, h, position, spec)
+
+    async def _chain(self, call: Call, mode: str, position: int, h: np.ndarray, rewind: bool = False,
+                     first: int = 0, again: bool = False) -> np.ndarray:
+        """stations_forward(), one generation's calls, from station `first` on. again: station `first`
+        may have applied the frame already (its bundle failed), so it drops what it holds from
+        position on first: the frame then runs once either way."""
+        for i in range(first, len(self.station_sets)):
+            h = await self._hop(i, call, mode, position, h, rewind or (again and i == first))
         return h
+
+    # -------------------------------------------------------- continuous batching (STEP_BATCH)
+    # The generations' decode steps that arrive while a step runs wait for it (services/batcher.py),
+    # then cross each station, and their LM-head calls each shard, as one call per replica: a bundle
+    # (services/bundle.py), which the station runs as one forward and the shard as one product. So
+    # a weight is read once per step for every generation, and a hop's fixed cost is paid once.
+    # A bundle that fails as a whole (its replica down, hung, another version) or a part that fails
+    # (an unknown session, a malformed reply) leaves that generation to its own calls, from that hop
+    # on, where every failure has its rule (on_replica, until_up, the replay): the tokens are the
+    # same either way, since a station computes each session's rows as it would alone.
+
+    async def _steps(self, items: list[tuple[Call, int, np.ndarray, bool, wire.SampleSpec | None]]) -> list:
+        """The steps Batcher's run: step()'s arguments per generation -> step()'s result. The LM head
+        is part of the step: the generations then come back together for the next one."""
+        if len(items) == 1:
+            return [await _own(items[0][0], lambda: self._alone(*items[0]))]
+        hs = [x for _, _, x, _, _ in items]
+        out: list = [None] * len(items)
+        alone: list[tuple[int, asyncio.Future]] = []
+        live = list(range(len(items)))
+        try:
+            for i, rset in enumerate(self.station_sets):
+                frames = {j: wire.Envelope(items[j][0].rid, "decode", items[j][1], items[j][1] + hs[j].shape[0],
+                                           hs[j], items[j][3]) for j in live}
+                got: dict[int, np.ndarray] = {}
+                t0 = time.perf_counter()
+
+                async def bundle(r: Replica, idx: list[int], i: int = i, rset: ReplicaSet = rset,
+                                 frames: dict = frames, got: dict = got) -> None:
+                    replies = await self._bundle(r, rset, "station", "/forward_many", [items[j][0] for j in idx],
+                                                 self.station_timeout_s, f"station {i} decode",
+                                                 lambda client, t: client.forward_many([frames[j] for j in idx], t))
+                    for j, rep in zip(idx, replies or ()):
+                        if rep is not None and misfit(rep, frames[j], "decode", (hs[j].shape[0], self.dim)) is None:
+                            got[j] = rep.array
+
+                groups = self._groups([items[j][0] for j in live], "station", i, rset)
+                await asyncio.gather(*(bundle(r, [live[q] for q in idx]) for r, idx in groups if len(idx) > 1))
+                for j in live:
+                    if j in got:
+                        items[j][0].hops.add(f"station_{i}", t0)
+                        hs[j] = got[j]
+                    else:  # its own calls from here on, beside the others
+                        call, position, _, rewind, spec = items[j]
+                        alone.append((j, asyncio.ensure_future(_own(call, lambda call=call, position=position,
+                                                                        rewind=rewind, spec=spec, j=j, i=i: self._alone(
+                            call, position, hs[j], rewind, spec, first=i, again=True)))))
+                live = [j for j in live if j in got]
+            for j in live:
+                out[j] = (hs[j], None)
+            need = [j for j in live if items[j][4] is not None]
+            for j, res in zip(need, await self._samples([(items[j][0], hs[j], items[j][1], items[j][4])
+                                                         for j in need]) if need else ()):
+                out[j] = res if isinstance(res, BaseException) else (hs[j], res)
+            for j, task in alone:
+                try:
+                    out[j] = await task
+                except Exception as e:  # noqa: BLE001 - that generation's failure, raised to it alone
+                    out[j] = e
+        finally:
+            for _, task in alone:
+                task.cancel()
+        return out
+
+    async def _samples(self, items: list[tuple[Call, np.ndarray, int, wire.SampleSpec]]) -> list:
+        """sample()'s arguments per generation -> its rows' summaries, or its exception."""
+        if len(items) == 1:
+            try:
+                return [await _own(items[0][0], lambda: self.sample(*items[0]))]
+            except Exception as e:  # noqa: BLE001 - that generation's failure, raised to it alone
+                return [e]
+        frames = [wire.Envelope(call.rid, "logits", pos, pos + h.shape[0], h) for call, h, pos, _ in items]
+        slices: list[list[SliceSummary | None]] = [[None] * len(self.shard_sets) for _ in items]
+        t0 = time.perf_counter()
+
+        async def bundle(k: int, r: Replica, idx: list[int]) -> None:
+            spec_s, rset = self.shard_sets[k]
+            replies = await self._bundle(r, rset, "shard", "/sample_many", [items[j][0] for j in idx],
+                                         self.shard_timeout_s, f"shard {spec_s.index} logits",
+                                         lambda client, t: client.sample_many([(items[j][3], frames[j]) for j in idx], t))
+            for j, envs in zip(idx, replies or ()):
+                if envs is not None:
+                    sl, bad = _slice(spec_s, envs, frames[j], items[j][3])
+                    slices[j][k] = sl if bad is None else None
+
+        await asyncio.gather(*(bundle(k, r, idx) for k, (_, rset) in enumerate(self.shard_sets)
+                               for r, idx in self._groups([c for c, _, _, _ in items], "shard", k, rset)))
+        out: list = [None] * len(items)
+        again = []
+        for j, (call, h, pos, spec) in enumerate(items):
+            if all(sl is not None for sl in slices[j]):
+                call.hops.add("logits", t0)
+                out[j] = merge(slices[j], self.vocab_size, pos + 1)
+            else:  # every shard again, as its own calls: a failure there has its rule (fail, degrade)
+                again.append(j)
+        self.unbundled += len(again)
+        redone = await asyncio.gather(*(_own(items[j][0], lambda j=j: self.sample(*items[j])) for j in again),
+                                      return_exceptions=True)
+        for j, res in zip(again, redone):
+            if isinstance(res, BaseException) and not isinstance(res, Exception):
+                raise res
+            out[j] = res
+        return out
+
+    def step_stats(self) -> dict | None:
+        """What continuous batching did: the steps' and LM-head calls' batches, the bundles sent and
+        the parts made alone after all; None when it is off (STEP_BATCH)."""
+        if self.steps is None:
+            return None
+        return {"steps": self.steps.stats(), "bundles": dict(self.bundled),
+                "made_alone": self.unbundled, "stepping": len(self.stepping)}
+
+    def _groups(self, calls: list[Call], kind: str, k: int, rset: ReplicaSet) -> list[tuple[Replica, list[int]]]:
+        """The calls by the replica of range k each is pinned to -> (replica, their indexes)."""
+        groups: dict[int, tuple[Replica, list[int]]] = {}
+        for j, call in enumerate(calls):
+            r = self.pinned(call, kind, k, rset)
+            groups.setdefault(id(r), (r, []))[1].append(j)
+        return list(groups.values())
+
+    async def _bundle(self, r: Replica, rset: ReplicaSet, kind: str, path: str, calls: list[Call],
+                      hop_timeout_s: float, what: str, attempt: Callable[[Any, float], Awaitable[list]]) -> list | None:
+        """attempt(client, timeout_s), one call on replica r for several generations -> its parts' results;
+        None when it failed as a whole (each generation then makes its own call). An outage marks r
+        down, so those calls move at once where another replica of the range is up."""
+        if r.state.down_since is not None:
+            return None
+        try:
+            timeout_s = max(c.timeout(hop_timeout_s, what) for c in calls)
+        except RequestTimeout:  # one's deadline passed: each its own call, that one's a 504
+            return None
+        tracing.leave()  # the call is every generation's: each records its span and counts it below
+        subrequests.leave()
+        others = (lambda: rset.others_up(r)) if len(rset.replicas) > 1 else None
+        t0 = time.perf_counter()
+        try:
+            out = await self.watched(r.state, r.client, lambda: attempt(r.client, timeout_s), others)
+            status = "200"
+        except Exception as e:  # noqa: BLE001 - the parts are made alone, where failures have their rules
+            if isinstance(e, PeerHung) or unavailable(e):
+                r.state.down(e.quiet_since if isinstance(e, PeerHung) else time.monotonic())
+                if isinstance(e, PeerHung):
+                    self.sweep(r)
+            log.warning("%s of %d generations on %s failed (%s: %s); each makes its own call", path, len(calls),
+                        r.state.name, type(e).__name__, e)
+            out, status = None, tracing.outcome(e)
+        else:
+            r.state.up()
+        t1 = time.perf_counter()
+        for c in calls:
+            if c.counter is not None:
+                c.counter.add()
+            tracing.shared_span(c.trace, path, r.binding, t0, t1, status)
+        self.bundled[kind] += 1
+        return out
 
     async def _hop(self, i: int, call: Call, mode: str, position: int, h: np.ndarray,
                    rewind: bool = False, keys: tuple[bytes | None, tuple[bytes, ...]] = (None, ())) -> np.ndarray:
@@ -787,6 +1005,7 @@ class Pipeline:
         """Free the request's KV caches on the stations (best effort, after the response): on the
         replicas its generation was pinned to (picks: Call.picks, then emptied) that are up, or on
         replica 0 of each station without picks."""
+        self.stepping.discard(rid)
         if picks is None:
             held = [(i, rs.replicas[0]) for i, rs in enumerate(self.station_sets)]
         else:

@@ -73,6 +73,11 @@ def enter(counter: Counter | None) -> None:
         _current.set(counter)
 
 
+def leave() -> None:
+    """No invocation is current in this task (a call made for several: each counts it, Counter.add)."""
+    _current.set(None)
+
+
 def _count() -> None:
     counter = _current.get()
     if counter is not None:

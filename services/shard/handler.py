@@ -10,6 +10,8 @@
                     envelopes: the slice's summary per row (common/shard_sampling.py): candidate ids
                     (T, t) int32, their logits (T, t) float32, stats (T, 5) float64; the coordinator
                     decides the tokens from those, not from the slice's logits
+    POST /sample_many  several /sample bodies in one bundle (common/wire.py, services/bundle.py): the
+                    decode steps of concurrent generations, their rows in one product
     GET  /stats
 
 Env: KNOT_KEY, VOCAB_START, VOCAB_END, MEMORY_BUDGET_BYTES (default 128 MiB), ROW_CACHE_BYTES
@@ -46,6 +48,7 @@ from common.settings import ConfigError, default, read
 from common.shard_sampling import summarize
 from services.batcher import Batcher
 from services.boot import BootCache
+from services.bundle import serve_bundle
 from services.cobordism_warden.cobordism_warden_client import CobordismWardenClient
 from services.embed_cache import SealedRows
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
@@ -276,9 +279,10 @@ def _hidden(sh: Shard, f: wire.Envelope) -> np.ndarray:
     return h
 
 
-async def _sample(sh: Shard, request: Request) -> Response:
+async def _sample(sh: Shard, body: bytes | memoryview) -> bytes:
+    """A POST /sample body -> its reply body."""
     try:
-        spec, f = wire.decode_sample_request(request.body)
+        spec, f = wire.decode_sample_request(body)
     except wire.WireError as e:
         raise BadRequest(f"malformed sample request: {e}") from None
     h = _hidden(sh, _mode(f, "logits"))
@@ -292,9 +296,8 @@ async def _sample(sh: Shard, request: Request) -> Response:
     ids, vals, stats = summarize(x, sh.settings.vocab_start, spec.top, params, spec.key, spec.history,
                                  f.position, spec.draw, spec.lse)
     sh.stats["sample_calls"] += 1
-    body = wire.encode_envelopes(wire.Envelope(f.request_id, "sample", f.position, f.seq_len, a)
+    return wire.encode_envelopes(wire.Envelope(f.request_id, "sample", f.position, f.seq_len, a)
                                  for a in (ids, vals, stats))
-    return Response.from_bytes(body, wire.ENVELOPE_CONTENT_TYPE)
 
 
 async def fetch(request: Request, env: Env, ctx) -> Response:
@@ -319,7 +322,9 @@ async def _route(request: Request, sh: Shard) -> Response:
         return Response.from_bytes(wire.encode_envelope(wire.Envelope(f.request_id, "logits", f.position,
                                                                       f.seq_len, out)), wire.ENVELOPE_CONTENT_TYPE)
     if path == "/sample" and request.method == "POST":
-        return await _sample(sh, request)
+        return Response.from_bytes(await _sample(sh, request.body), wire.ENVELOPE_CONTENT_TYPE)
+    if path == "/sample_many" and request.method == "POST":  # concurrent generations' rows: one head pass
+        return await serve_bundle(request.body, lambda body: _sample(sh, body))
     if path == "/stats" and request.method == "GET":
         s = sh.settings
         return Response.from_json({"boot_key": s.boot_key, "vocab_start": s.vocab_start, "vocab_end": s.vocab_end,
@@ -327,4 +332,5 @@ async def _route(request: Request, sh: Shard) -> Response:
                                    "head_f32_cached": sh.head_f32 is not None, **sh.stats, **sh.batcher.stats(),
                                    **sh.warden_stats(), **sh.source.stats(), "knot_reloads": _booted.reloads,
                                    "instance": _booted.instance})
-    raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, POST /sample, GET /stats")
+    raise NotFound(f"{request.method} {path}: the shard serves POST /embed, POST /logits, POST /sample, "
+                   f"POST /sample_many, GET /stats")

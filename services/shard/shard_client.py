@@ -5,7 +5,11 @@ from typing import Any
 
 from common import wire
 from common.runtime import BadGateway
+from services.bundle import post_bundle
 from services.peer import get_json, post_envelope, post_pinned
+
+# a /sample reply: candidate ids, their logits, the rows' stats
+SAMPLE_REPLY = [("sample", "<i4"), ("sample", "<f4"), ("sample", "<f8")]
 
 
 class ShardClient:
@@ -31,10 +35,26 @@ class ShardClient:
             envs = wire.decode_envelopes(resp.body)
         except wire.WireError as e:
             raise BadGateway(f"/sample: malformed reply: {e}") from None
-        want = [("sample", "<i4"), ("sample", "<f4"), ("sample", "<f8")]
-        if [(e.mode, e.array.dtype.str) for e in envs] != want:
-            raise BadGateway(f"/sample: reply of {[(e.mode, e.array.dtype.str) for e in envs]}, expected {want}")
+        if [(e.mode, e.array.dtype.str) for e in envs] != SAMPLE_REPLY:
+            raise BadGateway(f"/sample: reply of {[(e.mode, e.array.dtype.str) for e in envs]}, "
+                             f"expected {SAMPLE_REPLY}")
         return envs
+
+    async def sample_many(self, calls: list[tuple[wire.SampleSpec, wire.Envelope]],
+                          timeout_s: float) -> list[list[wire.Envelope] | None]:
+        """Several generations' sample calls in one (POST /sample_many) -> per call the slice's
+        summary, or None where its part failed or is malformed (the caller makes that call alone)."""
+        parts = await post_bundle(self.binding, "/sample_many", [wire.encode_sample_request(s, f) for s, f in calls],
+                                  timeout_s, self.knot_etag)
+        out: list[list[wire.Envelope] | None] = []
+        for status, body in parts:
+            try:
+                envs = wire.decode_envelopes(body) if status == 200 else None
+            except wire.WireError:
+                envs = None
+            out.append(envs if envs is not None and
+                       [(e.mode, e.array.dtype.str) for e in envs] == SAMPLE_REPLY else None)
+        return out
 
     async def stats(self, timeout_s: float | None = None) -> dict:
         return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)

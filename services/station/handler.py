@@ -4,6 +4,8 @@
                              entry/middle: (T, dim) hidden states out; exit/solo: the
                              output-normed hidden states of the last row of a prefill,
                              (1, dim), and of every row of a decode, (T, dim)
+    POST /forward_many       several decode envelopes in one bundle (common/wire.py,
+                             services/bundle.py): concurrent generations' steps, one forward
     POST /release/<rid>      drop a request's attention KV cache
     POST /prefix             16-byte block keys of a prompt (common/prefix.py), back to back ->
                              {"blocks": j}: the leading blocks its prompt cache holds
@@ -76,6 +78,7 @@ from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Respons
 from common.settings import ConfigError, default, read
 from common.topology import TopologyError
 from services.batcher import LATER, Batcher
+from services.bundle import serve_bundle
 from services.boot import BootCache
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 from services.layer_warden.layer_warden_client import LayerWardenClient
@@ -608,6 +611,18 @@ async def _route(request: Request, st: Station, ctx) -> Response:
             raise BadRequest(f"malformed envelope: {e}") from None
         out = await st.forward(frame, ctx)
         return Response.from_bytes(wire.encode_envelope(out), wire.ENVELOPE_CONTENT_TYPE)
+    if path == "/forward_many" and request.method == "POST":  # concurrent generations' decode frames
+
+        async def one(body: memoryview) -> bytes:
+            try:
+                frame = wire.decode_envelope(body)
+            except wire.WireError as e:
+                raise BadRequest(f"malformed envelope: {e}") from None
+            if frame.mode != "decode":
+                raise BadRequest(f"envelope mode {frame.mode!r}: /forward_many runs decode frames")
+            return wire.encode_envelope(await st.forward(frame, ctx))
+
+        return await serve_bundle(request.body, one)
     if path == "/prefix" and request.method == "POST":
         keys = request.body
         if len(keys) % KEY_BYTES or len(keys) // KEY_BYTES > st.cfg.context_length // PREFIX_BLOCK_TOKENS + 1:
@@ -621,5 +636,6 @@ async def _route(request: Request, st: Station, ctx) -> Response:
     if path == "/stats" and request.method == "GET":
         return Response.from_json({**st.stats(), "boots": _booted.boots, "knot_reloads": _booted.reloads,
                                    "instance": _booted.instance})
-    raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /prefix, POST /release/<id>, "
+    raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /forward_many, POST /prefix, "
+                   f"POST /release/<id>, "
                    f"GET /stats")

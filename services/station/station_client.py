@@ -5,6 +5,7 @@ from typing import Any
 
 from common import wire
 from common.runtime import BadGateway, PayloadTooLarge, Request
+from services.bundle import post_bundle
 from services.peer import PEER_URL, PeerError, call, get_json, post_envelope, post_pinned
 
 
@@ -30,6 +31,14 @@ class StationClient:
                 raise PayloadTooLarge(f"station: {e.peer_message}") from None
             raise
 
+    async def forward_many(self, frames: list[wire.Envelope], timeout_s: float) -> list[wire.Envelope | None]:
+        """Decode frames of several generations in one call (POST /forward_many) -> per frame its
+        reply, or None where its part failed (the caller makes that frame's single call, which
+        raises what the failure means: SessionLost, ...)."""
+        parts = await post_bundle(self.binding, "/forward_many", [wire.encode_envelope(f) for f in frames], timeout_s,
+                                  self.knot_etag)
+        return [_envelope(status, body) for status, body in parts]
+
     async def prefix(self, keys: list[bytes], timeout_s: float | None = None) -> int:
         """How many leading blocks of a prompt (its block keys, common.prefix.block_keys) the station's
         prompt cache holds."""
@@ -47,3 +56,13 @@ class StationClient:
 
     async def stats(self, timeout_s: float | None = None) -> dict:
         return await get_json(self.binding, "/stats", self.timeout_s if timeout_s is None else timeout_s)
+
+
+def _envelope(status: int, body: memoryview) -> wire.Envelope | None:
+    """A bundle part's envelope; None when the part failed or does not decode."""
+    if status != 200:
+        return None
+    try:
+        return wire.decode_envelope(body)
+    except wire.WireError:
+        return None
