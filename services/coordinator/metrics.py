@@ -54,6 +54,7 @@ class ServiceStats:
         self.shards: list[dict | None] = []  # per shard, likewise
         # every replica as the pipeline has it (kind, range index, pipeline.Replica) and its /stats
         self.replicas: list[tuple[str, int, Any, dict | None]] = []
+        self.steps: dict | None = None  # Pipeline.step_stats() at the last scrape
 
     def collect(self) -> Iterable:
         up = GaugeMetricFamily(f"{PREFIX}_peer_stats_up", "1 if the peer answered GET /stats at the last scrape",
@@ -143,6 +144,19 @@ class ServiceStats:
             pinned.add_metric(labels, r.load)
             outages.add_metric(labels, r.state.outages)
         yield from (state, pinned, outages)
+        if self.steps is not None:  # continuous batching (STEP_BATCH)
+            steps = CounterMetricFamily(f"{PREFIX}_step_batches", "decode steps run together, and the generations' "
+                                        "steps they carried (items / batches = the mean batch)", labels=["count"])
+            steps.add_metric(["batches"], self.steps["steps"]["batches"])
+            steps.add_metric(["items"], self.steps["steps"]["batched_items"])
+            bundles = CounterMetricFamily(f"{PREFIX}_bundles", "calls that carried several generations' steps, by "
+                                          "hop (station, shard)", labels=["hop"])
+            for hop, n in self.steps["bundles"].items():
+                bundles.add_metric([hop], n)
+            alone = CounterMetricFamily(f"{PREFIX}_bundle_parts_alone", "generations' parts of a bundle that failed "
+                                        "and were made as their own calls")
+            alone.add_metric([], self.steps["made_alone"])
+            yield from (steps, bundles, alone)
 
 
 class _Uncounted:
@@ -274,6 +288,7 @@ class CoordinatorMetrics:
                 return None
 
         pipeline.probe_down()  # a replica that came back rejoins even while no generation starts
+        self.services.steps = pipeline.step_stats()
         replicas = pipeline.replicas()
         got = await asyncio.gather(*(one(r.client) for _, _, r in replicas))
         self.services.replicas = [(kind, i, r, st) for (kind, i, r), st in zip(replicas, got)]

@@ -782,6 +782,7 @@ class Pipeline:
                     for j, rep in zip(idx, replies or ()):
                         if rep is not None and misfit(rep, frames[j], "decode", (hs[j].shape[0], self.dim)) is None:
                             got[j] = rep.array
+                    self.unbundled += sum(j not in got for j in idx)
 
                 groups = self._groups([items[j][0] for j in live], "station", i, rset)
                 await asyncio.gather(*(bundle(r, [live[q] for q in idx]) for r, idx in groups if len(idx) > 1))

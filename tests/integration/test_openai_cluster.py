@@ -156,15 +156,34 @@ def test_client_disconnect_mid_stream_frees_the_kv_sessions(cluster):  # noqa: F
     assert 'knot_generations_total{outcome="cancelled"}' in raw.decode()
 
 
-def test_concurrent_requests_each_get_their_own_tokens(client, engine):  # noqa: F811
+def _step_batching(cluster) -> dict[str, float]:  # noqa: F811
+    """The coordinator's continuous-batching counters, from GET /metrics."""
+    status, _, raw = http("GET", cluster.url("coordinator") + "/metrics")
+    assert status == 200
+    out = {}
+    for line in raw.decode().splitlines():
+        for name, key in (('knot_bundles_total{hop="station"}', "station"), ('knot_bundles_total{hop="shard"}', "shard"),
+                          ("knot_bundle_parts_alone_total", "alone"), ('knot_step_batches_total{count="items"}', "items")):
+            if line.startswith(name + " "):
+                out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_concurrent_requests_each_get_their_own_tokens(cluster, client, engine):  # noqa: F811
+    """Each gets its single-process tokens while their decode steps cross the hops together
+    (continuous batching: one bundle per station and shard, STEP_BATCH)."""
     prompts = [PROMPT, "def the def", "the the", "x = def"]
     alone = [reference(engine, engine.tokenizer.encode(p), 12).text for p in prompts]
+    before = _step_batching(cluster)
 
     def one(p):
         return client.completions.create(model=MODEL, prompt=p, max_tokens=12).choices[0].text
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(one, prompts)) == alone
+    after = _step_batching(cluster)
+    assert after["station"] > before["station"] and after["shard"] > before["shard"], (before, after)
+    assert after["alone"] == before["alone"], "no part failed"
 
 
 def test_429_beyond_the_queue(cluster, engine):  # noqa: F811

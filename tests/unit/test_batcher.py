@@ -199,3 +199,29 @@ async def test_a_failing_interjected_item_fails_alone():
     with pytest.raises(RuntimeError, match="short batch"):
         await short_one
     assert not long.done() and await long == "long done"
+
+
+async def test_a_batch_waits_for_its_quorum_then_runs_them_together():
+    """A coordinator's decode steps: a batch waits (up to linger_s) for the callers known to come
+    back, so a caller that lags by its token's work still shares the step."""
+    rec = Recorder()
+    b = Batcher(rec, quorum=lambda: 3, linger_s=5.0)
+
+    async def late(i, delay):
+        await asyncio.sleep(delay)
+        return await b.submit(i)
+
+    assert await asyncio.gather(late(1, 0), late(2, 0.02), late(3, 0.04)) == [10, 20, 30]
+    assert rec.calls == [[1, 2, 3]] and b.lingered == 1
+
+
+async def test_a_quorum_that_does_not_come_is_waited_for_only_linger_s():
+    rec = Recorder()
+    b = Batcher(rec, quorum=lambda: 5, linger_s=0.05)
+    t0 = asyncio.get_running_loop().time()
+    assert await asyncio.gather(b.submit(1), b.submit(2)) == [10, 20]
+    assert rec.calls == [[1, 2]]
+    assert 0.04 <= asyncio.get_running_loop().time() - t0 < 1.0
+    # a quorum already there (or none asked for) waits for nothing
+    b2 = Batcher(Recorder(), quorum=lambda: 1, linger_s=5.0)
+    assert await asyncio.wait_for(b2.submit(4), 1.0) == 40 and b2.lingered == 0

@@ -599,6 +599,102 @@ async def test_concurrent_decodes_are_batched_and_each_equals_the_single_process
     await c.drain()
 
 
+class BundleTampering:
+    """A peer binding whose bundle replies to `path` (/forward_many, /sample_many) have each part's
+    envelopes changed by `tamper`."""
+
+    def __init__(self, inner, tamper, path: str):
+        self.inner, self.tamper, self.path = inner, tamper, path
+
+    async def fetch(self, request):
+        resp = await self.inner.fetch(request)
+        if not request.path.endswith(self.path) or not resp.ok:
+            return resp
+        parts = [(status, wire.encode_envelopes([self.tamper(e) for e in wire.decode_envelopes(body)])
+                  if status == 200 else bytes(body)) for status, body in wire.decode_bundle(resp.body)]
+        return Response(200, dict(resp.headers), wire.encode_bundle(parts))
+
+
+CONCURRENT = ["the", "def the", "the def the def", "def", "class the"]
+
+
+async def _concurrent(c, n: int = 8) -> list[dict]:
+    rs = await asyncio.gather(*(c.generate(prompt=p, max_tokens=n, speculation="off") for p in CONCURRENT))
+    assert all(r.status == 200 for r in rs), [r.body for r in rs if r.status != 200]
+    return [r.json() for r in rs]
+
+
+@pytest.mark.parametrize("step_batch", ["16", "0"])
+async def test_concurrent_decode_steps_cross_each_hop_as_one_call(tiny_knot, tmp_path, engine, step_batch):
+    """Continuous batching (STEP_BATCH): the generations' decode steps go together, one bundle per
+    station and per shard, and each generation gets exactly its single-process tokens; with
+    STEP_BATCH=0 each makes its own calls, with the same tokens."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 3, coordinator_vars={"STEP_BATCH": step_batch})
+    from services.coordinator import handler as co
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)
+    for p, body in zip(CONCURRENT, await _concurrent(c)):
+        assert body["tokens"] == reference(engine, p, 8).token_ids, p
+    s = booted.pipeline.step_stats()
+    if step_batch == "0":
+        assert s is None
+    else:
+        assert s["steps"]["largest_batch"] > 1 and s["steps"]["batches"] < s["steps"]["batched_items"], s
+        assert s["bundles"]["station"] > 0 and s["bundles"]["shard"] > 0 and s["made_alone"] == 0, s
+    co._booted.clear()
+    await c.drain()
+
+
+@pytest.mark.parametrize("target, path", [("station 0", "/forward_many"), ("station 1", "/forward_many"),
+                                          ("shard", "/sample_many")])
+@pytest.mark.parametrize("tamper", [
+    lambda e: wire.Envelope("another-request", e.mode, e.position, e.seq_len, e.array),
+    lambda e: wire.Envelope(e.request_id, e.mode, e.position + 1, e.seq_len + 1, e.array),
+], ids=["request id", "positions"])
+async def test_a_bundle_part_for_other_rows_is_never_computed_on(tiny_knot, tmp_path, engine, target, path, tamper):
+    """Why: a bundle carries several generations' rows; a part that is not its frame's (another
+    request's, other positions) would give other tokens with a 200. The coordinator checks each
+    part against its frame and makes that generation's call alone, where a wrong reply is a 502
+    (the tests above): here the single calls are sound, so every generation gets its own tokens."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    from services.coordinator import handler as co
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)
+    client = booted.pipeline.stations[int(target[-1])] if target.startswith("station") else \
+        booted.pipeline.shards[0][1]
+    client.binding = BundleTampering(client.binding, tamper, path)
+    for p, body in zip(CONCURRENT, await _concurrent(c, 6)):
+        assert body["tokens"] == reference(engine, p, 6).token_ids, p
+    s = booted.pipeline.step_stats()
+    assert s["bundles"]["station" if target.startswith("station") else "shard"] > 0 and s["made_alone"] > 0, s
+    co._booted.clear()
+    await c.drain()
+
+
+async def test_a_failed_bundle_leaves_each_generation_to_its_own_calls(tiny_knot, tmp_path, engine):
+    """A bundle call that fails as a whole (here: the station answers 500 to every /forward_many)
+    costs its generations a call each, never their tokens."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    from services.coordinator import handler as co
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)
+    st = booted.pipeline.stations[1]
+    inner = st.binding
+
+    class Refusing:
+        async def fetch(self, request):
+            if request.path.endswith("/forward_many"):
+                return Response.from_json({"error": "InternalError", "message": "boom"}, 500)
+            return await inner.fetch(request)
+
+    st.binding = Refusing()
+    for p, body in zip(CONCURRENT, await _concurrent(c, 6)):
+        assert body["tokens"] == reference(engine, p, 6).token_ids, p
+    assert booted.pipeline.step_stats()["bundles"]["station"] > 0
+    co._booted.clear()
+    await c.drain()
+
+
 class Slow:
     """A station that takes delay_s per /forward and counts them."""
 

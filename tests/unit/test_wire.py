@@ -1,6 +1,7 @@
 """Tensor frames and batches: decode(encode(x)) == x; every corruption names what is wrong."""
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -145,3 +146,36 @@ def test_warden_request_bodies_round_trip_and_refuse_what_they_cannot_carry():
     assert wire.encode_rows([1]) == b"\x01\x00\x00\x00"  # int32 little-endian
     with pytest.raises(wire.WireError, match="multiple of 4"):
         wire.decode_rows(b"\x00" * 6)
+
+
+# ---------------------------------------------------------------- bundles
+
+
+def test_a_bundle_round_trips_its_parts_and_statuses():
+    parts = [(0, wire.encode_envelope(wire.Envelope("r1", "decode", 3, 4, np.ones((1, 4), np.float32)))),
+             (409, b'{"error": "UnknownSession", "message": "gone"}'), (200, b"")]
+    got = wire.decode_bundle(wire.encode_bundle(parts))
+    assert [(s, bytes(b)) for s, b in got] == parts
+    assert wire.decode_envelope(got[0][1]).request_id == "r1"
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda b: b"KXXX" + b[4:], "magic"),
+    (lambda b: b[:4] + bytes([2]) + b[5:], "version"),
+    (lambda b: b[:5] + bytes([1]) + b[6:], "flags"),
+    (lambda b: b[:-1], "part 1 \\(4 bytes\\) needs 4 bytes"),
+    (lambda b: b + b"x", "trailing"),
+    (lambda b: b[:8] + bytes([b[8] ^ 1]) + b[9:], "crc32"),
+    (lambda b: b[:6] + b"\x00\x00" + b[8:], "0 parts"),
+], ids=["magic", "version", "flags", "truncated", "trailing", "table crc", "no parts"])
+def test_a_damaged_bundle_is_refused_naming_what(damage, needle):
+    body = wire.encode_bundle([(0, b"abc"), (0, b"defg")])
+    with pytest.raises(wire.WireError, match=needle):
+        wire.decode_bundle(damage(body))
+
+
+def test_a_bundle_holds_one_to_max_parts():
+    with pytest.raises(ValueError, match="parts"):
+        wire.encode_bundle([])
+    with pytest.raises(ValueError, match="parts"):
+        wire.encode_bundle([(0, b"")] * (wire.MAX_BUNDLE + 1))
