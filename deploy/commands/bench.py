@@ -152,6 +152,51 @@ def render_table(figures: list[Figure]) -> str:
     return "\n".join([line(rows[0]), sep] + [line(r) for r in rows[1:]])
 
 
+# Issue 54's goals, per model: (what, the figure, at least this). A figure with a llama.cpp side is
+# held by its ratio, a ratio figure ("x") by its value; the aggregate by one llama.cpp stream.
+COMMON_GOALS = (("cluster decode >= 1.0x llama.cpp", "decode", 1.0),
+                ("single-process decode >= 1.1x", "single-process decode", 1.1),
+                ("prefill of 512 tokens >= 1.0x", "prefill", 1.0),
+                ("prefill of 8,192 tokens >= 0.9x", "prefill, 8192-token prompt", 0.9))
+GOALS = {
+    "qwen2.5-coder-0.5b": COMMON_GOALS + (
+        ("cluster / single process >= 0.85", "cluster / single-process decode", 0.85),
+        ("aggregate of 8 streams >= 2.5x one llama.cpp stream", "aggregate tok/s @8", 2.5)),
+    "qwen2.5-coder-1.5b": COMMON_GOALS + (
+        ("cluster / single process >= 0.9", "cluster / single-process decode", 0.9),
+        ("aggregate of 8 streams >= 2x one llama.cpp stream", "aggregate tok/s @8", 2.0),
+        ("code with the 0.5B drafting >= 1.5x", "decode, code prompt, draft model", 1.5)),
+}
+NEVER_BELOW = ("decode, code prompt, draft model", "decode, code prompt, speculation off")
+
+
+def goal_rows(figures: list[Figure], model: str) -> list[tuple[str, str, str]]:
+    """(goal, measured, holds: yes | no | not measured) of issue 54's goals for model's run."""
+    by = {f.name: f for f in figures}
+    out = []
+    for what, name, least in GOALS.get(model, COMMON_GOALS):
+        f = by.get(name)
+        v = None if f is None else (f.ours if f.unit == "x" else ratio(f.ours, f.llama))
+        out.append((what, "-" if v is None else f"{v:.2f}", "not measured" if v is None else
+                    ("yes" if v >= least else "no")))
+    drafted, off = by.get(NEVER_BELOW[0]), by.get(NEVER_BELOW[1])
+    if drafted is not None and off is not None and drafted.ours is not None and off.ours:
+        v = drafted.ours / off.ours
+        out.append(("code with the 0.5B drafting never below speculation off", f"{v:.2f}", "yes" if v >= 1 else "no"))
+    return out
+
+
+def render_goals(figures: list[Figure], model: str, machine_class: str) -> str:
+    """The goals table knot bench prints after its figures."""
+    rows = [("goal", "measured", f"holds on this {machine_class}")] + goal_rows(figures, model)
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    return "\n".join([line(rows[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows[1:]])
+
+
 # The settings that change what a bench measures: a record's command carries those that were set.
 MEASURED_ENV = ("KNOT_LAYER_WARDEN_BUDGET_BYTES", "KNOT_KERNELS", "KNOT_THREADS", "KNOT_SPIN_US", "KNOT_SHARD_THREADS",
                 "KNOT_HTTP_SERVER", "KNOT_SHM_DIR", "KNOT_PREFETCH", "KNOT_WARM_WARDEN", "KNOT_INTERLEAVE_ROWS")
@@ -667,8 +712,8 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
         Figure("ttft", cl.get("ttft_ms"), None, "ms"),
     ]
     figs += speculation_figures(cl.get("speculation", {}), ll.get("decode_tok_s"))
-    for c in concurrency:
-        figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c), None, "tok/s"))
+    for c in concurrency:  # against one llama.cpp stream: llama-cpp-python serves one generation at a time
+        figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c), ll.get("decode_tok_s"), "tok/s"))
     for n in long_ns:
         figs.append(Figure(f"prefill, {n}-token prompt", cl.get("long_prompts", {}).get(n, {}).get("prefill_tok_s"),
                            ll.get("long_prefill_tok_s", {}).get(n), "tok/s"))
@@ -770,6 +815,11 @@ def run(args: argparse.Namespace) -> int:
           f"fluid run: --profile worker, {args.fluid_budget_bytes:,} B)")
     print(f"machine: {machine.one_line(host)}")
     print(render_table(figures))
+    from deploy import records
+
+    print(f"\nissue 54's goals ({records.machine_class(records.machine_of(host))}; the aggregate rows are set against "
+          f"one llama.cpp stream):")
+    print(render_goals(figures, model, records.machine_class(records.machine_of(host))))
     runs = (ll or {}).get("decode_runs") or []
     if len(runs) > 1:
         print(f"\nllama.cpp decode, measured {len(runs)} times (at the start, then right after each decode figure of "
@@ -791,8 +841,6 @@ def run(args: argparse.Namespace) -> int:
         for line in describe_fluid(fluid["rates"], fluid["copy_gb_s"]):
             print(f"fluid {line}")
     if args.json:
-        from deploy import records
-
         command = command_line(getattr(args, "argv", None), dict(os.environ))
         note = (f"{args.tokens} tokens, prompt {len(long_ids)} tokens"
                 + (f", llama.cpp {args.threads} threads" if ll else "")

@@ -137,9 +137,8 @@ class ClusterEngine:
         masks, spec = self._spec(gen, context, len(tokens))
         summaries = None  # the LM head's, when the step brought them
         try:
-            call = self._call(gen)
-            x = await self.pipeline.embed(call, list(frame.tokens), frame.start)  # (T, dim)
-            h, summaries = await self.pipeline.step(call, frame.start, x, frame.rewind, spec)
+            h, summaries = await self.pipeline.step(self._call(gen), list(frame.tokens), frame.start, frame.rewind,
+                                                    spec)
         except SessionLost as e:
             self._replaying(gen, e, pos)
             h = await self._replay(gen, context, [*gen.frames, frame])

@@ -723,15 +723,15 @@ class Pipeline:
         A generation's decode steps go through step()."""
         return await self._chain(call, mode, position, x, rewind)
 
-    async def step(self, call: Call, position: int, x: np.ndarray, rewind: bool,
+    async def step(self, call: Call, tokens: list[int], position: int, rewind: bool,
                    spec: wire.SampleSpec | None) -> tuple[np.ndarray, list[RowSummary] | None]:
-        """A decode step: x (T, dim) through every station -> the exit's rows (T, dim), and with spec
-        the LM head's summaries of them (sample()). Concurrent generations' steps go together
-        (STEP_BATCH: _steps)."""
+        """A decode step: tokens (T,) embedded and through every station -> the exit's rows (T, dim),
+        and with spec the LM head's summaries of them (sample()). Concurrent generations' steps go
+        together (STEP_BATCH: _steps)."""
         if self.steps is not None:
             self.stepping.add(call.rid)
-            return await self.steps.submit((call, position, x, rewind, spec))
-        return await self._alone(call, position, x, rewind, spec)
+            return await self.steps.submit((call, tokens, position, rewind, spec))
+        return await self._alone(call, position, await self.embed(call, tokens, position), rewind, spec)
 
     async def _alone(self, call: Call, position: int, x: np.ndarray, rewind: bool, spec: wire.SampleSpec | None,
                      first: int = 0, again: bool = False) -> tuple[np.ndarray, list[RowSummary] | None]:
@@ -758,15 +758,25 @@ class Pipeline:
     # on, where every failure has its rule (on_replica, until_up, the replay): the tokens are the
     # same either way, since a station computes each session's rows as it would alone.
 
-    async def _steps(self, items: list[tuple[Call, int, np.ndarray, bool, wire.SampleSpec | None]]) -> list:
-        """The steps Batcher's run: step()'s arguments per generation -> step()'s result. The LM head
-        is part of the step: the generations then come back together for the next one."""
-        if len(items) == 1:
-            return [await _own(items[0][0], lambda: self._alone(*items[0]))]
-        hs = [x for _, _, x, _, _ in items]
-        out: list = [None] * len(items)
+    async def _steps(self, steps: list[tuple[Call, list[int], int, bool, wire.SampleSpec | None]]) -> list:
+        """The steps Batcher's run: step()'s arguments per generation -> step()'s result. The embedding
+        and the LM head are part of the step: the generations come back together for the next one."""
+        if len(steps) == 1:
+            call, tokens, position, rewind, spec = steps[0]
+            return [await _own(call, lambda: self.step_alone(call, tokens, position, rewind, spec))]
+        await self._keep_rows(steps)
+        xs = await asyncio.gather(*(_own(c, lambda c=c, t=t, p=p: self.embed(c, t, p)) for c, t, p, _, _ in steps),
+                                  return_exceptions=True)
+        out: list = [None] * len(steps)
+        for j, x in enumerate(xs):
+            if isinstance(x, BaseException):
+                if not isinstance(x, Exception):
+                    raise x
+                out[j] = x
+        items = [(c, p, x, r, sp) for (c, _, p, r, sp), x in zip(steps, xs)]  # (call, position, x, rewind, spec)
+        hs = list(xs)
         alone: list[tuple[int, asyncio.Future]] = []
-        live = list(range(len(items)))
+        live = [j for j in range(len(items)) if out[j] is None]
         try:
             for i, rset in enumerate(self.station_sets):
                 frames = {j: wire.Envelope(items[j][0].rid, "decode", items[j][1], items[j][1] + hs[j].shape[0],
@@ -811,6 +821,35 @@ class Pipeline:
             for _, task in alone:
                 task.cancel()
         return out
+
+    async def step_alone(self, call: Call, tokens: list[int], position: int, rewind: bool,
+                         spec: wire.SampleSpec | None) -> tuple[np.ndarray, list[RowSummary] | None]:
+        """step(), one generation's calls."""
+        return await self._alone(call, position, await self.embed(call, tokens, position), rewind, spec)
+
+    async def _keep_rows(self, steps: list[tuple[Call, list[int], int, bool, wire.SampleSpec | None]]) -> None:
+        """The embedding rows of the steps' tokens that are not kept yet, in one fan-out for all of
+        them, so each step's embed finds its rows kept (embed()). A failure here is left to those
+        embeds, under each generation's own rules (waiting, degrade): nothing fetched here is used
+        but through the kept rows, which hold only answered rows."""
+        if not self.rows.budget_bytes:
+            return
+        etag = self.knot_etag or ""
+        missing = list(dict.fromkeys(t for _, tokens, _, _, _ in steps for t in tokens
+                                     if self.rows.checked(t, etag) is None))
+        if not missing:
+            return
+        first = steps[0][0]
+        fill = Call(first.rid, Hops(), min(c.deadline for c, *_ in steps), "degrade", [], first.timeout_s)
+        tracing.leave()  # made for several generations: none's trace nor count (STEP_BATCH is 0 on Workers)
+        subrequests.leave()
+        try:
+            await self.embed(fill, missing, 0)
+        except Exception as e:  # noqa: BLE001 - each generation's embed asks again, with its own rules
+            log.info("embedding %d rows for %d steps at once failed (%s: %s); each embeds its own",
+                     len(missing), len(steps), type(e).__name__, e)
+        finally:
+            self.unpin(fill.picks)
 
     async def _samples(self, items: list[tuple[Call, np.ndarray, int, wire.SampleSpec]]) -> list:
         """sample()'s arguments per generation -> its rows' summaries, or its exception."""

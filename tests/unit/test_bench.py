@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from deploy.commands.bench import (Figure, build_figures, copy_gb_s, describe_fluid, draft_share, fluid_rates,
-                                   format_value, per_token, ratio, render_table, speculation_figures)
+                                   format_value, goal_rows, per_token, ratio, render_goals, render_table,
+                                   speculation_figures)
 
 
 def test_ratio_is_ours_over_llama_and_missing_sides_give_none():
@@ -58,7 +59,7 @@ def test_build_figures_names_the_required_rows():
     assert by["fluid (128 MiB stations) warden bytes per token"].ours == 12.0
     assert by["cluster / single-process decode"].ours == 28.0 / 50.0
     assert ratio(by["decode"].ours, by["decode"].llama) == 28.0 / 45.0
-    assert by["aggregate tok/s @4"].llama is None
+    assert by["aggregate tok/s @4"].llama == 45.0  # against one llama.cpp stream
     # nothing measured: every cell renders, no crash
     assert "decode" in render_table(build_figures(None, None, None, [1], None, 134217728))
     # --no-fluid: no fluid row, so llama.cpp's decode is not shown against an empty fluid cell
@@ -207,3 +208,19 @@ def test_a_records_command_carries_the_settings_that_change_the_measurement():
     assert command_line(argv, env) == ("KNOT_LAYER_WARDEN_BUDGET_BYTES=5000000000 knot bench --model "
                                        "qwen2.5-coder-0.5b --concurrency ''")
     assert command_line(None, {}) == "knot bench"
+
+
+def test_the_goals_table_says_which_of_issue_54s_goals_hold():
+    figs = [Figure("decode", 50.0, 45.0, "tok/s"), Figure("single-process decode", 60.0, 50.0, "tok/s"),
+            Figure("cluster / single-process decode", 0.8, None, "x"), Figure("aggregate tok/s @8", 90.0, 45.0, "tok/s"),
+            Figure("decode, code prompt, draft model", 30.0, 20.0, "tok/s"),
+            Figure("decode, code prompt, speculation off", 33.0, 20.0, "tok/s")]
+    rows = {g: (v, holds) for g, v, holds in goal_rows(figs, "qwen2.5-coder-1.5b")}
+    assert rows["cluster decode >= 1.0x llama.cpp"] == ("1.11", "yes")
+    assert rows["single-process decode >= 1.1x"] == ("1.20", "yes")
+    assert rows["cluster / single process >= 0.9"] == ("0.80", "no")
+    assert rows["aggregate of 8 streams >= 2x one llama.cpp stream"] == ("2.00", "yes")
+    assert rows["code with the 0.5B drafting >= 1.5x"] == ("1.50", "yes")
+    assert rows["code with the 0.5B drafting never below speculation off"] == ("0.91", "no")
+    assert rows["prefill of 512 tokens >= 1.0x"] == ("-", "not measured")
+    assert "| goal" in render_goals(figs, "qwen2.5-coder-0.5b", "Zen 4") and "Zen 4" in render_goals(figs, "x", "Zen 4")
