@@ -859,6 +859,7 @@ class Pipeline:
             except Exception as e:  # noqa: BLE001 - that generation's failure, raised to it alone
                 return [e]
         frames = [wire.Envelope(call.rid, "logits", pos, pos + h.shape[0], h) for call, h, pos, _ in items]
+        bodies = [wire.encode_sample_request(spec, f) for (_, _, _, spec), f in zip(items, frames)]  # each shard's
         slices: list[list[SliceSummary | None]] = [[None] * len(self.shard_sets) for _ in items]
         t0 = time.perf_counter()
 
@@ -866,7 +867,7 @@ class Pipeline:
             spec_s, rset = self.shard_sets[k]
             replies = await self._bundle(r, rset, "shard", "/sample_many", [items[j][0] for j in idx],
                                          self.shard_timeout_s, f"shard {spec_s.index} logits",
-                                         lambda client, t: client.sample_many([(items[j][3], frames[j]) for j in idx], t))
+                                         lambda client, t: client.sample_many([bodies[j] for j in idx], t))
             for j, envs in zip(idx, replies or ()):
                 if envs is not None:
                     sl, bad = _slice(spec_s, envs, frames[j], items[j][3])

@@ -40,12 +40,11 @@ class ShardClient:
                              f"expected {SAMPLE_REPLY}")
         return envs
 
-    async def sample_many(self, calls: list[tuple[wire.SampleSpec, wire.Envelope]],
-                          timeout_s: float) -> list[list[wire.Envelope] | None]:
-        """Several generations' sample calls in one (POST /sample_many) -> per call the slice's
-        summary, or None where its part failed or is malformed (the caller makes that call alone)."""
-        parts = await post_bundle(self.binding, "/sample_many", [wire.encode_sample_request(s, f) for s, f in calls],
-                                  timeout_s, self.knot_etag)
+    async def sample_many(self, bodies: list[bytes], timeout_s: float) -> list[list[wire.Envelope] | None]:
+        """Several generations' sample calls in one (POST /sample_many), each body a /sample body
+        (wire.encode_sample_request: every shard gets the same) -> per call the slice's summary, or
+        None where its part failed or is malformed (the caller makes that call alone)."""
+        parts = await post_bundle(self.binding, "/sample_many", bodies, timeout_s, self.knot_etag)
         out: list[list[wire.Envelope] | None] = []
         for status, body in parts:
             try:
