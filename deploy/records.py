@@ -132,6 +132,9 @@ RATIO_ROWS = (
     ("1.5B cluster decode", M15, "decode" + RATIO, "decode, code prompt, speculation off" + RATIO),
     ("1.5B single process", M15, "single-process decode" + RATIO, None),
     ("1.5B code, 0.5B drafting", M15, "decode, code prompt, draft model" + RATIO, None),
+    # issue 54: eight streams at once against one llama.cpp stream (goal: 2.5x the 0.5B, 2x the 1.5B)
+    ("0.5B aggregate of 8 streams / one llama.cpp stream", M05, "aggregate tok/s @8" + RATIO, None),
+    ("1.5B aggregate of 8 streams / one llama.cpp stream", M15, "aggregate tok/s @8" + RATIO, None),
     ("prefill, 512 tokens, 0.5B", M05, "prefill" + RATIO, None),
     ("prefill, 512 tokens, 1.5B", M15, "prefill" + RATIO, None),
     # issue 50: time to first token of a re-sent context, cached / cold (goal <= 0.1), and decode under

@@ -622,6 +622,7 @@ def measure_cluster(model: str | None, args, tokens: int, long_text: str, concur
                 progress(f"  {len(errors)} of {c} requests failed: {errors[0]}")
             done = sum(r["usage"]["completion_tokens"] for r in results if r)
             out["aggregate"][c] = done / wall if done else None
+            out.setdefault("aggregate_llama", {})[c] = beside() if beside else None  # one stream, right after
 
         if long_texts:
             out["long_prompts"] = measure_long_prompts(gen, long_texts)
@@ -712,8 +713,10 @@ def build_figures(cl: dict | None, local: dict | None, ll: dict | None, concurre
         Figure("ttft", cl.get("ttft_ms"), None, "ms"),
     ]
     figs += speculation_figures(cl.get("speculation", {}), ll.get("decode_tok_s"))
-    for c in concurrency:  # against one llama.cpp stream: llama-cpp-python serves one generation at a time
-        figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c), ll.get("decode_tok_s"), "tok/s"))
+    for c in concurrency:  # against one llama.cpp stream (llama-cpp-python serves one), measured right after
+        one = cl.get("aggregate_llama", {}).get(c)
+        figs.append(Figure(f"aggregate tok/s @{c}", cl.get("aggregate", {}).get(c),
+                           ll.get("decode_tok_s") if one is None else one, "tok/s"))
     for n in long_ns:
         figs.append(Figure(f"prefill, {n}-token prompt", cl.get("long_prompts", {}).get(n, {}).get("prefill_tok_s"),
                            ll.get("long_prefill_tok_s", {}).get(n), "tok/s"))
