@@ -352,12 +352,10 @@ class Pipeline:
         self.dim, self.vocab_size = dim, vocab_size
         self.shard_timeout_s, self.station_timeout_s = shard_timeout_s, station_timeout_s
         self.peer_wait_s, self.retry_after_s = peer_wait_s, retry_after_s
-        # Continuous batching: decode steps (and LM-head calls) that arrive while a step runs wait, then
-        # cross every hop together, one bundle per replica (_steps, _samples).
-        # A step waits up to STEP_LINGER_S for every generation that is stepping (its first step
-        # taken, not yet released): those that lag behind by their token's work (sampling, a
-        # stream's write) would otherwise fall into a batch of their own, which reads every weight
-        # again (benchmarks/replicas.py --url, its batches in /cluster).
+        # Continuous batching (step(), _steps). A step waits up to STEP_LINGER_S for every generation
+        # that is stepping (its first step taken, not yet released): those that lag behind by their
+        # token's work (sampling, a stream's write) would otherwise fall into a batch of their own,
+        # which reads every weight again (/metrics knot_step_batches_total: items per batch).
         self.stepping: set[str] = set()
         self.steps = Batcher(self._steps, max_batch=step_batch, quorum=lambda: len(self.stepping),
                              linger_s=STEP_LINGER_S) if step_batch > 1 else None
@@ -731,7 +729,7 @@ class Pipeline:
         if self.steps is not None:
             self.stepping.add(call.rid)
             return await self.steps.submit((call, tokens, position, rewind, spec))
-        return await self._alone(call, position, await self.embed(call, tokens, position), rewind, spec)
+        return await self.step_alone(call, tokens, position, rewind, spec)
 
     async def _alone(self, call: Call, position: int, x: np.ndarray, rewind: bool, spec: wire.SampleSpec | None,
                      first: int = 0, again: bool = False) -> tuple[np.ndarray, list[RowSummary] | None]:
@@ -893,8 +891,8 @@ class Pipeline:
         return out
 
     def step_stats(self) -> dict | None:
-        """What continuous batching did: the steps' and LM-head calls' batches, the bundles sent and
-        the parts made alone after all; None when it is off (STEP_BATCH)."""
+        """What continuous batching did: the steps' batches, the bundles sent by hop and the parts made
+        alone after all; None when it is off (STEP_BATCH)."""
         if self.steps is None:
             return None
         return {"steps": self.steps.stats(), "bundles": dict(self.bundled),
