@@ -645,6 +645,24 @@ async def test_concurrent_decode_steps_cross_each_hop_as_one_call(tiny_knot, tmp
     await c.drain()
 
 
+async def test_a_steps_new_tokens_are_embedded_in_one_call_for_all(tiny_knot, tmp_path, engine):
+    """The rows a step's generations lack are fetched in one fan-out for all of them (_keep_rows):
+    a shard answers at most one embed call per prompt and one per step, not one per generation."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+    from services.coordinator import handler as co
+    co._booted.clear()
+    booted = await co.coordinator_for(c.coordinator.env)
+    for p, body in zip(CONCURRENT, await _concurrent(c)):
+        assert body["tokens"] == reference(engine, p, 8).token_ids, p
+    steps = booted.pipeline.step_stats()["steps"]
+    assert steps["batches"] < steps["batched_items"], steps
+    for sh in c.shards:
+        s = (await sh.fetch(Request("GET", "/stats"))).json()
+        assert s["embed_calls"] <= len(CONCURRENT) + steps["batches"], (s["embed_calls"], steps)
+    co._booted.clear()
+    await c.drain()
+
+
 @pytest.mark.parametrize("target, path", [("station 0", "/forward_many"), ("station 1", "/forward_many"),
                                           ("shard", "/sample_many")])
 @pytest.mark.parametrize("tamper", [
