@@ -400,6 +400,42 @@ async def test_malformed_frames_get_400(tiny_knot, tmp_path):
     await c.drain()
 
 
+async def test_a_bundles_parts_answer_as_their_single_calls_would(tiny_knot, tmp_path):
+    """POST /forward_many and /sample_many: each part gets its single call's answer, an error as its
+    own status beside the others' 200s; a bundle that does not decode is a 400; the services survive."""
+    c = await build_cluster(tiny_knot, tmp_path, 2, 2)
+
+    def env(rid, mode, pos, t=1, width=256):
+        return wire.Envelope(rid, mode, pos, pos + t, np.zeros((t, width), np.float32))
+
+    prefill = wire.encode_envelope(env("a", "prefill", 0, 3))
+    r = await c.stations[0].fetch(Request("POST", "/forward", {}, prefill))
+    assert r.status == 200, r.body
+    parts = [wire.encode_envelope(env("a", "decode", 3)), wire.encode_envelope(env("nobody", "decode", 5)),
+             prefill, wire.encode_envelope(env("b", "decode", 0, width=7)), b"garbage-garbage-garbage"]
+    r = await c.stations[0].fetch(Request("POST", "/forward_many", {}, wire.encode_bundle((0, p) for p in parts)))
+    assert r.status == 200, r.body
+    got = wire.decode_bundle(r.body)
+    assert [status for status, _ in got] == [200, 409, 400, 400, 400]
+    assert wire.decode_envelope(got[0][1]).array.shape == (1, 256)
+    assert json.loads(bytes(got[1][1]))["error"] == "UnknownSession"
+    assert "decode frames" in json.loads(bytes(got[2][1]))["message"]
+    assert "(T>0, 256)" in json.loads(bytes(got[3][1]))["message"]
+    assert "malformed envelope" in json.loads(bytes(got[4][1]))["message"]
+    for bad, needle in [(b"garbage", "malformed bundle"), (wire.encode_bundle([(200, prefill)]), "status must be 0")]:
+        r = await c.stations[0].fetch(Request("POST", "/forward_many", {}, bad))
+        assert r.status == 400 and needle in r.json()["message"], r.body
+    spec = wire.SampleSpec(top=1, temperature=0.0, key=1, lse=False)
+    nan = wire.Envelope("n", "logits", 0, 1, np.full((1, 256), np.nan, np.float32))
+    body = wire.encode_bundle([(0, wire.encode_sample_request(spec, env("s", "logits", 0))),
+                               (0, wire.encode_sample_request(spec, nan))])
+    got = wire.decode_bundle((await c.shards[0].fetch(Request("POST", "/sample_many", {}, body))).body)
+    assert [status for status, _ in got] == [200, 400] and len(wire.decode_envelopes(got[0][1])) == 3
+    assert "NaN" in json.loads(bytes(got[1][1]))["message"]
+    assert (await c.generate(prompt=PROMPT, max_tokens=2)).status == 200  # the services survive all that
+    await c.drain()
+
+
 async def test_generate_validation(tiny_knot, tmp_path):
     c = await build_cluster(tiny_knot, tmp_path, 1, 1)
     cases = [({"prompt": 5}, "prompt must be a string"), ({}, "exactly one of"),
