@@ -215,7 +215,7 @@ SETTINGS: list[Setting] = [
        "continuous batching: the decode steps of up to this many concurrent generations cross each station and "
        "shard together, one call per hop (POST /forward_many, /sample_many), so each weight is read once for all; "
        "0: each generation makes its own calls (the Cloudflare deploy's: a Worker's subrequest belongs to the "
-       f"request that made it)", minimum=0, maximum=64),
+       "request that made it)", minimum=0, maximum=64),
     _s("SHARD_SAMPLE_TOP", "int", "64", "coordinator compose", "sampling on the shards: candidates per row each shard "
        "sends with its max and log-sum-exp, from which the tokens are decided exactly; 0: full slices of logits",
        minimum=0, maximum=MAX_SAMPLE_TOP),

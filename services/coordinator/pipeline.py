@@ -50,8 +50,8 @@ from common.runtime import BadGateway, GatewayTimeout, HttpError, Request, Servi
 from common.shard_sampling import RowSummary, SliceSummary, merge
 from common.topology import ShardSpec
 from services import tracing
-from services.coordinator import subrequests
 from services.batcher import Batcher
+from services.coordinator import subrequests
 from services.embed_cache import SealedRows
 from services.peer import PEER_URL, IntegrityFailure, PeerError
 from services.shard.shard_client import ShardClient

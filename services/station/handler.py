@@ -78,8 +78,8 @@ from common.runtime import BadRequest, Conflict, Env, NotFound, Request, Respons
 from common.settings import ConfigError, default, read
 from common.topology import TopologyError
 from services.batcher import LATER, Batcher
-from services.bundle import serve_bundle
 from services.boot import BootCache
+from services.bundle import serve_bundle
 from services.knot_source import KNOT_ETAG_HEADER, KnotSource, read_pin, serving_version
 from services.layer_warden.layer_warden_client import LayerWardenClient
 from services.station.prefix_store import PrefixStore, block_bytes
@@ -637,5 +637,4 @@ async def _route(request: Request, st: Station, ctx) -> Response:
         return Response.from_json({**st.stats(), "boots": _booted.boots, "knot_reloads": _booted.reloads,
                                    "instance": _booted.instance})
     raise NotFound(f"{request.method} {path}: the station serves POST /forward, POST /forward_many, POST /prefix, "
-                   f"POST /release/<id>, "
-                   f"GET /stats")
+                   f"POST /release/<id>, GET /stats")
