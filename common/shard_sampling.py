@@ -92,6 +92,8 @@ class SliceSummary:
 
     def check(self, n_rows: int, lse: bool = True) -> str | None:
         """What is wrong with a peer's reply, or None (lse=False: its log-sum-exps were not asked for)."""
+        if self.ids.ndim != 2:
+            return f"candidate ids of {self.ids.ndim} dimensions, expected 2"
         T, t = self.ids.shape
         if (self.logits.shape != (T, t) or self.stats.shape != (T, N_STATS) or T != n_rows
                 or not 1 <= t <= self.vocab_end - self.vocab_start):

@@ -132,7 +132,7 @@ RATIO_ROWS = (
     ("1.5B cluster decode", M15, "decode" + RATIO, "decode, code prompt, speculation off" + RATIO),
     ("1.5B single process", M15, "single-process decode" + RATIO, None),
     ("1.5B code, 0.5B drafting", M15, "decode, code prompt, draft model" + RATIO, None),
-    # issue 54: eight streams at once against one llama.cpp stream (goal: 2.5x the 0.5B, 2x the 1.5B)
+    # issue 54: eight streams at once against one llama.cpp stream (its goals: deploy/commands/bench.py GOALS)
     ("0.5B aggregate of 8 streams / one llama.cpp stream", M05, "aggregate tok/s @8" + RATIO, None),
     ("1.5B aggregate of 8 streams / one llama.cpp stream", M15, "aggregate tok/s @8" + RATIO, None),
     ("prefill, 512 tokens, 0.5B", M05, "prefill" + RATIO, None),

@@ -280,8 +280,6 @@ def _slice(spec: ShardSpec, envs: list[wire.Envelope], frame: wire.Envelope,
            sample: wire.SampleSpec) -> tuple[SliceSummary, str | None]:
     """A shard's /sample reply to frame -> its slice's summary, and what makes it wrong (None: nothing)."""
     sl = SliceSummary(spec.vocab_start, spec.vocab_end, *(e.array for e in envs))
-    if any(e.array.ndim != 2 for e in envs):
-        return sl, f"arrays of {[e.array.ndim for e in envs]} dimensions, expected 2"
     bad = next((b for e in envs if (b := not_for(e, frame, "sample")) is not None), None) or \
         sl.check(frame.array.shape[0], sample.lse)
     return sl, bad
@@ -771,20 +769,19 @@ class Pipeline:
                 if not isinstance(x, Exception):
                     raise x
                 out[j] = x
-        items = [(c, p, x, r, sp) for (c, _, p, r, sp), x in zip(steps, xs)]  # (call, position, x, rewind, spec)
-        hs = list(xs)
+        hs = list(xs)  # generation j's rows so far
         alone: list[tuple[int, asyncio.Future]] = []
-        live = [j for j in range(len(items)) if out[j] is None]
+        live = [j for j in range(len(steps)) if out[j] is None]
         try:
             for i, rset in enumerate(self.station_sets):
-                frames = {j: wire.Envelope(items[j][0].rid, "decode", items[j][1], items[j][1] + hs[j].shape[0],
-                                           hs[j], items[j][3]) for j in live}
+                frames = {j: wire.Envelope(steps[j][0].rid, "decode", steps[j][2], steps[j][2] + hs[j].shape[0],
+                                           hs[j], steps[j][3]) for j in live}
                 got: dict[int, np.ndarray] = {}
                 t0 = time.perf_counter()
 
                 async def bundle(r: Replica, idx: list[int], i: int = i, rset: ReplicaSet = rset,
                                  frames: dict = frames, got: dict = got) -> None:
-                    replies = await self._bundle(r, rset, "station", "/forward_many", [items[j][0] for j in idx],
+                    replies = await self._bundle(r, rset, "station", "/forward_many", [steps[j][0] for j in idx],
                                                  self.station_timeout_s, f"station {i} decode",
                                                  lambda client, t: client.forward_many([frames[j] for j in idx], t))
                     for j, rep in zip(idx, replies or ()):
@@ -792,22 +789,22 @@ class Pipeline:
                             got[j] = rep.array
                     self.unbundled += sum(j not in got for j in idx)
 
-                groups = self._groups([items[j][0] for j in live], "station", i, rset)
+                groups = self._groups([steps[j][0] for j in live], "station", i, rset)
                 await asyncio.gather(*(bundle(r, [live[q] for q in idx]) for r, idx in groups if len(idx) > 1))
                 for j in live:
                     if j in got:
-                        items[j][0].hops.add(f"station_{i}", t0)
+                        steps[j][0].hops.add(f"station_{i}", t0)
                         hs[j] = got[j]
                     else:  # its own calls from here on, beside the others
-                        call, position, _, rewind, spec = items[j]
+                        call, _, position, rewind, spec = steps[j]
                         alone.append((j, asyncio.ensure_future(_own(call, lambda call=call, position=position,
                                                                         rewind=rewind, spec=spec, j=j, i=i: self._alone(
                             call, position, hs[j], rewind, spec, first=i, again=True)))))
                 live = [j for j in live if j in got]
             for j in live:
                 out[j] = (hs[j], None)
-            need = [j for j in live if items[j][4] is not None]
-            for j, res in zip(need, await self._samples([(items[j][0], hs[j], items[j][1], items[j][4])
+            need = [j for j in live if steps[j][4] is not None]
+            for j, res in zip(need, await self._samples([(steps[j][0], hs[j], steps[j][2], steps[j][4])
                                                          for j in need]) if need else ()):
                 out[j] = res if isinstance(res, BaseException) else (hs[j], res)
             for j, task in alone:
