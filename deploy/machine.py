@@ -88,8 +88,10 @@ def describe(cpuinfo: Path = CPUINFO, meminfo: Path = MEMINFO) -> dict:
 
 def one_line(m: dict) -> str:
     """e.g. "AMD EPYC (family 25 model 17), 2 CPUs, AVX2 AVX-512F AVX-512 VNNI, 23.4 GiB, Linux 6.18.44;
-    matmuls: avx512 kernels, 2 threads"."""
+    matmuls: avx512 kernels, 2 threads", then "; llama.cpp: <its build's features>" where the bench
+    loaded it."""
     fam = f" (family {m['family']} model {m['model']})" if m.get("family") is not None else ""
     mem = f", {m['mem_total_bytes'] / 2**30:.1f} GiB" if m.get("mem_total_bytes") else ""
     feats = " ".join(m.get("features") or []) or "no AVX2"
-    return f"{m['cpu']}{fam}, {m['cpus']} CPUs, {feats}{mem}, {m['system']}; matmuls: {m['kernels']}"
+    llama = f"; llama.cpp: {m['llama_cpp']}" if m.get("llama_cpp") else ""
+    return f"{m['cpu']}{fam}, {m['cpus']} CPUs, {feats}{mem}, {m['system']}; matmuls: {m['kernels']}{llama}"

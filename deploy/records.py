@@ -38,7 +38,18 @@ def machine_of(described: dict) -> dict:
 
 def machine_class(machine: dict) -> str:
     """A record's machine -> the class docs/performance.md groups figures by, e.g. "Zen 4",
-    "Intel AVX-512", "AVX2" (other CPUs, by their widest vector ISA)."""
+    "Intel AVX-512", "AVX2" (other CPUs, by their widest vector ISA). A CPU with AVX-512 whose run
+    held our kernels to AVX2 (KNOT_KERNELS=avx2) is a class of its own: "Zen 4, AVX2 builds" when
+    llama.cpp's build was held to AVX2 too (scripts/llama-isa.sh), else "Zen 4, AVX2 kernels"."""
+    base = cpu_class(machine)
+    if "AVX-512F" in (machine.get("isa") or []) and str(machine.get("kernels") or "").startswith("avx2 "):
+        llama = machine.get("llama_cpp")
+        return f"{base}, AVX2 builds" if llama and "AVX512" not in llama.split() else f"{base}, AVX2 kernels"
+    return base
+
+
+def cpu_class(machine: dict) -> str:
+    """The CPU's class alone (machine_class without the kernels' ISA)."""
     cpu, family, model = machine.get("cpu") or "", machine.get("family"), machine.get("model")
     isa = machine.get("isa") or []
     if "AMD" in cpu:

@@ -291,6 +291,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None, help="cluster run directory (default: $TMPDIR/knot-bench; "
                    "the bucket survives, so later runs skip the upload)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--llama-lib", default=None, metavar="DIR",
+                   help="load llama.cpp's shared libraries from DIR (LLAMA_CPP_LIB_PATH), e.g. a build for a "
+                        "narrower ISA from scripts/llama-isa.sh, to set against KNOT_KERNELS of the same ISA")
     p.add_argument("--llama-once", action="store_true", help="measure llama.cpp's decode once, at the start, "
                    "not again beside each decode figure (faster; the ratios then carry the machine's drift)")
     p.add_argument("--no-cluster", action="store_true", help="skip the cluster (single process and llama.cpp only)")
@@ -333,6 +336,16 @@ def long_prompt_ids(tokenizer, n: int) -> list[int]:
         if len(ids) >= n:
             return ids[:n]
         k *= 2
+
+
+def llama_build(llama_cpp) -> str:
+    """The CPU features llama.cpp's loaded build runs, from its system info: e.g. "AVX2 FMA F16C"
+    (the "= 1" entries of its CPU backend; the rest of the line is dropped)."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    cpu = info.split("CPU :", 1)[1].split("|") if "CPU :" in info else info.split("|")
+    feats = [k.strip() for k, _, v in (f.partition("=") for f in cpu) if v.strip() == "1"]
+    lib = os.environ.get("LLAMA_CPP_LIB_PATH")
+    return " ".join(feats) + (f" (from {lib})" if lib else "")
 
 
 class LlamaDecode:
@@ -780,11 +793,15 @@ def run(args: argparse.Namespace) -> int:
 
     ll = ref = None
     if not args.no_llama:
+        if args.llama_lib:  # read once, when llama_cpp is first imported
+            os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).expanduser().resolve())
         try:
-            import llama_cpp  # noqa: F401
+            import llama_cpp
         except ImportError:
             progress("llama-cpp-python is not installed: llama.cpp column left empty")
         else:
+            host["llama_cpp"] = llama_build(llama_cpp)
+            progress(f"llama.cpp build: {host['llama_cpp']}")
             progress(f"llama.cpp: prefill {len(long_ids)} tokens, decode {args.tokens} tokens, {args.threads} threads")
             ref = LlamaDecode(gguf, args.threads, args.tokens, short_ids, len(long_ids) + 16)
             ll = measure_llama(ref, long_ids)

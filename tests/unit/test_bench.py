@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from deploy.commands.bench import (Figure, build_figures, copy_gb_s, describe_fluid, draft_share, fluid_rates,
-                                   format_value, goal_rows, per_token, ratio, render_goals, render_table,
+                                   format_value, goal_rows, llama_build, per_token, ratio, render_goals, render_table,
                                    speculation_figures)
 
 
@@ -226,3 +226,22 @@ def test_the_goals_table_says_which_of_issue_54s_goals_hold():
     assert rows["code with the 0.5B drafting never below speculation off"] == ("0.91", "no")
     assert rows["prefill of 512 tokens >= 1.0x"] == ("-", "not measured")
     assert "| goal" in render_goals(figs, "qwen2.5-coder-0.5b", "Zen 4") and "Zen 4" in render_goals(figs, "x", "Zen 4")
+
+
+class _FakeLlama:
+    """llama_cpp's module as llama_build reads it: its system info line."""
+
+    def __init__(self, info: str):
+        self.info = info
+
+    def llama_print_system_info(self) -> bytes:
+        return self.info.encode()
+
+
+def test_llama_build_names_the_cpu_features_its_build_runs(monkeypatch):
+    avx2 = _FakeLlama("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
+                      "AVX512 = 0 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    assert llama_build(avx2) == "SSE3 SSSE3 AVX AVX2 F16C FMA BMI2 LLAMAFILE OPENMP REPACK"
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/opt/llama-avx2/lib")
+    assert llama_build(avx2).endswith("REPACK (from /opt/llama-avx2/lib)")

@@ -44,6 +44,7 @@ def test_describe_names_the_features_memory_and_kernels(tmp_path):
     line = one_line(m)
     assert line.startswith("AMD EPYC (family 25 model 17), ") and "AVX2 AVX-512F AVX-512 VNNI" in line
     assert "23.4 GiB" in line and line.endswith(f"matmuls: {kernels.describe()}")
+    assert one_line({**m, "llama_cpp": "AVX2 FMA"}).endswith(f"matmuls: {kernels.describe()}; llama.cpp: AVX2 FMA")
 
 
 def test_describe_without_proc_files_still_describes(tmp_path):

@@ -61,6 +61,21 @@ def test_machine_class(cpu, family, model, isa, want):
     assert records.machine_class({"cpu": cpu, "family": family, "model": model, "isa": isa}) == want
 
 
+@pytest.mark.parametrize("kernels, llama, want", [
+    ("avx512 kernels, 2 threads", "AVX2 AVX512 AVX512_VNNI", "Zen 4"),
+    ("avx2 kernels, 2 threads", "AVX AVX2 F16C FMA BMI2 LLAMAFILE (from /x/lib)", "Zen 4, AVX2 builds"),
+    ("avx2 kernels, 2 threads", "AVX2 AVX512 AVX512_VNNI", "Zen 4, AVX2 kernels"),
+    ("avx2 kernels, 2 threads", None, "Zen 4, AVX2 kernels"),
+])
+def test_kernels_held_to_avx2_on_an_avx512_cpu_are_a_class_of_their_own(kernels, llama, want):
+    m = {"cpu": "AMD EPYC", "family": 25, "model": 17, "isa": ["AVX2", "AVX-512F", "AVX-512 VNNI"],
+         "kernels": kernels, **({"llama_cpp": llama} if llama else {})}
+    assert records.machine_class(m) == want
+    # an AVX2-only CPU is its own class whatever the kernels say
+    zen3 = {"cpu": "AMD EPYC 7B13", "family": 25, "model": 1, "isa": ["AVX2"], "kernels": kernels}
+    assert records.machine_class(zen3) == "Zen 3"
+
+
 def _rec(date, metric, value, model="qwen2.5-coder-0.5b", machine=ZEN4):
     return {**GOOD, "date": date, "metric": metric, "value": value, "model": model, "machine": machine}
 
