@@ -11,7 +11,7 @@ says how many products differ.
     git worktree add /tmp/a HEAD~1 && (cd /tmp/a && python setup.py build_ext --inplace)
     python setup.py build_ext --inplace
     OPENBLAS_NUM_THREADS=1 python benchmarks/kernel_ab.py --against /tmp/a [--model 0.5b|1.5b|PATH]
-        [--rows 1,7,8] [--types Q4_K,Q6_K] [--rounds 16] [--threads 2]
+        [--rows 1,7,8] [--types Q4_K,Q6_K] [--rounds 16] [--threads 2] [--isa avx2]
 
 Per row count it prints the median pass of A and of B in ms, B/A, and the same per ggml type.
 Benchmarks are not tests: nothing here asserts a speed.
@@ -83,6 +83,8 @@ def main(argv=None) -> int:
                     help="only these ggml types' products (default: every type both builds have)")
     ap.add_argument("--rounds", type=int, default=16, help="passes of each build per row count (default 16)")
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default KNOT_THREADS or CPUs)")
+    ap.add_argument("--isa", default=None, help="both builds' kernels of this ISA, e.g. avx2 on an AVX-512 CPU "
+                                                "(default: the best this CPU runs)")
     args = ap.parse_args(argv)
     if not kernels.available():
         print(f"no kernels in this tree: {kernels.UNAVAILABLE_REASON}", file=sys.stderr)
@@ -91,6 +93,9 @@ def main(argv=None) -> int:
     threads = args.threads or kernels.threads_from_env(os.environ)
     a.set_threads(threads)
     b.set_threads(threads)
+    if args.isa:
+        a.set_isa(args.isa)
+        b.set_isa(args.isa)
     path = Path(MODELS.get(args.model, args.model)).expanduser()
     if not path.exists():
         print(f"{path} not found (knot fetch-model caches it)", file=sys.stderr)
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
         return 1
     pass_mb = sum(p[1].nbytes for p in products) / 1e6
     print(f"command: {' '.join(sys.argv)}")
-    print(f"A: {args.against}; B: {Path(__file__).resolve().parents[1]}; {threads} threads; "
+    print(f"A: {args.against}; B: {Path(__file__).resolve().parents[1]}; {b.get_isa()} kernels, {threads} threads; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     kinds = ", ".join(sorted({p[0] for p in products}))
     print(f"{path.name}: {len(products)} products ({kinds}), {pass_mb:.1f} MB a pass")

@@ -324,7 +324,7 @@ typedef struct {
     void (*lane_corr)(const int8_t *qs, int32_t *corr, int ne0, int offset);
     attn_scores_fn attn_scores;
     attn_values_fn attn_values;
-    int dotn_max;               /* dotn's most tokens: 4, or 8 where 32 vector registers hold them */
+    int dotn_max;               /* dotn's most tokens (8 in both SIMD builds) */
     dot2_fn dot2[N_KTYPES];     /* one token over two rows at once, or NULL */
 } isa_kernels;
 

@@ -24,9 +24,8 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
     for (int o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)w + KNOT_PF_DIST + o, _MM_HINT_T0);
 }
 
-/* The multi-token kernels, dotn_*: N tokens per pass over a weight row (2 to 4; to 8 in the
- * AVX-512 build, whose 32 vector registers hold 8 tokens' accumulators), each weight block
- * unpacked once. Each is written once as dotn_body_* with N a parameter and inlined for each N,
+/* The multi-token kernels, dotn_*: N tokens per pass over a weight row (2 to 8), each weight
+ * block unpacked once. Each is written once as dotn_body_* with N a parameter and inlined for each N,
  * so every N runs on registers; DOTN_ENTRY makes the table's entry, dotn_*, which takes n at run
  * time.
  * Why: a speculative verify trip's 2 or 3 rows (or the rows left after the 4s) took a
@@ -39,7 +38,9 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
  * (benchmarks/kernel_ab.py); 4 tokens and more did not move, nor did Q6_K's 2. Without VNNI the
  * chain is a 1-cycle vpaddd, and there are only 16 registers. */
 #define DOTN_CHAINS(N) (HAVE_VNNI && (N) <= 4 ? 2 : 1)
-#if HAVE_VNNI  /* the AVX-512 build: 32 vector registers hold 8 tokens' accumulators */
+/* 8 tokens a pass in both builds. Why 8 with AVX2's 16 vector registers too: a pass of 8 took
+ * less time than two of 4 for every type (benchmarks/kernel_ab.py --isa avx2 --rows 8): the
+ * weights' unpacking is shared by twice the tokens, and what spills is reloaded from L1. */
 #define DOTN_ISA 8
 #define DOTN_ENTRY(name)                                                                           \
 static void dotn_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
@@ -53,15 +54,6 @@ static void dotn_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DO
     default: dotn_body_##name(w, tk, nb, 8, out);                                                  \
     }                                                                                              \
 }
-#else
-#define DOTN_ISA 4
-#define DOTN_ENTRY(name)                                                                           \
-static void dotn_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
-    if (n >= 4) dotn_body_##name(w, tk, nb, 4, out);                                               \
-    else if (n == 3) dotn_body_##name(w, tk, nb, 3, out);                                          \
-    else dotn_body_##name(w, tk, nb, 2, out);                                                      \
-}
-#endif
 
 static inline float hsum8_ps(__m256 a) {
     float v[8];
