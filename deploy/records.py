@@ -189,7 +189,9 @@ def latest_table(recs: list[dict]) -> str:
     def machine_cell(c: str) -> tuple[str, str]:
         m = max(by_class[c], key=lambda r: r["date"])["machine"]
         fam = "" if m["family"] is None else f", family {m['family']}" + ("" if m["model"] is None else f" model {m['model']}")
-        return m["cpu"] + fam, " ".join(m["isa"]) or "no AVX2"
+        held = " (both sides held to AVX2)" if c.endswith(", AVX2 builds") else \
+            " (our kernels held to AVX2)" if c.endswith(", AVX2 kernels") else ""
+        return m["cpu"] + fam, (" ".join(m["isa"]) or "no AVX2") + held
 
     rows = [["CPU (/proc/cpuinfo)"] + [machine_cell(c)[0] for c in classes],
             ["ISA"] + [machine_cell(c)[1] for c in classes],

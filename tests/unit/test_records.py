@@ -99,3 +99,15 @@ def test_performance_md_shows_the_latest_records():
     recs = [r for f in sorted((ROOT / "benchmarks" / "results").glob("*.jsonl")) for r in records.read(f)]
     assert doc == records.with_table(doc, records.latest_table(recs)), (
         "docs/performance.md's table is stale: run `python -m deploy.records --write docs/performance.md`")
+
+
+def test_a_run_held_to_avx2_is_its_own_column_and_says_so():
+    held = {**ZEN4, "kernels": "avx2 kernels, 2 threads", "llama_cpp": "AVX AVX2 F16C FMA"}
+    r = ", ours / llama.cpp"
+    table = records.latest_table([_rec("2026-12-07", "decode" + r, 0.85),
+                                  _rec("2026-12-07", "decode" + r, 0.82, machine=held)])
+    head, _, _, isa = table.splitlines()[:4]
+    assert head.split("|")[2:4] == [" Zen 4 ", " Zen 4, AVX2 builds "]
+    assert isa.split("|")[2:4] == [" AVX2 AVX-512F AVX-512 VNNI ",
+                                   " AVX2 AVX-512F AVX-512 VNNI (both sides held to AVX2) "]
+    assert "| 0.85 | 0.82 |" in table
