@@ -144,7 +144,7 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
         if (r < r1) c->y[r] = c->dot(c->w + (size_t)r * c->row_bytes, c->a.qs, c->a.d, aux, c->nb);
         return;
     }
-    const toks_t tk0 = {c->a.qs, c->a.d, act_aux(c, 0), (size_t)c->ne0, (size_t)c->nb,
+    const toks_t tk0 = {c->a.qs, c->a.dT, act_aux(c, 0), (size_t)c->ne0, (size_t)c->T,
                         c->a.bsums ? q8k_aux_per_row(c->ne0) : (size_t)(c->ne0 / 4)};
     for (int t0 = 0; t0 < c->T; t0 += c->tok_tile) {
         const int t1 = t0 + c->tok_tile < c->T ? t0 + c->tok_tile : c->T;
@@ -155,7 +155,7 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
                 const int n = t1 - t >= c->dotn_max ? c->dotn_max : t1 - t;
                 toks_t tk = tk0;
                 tk.q += (size_t)t * tk.q_stride;
-                tk.d += (size_t)t * tk.d_stride;
+                tk.d += t;  /* block-major: token t's scales are column t */
                 tk.aux = act_aux(c, t);
                 float out[DOTN_MAX];
                 c->dotn(wr, tk, c->nb, n, out);
@@ -190,11 +190,20 @@ static int act_quantize(const qtype_t *qt, const isa_kernels *isa, const float *
     quant_ctx rest = qc;
     rest.rows_per_task = 1;
     for (int t = n_qtasks * qc.rows_per_task; t < T; t++) quant_task(&rest, t);  /* remainder rows */
+    if (T >= 2) {  /* the multi-token kernels read the scales block-major (toks_t) */
+        a.dT = malloc((size_t)T * nblk_act * sizeof(float));
+        if (!a.dT) {
+            free(a.qs); free(a.d); free(a.bsums); free(a.corr);
+            return -1;
+        }
+        for (int t = 0; t < T; t++)
+            for (int b = 0; b < nblk_act; b++) a.dT[(size_t)b * T + t] = a.d[(size_t)t * nblk_act + b];
+    }
     *out = a;
     return 0;
 }
 
-static void act_free(act_t *a) { free(a->qs); free(a->d); free(a->bsums); free(a->corr); }
+static void act_free(act_t *a) { free(a->qs); free(a->d); free(a->bsums); free(a->corr); free(a->dT); }
 
 #define DOT2_MAX_ROW_BYTES 2048  /* rows of W up to this long go two a pass at T = 1 (mm_setup) */
 

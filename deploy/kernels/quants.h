@@ -95,6 +95,7 @@ typedef struct {
     float *d;
     int16_t *bsums;
     int32_t *corr;
+    float *dT;  /* d block-major, (nb, T), for the multi-token kernels (toks_t); NULL when T < 2 */
 } act_t;
 
 static inline void lane_corr(const int8_t *qs, int32_t *corr, int ne0, int offset) {
@@ -152,9 +153,13 @@ static inline void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16
 typedef float (*dot_fn)(const uint8_t *w, const int8_t *q, const float *d, const void *aux, int nb);
 
 /* The same dot for n tokens at once, 2 to dotn_max (prefill, a verify trip's rows): each weight
- * block is unpacked once. Token i reads q + i * q_stride, d + i * d_stride and aux + i * aux_stride
- * (in elements); out[i] equals dot() of token i bit for bit: each token's operations are the same,
- * in the same order. */
+ * block is unpacked once. Token i reads q + i * q_stride and aux + i * aux_stride (in elements), and
+ * its scale of block b at d[b * d_stride + i]: the scales block-major (act_t.dT). A legacy pass
+ * finds token i's corr lanes at a fixed byte distance from its quants (both rows are ne0 bytes).
+ * Why: per-token pointers to q, aux and d were more than the general registers, and the 8-token
+ * passes moved them in and out of vector registers every block (benchmarks/kernel_ab.py --rows 8).
+ * out[i] equals dot() of token i bit for bit: each token's operations are the same, in the same
+ * order. */
 typedef struct {
     const int8_t *q;
     const float *d;

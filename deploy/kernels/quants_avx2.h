@@ -123,18 +123,20 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
 #define LEGACY_DOTN(name, BYTES)                                                                   \
 DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
-    const int32_t *corr = tk.aux;                                                                  \
+    /* token i's corr lanes of a block lie dc bytes past its quants: both rows are ne0 bytes */   \
+    const intptr_t dc = (intptr_t)tk.aux - (intptr_t)tk.q;                                          \
     __m256 acc[DOTN_ISA];                                                                          \
     for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();                                      \
-    for (int b = 0; b < nb; b++, w += BYTES, q += QK, corr += 8) {                                \
+    for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
         prefetch_ahead(w, BYTES);                                                                  \
         const __m256i x = unpack_##name(w);                                                        \
         const __m256 wd = block_scale8(w, NULL);                                                   \
         for (int i = 0; i < N; i++) {                                                              \
+            const int8_t *qi = q + i * tk.q_stride;                                                \
             const __m256i s = _mm256_dpbusd_epi32(                                                 \
-                _mm256_loadu_si256((const __m256i *)(corr + i * tk.aux_stride)), x,               \
-                _mm256_loadu_si256((const __m256i *)(q + i * tk.q_stride)));                       \
-            const __m256 d = _mm256_mul_ps(wd, _mm256_set1_ps(tk.d[b + i * tk.d_stride]));       \
+                _mm256_loadu_si256((const __m256i *)((intptr_t)qi + dc)), x,                       \
+                _mm256_loadu_si256((const __m256i *)qi));                                          \
+            const __m256 d = _mm256_mul_ps(wd, _mm256_set1_ps(tk.d[(size_t)b * tk.d_stride + i]));       \
             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));               \
         }                                                                                          \
     }                                                                                              \
@@ -207,8 +209,8 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
 #define LEGACY_DOTN(name, BYTES)                                                                   \
 DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
-    const int32_t *corr = tk.aux;                                                                  \
-    (void)corr;                                                                                    \
+    const intptr_t dc = (intptr_t)tk.aux - (intptr_t)tk.q;  /* as the VNNI pass's (Q8_0: unused) */ \
+    (void)dc;                                                                                      \
     __m256 acc[DOTN_ISA];                                                                          \
     for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();                                      \
     for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
@@ -216,9 +218,10 @@ DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, co
         const __m256i x = unpack_##name(w);                                                        \
         const float wd = f16_to_f32(rd16(w));                                                      \
         for (int i = 0; i < N; i++) {                                                              \
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(q + i * tk.q_stride));         \
-            acc[i] = lanes_acc(acc[i], LANES_##name(x, y, corr + 8 * b + i * tk.aux_stride),      \
-                               wd * tk.d[b + i * tk.d_stride]);                                    \
+            const int8_t *qi = q + i * tk.q_stride;                                                \
+            const __m256i y = _mm256_loadu_si256((const __m256i *)qi);                             \
+            acc[i] = lanes_acc(acc[i], LANES_##name(x, y, (const int32_t *)((intptr_t)qi + dc)),   \
+                               wd * tk.d[(size_t)b * tk.d_stride + i]);                            \
         }                                                                                          \
     }                                                                                              \
     for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]);                                         \
@@ -471,7 +474,7 @@ DOTN_INLINE void dotn_body_q4_K_avx2(const uint8_t *w, toks_t tk, int nb, const 
             for (int i = 0; i < N; i++) sumi[i] = _mm256_add_epi32(sumi[i], sumh[i]);
         /* token i's sums of 32 (the aux's second part) and its scale for this super-block */
 #define Q4K_BS32(i) ((const __m128i *)((const int16_t *)tk.aux + (i) * tk.aux_stride + (size_t)b * Q8K_AUX + QK_K / 16))
-#define Q4K_AD(i) tk.d[b + (i) * tk.d_stride]
+#define Q4K_AD(i) tk.d[(size_t)b * tk.d_stride + (i)]
         for (int p = 0; p < N / 2; p++) {
             const __m256i bs2 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(Q4K_BS32(2 * p))),
                                                         _mm_loadu_si128(Q4K_BS32(2 * p + 1)), 1);
@@ -527,7 +530,7 @@ DOTN_INLINE void dotn_body_q6_K_avx2(const uint8_t *w, toks_t tk, int nb, const 
                     sumi[i] = scaled_add(sumi[i], sv[k], _mm256_maddubs_epi16(qv[k], _mm256_loadu_si256((const __m256i *)(y + 32 * k))));
             }
         }
-        for (int i = 0; i < N; i++) acc[i] = lanes_acc(acc[i], sumi[i], tk.d[b + i * tk.d_stride] * wd);
+        for (int i = 0; i < N; i++) acc[i] = lanes_acc(acc[i], sumi[i], tk.d[(size_t)b * tk.d_stride + i] * wd);
     }
     for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]);
 }
