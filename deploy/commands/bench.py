@@ -261,6 +261,16 @@ def positive_int(text: str) -> int:
     return n
 
 
+def llama_lib_dir(text: str) -> str:
+    """An argparse type: a directory holding llama.cpp's libllama.so, as an absolute path (refused
+    before anything starts: llama_cpp's import would end in a traceback)."""
+    d = Path(text).expanduser().resolve()
+    if not (d / "libllama.so").exists():
+        raise argparse.ArgumentTypeError(f"{d} holds no libllama.so (scripts/llama-isa.sh builds one; "
+                                         f"its lib directory is <DIR>/llama_cpp/lib)")
+    return str(d)
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse type: comma-separated integers >= 1 (empty: none)."""
     return [positive_int(c.strip()) for c in text.split(",") if c.strip()]
@@ -291,7 +301,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None, help="cluster run directory (default: $TMPDIR/knot-bench; "
                    "the bucket survives, so later runs skip the upload)")
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
-    p.add_argument("--llama-lib", default=None, metavar="DIR",
+    p.add_argument("--llama-lib", type=llama_lib_dir, default=None, metavar="DIR",
                    help="load llama.cpp's shared libraries from DIR (LLAMA_CPP_LIB_PATH), e.g. a build for a "
                         "narrower ISA from scripts/llama-isa.sh, to set against KNOT_KERNELS of the same ISA")
     p.add_argument("--llama-once", action="store_true", help="measure llama.cpp's decode once, at the start, "
@@ -345,6 +355,9 @@ def llama_build(llama_cpp) -> str:
     cpu = info.split("CPU :", 1)[1].split("|") if "CPU :" in info else info.split("|")
     feats = [k.strip() for k, _, v in (f.partition("=") for f in cpu) if v.strip() == "1"]
     lib = os.environ.get("LLAMA_CPP_LIB_PATH")
+    home = str(Path.home())
+    if lib and (lib == home or lib.startswith(home + os.sep)):
+        lib = "~" + lib[len(home):]  # a record names the build, not this machine's home
     return " ".join(feats) + (f" (from {lib})" if lib else "")
 
 
@@ -794,7 +807,7 @@ def run(args: argparse.Namespace) -> int:
     ll = ref = None
     if not args.no_llama:
         if args.llama_lib:  # read once, when llama_cpp is first imported
-            os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).expanduser().resolve())
+            os.environ["LLAMA_CPP_LIB_PATH"] = args.llama_lib
         try:
             import llama_cpp
         except ImportError:

@@ -159,6 +159,7 @@ def test_each_decode_figure_is_set_against_the_llama_decode_measured_beside_it()
     (["--spec-repeats", "-1"], "--spec-repeats: expected an integer >= 1, got -1"),
     (["--concurrency", "1,0"], "--concurrency: expected an integer >= 1, got 0"),
     (["--long-prompts", "2048,x"], "--long-prompts: expected an integer, got 'x'"),
+    (["--llama-lib", "/nonexistent/lib"], "--llama-lib: /nonexistent/lib holds no libllama.so"),
 ])
 def test_bench_refuses_bad_counts_before_it_starts_anything(argv, needle, capsys):
     # --tokens 0 started the cluster and llama.cpp, then ended in a traceback on the coordinator's 400.
@@ -245,3 +246,6 @@ def test_llama_build_names_the_cpu_features_its_build_runs(monkeypatch):
     assert llama_build(avx2) == "SSE3 SSSE3 AVX AVX2 F16C FMA BMI2 LLAMAFILE OPENMP REPACK"
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/opt/llama-avx2/lib")
     assert llama_build(avx2).endswith("REPACK (from /opt/llama-avx2/lib)")
+    monkeypatch.setenv("HOME", "/home/u")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/home/u/.cache/knot/llama-avx2/llama_cpp/lib")
+    assert llama_build(avx2).endswith("(from ~/.cache/knot/llama-avx2/llama_cpp/lib)")
