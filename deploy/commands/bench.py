@@ -348,13 +348,13 @@ def long_prompt_ids(tokenizer, n: int) -> list[int]:
         k *= 2
 
 
-def llama_build(llama_cpp) -> str:
+def llama_build(llama_cpp, lib: str | None = None) -> str:
     """The CPU features llama.cpp's loaded build runs, from its system info: e.g. "AVX2 FMA F16C"
-    (the "= 1" entries of its CPU backend; the rest of the line is dropped)."""
+    (the "= 1" entries of its CPU backend; the rest of the line is dropped), and the directory it
+    was loaded from when not the package's own (--llama-lib)."""
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
     cpu = info.split("CPU :", 1)[1].split("|") if "CPU :" in info else info.split("|")
     feats = [k.strip() for k, _, v in (f.partition("=") for f in cpu) if v.strip() == "1"]
-    lib = os.environ.get("LLAMA_CPP_LIB_PATH")
     home = str(Path.home())
     if lib and (lib == home or lib.startswith(home + os.sep)):
         lib = "~" + lib[len(home):]  # a record names the build, not this machine's home
@@ -806,14 +806,14 @@ def run(args: argparse.Namespace) -> int:
 
     ll = ref = None
     if not args.no_llama:
-        if args.llama_lib:  # read once, when llama_cpp is first imported
+        if args.llama_lib:  # llama-cpp-python's own variable, read once, when llama_cpp is first imported
             os.environ["LLAMA_CPP_LIB_PATH"] = args.llama_lib
         try:
             import llama_cpp
         except ImportError:
             progress("llama-cpp-python is not installed: llama.cpp column left empty")
         else:
-            host["llama_cpp"] = llama_build(llama_cpp)
+            host["llama_cpp"] = llama_build(llama_cpp, args.llama_lib)
             progress(f"llama.cpp build: {host['llama_cpp']}")
             progress(f"llama.cpp: prefill {len(long_ids)} tokens, decode {args.tokens} tokens, {args.threads} threads")
             ref = LlamaDecode(gguf, args.threads, args.tokens, short_ids, len(long_ids) + 16)

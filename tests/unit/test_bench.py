@@ -242,10 +242,8 @@ class _FakeLlama:
 def test_llama_build_names_the_cpu_features_its_build_runs(monkeypatch):
     avx2 = _FakeLlama("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
                       "AVX512 = 0 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
-    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
     assert llama_build(avx2) == "SSE3 SSSE3 AVX AVX2 F16C FMA BMI2 LLAMAFILE OPENMP REPACK"
-    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/opt/llama-avx2/lib")
-    assert llama_build(avx2).endswith("REPACK (from /opt/llama-avx2/lib)")
+    assert llama_build(avx2, "/opt/llama-avx2/lib").endswith("REPACK (from /opt/llama-avx2/lib)")
     monkeypatch.setenv("HOME", "/home/u")
-    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/home/u/.cache/knot/llama-avx2/llama_cpp/lib")
-    assert llama_build(avx2).endswith("(from ~/.cache/knot/llama-avx2/llama_cpp/lib)")
+    assert llama_build(avx2, "/home/u/.cache/knot/llama-avx2/llama_cpp/lib").endswith(
+        "(from ~/.cache/knot/llama-avx2/llama_cpp/lib)")
