@@ -124,7 +124,7 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
 DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
     /* token i's corr lanes of a block lie dc bytes past its quants: both rows are ne0 bytes */   \
-    const intptr_t dc = (intptr_t)tk.aux - (intptr_t)tk.q;                                          \
+    const intptr_t dc = (intptr_t)tk.aux - (intptr_t)tk.q;                                         \
     __m256 acc[DOTN_ISA];                                                                          \
     for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();                                      \
     for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
@@ -136,7 +136,7 @@ DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, co
             const __m256i s = _mm256_dpbusd_epi32(                                                 \
                 _mm256_loadu_si256((const __m256i *)((intptr_t)qi + dc)), x,                       \
                 _mm256_loadu_si256((const __m256i *)qi));                                          \
-            const __m256 d = _mm256_mul_ps(wd, _mm256_set1_ps(tk.d[(size_t)b * tk.d_stride + i]));       \
+            const __m256 d = _mm256_mul_ps(wd, _mm256_set1_ps(tk.d[(size_t)b * tk.d_stride + i])); \
             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));               \
         }                                                                                          \
     }                                                                                              \
