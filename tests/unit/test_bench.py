@@ -227,6 +227,14 @@ def test_the_goals_table_says_which_of_issue_54s_goals_hold():
     assert rows["code with the 0.5B drafting never below speculation off"] == ("0.91", "no")
     assert rows["prefill of 512 tokens >= 1.0x"] == ("-", "not measured")
     assert "| goal" in render_goals(figs, "qwen2.5-coder-0.5b", "Zen 4") and "Zen 4" in render_goals(figs, "x", "Zen 4")
+    # against the run's fastest llama.cpp decode (50 tok/s) the aggregate is 1.80x and the drafted
+    # decode 0.60x: met only beside their own figures; decode (1.00x) and single process (1.20x) hold
+    rows = {g: holds for g, _, holds in goal_rows(figs, "qwen2.5-coder-1.5b", [45.0, 50.0, 20.0])}
+    assert rows["aggregate of 8 streams >= 2x one llama.cpp stream"] == (
+        "beside its llama.cpp figure; not against the run's fastest (1.80)")
+    assert rows["code with the 0.5B drafting >= 1.5x"].endswith("(0.60)")
+    assert rows["cluster decode >= 1.0x llama.cpp"] == "yes" and rows["single-process decode >= 1.1x"] == "yes"
+    assert rows["cluster / single process >= 0.9"] == "no"
 
 
 class _FakeLlama:
