@@ -7,8 +7,9 @@
 # then
 #   KNOT_KERNELS=avx2 knot bench --llama-lib ~/.cache/knot/llama-avx2/llama_cpp/lib ...
 # Why: the default build is -march=native, so on an AVX-512 machine it measures llama.cpp's
-# AVX-512 kernels; an AVX2-only CPU class is then measured on an AVX-512 one with both sides held
-# to AVX2 (docs/performance.md, "Machine classes"). About 10 minutes on 2 cores; pip does not cache it.
+# AVX-512 kernels; held to AVX2 on both sides, the two ISAs' kernels compare on one machine
+# (docs/performance.md, "Current figures per machine class"). It compiles llama.cpp from source
+# each time: pip does not cache a --target install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 isa="${1:-}"
@@ -21,8 +22,10 @@ case "$isa" in
 esac
 py=.venv/bin/python
 [ -x "$py" ] || { echo "llama-isa: run scripts/setup.sh dev,oracle first" >&2; exit 1; }
-version="$("$py" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null || echo 0.3.36)"
-echo "llama-isa: building llama-cpp-python $version for $isa into $dir (about 10 minutes)" >&2
+# the oracle's release, so that both builds are the same llama.cpp
+version="$("$py" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null)" ||
+  { echo "llama-isa: llama-cpp-python is not installed: run scripts/setup.sh dev,oracle first" >&2; exit 1; }
+echo "llama-isa: building llama-cpp-python $version for $isa into $dir (compiling llama.cpp)" >&2
 mkdir -p "$dir"
 CMAKE_ARGS="$flags -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
   "$py" -m pip install --disable-pip-version-check -q --no-deps --no-binary llama-cpp-python --no-cache-dir \

@@ -169,6 +169,8 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
     }
 }
 
+static void act_free(act_t *a) { free(a->qs); free(a->d); free(a->bsums); free(a->corr); free(a->dT); }
+
 /* x (T, ne0) quantized as qt's kernels on isa read it into a (malloc'd; act_free frees it): 0, or -1
  * when out of memory */
 static int act_quantize(const qtype_t *qt, const isa_kernels *isa, const float *x, int T, int ne0, int parallel,
@@ -180,8 +182,9 @@ static int act_quantize(const qtype_t *qt, const isa_kernels *isa, const float *
     const int corr_offset = isa->corr_offset[qt->k];
     if (qt->act_k) a.bsums = malloc((size_t)T * q8k_aux_per_row(ne0) * sizeof(int16_t));
     if (corr_offset) a.corr = malloc((size_t)T * (ne0 / 4) * sizeof(int32_t));
-    if (!a.qs || !a.d || (qt->act_k && !a.bsums) || (corr_offset && !a.corr)) {
-        free(a.qs); free(a.d); free(a.bsums); free(a.corr);
+    if (T >= 2) a.dT = malloc((size_t)T * nblk_act * sizeof(float));  /* the multi-token kernels' (toks_t) */
+    if (!a.qs || !a.d || (qt->act_k && !a.bsums) || (corr_offset && !a.corr) || (T >= 2 && !a.dT)) {
+        act_free(&a);
         return -1;
     }
     quant_ctx qc = {x, a, ne0, qt->act_k, isa, corr_offset, T >= 16 ? 4 : 1};
@@ -190,20 +193,12 @@ static int act_quantize(const qtype_t *qt, const isa_kernels *isa, const float *
     quant_ctx rest = qc;
     rest.rows_per_task = 1;
     for (int t = n_qtasks * qc.rows_per_task; t < T; t++) quant_task(&rest, t);  /* remainder rows */
-    if (T >= 2) {  /* the multi-token kernels read the scales block-major (toks_t) */
-        a.dT = malloc((size_t)T * nblk_act * sizeof(float));
-        if (!a.dT) {
-            free(a.qs); free(a.d); free(a.bsums); free(a.corr);
-            return -1;
-        }
+    if (a.dT)  /* the scales block-major */
         for (int t = 0; t < T; t++)
             for (int b = 0; b < nblk_act; b++) a.dT[(size_t)b * T + t] = a.d[(size_t)t * nblk_act + b];
-    }
     *out = a;
     return 0;
 }
-
-static void act_free(act_t *a) { free(a->qs); free(a->d); free(a->bsums); free(a->corr); free(a->dT); }
 
 #define DOT2_MAX_ROW_BYTES 2048  /* rows of W up to this long go two a pass at T = 1 (mm_setup) */
 
