@@ -150,8 +150,8 @@ async def generate_events(engine: Engine, gen: Generation, tokenizer: "Tokenizer
     detok = tokenizer.stream(skip_special=True)
     stop = StopText(gen.stop)
     history = list(gen.prompt_ids)
-    draft_len = DraftLength(gen.speculation.max_draft, cost=cost) if drafter is not None and gen.speculation.on \
-        else None
+    draft_len = DraftLength(gen.speculation.max_draft, cost=cost, blind=getattr(drafter, "blind", False)) \
+        if drafter is not None and gen.speculation.on else None
     gen.t0 = clock()
     # A draft model reads the prompt while the target does (a service of its own: the drafter),
     # not in the first trip after it; the first proposal awaits it.
@@ -218,8 +218,11 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
         if cost is not None:
             cost.observe_plain(now() - t0)
         return [(sampler(row, history), row)]
+    t_verify = now()
     rows = await engine.verify_logits(gen, [history[-1], *draft.tokens], history + draft.tokens)
     seconds = now() - t0 if cost is not None else None
+    if cost is not None:
+        cost.observe_verify(len(draft.tokens), now() - t_verify)
     tokens, accepted = verify(sampler, rows, history, draft)
     gen.drafted += len(draft.tokens)
     gen.accepted += accepted

@@ -121,6 +121,8 @@ class PromptLookup:
     def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
+    blind = True  # its drafts carry no confidence: DraftLength bounds them by the acceptance so far
+
     def propose(self, gen: "Generation | None", context: Sequence[int], k: int) -> Draft:
         return Draft(lookup(context, k, self.ngram_max, self.ngram_min))
 
@@ -365,6 +367,18 @@ def draft_key(gen: "Generation") -> int:
 # drafts, only the trips taken.
 MAX_COOLDOWN = 16
 
+# A blind source's (prompt lookup's) drafts carry no confidence of their own, so the generation's
+# recent acceptance stands in for it: (accepted + ACCEPT_PRIOR[0]) / (decided + sum(ACCEPT_PRIOR)),
+# each past drafting trip's count weighted by ACCEPT_DECAY per later one, so that a code edit's
+# answer that starts copying the prompt after a few failed drafts is believed within a few trips.
+# The prior, 3 of 4, lets a first draft run 3 tokens where a verified row costs a quarter of a trip.
+ACCEPT_PRIOR = (3.0, 1.0)
+ACCEPT_DECAY = 0.75
+# What one more verified row adds to a trip, as a share of a plain trip, until the engine's own
+# drafting trips measured it (TripCost.row_s): a 1.5B trip of 9 rows costs ~3 plain ones on the
+# compute-bound machines (benchmarks/bench_kernels.py --rows).
+ROW_SHARE_PRIOR = 0.25
+
 
 class TripCost:
     """What a plain trip (one row, nothing drafted) through one engine takes, as its trips measure
@@ -382,9 +396,23 @@ class TripCost:
 
     def __init__(self):
         self.plain_s: float | None = None  # seconds of a plain trip, a running mean; None: none yet
+        self.row_s: float | None = None    # what each drafted row adds to a trip's engine call, a running mean
 
     def observe_plain(self, seconds: float) -> None:
         self.plain_s = seconds if self.plain_s is None else self.plain_s + self.WEIGHT * (seconds - self.plain_s)
+
+    def observe_verify(self, drafted: int, seconds: float) -> None:
+        """An engine call that verified 1 + drafted rows took seconds (its drafting not included)."""
+        if drafted <= 0 or self.plain_s is None:
+            return
+        per_row = max(0.0, seconds - self.plain_s) / drafted
+        self.row_s = per_row if self.row_s is None else self.row_s + self.WEIGHT * (per_row - self.row_s)
+
+    def row_share(self) -> float:
+        """What a drafted row adds to a trip, as a share of a plain trip (ROW_SHARE_PRIOR until measured)."""
+        if self.row_s is None or not self.plain_s:
+            return ROW_SHARE_PRIOR
+        return self.row_s / self.plain_s
 
 
 
@@ -404,12 +432,23 @@ class DraftLength:
     pays; judged alone, it cost the next trip its drafts, and the same tokens took a different
     number of trips from run to run as the clock fell either side of the line. Why not the mean
     alone: it remembers the slow trips before a code edit's answer starts copying the prompt, and
-    kept prompt lookup backing off through the copy (knot bench's code edit prompt)."""
+    kept prompt lookup backing off through the copy (knot bench's code edit prompt).
 
-    def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None):
+    A blind source (one whose drafts carry no confidence: prompt lookup) with a TripCost drafts no
+    more than pays in expectation (gainful): the length of the most tokens per trip second, with
+    each draft accepted at the generation's recent rate and each row at what the engine's rows
+    cost. Why: on a fresh completion the first lookups mostly fail, and 8 rows then 4 then 2 cost
+    the 1.5B 4-8% of its decode against speculation off; where rows are cheap, or the drafts keep
+    being accepted, the bound allows the whole length."""
+
+    def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None,
+                 blind: bool = False):
         self.max_draft = max_draft
         self.k = max_draft if start is None else min(start, max_draft)
         self.cost = cost
+        self.blind = blind
+        self.hits = 0.0    # drafts accepted, decayed by ACCEPT_DECAY a drafting trip (blind sources)
+        self.misses = 0.0  # drafts rejected (at most one a trip), decayed alike
         self.failures = 0  # drafts in a row of which nothing was accepted
         self.slow = 0      # drafting trips in a row slower per token than a plain trip, the mean below too
         self.drafting_s: float | None = None  # drafting trips' seconds per decided token, a running mean
@@ -425,13 +464,34 @@ class DraftLength:
             return 0
         if self.cost is not None and self.cost.plain_s is None:
             return 0
-        return self.k
+        return self.gainful() if self.blind and self.cost is not None else self.k
+
+    def acceptance(self) -> float:
+        """A blind source's expected chance that a draft is accepted (ACCEPT_PRIOR, ACCEPT_DECAY)."""
+        a, b = ACCEPT_PRIOR
+        return (self.hits + a) / (self.hits + self.misses + a + b)
+
+    def gainful(self) -> int:
+        """The length up to k with the most expected tokens per trip second, at least 1: a trip of
+        j drafts decides sum(p**i, i <= j) tokens in expectation and costs 1 + j * row share of a
+        plain trip. At least 1, so that drafting resumes where acceptance comes back; whether to
+        draft at all is the back-off's."""
+        p, r = self.acceptance(), self.cost.row_share()
+        best, best_j, tokens, chain = 0.0, 1, 1.0, 1.0
+        for j in range(1, self.k + 1):
+            chain *= p
+            tokens += chain
+            if tokens / (1.0 + j * r) > best:
+                best, best_j = tokens / (1.0 + j * r), j
+        return best_j
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """After a trip that drafted `drafted` tokens and accepted `accepted` of them, in `seconds`
         (drafting included; None: not timed)."""
         if drafted == 0:
             return
+        self.hits = ACCEPT_DECAY * self.hits + accepted
+        self.misses = ACCEPT_DECAY * self.misses + (accepted < drafted)
         if accepted == drafted:
             self.k = min(self.max_draft, self.k + 2)
         else:  # a draft that failed whole halves the next one: its rows were paid for nothing

@@ -9,8 +9,8 @@ from common import wire
 from common.generation import Generation
 from common.runtime import Request
 from common.sampling import Sampler, SamplingParams
-from common.speculative import (MAX_COOLDOWN, Draft, DraftLength, PromptLookup, SpeculationParams, TripCost,
-                                draft_vocab_runs, lookup, verify)
+from common.speculative import (ACCEPT_DECAY, MAX_COOLDOWN, ROW_SHARE_PRIOR, Draft, DraftLength, PromptLookup,
+                                SpeculationParams, TripCost, draft_vocab_runs, lookup, verify)
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
 
@@ -128,6 +128,30 @@ def test_one_slow_trip_among_paying_ones_does_not_stop_drafting():
     assert d.slow == 1 and d.next() == 0 and d.skipped == 1
 
 
+def test_a_blind_source_drafts_what_its_acceptance_and_the_rows_cost_pay_for():
+    """Prompt lookup's drafts carry no confidence: the generation's recent acceptance (a prior of 3
+    in 4) and what a verified row costs (a quarter of a plain trip until measured) bound them to the
+    length of the most expected tokens per second, which grows as rows come cheaper or drafts keep
+    being accepted. A source with a confidence of its own (a draft model) is not bound."""
+    cost = TripCost()
+    cost.observe_verify(4, 0.5)
+    assert cost.row_s is None, "no plain trip to weigh a verify against yet"
+    cost.observe_plain(0.1)
+    d = DraftLength(8, cost=cost, blind=True)
+    assert cost.row_share() == ROW_SHARE_PRIOR and d.acceptance() == pytest.approx(0.75)
+    assert d.next() == 3                             # 1.5625 expected tokens per plain trip's time; 8 would give 1.07
+    d.update(3, 0)                                   # rejected whole: 3 in 5 expected, the length halves to 4
+    assert d.acceptance() == pytest.approx(0.6) and d.next() == 2
+    cost.observe_verify(2, 0.12)                     # a row costs a tenth of a plain trip here
+    assert cost.row_share() == pytest.approx(0.1) and d.next() == 3
+    d.update(3, 3)                                   # accepted: the evidence decays by ACCEPT_DECAY a trip
+    assert (d.hits, d.misses) == (3.0, ACCEPT_DECAY) and d.k == 6 and d.next() == 5
+    cost.observe_verify(3, 0.05)                     # faster than a plain trip: a row costs nothing more
+    assert cost.row_s == pytest.approx(0.0075) and d.next() == 6
+    assert DraftLength(8, cost=cost).next() == 8, "not blind: the length is the heuristic's"
+    assert DraftLength(8, blind=True).next() == 8, "no clock: acceptance alone decides, as before"
+
+
 class _Clock:
     def __init__(self):
         self.t = 0.0
@@ -200,6 +224,43 @@ async def test_the_generation_loop_times_its_trips_and_stops_drafting_where_it_d
     assert plain.backed_off == 0 and plain.accepted == 29 and plain.trips == 30
     assert timed.backed_off > 30 and timed.drafted < plain.drafted // 2, (timed.backed_off, timed.drafted)
     assert timed_s < 0.8 * plain_s, (timed_s, plain_s)
+
+
+class _WrongLookup:
+    """Prompt lookup on a fresh completion: every draft wrong, at no cost; blind as PromptLookup."""
+
+    def __init__(self, script: list[int], n0: int, blind: bool):
+        self.script, self.n0, self.blind = script, n0, blind
+
+    def propose(self, gen, context, k):
+        i = len(context) - self.n0
+        return Draft([(self.script[i + j] + 1) % 50 for j in range(k)])
+
+
+async def test_the_generation_loop_bounds_a_blind_drafters_failing_drafts_by_what_rows_cost(engine):
+    """Drafts that all fail, a verified row an eighth of a plain trip's 0.625 s: bounded by the
+    acceptance (blind), the generation verifies fewer rows for them and takes less time than with
+    the heuristic's lengths alone; the loop measures what a row costs. The same tokens either way."""
+    from common import generation
+
+    clock = _Clock()
+    script = [(7 * i) % 50 + 1 for i in range(80)]
+    spec = SpeculationParams("prompt_lookup", 8)
+
+    async def run(blind):
+        e, cost = _Timed(engine.cfg.vocab_size, script, clock, per_row=0.125), TripCost()
+        gen = Generation([1, 2, 3], 60, speculation=spec)
+        t0 = clock.t
+        async for _ in generation.generate_events(e, gen, engine.tokenizer, clock.perf_counter,
+                                                  _WrongLookup(script, 3, blind), cost):
+            pass
+        return gen, clock.t - t0, cost
+
+    (seen, seen_s, _), (blind, blind_s, cost) = await run(False), await run(True)
+    assert seen.token_ids == blind.token_ids == script[:60]
+    assert seen.accepted == blind.accepted == 0
+    assert blind.drafted < seen.drafted and blind_s < seen_s, (blind.drafted, seen.drafted, blind_s, seen_s)
+    assert cost.row_s == pytest.approx(0.125)
 
 
 def test_greedy_rule_accepts_the_argmax_and_replaces_the_first_miss():
