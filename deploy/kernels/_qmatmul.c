@@ -99,7 +99,7 @@ typedef struct {
     act_t a;
     int ne0, act_k;
     const isa_kernels *isa;
-    int corr_offset;  /* > 0: fill a.corr for the VNNI legacy kernels */
+    int corr_offset;  /* > 0: fill a.corr for the VNNI legacy kernels (corr lanes, or u where a.u) */
     int rows_per_task;
 } quant_ctx;
 
@@ -112,7 +112,8 @@ static void quant_task(void *vctx, int task) {  /* one task = rows_per_task acti
         float *d = c->a.d + (size_t)t * nblk;
         if (c->act_k) c->isa->quantize_q8_K(x, qs, d, c->a.bsums + (size_t)t * q8k_aux_per_row(c->ne0), c->ne0);
         else c->isa->quantize_q8_0(x, qs, d, c->ne0);
-        if (c->corr_offset) c->isa->lane_corr(qs, c->a.corr + (size_t)t * (c->ne0 / 4), c->ne0, c->corr_offset);
+        if (c->a.u) act_u8(qs, (uint8_t *)c->a.corr + (size_t)t * c->ne0, c->ne0);  /* corr: ne0 bytes a token */
+        else if (c->corr_offset) c->isa->lane_corr(qs, c->a.corr + (size_t)t * (c->ne0 / 4), c->ne0, c->corr_offset);
     }
 }
 
@@ -128,7 +129,7 @@ typedef struct {
     int rows_per_task, tok_tile, dotn_max;
 } mm_ctx;
 
-static inline const void *act_aux(const mm_ctx *c, int t) {  /* token t's bsums or corr lanes */
+static inline const void *act_aux(const mm_ctx *c, int t) {  /* token t's bsums, corr lanes or u */
     return c->a.bsums ? (const void *)(c->a.bsums + (size_t)t * q8k_aux_per_row(c->ne0))
          : c->a.corr ? (const void *)(c->a.corr + (size_t)t * (c->ne0 / 4)) : NULL;
 }
@@ -151,7 +152,9 @@ static void mm_task(void *vctx, int task) {  /* one task = rows_per_task rows of
         for (int r = r0; r < r1; r++) {
             const uint8_t *wr = c->w + (size_t)r * c->row_bytes;
             int t = t0;
-            while (c->dotn && t1 - t >= 2) {  /* up to dotn_max tokens per pass over the row */
+            /* up to dotn_max tokens per pass over the row; a last single token too where the
+             * activations hold u, which dot() does not read */
+            while (c->dotn && t1 - t >= (c->a.u ? 1 : 2)) {
                 const int n = t1 - t >= c->dotn_max ? c->dotn_max : t1 - t;
                 toks_t tk = tk0;
                 tk.q += (size_t)t * tk.q_stride;
@@ -183,6 +186,7 @@ static int act_quantize(const qtype_t *qt, const isa_kernels *isa, const float *
     if (qt->act_k) a.bsums = malloc((size_t)T * q8k_aux_per_row(ne0) * sizeof(int16_t));
     if (corr_offset) a.corr = malloc((size_t)T * (ne0 / 4) * sizeof(int32_t));
     if (T >= 2) a.dT = malloc((size_t)T * nblk_act * sizeof(float));  /* the multi-token kernels' (toks_t) */
+    a.u = corr_offset && T >= 2 && isa->act_u;
     if (!a.qs || !a.d || (qt->act_k && !a.bsums) || (corr_offset && !a.corr) || (T >= 2 && !a.dT)) {
         act_free(&a);
         return -1;

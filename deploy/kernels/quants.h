@@ -96,11 +96,16 @@ typedef struct {
     int16_t *bsums;
     int32_t *corr;
     float *dT;  /* d block-major, (nb, T), for the multi-token kernels (toks_t); NULL when T < 2 */
+    int u;      /* corr holds each token's quants as u = q ^ 0x80 (unsigned), not its corr lanes (act_u) */
 } act_t;
 
 static inline void lane_corr(const int8_t *qs, int32_t *corr, int ne0, int offset) {
     for (int j = 0; j < ne0 / 4; j++)
         corr[j] = -offset * (qs[4 * j] + qs[4 * j + 1] + qs[4 * j + 2] + qs[4 * j + 3]);
+}
+
+static inline void act_u8(const int8_t *qs, uint8_t *u, int ne0) {  /* q + 128 as unsigned bytes */
+    for (int j = 0; j < ne0; j++) u[j] = (uint8_t)(qs[j] ^ 0x80);
 }
 
 /* ref: x86 quants.c quantize_row_q8_0 (the AVX2 one: id = 127 / amax, round half to even) */
@@ -149,13 +154,14 @@ static inline void quantize_row_q8_K(const float *x, int8_t *qs, float *d, int16
  * the block sums of elements 4k..4k+3 (the int32 lanes of maddubs + madd), reduced at the end
  * as ggml's hsum_float_8 does. K-quants reduce each super-block to one exact int first. */
 
-/* aux: the Q8_K bsums for K-quants, the corr lanes for the VNNI legacy kernels, else unused */
+/* aux: the Q8_K bsums for K-quants, the corr lanes for the legacy kernels that take them, else unused */
 typedef float (*dot_fn)(const uint8_t *w, const int8_t *q, const float *d, const void *aux, int nb);
 
-/* The same dot for n tokens at once, 2 to dotn_max (prefill, a verify trip's rows): each weight
- * block is unpacked once. Token i reads q + i * q_stride and aux + i * aux_stride (in elements), and
- * its scale of block b at d[b * d_stride + i]: the scales block-major (act_t.dT). A legacy pass
- * finds token i's corr lanes at a fixed byte distance from its quants (both rows are ne0 bytes).
+/* The same dot for n tokens at once, 2 to dotn_max (prefill, a verify trip's rows; 1 too where
+ * act_u): each weight block is unpacked once. Token i reads q + i * q_stride and aux + i *
+ * aux_stride (in elements), and its scale of block b at d[b * d_stride + i]: the scales block-major
+ * (act_t.dT). A legacy pass finds token i's corr lanes (or u, VNNI) at a fixed byte distance from
+ * its quants, or at aux + i * q_stride bytes (both rows are ne0 bytes).
  * Why: per-token pointers to q, aux and d were more than the general registers, and the 8-token
  * passes moved them in and out of vector registers every block (benchmarks/kernel_ab.py --rows 8).
  * out[i] equals dot() of token i bit for bit: each token's operations are the same, in the same
@@ -167,7 +173,7 @@ typedef struct {
     size_t q_stride, d_stride, aux_stride;
 } toks_t;
 #define DOTN_MAX 8  /* the most tokens a table's dotn takes at once (isa_kernels.dotn_max) */
-typedef void (*dotn_fn)(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]);  /* n: 2 to dotn_max */
+typedef void (*dotn_fn)(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]);  /* n: 1 to dotn_max */
 /* one token, two rows of W: w and w + row_bytes -> out[0], out[1], each dot_fn's bits */
 typedef void (*dot2_fn)(const uint8_t *w, size_t row_bytes, const int8_t *q, const float *d, const void *aux, int nb,
                         float out[2]);
@@ -331,6 +337,9 @@ typedef struct {
     attn_values_fn attn_values;
     int dotn_max;               /* dotn's most tokens (8 in both SIMD builds) */
     dot2_fn dot2[N_KTYPES];     /* one token over two rows at once, or NULL */
+    /* 1: the legacy types' multi-token passes (T >= 2) read each token's quants as u = q ^ 0x80 where
+     * the corr lanes would be (act_t.u), and also take a single token (n = 1) */
+    int act_u;
 } isa_kernels;
 
 #endif

@@ -45,6 +45,7 @@ static inline void prefetch_ahead(const uint8_t *w, int nbytes) {
 #define DOTN_ENTRY(name)                                                                           \
 static void dotn_##name(const uint8_t *w, toks_t tk, int nb, int n, float out[DOTN_MAX]) {        \
     switch (n) {                                                                                   \
+    case 1: dotn_body_##name(w, tk, nb, 1, out); break;                                            \
     case 2: dotn_body_##name(w, tk, nb, 2, out); break;                                            \
     case 3: dotn_body_##name(w, tk, nb, 3, out); break;                                            \
     case 4: dotn_body_##name(w, tk, nb, 4, out); break;                                            \
@@ -120,22 +121,35 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
     }                                                                                              \
     return hsum8_ps(acc);                                                                          \
 }
+/* The weight quants of a legacy block minus the offset, signed: the multi-token passes' form */
+static inline __m256i signed_q8_0(const uint8_t *w) { return _mm256_loadu_si256((const __m256i *)(w + 2)); }
+static inline __m256i signed_q4_0(const uint8_t *w) { return _mm256_sub_epi8(nibbles_32(w + 2), _mm256_set1_epi8(8)); }
+static inline __m256i signed_q5_0(const uint8_t *w) {  /* the nibble, less 16 where the 5th bit is clear */
+    uint32_t qh; memcpy(&qh, w + 2, 4);
+    const __m256i x = nibbles_32(w + 6);
+    return _mm256_mask_sub_epi8(x, (__mmask32)~qh, x, _mm256_set1_epi8(16));
+}
+
+/* Multi-token passes on u = q + 128 (unsigned; act_t.u), the weights signed: a token's lanes are
+ * sum(w * (q + 128)) - 128 * sum(w) = sum(w * q), the integers the corr lanes give, so the same
+ * bits. Why: the 128 * sum(w) lanes are the block's, formed once for all its tokens, where the corr
+ * lanes were a second 32-byte load a token, and these passes are bound by their loads
+ * (benchmarks/kernel_ab.py --rows 8,64). */
 #define LEGACY_DOTN(name, BYTES)                                                                   \
 DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
-    const int8_t *q = tk.q;                                                                        \
-    /* token i's corr lanes of a block lie dc bytes past its quants: both rows are ne0 bytes */   \
-    const intptr_t dc = (intptr_t)tk.aux - (intptr_t)tk.q;                                         \
+    const uint8_t *u = (const uint8_t *)tk.aux;  /* token i's u: ne0 bytes a token, as its quants */ \
+    const __m256i u128 = _mm256_set1_epi8((char)0x80);                                             \
     __m256 acc[DOTN_ISA];                                                                          \
     for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();                                      \
-    for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
+    for (int b = 0; b < nb; b++, w += BYTES, u += QK) {                                           \
         prefetch_ahead(w, BYTES);                                                                  \
-        const __m256i x = unpack_##name(w);                                                        \
+        const __m256i x = signed_##name(w);                                                        \
+        const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(),                                 \
+                                           _mm256_dpbusd_epi32(_mm256_setzero_si256(), u128, x));  \
         const __m256 wd = block_scale8(w, NULL);                                                   \
         for (int i = 0; i < N; i++) {                                                              \
-            const int8_t *qi = q + i * tk.q_stride;                                                \
             const __m256i s = _mm256_dpbusd_epi32(                                                 \
-                _mm256_loadu_si256((const __m256i *)((intptr_t)qi + dc)), x,                       \
-                _mm256_loadu_si256((const __m256i *)qi));                                          \
+                c, _mm256_loadu_si256((const __m256i *)(u + i * tk.q_stride)), x);                 \
             const __m256 d = _mm256_mul_ps(wd, _mm256_set1_ps(tk.d[(size_t)b * tk.d_stride + i])); \
             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));               \
         }                                                                                          \
@@ -578,7 +592,7 @@ const isa_kernels KNOT_ISA = {
     {dotn_q4_0_avx2, dotn_q5_0_avx2, dotn_q8_0_avx2, dotn_q4_K_avx2, dotn_q6_K_avx2},
     {CORR(Q4_0), CORR(Q5_0), CORR_Q8_0, 0, 0},
     quantize_row_q8_0_avx2, quantize_row_q8_K, lane_corr,  /* the last two: quants.h's, compiled for this ISA */
-    attn_scores_simd, attn_values_simd, DOTN_ISA, DOT2_TABLE,
+    attn_scores_simd, attn_values_simd, DOTN_ISA, DOT2_TABLE, HAVE_VNNI,
 };
 #else
 const isa_kernels KNOT_ISA = {NULL};  /* the compiler did not take the target: the module runs without it */

@@ -223,8 +223,8 @@ CASES = [("Q8_0", 896, 37), ("Q4_0", 896, 19), ("Q5_0", 896, 41), ("Q4_K", 1024,
 
 
 @pytest.mark.parametrize("ggml_type, ne0, ne1", CASES)
-# every pass width of the multi-token kernels, 2 to 8 tokens: 2, 3, 6, 7, and 13 = 8 + 5
-@pytest.mark.parametrize("T", [1, 2, 3, 6, 7, 13])
+# every pass width of the multi-token kernels, 2 to 8 tokens: 2, 3, 6, 7, 9 = 8 + a pass of one, 13 = 8 + 5
+@pytest.mark.parametrize("T", [1, 2, 3, 6, 7, 9, 13])
 def test_kernel_equals_numpy_emulation(ggml_type, ne0, ne1, T, isa):
     w = qtensor(ggml_type, ne0, ne1)
     x = activations(T, ne0)
