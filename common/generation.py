@@ -211,6 +211,7 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
         draft = drafter.propose(gen, history, k)
         if inspect.isawaitable(draft):
             draft = await draft
+        draft = draft_len.bound(draft)
     gen.trips += 1
     if not draft.tokens:
         t0 = now()  # a plain trip: the engine's call alone, whatever a failed lookup took

@@ -80,6 +80,9 @@ class Draft:
     # The draft model's distributions the tokens were drawn from, (vocab,) float64 each; None:
     # point masses (prompt lookup, or a greedy draft model).
     q: list[np.ndarray] | None = None
+    # Prompt lookup: how many tokens before the drafts the context matches where it copied them
+    # from (0: not known). A long match is text being copied (DraftLength.bound).
+    extent: int = 0
 
 
 class Drafter(Protocol):
@@ -124,14 +127,22 @@ class PromptLookup:
     blind = True  # its drafts carry no confidence: DraftLength bounds them by the acceptance so far
 
     def propose(self, gen: "Generation | None", context: Sequence[int], k: int) -> Draft:
-        return Draft(lookup(context, k, self.ngram_max, self.ngram_min))
+        tokens, extent = lookup_match(context, k, self.ngram_max, self.ngram_min)
+        return Draft(tokens, extent=extent)
 
 
 def lookup(context: Sequence[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
     """The k tokens after the latest earlier occurrence of the longest matching suffix of context."""
+    return lookup_match(context, k, ngram_max, ngram_min)[0]
+
+
+def lookup_match(context: Sequence[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN,
+                 extent_max: int = 16) -> tuple[list[int], int]:
+    """lookup()'s tokens, and how many tokens of context end in a match of that occurrence (the
+    n-gram and as many before it as agree, up to extent_max; 0 without tokens)."""
     L = len(context)
     if k <= 0 or L < ngram_min + 1:
-        return []
+        return [], 0
     h = np.asarray(context, dtype=np.int64)
     for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
         starts = L - n  # occurrences start at i < L - n, so at least one token follows them
@@ -140,9 +151,12 @@ def lookup(context: Sequence[int], k: int, ngram_max: int = NGRAM_MAX, ngram_min
             hit &= h[j:starts + j] == h[L - n + j]
         idx = np.flatnonzero(hit)
         if idx.size:
-            i = int(idx[-1]) + n
-            return [int(t) for t in h[i:i + k]]
-    return []
+            i = int(idx[-1])
+            e = n  # back from the n-gram while the occurrence and the suffix agree
+            while e < extent_max and i - (e - n) > 0 and h[i - (e - n) - 1] == h[L - e - 1]:
+                e += 1
+            return [int(t) for t in h[i + n:i + n + k]], e
+    return [], 0
 
 
 # A draft model stops a trip's drafts (after the first) once the chance it gives the whole chain,
@@ -374,6 +388,10 @@ MAX_COOLDOWN = 16
 # The prior, 3 of 4, lets a first draft run 3 tokens where a verified row costs a quarter of a trip.
 ACCEPT_PRIOR = (3.0, 1.0)
 ACCEPT_DECAY = 0.75
+# ... except a draft whose context matched this many tokens where it was copied from (Draft.extent):
+# that is text being copied (an edit's answer repeating the prompt), whose drafts run long; bounded
+# by acceptance, an edit's copies took more trips (docs/lab/2026-12-07-prompt-lookup-bound.md).
+COPY_EXTENT = 8
 # What one more verified row adds to a trip, as a share of a plain trip, until the engine's own
 # drafting trips measured it (TripCost.row_s): a 1.5B trip of 9 rows costs ~3 plain ones on the
 # compute-bound machines (benchmarks/bench_kernels.py --rows).
@@ -434,12 +452,13 @@ class DraftLength:
     alone: it remembers the slow trips before a code edit's answer starts copying the prompt, and
     kept prompt lookup backing off through the copy (knot bench's code edit prompt).
 
-    A blind source (one whose drafts carry no confidence: prompt lookup) with a TripCost drafts no
-    more than pays in expectation (gainful): the length of the most tokens per trip second, with
+    A blind source's drafts (no confidence of their own: prompt lookup) with a TripCost are cut to
+    what pays in expectation (bound, gainful): the length of the most tokens per trip second, with
     each draft accepted at the generation's recent rate and each row at what the engine's rows
-    cost. Why: on a fresh completion the first lookups mostly fail, and 8 rows then 4 then 2 cost
-    the 1.5B 4-8% of its decode against speculation off; where rows are cheap, or the drafts keep
-    being accepted, the bound allows the whole length."""
+    cost, unless they copy a long match (COPY_EXTENT). Why: on a fresh completion the first
+    lookups mostly fail, and 8 rows then 4 then 2 cost the 1.5B 4-8% of its decode against
+    speculation off; where rows are cheap, or the drafts keep being accepted, the bound allows the
+    whole length."""
 
     def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None,
                  blind: bool = False):
@@ -464,7 +483,15 @@ class DraftLength:
             return 0
         if self.cost is not None and self.cost.plain_s is None:
             return 0
-        return self.gainful() if self.blind and self.cost is not None else self.k
+        return self.k
+
+    def bound(self, draft: Draft) -> Draft:
+        """A blind source's draft cut to its gainful length, unless it copies a match of
+        COPY_EXTENT tokens or more; any other draft as it is."""
+        if not self.blind or self.cost is None or draft.extent >= COPY_EXTENT or len(draft.tokens) <= 1:
+            return draft
+        n = self.gainful()
+        return draft if n >= len(draft.tokens) else Draft(draft.tokens[:n], extent=draft.extent)
 
     def acceptance(self) -> float:
         """A blind source's expected chance that a draft is accepted (ACCEPT_PRIOR, ACCEPT_DECAY)."""

@@ -9,8 +9,9 @@ from common import wire
 from common.generation import Generation
 from common.runtime import Request
 from common.sampling import Sampler, SamplingParams
-from common.speculative import (ACCEPT_DECAY, MAX_COOLDOWN, ROW_SHARE_PRIOR, Draft, DraftLength, PromptLookup,
-                                SpeculationParams, TripCost, draft_vocab_runs, lookup, verify)
+from common.speculative import (ACCEPT_DECAY, COPY_EXTENT, MAX_COOLDOWN, ROW_SHARE_PRIOR, Draft, DraftLength,
+                                PromptLookup, SpeculationParams, TripCost, draft_vocab_runs, lookup, lookup_match,
+                                verify)
 from deploy.engine_local import LocalEngine
 from tests.inprocess import build_cluster
 
@@ -128,28 +129,44 @@ def test_one_slow_trip_among_paying_ones_does_not_stop_drafting():
     assert d.slow == 1 and d.next() == 0 and d.skipped == 1
 
 
-def test_a_blind_source_drafts_what_its_acceptance_and_the_rows_cost_pay_for():
+def test_a_blind_sources_drafts_are_cut_to_what_their_acceptance_and_the_rows_cost_pay_for():
     """Prompt lookup's drafts carry no confidence: the generation's recent acceptance (a prior of 3
-    in 4) and what a verified row costs (a quarter of a plain trip until measured) bound them to the
+    in 4) and what a verified row costs (a quarter of a plain trip until measured) cut them to the
     length of the most expected tokens per second, which grows as rows come cheaper or drafts keep
-    being accepted. A source with a confidence of its own (a draft model) is not bound."""
+    being accepted; a draft that copies a long match is left whole. A source with a confidence of
+    its own (a draft model) is not cut."""
     cost = TripCost()
     cost.observe_verify(4, 0.5)
     assert cost.row_s is None, "no plain trip to weigh a verify against yet"
     cost.observe_plain(0.1)
     d = DraftLength(8, cost=cost, blind=True)
+    eight = Draft(list(range(8)))
     assert cost.row_share() == ROW_SHARE_PRIOR and d.acceptance() == pytest.approx(0.75)
-    assert d.next() == 3                             # 1.5625 expected tokens per plain trip's time; 8 would give 1.07
+    assert d.next() == 8 and d.gainful() == 3        # 1.5625 expected tokens per plain trip's time; 8 would give 1.07
+    assert d.bound(eight).tokens == [0, 1, 2]
+    assert d.bound(Draft(eight.tokens, extent=COPY_EXTENT)) == Draft(eight.tokens, extent=COPY_EXTENT), "a copy"
     d.update(3, 0)                                   # rejected whole: 3 in 5 expected, the length halves to 4
-    assert d.acceptance() == pytest.approx(0.6) and d.next() == 2
+    assert d.acceptance() == pytest.approx(0.6) and d.gainful() == 2
     cost.observe_verify(2, 0.12)                     # a row costs a tenth of a plain trip here
-    assert cost.row_share() == pytest.approx(0.1) and d.next() == 3
+    assert cost.row_share() == pytest.approx(0.1) and d.gainful() == 3
     d.update(3, 3)                                   # accepted: the evidence decays by ACCEPT_DECAY a trip
-    assert (d.hits, d.misses) == (3.0, ACCEPT_DECAY) and d.k == 6 and d.next() == 5
+    assert (d.hits, d.misses) == (3.0, ACCEPT_DECAY) and d.k == 6 and d.gainful() == 5
     cost.observe_verify(3, 0.05)                     # faster than a plain trip: a row costs nothing more
-    assert cost.row_s == pytest.approx(0.0075) and d.next() == 6
-    assert DraftLength(8, cost=cost).next() == 8, "not blind: the length is the heuristic's"
-    assert DraftLength(8, blind=True).next() == 8, "no clock: acceptance alone decides, as before"
+    assert cost.row_s == pytest.approx(0.0075) and d.gainful() == 6
+    assert d.bound(Draft(eight.tokens[:6])).tokens == eight.tokens[:6]
+    assert DraftLength(8, cost=cost).bound(Draft([1, 2, 3], extent=1)).tokens == [1, 2, 3], "not blind"
+    assert DraftLength(8, blind=True).bound(eight) == eight, "no clock: acceptance alone decides, as before"
+
+
+def test_lookup_says_how_far_the_context_matches_where_it_copies_from():
+    context = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]   # the 3-gram (1, 2, 3) at 1, preceded by 9 there and 8 here
+    assert lookup_match(context, 4) == ([4, 5, 6, 7], 3)
+    copy = [5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4]         # (2, 3, 4), then 1 and 5/0 before it: 4 agree
+    assert lookup_match(copy, 2) == ([6, 0], 4)
+    long = list(range(30)) + list(range(20))
+    assert lookup_match(long, 3) == ([20, 21, 22], 16), "at most extent_max"
+    assert lookup_match([1, 2, 3, 4], 4) == ([], 0)
+    assert PromptLookup().propose(None, copy, 2) == Draft([6, 0], extent=4)
 
 
 class _Clock:
