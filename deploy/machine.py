@@ -86,12 +86,41 @@ def describe(cpuinfo: Path = CPUINFO, meminfo: Path = MEMINFO) -> dict:
     }
 
 
+def memory_read_gb_s(threads: int | None = None, nbytes: int = 512 << 20, rounds: int = 3) -> float:
+    """What the machine reads from memory: float64 sums over nbytes (far more than any cache holds),
+    split over `threads` threads at once (default: the usable CPUs), the best of rounds, GB/s.
+
+    Why: decode streams every weight once a token, so a machine's class is its ISA, its cores and
+    this figure (issue 54); the kernels' own GB/s (benchmarks/bench_kernels.py) are read against it.
+    numpy's reductions release the GIL, so the threads read at once."""
+    import threading
+    import time
+
+    import numpy as np
+
+    n = max(1, threads or usable_cpus())
+    buf = np.ones(max(n, nbytes // 8), dtype=np.float64)  # written once: every page is mapped before timing
+    parts = np.array_split(buf, n)
+    best = 0.0
+    for _ in range(max(1, rounds)):
+        workers = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def one_line(m: dict) -> str:
     """e.g. "AMD EPYC (family 25 model 17), 2 CPUs, AVX2 AVX-512F AVX-512 VNNI, 23.4 GiB, Linux 6.18.44;
-    matmuls: avx512 kernels, 2 threads", then "; llama.cpp: <its build's features>" where the bench
-    loaded it."""
+    matmuls: avx512 kernels, 2 threads", with ", reads 32.9 GB/s" after the memory where it was
+    measured (memory_read_gb_s), then "; llama.cpp: <its build's features>" where the bench loaded it."""
     fam = f" (family {m['family']} model {m['model']})" if m.get("family") is not None else ""
     mem = f", {m['mem_total_bytes'] / 2**30:.1f} GiB" if m.get("mem_total_bytes") else ""
+    if m.get("memory_read_gb_s"):
+        mem += f", reads {m['memory_read_gb_s']:.1f} GB/s"
     feats = " ".join(m.get("features") or []) or "no AVX2"
     llama = f"; llama.cpp: {m['llama_cpp']}" if m.get("llama_cpp") else ""
     return f"{m['cpu']}{fam}, {m['cpus']} CPUs, {feats}{mem}, {m['system']}; matmuls: {m['kernels']}{llama}"

@@ -171,6 +171,16 @@ def _latest(recs: list[dict], model: str, metric: str) -> list[float]:
     return [r["value"] for r in hits if r["date"] == day]
 
 
+def _memory_reads(recs: list[dict]) -> list[float]:
+    """The machine's read speed (GB/s, deploy.machine.memory_read_gb_s) as recorded on the latest day
+    that has it, one value a bench run."""
+    hits = [r for r in recs if r["machine"].get("memory_read_gb_s")]
+    if not hits:
+        return []
+    day = max(r["date"] for r in hits)
+    return sorted({r["machine"]["memory_read_gb_s"] for r in hits if r["date"] == day})
+
+
 def _span(values: list[float], fmt: str = "{:.2f}") -> str:
     if not values:
         return "-"
@@ -179,8 +189,9 @@ def _span(values: list[float], fmt: str = "{:.2f}") -> str:
 
 
 def latest_table(recs: list[dict]) -> str:
-    """A Markdown table: per machine class (a column), its CPU, ISA and latest day, llama.cpp's decode,
-    the ratios of RATIO_ROWS and the 7B shape's fluid run, each from that class's latest day."""
+    """A Markdown table: per machine class (a column), its CPU, ISA, latest day and memory read speed,
+    llama.cpp's decode, the ratios of RATIO_ROWS and the 7B shape's fluid run, each from that class's
+    latest day."""
     by_class: dict[str, list[dict]] = {}
     for r in recs:
         by_class.setdefault(machine_class(r["machine"]), []).append(r)
@@ -196,6 +207,7 @@ def latest_table(recs: list[dict]) -> str:
     rows = [["CPU (/proc/cpuinfo)"] + [machine_cell(c)[0] for c in classes],
             ["ISA"] + [machine_cell(c)[1] for c in classes],
             ["latest record"] + [max(r["date"] for r in by_class[c]) for c in classes],
+            ["memory read, all CPUs (GB/s)"] + [_span(_memory_reads(by_class[c]), "{:.1f}") for c in classes],
             ["llama.cpp decode, 0.5B / 1.5B (tok/s)"]
             + [f"{_span(_latest(by_class[c], M05, 'decode, llama.cpp'), '{:.1f}')} / "
                f"{_span(_latest(by_class[c], M15, 'decode, llama.cpp'), '{:.1f}')}" for c in classes]]

@@ -45,8 +45,9 @@ speed drifts by a quarter within minutes, a ratio against one measurement at the
 the drift. --llama-once measures it once, at the start.
 
 The machine (deploy.machine: the CPU, its family and model, the vector features the kernels and
-llama.cpp choose by, the CPUs this process may use, memory, the kernel, and the matmul kernels
-chosen) is printed first and above the table: a ratio belongs to the machine it was measured on.
+llama.cpp choose by, the CPUs this process may use, memory and what it reads a second on them all,
+the kernel, and the matmul kernels chosen) is printed first and above the table: a ratio belongs to
+the machine it was measured on.
 --json FILE appends the table to FILE as records (deploy/records.py), each with that machine and the
 command, e.g. to benchmarks/results/<machine class>.jsonl.
 
@@ -795,6 +796,7 @@ def run(args: argparse.Namespace) -> int:
     from deploy import machine, models
 
     host = machine.describe()
+    host["memory_read_gb_s"] = round(machine.memory_read_gb_s(), 1)
     progress(f"machine: {machine.one_line(host)}")
     concurrency = args.concurrency
     model = args.model or models.DEFAULT_MODEL
@@ -860,8 +862,8 @@ def run(args: argparse.Namespace) -> int:
     print(render_table(figures))
     from deploy import records
 
-    print(f"\nissue 54's goals ({records.machine_class(records.machine_of(host))}; the aggregate rows are set against "
-          f"one llama.cpp stream):")
+    print(f"\nissue 54's goals ({records.machine_class(records.machine_of(host))}, {host['cpus']} CPUs, memory read "
+          f"{host['memory_read_gb_s']:.1f} GB/s; the aggregate rows are set against one llama.cpp stream):")
     runs = (ll or {}).get("decode_runs") or []
     print(render_goals(figures, model, records.machine_class(records.machine_of(host)), runs))
     if len(runs) > 1:

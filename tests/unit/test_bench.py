@@ -178,7 +178,8 @@ def test_bench_records_parse_as_records_with_the_machine_command_and_ratios(tmp_
     from deploy.commands.bench import bench_records
 
     described = {"cpu": "AMD EPYC", "family": 25, "model": 17, "features": ["AVX2", "AVX-512F"], "cpus": 2,
-                 "mem_total_bytes": 2**34, "system": "Linux 6", "kernels": "avx512 kernels, 2 threads"}
+                 "mem_total_bytes": 2**34, "system": "Linux 6", "kernels": "avx512 kernels, 2 threads",
+                 "memory_read_gb_s": 32.9}
     figs = [Figure("decode", 42.8, 47.0, "tok/s"), Figure("ttft", 55.0, None, "ms"),
             Figure("acceptance, code prompt, prompt lookup", 0.13, None, "%"),
             Figure("peak RSS station-0", 300 * 2**20, None, "MiB"), Figure("R2 bytes per token", None, None, "B")]
@@ -199,7 +200,7 @@ def test_bench_records_parse_as_records_with_the_machine_command_and_ratios(tmp_
     assert (r["date"], r["command"], r["model"], r["note"]) == ("2026-12-06", "knot bench --tokens 64",
                                                                 "qwen2.5-coder-0.5b", "64 tokens")
     assert r["machine"]["isa"] == ["AVX2", "AVX-512F"] and (r["machine"]["family"], r["machine"]["model"]) == (25, 17)
-    assert records.machine_class(r["machine"]) == "Zen 4"
+    assert records.machine_class(r["machine"]) == "Zen 4" and r["machine"]["memory_read_gb_s"] == 32.9
 
 
 def test_a_records_command_carries_the_settings_that_change_the_measurement():

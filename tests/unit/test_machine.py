@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from deploy import kernels
-from deploy.machine import describe, one_line, parse_cpuinfo
+from deploy.machine import describe, memory_read_gb_s, one_line, parse_cpuinfo
 
 TWO_CPUS = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -45,6 +45,13 @@ def test_describe_names_the_features_memory_and_kernels(tmp_path):
     assert line.startswith("AMD EPYC (family 25 model 17), ") and "AVX2 AVX-512F AVX-512 VNNI" in line
     assert "23.4 GiB" in line and line.endswith(f"matmuls: {kernels.describe()}")
     assert one_line({**m, "llama_cpp": "AVX2 FMA"}).endswith(f"matmuls: {kernels.describe()}; llama.cpp: AVX2 FMA")
+    assert "23.4 GiB, reads 32.9 GB/s, Linux" in one_line({**m, "memory_read_gb_s": 32.9})
+
+
+def test_memory_read_speed_is_a_positive_rate_on_any_thread_count():
+    for threads in (1, 3):
+        v = memory_read_gb_s(threads, nbytes=4 << 20, rounds=2)
+        assert 0.05 < v < 10_000, v
 
 
 def test_describe_without_proc_files_still_describes(tmp_path):

@@ -92,6 +92,17 @@ def test_the_table_takes_each_figure_from_its_latest_day_as_a_range():
     assert rows["0.5B cluster decode"] == "| 0.5B cluster decode | 0.90-0.91 | 0.64 (code prompt) |"
     assert rows["0.5B single process"] == "| 0.5B single process | 1.20 | - |"
     assert rows["latest record"] == "| latest record | 2026-12-05 | 2026-12-02 |"
+    assert rows["memory read, all CPUs (GB/s)"] == "| memory read, all CPUs (GB/s) | - | - |", "none recorded"
+
+
+def test_the_table_shows_the_memory_read_speed_of_each_classs_latest_day_that_has_it():
+    r = ", ours / llama.cpp"
+    recs = [_rec("2026-12-06", "decode" + r, 0.8, machine={**ZEN4, "memory_read_gb_s": 20.0}),
+            _rec("2026-12-07", "decode" + r, 0.8, machine={**ZEN4, "memory_read_gb_s": 32.9}),
+            _rec("2026-12-07", "prefill" + r, 0.9, machine={**ZEN4, "memory_read_gb_s": 31.5}),
+            _rec("2026-12-08", "decode" + r, 0.8)]  # a later run that did not measure it
+    rows = {line.split(" | ")[0].strip("| "): line for line in records.latest_table(recs).splitlines()}
+    assert rows["memory read, all CPUs (GB/s)"] == "| memory read, all CPUs (GB/s) | 31.5-32.9 |"
 
 
 def test_performance_md_shows_the_latest_records():
