@@ -115,8 +115,8 @@ def memory_read_gb_s(threads: int | None = None, nbytes: int = 512 << 20, rounds
 
 def one_line(m: dict) -> str:
     """e.g. "AMD EPYC (family 25 model 17), 2 CPUs, AVX2 AVX-512F AVX-512 VNNI, 23.4 GiB, Linux 6.18.44;
-    matmuls: avx512 kernels, 2 threads", with ", reads 32.9 GB/s" after the memory where it was
-    measured (memory_read_gb_s), then "; llama.cpp: <its build's features>" where the bench loaded it."""
+    matmuls: avx512 kernels, 2 threads", with ", reads <memory_read_gb_s> GB/s" after the memory where
+    it was measured, then "; llama.cpp: <its build's features>" where the bench loaded it."""
     fam = f" (family {m['family']} model {m['model']})" if m.get("family") is not None else ""
     mem = f", {m['mem_total_bytes'] / 2**30:.1f} GiB" if m.get("mem_total_bytes") else ""
     if m.get("memory_read_gb_s"):
