@@ -121,10 +121,10 @@ class PromptLookup:
     that occurred before, and the tokens that followed its latest earlier occurrence. No model;
     code repeats itself (names, signatures, whole lines), so it often guesses right."""
 
+    blind = True  # its drafts carry no confidence: DraftLength bounds them by the acceptance so far
+
     def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
-
-    blind = True  # its drafts carry no confidence: DraftLength bounds them by the acceptance so far
 
     def propose(self, gen: "Generation | None", context: Sequence[int], k: int) -> Draft:
         tokens, extent = lookup_match(context, k, self.ngram_max, self.ngram_min)
@@ -431,7 +431,6 @@ class TripCost:
         if self.row_s is None or not self.plain_s:
             return ROW_SHARE_PRIOR
         return self.row_s / self.plain_s
-
 
 
 class DraftLength:

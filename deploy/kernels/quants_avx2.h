@@ -133,8 +133,8 @@ static inline __m256i signed_q5_0(const uint8_t *w) {  /* the nibble, less 16 wh
 /* Multi-token passes on u = q + 128 (unsigned; act_t.u), the weights signed: a token's lanes are
  * sum(w * (q + 128)) - 128 * sum(w) = sum(w * q), the integers the corr lanes give, so the same
  * bits. Why: the 128 * sum(w) lanes are the block's, formed once for all its tokens, where the corr
- * lanes were a second 32-byte load a token, and these passes are bound by their loads
- * (benchmarks/kernel_ab.py --rows 8,64). */
+ * lanes were a 32-byte load a token of their own (benchmarks/kernel_ab.py --rows 8,64;
+ * docs/lab/2026-12-07-prompt-lookup-bound.md). */
 #define LEGACY_DOTN(name, BYTES)                                                                   \
 DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const uint8_t *u = (const uint8_t *)tk.aux;  /* token i's u: ne0 bytes a token, as its quants */ \
@@ -223,7 +223,7 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
 #define LEGACY_DOTN(name, BYTES)                                                                   \
 DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, const int N, float out[DOTN_MAX]) { \
     const int8_t *q = tk.q;                                                                        \
-    const intptr_t dc = (intptr_t)tk.aux - (intptr_t)tk.q;  /* as the VNNI pass's (Q8_0: unused) */ \
+    const intptr_t dc = (intptr_t)tk.aux - (intptr_t)tk.q;  /* corr lanes: both rows are ne0 bytes (Q8_0: unused) */ \
     (void)dc;                                                                                      \
     __m256 acc[DOTN_ISA];                                                                          \
     for (int i = 0; i < N; i++) acc[i] = _mm256_setzero_ps();                                      \
