@@ -221,9 +221,11 @@ async def _trip(engine: Engine, gen: Generation, sampler: Sampler, history: list
         return [(sampler(row, history), row)]
     t_verify = now()
     rows = await engine.verify_logits(gen, [history[-1], *draft.tokens], history + draft.tokens)
-    seconds = now() - t0 if cost is not None else None
+    seconds = None
     if cost is not None:
-        cost.observe_verify(len(draft.tokens), now() - t_verify)
+        t_end = now()
+        seconds = t_end - t0
+        cost.observe_verify(len(draft.tokens), t_end - t_verify)
     tokens, accepted = verify(sampler, rows, history, draft)
     gen.drafted += len(draft.tokens)
     gen.accepted += accepted

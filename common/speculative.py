@@ -385,7 +385,7 @@ MAX_COOLDOWN = 16
 # recent acceptance stands in for it: (accepted + ACCEPT_PRIOR[0]) / (decided + sum(ACCEPT_PRIOR)),
 # each past drafting trip's count weighted by ACCEPT_DECAY per later one, so that a code edit's
 # answer that starts copying the prompt after a few failed drafts is believed within a few trips.
-# The prior, 3 of 4, lets a first draft run 3 tokens where a verified row costs a quarter of a trip.
+# The prior, 3 of 4, lets a first draft run 3 tokens at ROW_SHARE_PRIOR.
 ACCEPT_PRIOR = (3.0, 1.0)
 ACCEPT_DECAY = 0.75
 # ... except a draft whose context matched this many tokens where it was copied from (Draft.extent):
@@ -393,8 +393,8 @@ ACCEPT_DECAY = 0.75
 # by acceptance, an edit's copies took more trips (docs/lab/2026-12-07-prompt-lookup-bound.md).
 COPY_EXTENT = 8
 # What one more verified row adds to a trip, as a share of a plain trip, until the engine's own
-# drafting trips measured it (TripCost.row_s): a 1.5B trip of 9 rows costs ~3 plain ones on the
-# compute-bound machines (benchmarks/bench_kernels.py --rows).
+# drafting trips measured it (TripCost.row_s): what a multi-row verify costs on the compute-bound
+# machines (benchmarks/bench_kernels.py --rows).
 ROW_SHARE_PRIOR = 0.25
 
 
@@ -455,9 +455,9 @@ class DraftLength:
     what pays in expectation (bound, gainful): the length of the most tokens per trip second, with
     each draft accepted at the generation's recent rate and each row at what the engine's rows
     cost, unless they copy a long match (COPY_EXTENT). Why: on a fresh completion the first
-    lookups mostly fail, and 8 rows then 4 then 2 cost the 1.5B 4-8% of its decode against
-    speculation off; where rows are cheap, or the drafts keep being accepted, the bound allows the
-    whole length."""
+    lookups mostly fail, and 8 rows then 4 then 2 cost the 1.5B its decode against speculation off
+    (docs/lab/2026-12-07-prompt-lookup-bound.md); where rows are cheap, or the drafts keep being
+    accepted, the bound allows the whole length."""
 
     def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None,
                  blind: bool = False):

@@ -162,23 +162,23 @@ SWARM = "Swarm of 3 nodes, 2 replicas, 4 shards"  # scripts/test-swarm.sh's lab 
 BEGIN, END = "<!-- records: begin (python -m deploy.records --write docs/performance.md) -->", "<!-- records: end -->"
 
 
+def _on_latest_day(hits: list[dict]) -> list[dict]:
+    """The records of hits dated the latest day among them."""
+    day = max((r["date"] for r in hits), default=None)
+    return [r for r in hits if r["date"] == day]
+
+
 def _latest(recs: list[dict], model: str, metric: str) -> list[float]:
     """The values of `metric` for `model` on the latest day that has any, superseded records left out."""
     hits = [r for r in recs if r.get("model") == model and r["metric"] == metric and not r.get("superseded")]
-    if not hits:
-        return []
-    day = max(r["date"] for r in hits)
-    return [r["value"] for r in hits if r["date"] == day]
+    return [r["value"] for r in _on_latest_day(hits)]
 
 
 def _memory_reads(recs: list[dict]) -> list[float]:
     """The machine's read speed (GB/s, deploy.machine.memory_read_gb_s) as recorded on the latest day
     that has it, one value a bench run."""
     hits = [r for r in recs if r["machine"].get("memory_read_gb_s")]
-    if not hits:
-        return []
-    day = max(r["date"] for r in hits)
-    return sorted({r["machine"]["memory_read_gb_s"] for r in hits if r["date"] == day})
+    return sorted({r["machine"]["memory_read_gb_s"] for r in _on_latest_day(hits)})
 
 
 def _span(values: list[float], fmt: str = "{:.2f}") -> str:

@@ -177,8 +177,8 @@ DECODE_GOALS = ("decode", "single-process decode", "aggregate tok/s @8", "decode
 def goal_rows(figures: list[Figure], model: str, llama_runs: list[float] | None = None) -> list[tuple[str, str, str]]:
     """(goal, measured, holds: yes | no | not measured) of issue 54's goals for model's run. With the
     run's llama.cpp decode measurements (llama_runs), a decode goal met against the measurement beside
-    it but not against the run's fastest says both. Why: on a VM whose speed drifts by a quarter
-    within minutes, a goal met by a hair against a slow llama.cpp figure is not met
+    it but not against the run's fastest says both. Why: on a VM whose speed drifts within a
+    run, a goal met by a hair against a slow llama.cpp figure is not met
     (docs/lab/2026-12-07-avx2-builds-and-token-pointers.md)."""
     by = {f.name: f for f in figures}
     fastest = max(llama_runs) if llama_runs else None
