@@ -77,11 +77,10 @@ static inline __m256i nibbles_32(const uint8_t *p) {  /* 16 bytes -> low nibbles
     return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
 }
 
-#if HAVE_VNNI
-/* A legacy block's scale times the activation block's, in all 8 lanes: f16_to_f32(rd16(w)) * *ad, the
- * same float32 product, as a broadcast load, one conversion and a multiply by an embedded broadcast.
+/* A block's f16 scale times the activation block's, in all 8 lanes: f16_to_f32(rd16(w)) * *ad, the
+ * same float32 product, as a broadcast load, one conversion and a multiply by a broadcast.
  * Why: the scalar form (insert, convert, multiply, broadcast) was 5 of a one-token block's ~20 uops;
- * the vector form is faster with the same bits (benchmarks/kernel_ab.py). */
+ * the vector form is faster with the same bits, with VNNI and without (benchmarks/kernel_ab.py). */
 static inline __m256 block_scale8(const uint8_t *w, const float *ad) {  /* ad NULL: the weight's scale alone */
     short h;
     memcpy(&h, w, 2);
@@ -89,6 +88,7 @@ static inline __m256 block_scale8(const uint8_t *w, const float *ad) {  /* ad NU
     return ad ? _mm256_mul_ps(d, _mm256_set1_ps(*ad)) : d;
 }
 
+#if HAVE_VNNI
 /* The 32 weight quants of a legacy block plus an offset, unsigned, for vpdpbusd; the activation's
  * corr lanes (-offset * sums of 4) make the dot signed again. */
 #define Q8_0_OFFSET 128
@@ -170,21 +170,19 @@ static inline __m256i unpack_q8_0(const uint8_t *w) { return _mm256_loadu_si256(
 
 static inline __m256i unpack_q4_0(const uint8_t *w) { return nibbles_32(w + 2); }
 
-/* Q5_0's 5th bits, a byte of qh at a time: byte j of Q5_HI[b] is 0x10 when bit j of b is set.
- * Four table reads on the integer pipes replace a broadcast, vpshufb, vpor, vpcmpeqb and vpand
- * on the vector ones. */
-#define Q5H_(b, j) ((uint64_t)(((b) >> (j)) & 1) << (8 * (j) + 4))
-#define Q5H(b) (Q5H_(b, 0) | Q5H_(b, 1) | Q5H_(b, 2) | Q5H_(b, 3) | Q5H_(b, 4) | Q5H_(b, 5) | Q5H_(b, 6) | Q5H_(b, 7))
-#define Q5H4(b) Q5H(b), Q5H((b) + 1), Q5H((b) + 2), Q5H((b) + 3)
-#define Q5H16(b) Q5H4(b), Q5H4((b) + 4), Q5H4((b) + 8), Q5H4((b) + 12)
-#define Q5H64(b) Q5H16(b), Q5H16((b) + 16), Q5H16((b) + 32), Q5H16((b) + 48)
-static const uint64_t Q5_HI[256] = {Q5H64(0), Q5H64(64), Q5H64(128), Q5H64(192)};
-
+/* Q5_0: qh broadcast, byte j of lane group j / 8 picked by vpshufb, and 0x10 where its bit j % 8
+ * is set (the vpor leaves 0xFF only there): ggml's bytes_from_bits_32, then the nibbles.
+ * Why not four table reads of 8 bytes each, which the Zen 1 measured faster
+ * (docs/lab/2026-12-02-zen1-avx2-without-vnni.md): on the Zen 3, whose 256-bit units are whole,
+ * building the vector from four 64-bit reads (vmovq, vpinsrq, vinserti128) cost more than these
+ * four operations (benchmarks/kernel_ab.py --types Q5_0). */
 static inline __m256i unpack_q5_0(const uint8_t *w) {
-    uint32_t qh; memcpy(&qh, w + 2, 4);
-    const __m256i hi = _mm256_set_epi64x((long long)Q5_HI[qh >> 24], (long long)Q5_HI[(qh >> 16) & 0xFF],
-                                         (long long)Q5_HI[(qh >> 8) & 0xFF], (long long)Q5_HI[qh & 0xFF]);
-    return _mm256_or_si256(nibbles_32(w + 6), hi);
+    int32_t qh; memcpy(&qh, w + 2, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bits = _mm256_cmpeq_epi8(_mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread),
+                                                           _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                           _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(nibbles_32(w + 6), _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
 }
 
 /* signed x * signed y, summed in int32 lanes of 4 (|y| <= 127, so no int16 saturation) */
@@ -215,8 +213,8 @@ static float dot_##name##_avx2(const uint8_t *w, const int8_t *q, const float *a
     for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
         prefetch_ahead(w, BYTES);                                                                  \
         const __m256i y = _mm256_loadu_si256((const __m256i *)q);                                 \
-        acc = lanes_acc(acc, LANES_##name(unpack_##name(w), y, corr + 8 * b),                     \
-                        f16_to_f32(rd16(w)) * ad[b]);                                              \
+        const __m256i s = LANES_##name(unpack_##name(w), y, corr + 8 * b);                        \
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), block_scale8(w, ad + b)));  \
     }                                                                                              \
     return hsum8_ps(acc);                                                                          \
 }
@@ -230,12 +228,13 @@ DOTN_INLINE void dotn_body_##name##_avx2(const uint8_t *w, toks_t tk, int nb, co
     for (int b = 0; b < nb; b++, w += BYTES, q += QK) {                                           \
         prefetch_ahead(w, BYTES);                                                                  \
         const __m256i x = unpack_##name(w);                                                        \
-        const float wd = f16_to_f32(rd16(w));                                                      \
+        const __m256 wd = block_scale8(w, NULL);                                                   \
         for (int i = 0; i < N; i++) {                                                              \
             const int8_t *qi = q + i * tk.q_stride;                                                \
             const __m256i y = _mm256_loadu_si256((const __m256i *)qi);                             \
-            acc[i] = lanes_acc(acc[i], LANES_##name(x, y, (const int32_t *)((intptr_t)qi + dc)),   \
-                               wd * tk.d[(size_t)b * tk.d_stride + i]);                            \
+            const __m256 d = _mm256_mul_ps(wd, _mm256_set1_ps(tk.d[(size_t)b * tk.d_stride + i])); \
+            const __m256i s = LANES_##name(x, y, (const int32_t *)((intptr_t)qi + dc));            \
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));               \
         }                                                                                          \
     }                                                                                              \
     for (int i = 0; i < N; i++) out[i] = hsum8_ps(acc[i]);                                         \
@@ -274,39 +273,7 @@ LEGACY_DOT2(q5_0, Q5_0_BYTES)
 #else
 #define DOT2_TABLE {NULL, NULL, NULL, NULL, NULL}
 #endif
-#if HAVE_VNNI
 LEGACY_DOTS(q5_0, Q5_0_BYTES)
-#else
-/* Q5_0, one token, on 128-bit halves: lanes 0-3 (elements 0..15, the low nibbles) and lanes 4-7
- * (16..31, the high ones) accumulate apart, each lane in block order as the reference does, so
- * the bits are the same. Why: it needs no vinserti128 to build a 256-bit block, and where a
- * 256-bit op is two 128-bit ones anyway the halves are faster (benchmarks/kernel_ab.py). */
-static float dot_q5_0_avx2(const uint8_t *w, const int8_t *q, const float *ad, const void *aux, int nb) {
-    const int32_t *corr = aux;
-    const __m128i m4 = _mm_set1_epi8(0x0F), one = _mm_set1_epi16(1);
-    __m128 acc0 = _mm_setzero_ps(), acc1 = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++, w += Q5_0_BYTES, q += QK, corr += 8) {
-        prefetch_ahead(w, Q5_0_BYTES);
-        uint32_t qh; memcpy(&qh, w + 2, 4);
-        const __m128i t = _mm_loadu_si128((const __m128i *)(w + 6));
-        const __m128i u0 = _mm_or_si128(_mm_and_si128(t, m4), _mm_set_epi64x((long long)Q5_HI[(qh >> 8) & 0xFF],
-                                                                              (long long)Q5_HI[qh & 0xFF]));
-        const __m128i u1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(t, 4), m4),
-                                        _mm_set_epi64x((long long)Q5_HI[qh >> 24], (long long)Q5_HI[(qh >> 16) & 0xFF]));
-        const __m128i s0 = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(u0, _mm_loadu_si128((const __m128i *)q)), one),
-                                         _mm_loadu_si128((const __m128i *)corr));
-        const __m128i s1 = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(u1, _mm_loadu_si128((const __m128i *)(q + 16))), one),
-                                         _mm_loadu_si128((const __m128i *)(corr + 4)));
-        const __m128 d = _mm_set1_ps(f16_to_f32(rd16(w)) * ad[b]);
-        acc0 = _mm_add_ps(acc0, _mm_mul_ps(_mm_cvtepi32_ps(s0), d));
-        acc1 = _mm_add_ps(acc1, _mm_mul_ps(_mm_cvtepi32_ps(s1), d));
-    }
-    float v[8];
-    _mm_storeu_ps(v, acc0);
-    _mm_storeu_ps(v + 4, acc1);
-    return hsum8(v);
-}
-#endif
 LEGACY_DOTN(q8_0, Q8_0_BYTES)
 LEGACY_DOTN(q4_0, Q4_0_BYTES)
 LEGACY_DOTN(q5_0, Q5_0_BYTES)
@@ -388,7 +355,7 @@ static float dot_q4_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
             sl = scaled_add(sl, scale_l, _mm256_maddubs_epi16(ql, yl));
             sh = scaled_add(sh, scale_h, _mm256_maddubs_epi16(qh, yh));
         }
-        acc = lanes_acc(acc, _mm256_add_epi32(sl, sh), ad[b] * f16_to_f32(rd16(w)));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sl, sh)), block_scale8(w, ad + b)));
     }
     return hsum8_ps(acc) - hsum4_ps(accm);
 }
@@ -444,7 +411,7 @@ static float dot_q6_K_avx2(const uint8_t *w, const int8_t *q, const float *ad, c
             s2 = scaled_add(s2, Q6_SCALE(3), p3);
 #undef Q6_SCALE
         }
-        acc = lanes_acc(acc, _mm256_add_epi32(sumi, s2), ad[b] * f16_to_f32(rd16(w + 208)));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sumi, s2)), block_scale8(w + 208, ad + b)));
     }
     return hsum8_ps(acc);
 }
