@@ -170,8 +170,9 @@ static inline __m256i unpack_q8_0(const uint8_t *w) { return _mm256_loadu_si256(
 
 static inline __m256i unpack_q4_0(const uint8_t *w) { return nibbles_32(w + 2); }
 
-/* Q5_0: qh broadcast, byte j of lane group j / 8 picked by vpshufb, and 0x10 where its bit j % 8
- * is set (the vpor leaves 0xFF only there): ggml's bytes_from_bits_32, then the nibbles.
+/* Q5_0's 5th bits as ggml's bytes_from_bits_32: byte j takes qh's byte j / 8 (vpshufb), every bit
+ * but j % 8 set over it leaves 0xFF only where that bit is set (vpor, vpcmpeqb), 0x10 kept there
+ * and or-ed into the nibbles.
  * Why not four table reads of 8 bytes each, which the Zen 1 measured faster
  * (docs/lab/2026-12-02-zen1-avx2-without-vnni.md): on the Zen 3, whose 256-bit units are whole,
  * building the vector from four 64-bit reads (vmovq, vpinsrq, vinserti128) cost more than these
