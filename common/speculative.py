@@ -455,8 +455,9 @@ class DraftLength:
     what pays in expectation (bound, gainful): the length of the most tokens per trip second, with
     each draft accepted at the generation's recent rate and each row at what the engine's rows
     cost, unless they copy a long match (COPY_EXTENT). Why: on a fresh completion the first
-    lookups mostly fail, and 8 rows then 4 then 2 cost the 1.5B its decode against speculation off
-    (docs/lab/2026-12-07-prompt-lookup-bound.md); where rows are cheap, or the drafts keep being
+    lookups mostly fail, and the back-off's whole drafts, each row paid in the verify, left prompt
+    lookup below speculation off where rows are costly (docs/lab/2026-12-07-prompt-lookup-bound.md,
+    `knot bench`'s prompt lookup rows); where rows are cheap, or the drafts keep being
     accepted, the bound allows the whole length."""
 
     def __init__(self, max_draft: int, start: int | None = None, cost: TripCost | None = None,

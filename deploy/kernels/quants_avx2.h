@@ -173,10 +173,10 @@ static inline __m256i unpack_q4_0(const uint8_t *w) { return nibbles_32(w + 2); 
 /* Q5_0's 5th bits as ggml's bytes_from_bits_32: byte j takes qh's byte j / 8 (vpshufb), every bit
  * but j % 8 set over it leaves 0xFF only where that bit is set (vpor, vpcmpeqb), 0x10 kept there
  * and or-ed into the nibbles.
- * Why not four table reads of 8 bytes each, which the Zen 1 measured faster
- * (docs/lab/2026-12-02-zen1-avx2-without-vnni.md): on the Zen 3, whose 256-bit units are whole,
- * building the vector from four 64-bit reads (vmovq, vpinsrq, vinserti128) cost more than these
- * four operations (benchmarks/kernel_ab.py --types Q5_0). */
+ * Why not four table reads of 8 bytes each: where the 256-bit units are whole, building the vector
+ * from four 64-bit reads (vmovq, vpinsrq, vinserti128) costs more than these four operations
+ * (benchmarks/kernel_ab.py --types Q5_0); where they are split in two the table had measured the
+ * faster (docs/lab/2026-12-02-zen1-avx2-without-vnni.md, docs/lab/2026-12-07-zen3-avx2-q5_0.md). */
 static inline __m256i unpack_q5_0(const uint8_t *w) {
     int32_t qh; memcpy(&qh, w + 2, 4);
     const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
