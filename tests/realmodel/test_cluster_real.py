@@ -27,8 +27,23 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-@pytest.fixture(scope="module", params=[("qwen2.5-coder-0.5b", "worker"), ("qwen2.5-coder-1.5b", "worker"),
-                                        ("qwen2.5-coder-1.5b", "resident")], ids=lambda p: "-".join(p))
+SMALL = ("qwen2.5-coder-0.5b", "worker")       # the 0.5B's halves fit a Worker's 128 MiB
+STREAMING = ("qwen2.5-coder-1.5b", "worker")   # the 1.5B's do not: its stations stream (fluid memory)
+RESIDENT = ("qwen2.5-coder-1.5b", "resident")
+
+
+def cid(p) -> str:
+    return "-".join(p)
+
+
+def on(*clusters):
+    """A test on some of the three clusters (each up once for the module): the coordinator's own
+    features (tools, grammars, speculation) on the small one and the resident 1.5B; what memory
+    changes (budgets, chunked prefill, the prompt cache of a fluid station) on the streaming one."""
+    return pytest.mark.parametrize("real_cluster", clusters, indirect=True, ids=cid)
+
+
+@pytest.fixture(scope="module", params=[SMALL, STREAMING, RESIDENT], ids=cid)
 def real_cluster(request, tmp_path_factory):
     name, profile = request.param
     request.getfixturevalue("real_knot_05b" if "0.5b" in name else "real_knot_15b")  # fetched + encoded
@@ -98,6 +113,7 @@ def test_cluster_equals_knot_generate_and_respects_the_budget(real_cluster, reco
     print(f"\n{name}: {json.dumps(report, indent=1)}")
 
 
+@on(SMALL, STREAMING)
 def test_a_long_prompt_gives_the_tokens_of_knot_generate(real_cluster):
     """Issue 12: a prompt of thousands of tokens, in 256-token chunks through the stations with tiled
     attention, gives the single process's first tokens; the budget holds. (1,000 tokens for the
@@ -184,6 +200,7 @@ CODE_PROMPT = ('def has_close_elements(numbers: list[float], threshold: float) -
                '    given threshold.\n    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n    """\n')
 
 
+@on(SMALL, RESIDENT)
 def test_speculation_and_shard_sampling_change_no_token(real_cluster):
     """Issue 15 on real weights: prompt-lookup speculation through the stations and the tokens
     decided from the shards' summaries give the single process's tokens without either, greedy
@@ -243,6 +260,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                            "required": ["city"]}}}
 
 
+@on(SMALL, RESIDENT)
 def test_tool_calls_through_the_openai_client(real_cluster):
     """The official client gets parsed tool calls, whole and streamed, equal to the single process's
     reply; the call and the tool's answer sent back give the single process's prompt."""
@@ -308,6 +326,7 @@ SCHEMAS = {
 }
 
 
+@on(SMALL, RESIDENT)
 def test_json_schema_output_validates_and_equals_the_single_process(real_cluster):
     """response_format json_schema / json_object through the cluster: every output is valid
     against its schema (jsonschema) and equal to the single process under the same grammar, greedy
@@ -379,6 +398,7 @@ def test_json_schema_output_validates_and_equals_the_single_process(real_cluster
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+@on(SMALL, STREAMING)
 def test_a_cached_prompt_prefix_gives_the_tokens_of_a_cold_one(real_cluster):
     """Issue 50, prompt caching: a long context re-sent with a new tail starts after the blocks the
     stations kept, and its tokens equal the single process's and a cold run's (cache_prompt false),
