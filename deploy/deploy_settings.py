@@ -73,6 +73,9 @@ ROWS = [
           "S3": ("1g", "minio", "SeaweedFS in its place, while init uploads"),
           "KV": ("256m", "redis", "it evicts past --maxmemory 128mb"),
       }.items()),
+    declare("KNOT_PORTS", "str", None, "launcher tests", "LOW-HIGH: the ports `knot cluster up` (beyond "
+            "KNOT_PORT) and the tests' servers take free ones from (default: 20000 up to the kernel's ephemeral "
+            "range); `scripts/test.sh --lanes` gives each lane its own"),
     declare("KNOT_RUN_DIR", "str", None, "launcher", "state, logs and server data of `knot cluster` "
             "(default: .knot-run/ in the repository)"),
     declare("KNOT_KERNELS_MARCH", "str", "", "build tests", "-march of the C kernels' glue (empty: the "

@@ -115,19 +115,41 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def free_ports(n: int, low: int = 20000) -> list[int]:
-    """n distinct ports that are free now, chosen below the kernel's ephemeral range.
+def port_pool(env=os.environ) -> tuple[list[int], str]:
+    """The ports free_ports draws from, and how to name them in an error: KNOT_PORTS (LOW-HIGH) when
+    set, else 20000 up to the kernel's ephemeral range (see free_ports)."""
+    from common import settings
+
+    raw = settings.read(env, "KNOT_PORTS", "launcher")
+    if raw:
+        try:
+            low, high = (int(p) for p in raw.split("-"))
+        except ValueError:
+            raise settings.ConfigError(f"Config 'KNOT_PORTS' must be LOW-HIGH, got {raw!r}", name="KNOT_PORTS") from None
+        if not 1024 <= low <= high <= 65535:
+            raise settings.ConfigError(f"Config 'KNOT_PORTS' must lie within 1024-65535, low first, got {raw!r}",
+                                       name="KNOT_PORTS")
+        return list(range(low, high + 1)), f"KNOT_PORTS {low}-{high}"
+    eph_lo, eph_hi = ephemeral_port_range()
+    pool = list(range(20000, eph_lo))
+    if len(pool) < 1000:  # a kernel whose ephemeral range starts low: use what lies above it too
+        pool += range(eph_hi + 1, 65536)
+    return pool, f"20000 up, outside the ephemeral {eph_lo}..{eph_hi}"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports that are free now, from port_pool(): below the kernel's ephemeral range.
 
     Why not bind to port 0: that draws from the ephemeral range, the same pool the kernel uses
     for the local end of every outgoing connection. Between our check and a service's own bind,
     the cluster's boto3 and redis clients open hundreds of connections, and one of them can land
     on the port (CI saw shard-1 fail with EADDRINUSE). Ports below the range are never handed
-    out implicitly, so only an explicit bind can take them.
+    out implicitly, so only an explicit bind can take them. Two processes that both hand out ports
+    (scripts/test.sh --lanes) each get their own KNOT_PORTS, so neither takes one the other has
+    handed out and not yet bound.
     """
-    eph_lo, eph_hi = ephemeral_port_range()
-    pool = [p for p in range(low, eph_lo) if p not in _handed_out]
-    if len(pool) < 4 * n + 64:  # a kernel whose ephemeral range starts low: use what lies above it too
-        pool += [p for p in range(eph_hi + 1, 65536) if p not in _handed_out]
+    pool, where = port_pool()
+    pool = [p for p in pool if p not in _handed_out]
     out: list[int] = []
     for port in random.Random().sample(pool, min(len(pool), 50 * n + 200)):
         if len(out) == n:
@@ -140,7 +162,7 @@ def free_ports(n: int, low: int = 20000) -> list[int]:
         out.append(port)
         _handed_out.add(port)
     if len(out) < n:
-        raise ServerError(f"found only {len(out)} of {n} free ports from {low} up, outside {eph_lo}..{eph_hi}")
+        raise ServerError(f"found only {len(out)} of {n} free ports ({where})")
     return out
 
 

@@ -6,10 +6,10 @@
 #
 #   scripts/test.sh [pytest args]          one pytest over the args (default: the whole suite)
 #   scripts/test.sh --lanes [pytest args]  the same tests as two pytest processes at once: the
-#       real-model lane (-m "realmodel or oracle": clusters of the real weights and llama.cpp, CPU-bound)
-#       beside the rest (servers started and waited on, mostly idle), each with its own --basetemp
-#       and log, shown when the lane ends. A `-m EXPR` among the args narrows both lanes. Fails if
-#       either lane fails. Used by CI (.ci/run), where it saves the idle lane's wall time.
+#       real-model lane (-m "realmodel or oracle": clusters of the real weights and llama.cpp,
+#       CPU-bound) beside the rest (servers started and waited on, mostly idle), each with its own
+#       --basetemp, ports (KNOT_PORTS) and log, shown when the lane ends. A `-m EXPR` among the args
+#       narrows both lanes. Fails if either lane fails. CI (.ci/run) uses it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lanes=0
@@ -45,10 +45,12 @@ declare -A lane_of t0
 beat=""
 trap 'kill "${!lane_of[@]}" $beat 2>/dev/null || true' EXIT  # a stopped run leaves no lane behind
 for lane in real rest; do
-  if [ "$lane" = real ]; then e="($real)"; else e="not ($real)"; fi
+  # each lane its own ports (KNOT_PORTS), so neither takes one the other handed out and has not bound yet
+  if [ "$lane" = real ]; then e="($real)" ports=20000-25999; else e="not ($real)" ports=26000-31999; fi
   e="${marks:+($marks) and }$e"
   t0[$lane]=$(date +%s)
-  .venv/bin/python -m pytest "${args[@]}" -m "$e" --basetemp "$logs/$lane.tmp" >"$logs/$lane.log" 2>&1 &
+  KNOT_PORTS=$ports .venv/bin/python -m pytest "${args[@]}" -m "$e" --basetemp "$logs/$lane.tmp" \
+    >"$logs/$lane.log" 2>&1 &
   lane_of[$!]=$lane
   echo "test: lane $lane (-m \"$e\") started, log $logs/$lane.log" >&2
 done

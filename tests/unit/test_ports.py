@@ -18,6 +18,30 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
             s.bind(("127.0.0.1", p))  # still free: nothing in the range is handed out implicitly
 
 
+def test_knot_ports_bounds_the_pool(monkeypatch):
+    """Two processes handing out ports at once (scripts/test.sh --lanes) each draw from their own."""
+    monkeypatch.setenv("KNOT_PORTS", "27100-27199")
+    ports = servers.free_ports(30)
+    assert len(set(ports)) == 30 and all(27100 <= p <= 27199 for p in ports), ports
+    assert servers.port_pool()[1] == "KNOT_PORTS 27100-27199"
+
+
+@pytest.mark.parametrize("raw", ["27100", "27199-27100", "80-90", "a-b", "27100-70000"])
+def test_a_bad_knot_ports_is_refused_naming_it(monkeypatch, raw):
+    from common.settings import ConfigError
+
+    monkeypatch.setenv("KNOT_PORTS", raw)
+    with pytest.raises(ConfigError, match="KNOT_PORTS") as e:
+        servers.free_ports(1)
+    assert e.value.name == "KNOT_PORTS"
+
+
+def test_a_pool_too_small_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv("KNOT_PORTS", "27300-27301")
+    with pytest.raises(servers.ServerError, match="KNOT_PORTS 27300-27301"):
+        servers.free_ports(3)
+
+
 def test_free_ports_never_repeats_within_a_process():
     a, b = servers.free_ports(30), servers.free_ports(30)
     assert not set(a) & set(b)
