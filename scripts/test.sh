@@ -57,7 +57,10 @@ done
 # progress: the tail of each lane's pytest line (the sleep holds no pipe of ours, so killing the
 # loop ends it at once)
 ( while sleep 300 </dev/null >/dev/null 2>&1; do
-    for lane in real rest; do echo "test: lane $lane: $(tail -c 60 "$logs/$lane.log" | tr -d '\n')" >&2; done
+    for lane in real rest; do  # a lane still running: its log has no summary line yet
+      grep -qE "^(=+ )?[0-9]+ (passed|failed|errors?)|^no tests ran" "$logs/$lane.log" ||
+        echo "test: lane $lane: $(tail -c 60 "$logs/$lane.log" | tr -d '\n')" >&2
+    done
   done ) &
 beat=$!
 failed=0
