@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from common import settings
 from deploy import cluster_secrets, seaweedfs
 
 WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
@@ -118,16 +119,15 @@ def port_is_free(port: int) -> bool:
 def port_pool(env=os.environ) -> tuple[list[int], str]:
     """The ports free_ports draws from, and how to name them in an error: KNOT_PORTS (LOW-HIGH) when
     set, else 20000 up to the kernel's ephemeral range (see free_ports)."""
-    from common import settings
-
     raw = settings.read(env, "KNOT_PORTS", "launcher")
     if raw:
         try:
             low, high = (int(p) for p in raw.split("-"))
+            ok = 1024 <= low <= high <= 65535
         except ValueError:
-            raise settings.ConfigError(f"Config 'KNOT_PORTS' must be LOW-HIGH, got {raw!r}", name="KNOT_PORTS") from None
-        if not 1024 <= low <= high <= 65535:
-            raise settings.ConfigError(f"Config 'KNOT_PORTS' must lie within 1024-65535, low first, got {raw!r}",
+            ok = False
+        if not ok:
+            raise settings.ConfigError(f"Config 'KNOT_PORTS' must be LOW-HIGH within 1024-65535, got {raw!r}",
                                        name="KNOT_PORTS")
         return list(range(low, high + 1)), f"KNOT_PORTS {low}-{high}"
     eph_lo, eph_hi = ephemeral_port_range()
