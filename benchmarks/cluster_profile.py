@@ -213,10 +213,10 @@ def _bare_head(port: int, knot: str, head: str, rows: tuple[int, int], threads: 
     HTTP, without the rest of the stack."""
     from aiohttp import web
 
-    from common.matmul import matmul
+    from common import ops
     from common.quant import QTensor
 
-    deploy.kernels.install(threads)
+    deploy.kernels.install(threads)  # the shards' ops: the C kernels where they built
     full = open_model(knot).tensor(head)  # GGUF shape (dim, n_vocab)
     dim, n = full.shape
     data = full.data.reshape(n, -1)[rows[0]:rows[1]].copy()  # (b - a, row bytes): a shard keeps its rows
@@ -225,7 +225,7 @@ def _bare_head(port: int, knot: str, head: str, rows: tuple[int, int], threads: 
     async def sample(request: web.Request) -> web.Response:
         body = await request.read()
         x = np.frombuffer(body, np.float32, dim).reshape(1, dim)  # (1, dim)
-        best = int(matmul(x, w).argmax())  # (1, b - a) -> the slice's greedy candidate
+        best = int(ops.installed().matmul(x, w).argmax())  # (1, b - a) -> the slice's greedy candidate
         return web.Response(body=best.to_bytes(4, "little") * 75, content_type="application/octet-stream")
 
     app = web.Application()
