@@ -15,7 +15,8 @@ service), then:
     floor    the LM-head hop against its floor: a greedy /sample to every shard at once, as a decode
              step's, interleaved with the same posts to as many bare aiohttp processes, each holding
              its shard's slice of the head and doing nothing but its product (no signature, envelope,
-             batcher or summary): when the replies arrive, each way (median over the reps, sorted)
+             batcher or summary): when the replies arrive, each way (median over the reps, sorted),
+             and the whole head's product in one process, as the single process computes it
     embed    /generate of --tokens greedy tokens for each of three prompts the cluster has not seen
              (code, code, prose), once each: decode tok/s, the embed hop's calls and mean ms (a call
              per step whose token the coordinator does not keep: new rows, from the shard's LRU,
@@ -269,6 +270,21 @@ def _listening(port: int, proc, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+def _whole_head_ms(w, h: np.ndarray, reps: int) -> float:
+    """The median ms of h (1, dim) @ the whole head w, as the single process computes it (the
+    installed kernels, every thread): what the fan-out stands in for."""
+    import statistics
+
+    from common import ops
+
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        ops.installed().matmul(h, w)  # (1, dim) -> (1, n_vocab)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def floor(running: dict, knot: str, dim: int, reps: int) -> None:
     import multiprocessing
 
@@ -289,6 +305,8 @@ def floor(running: dict, knot: str, dim: int, reps: int) -> None:
             return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
         return port, make
 
+    deploy.kernels.ensure_installed()
+    whole = open_model(knot).tensor(head)  # (dim, n_vocab)
     ports = servers.free_ports(len(shards))
     spawn = multiprocessing.get_context("spawn")
     threads = settings.read(os.environ, "KNOT_SHARD_THREADS", "compose")  # a shard's KNOT_THREADS, as the launcher sets it
@@ -309,6 +327,8 @@ def floor(running: dict, knot: str, dim: int, reps: int) -> None:
             got = asyncio.run(_arrivals(base, reps))
             print(f"       {len(shards)} bare aiohttp processes, the same products: "
                   + ", ".join(f"{a:.1f}" for a in got))
+            print(f"       the whole head in this one process (the single process's product): "
+                  f"{_whole_head_ms(whole, h, reps):.1f}")
     finally:
         for p in bare:
             p.terminate()
