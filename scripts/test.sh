@@ -43,19 +43,42 @@ real="realmodel or oracle"
 logs=$(mktemp -d /tmp/knot-lanes.XXXXXX)
 declare -A lane_of t0
 beat=""
-trap 'kill "${!lane_of[@]}" $beat 2>/dev/null || true' EXIT  # a stopped run leaves no lane behind
+# Job control: each lane its own process group, with SIGINT not ignored (without it bash starts
+# background jobs ignoring SIGINT, and the only way to stop a lane was SIGTERM, which skips pytest's
+# teardown and leaves the servers a test started running). A Ctrl-C reaches this script alone, and
+# stop_lanes hands each lane one SIGINT.
+set -m
+stop_lanes() {  # Ctrl-C or kill: each lane's pytest interrupted, its fixtures' teardown waited for (<= 120 s)
+  trap - INT TERM
+  echo "test: stopping the lanes; their fixtures stop the servers they started" >&2
+  kill -INT "${!lane_of[@]}" 2>/dev/null || true
+  for _ in $(seq 120); do
+    alive=0
+    for pid in "${!lane_of[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 1 ] || break
+    sleep 1
+  done
+  for lane in "${lane_of[@]}"; do
+    echo "===== test: lane $lane: stopped; the end of its log ($logs/$lane.log) =====" >&2
+    tail -n 15 "$logs/$lane.log"
+  done
+  exit 130
+}
+trap stop_lanes INT TERM
+# nothing left behind (set -e holds in a trap too: each kill may find its target gone)
+trap 'kill "${!lane_of[@]}" 2>/dev/null || true; [ -z "$beat" ] || kill -- "-$beat" 2>/dev/null || true' EXIT
 for lane in real rest; do
   # each lane its own ports (KNOT_PORTS), so neither takes one the other handed out and has not bound yet
   if [ "$lane" = real ]; then e="($real)" ports=20000-25999; else e="not ($real)" ports=26000-31999; fi
   e="${marks:+($marks) and }$e"
   t0[$lane]=$(date +%s)
   KNOT_PORTS=$ports .venv/bin/python -m pytest "${args[@]}" -m "$e" --basetemp "$logs/$lane.tmp" \
-    >"$logs/$lane.log" 2>&1 &
+    </dev/null >"$logs/$lane.log" 2>&1 &
   lane_of[$!]=$lane
   echo "test: lane $lane (-m \"$e\") started, log $logs/$lane.log" >&2
 done
-# progress: the tail of each lane's pytest line (the sleep holds no pipe of ours, so killing the
-# loop ends it at once)
+# progress: the tail of each lane's pytest line (its own process group: the EXIT trap ends the loop
+# and its sleep)
 ( while sleep 300 </dev/null >/dev/null 2>&1; do
     for lane in real rest; do  # a lane still running: its log has no summary line yet
       grep -qE "^(=+ )?[0-9]+ (passed|failed|errors?)|^no tests ran" "$logs/$lane.log" ||
