@@ -49,6 +49,7 @@ beat=""
 # stop_lanes hands each lane one SIGINT.
 set -m
 stop_lanes() {  # Ctrl-C or kill: each lane's pytest interrupted, its fixtures' teardown waited for (<= 120 s)
+  local status=$1
   trap - INT TERM
   echo "test: stopping the lanes; their fixtures stop the servers they started" >&2
   kill -INT "${!lane_of[@]}" 2>/dev/null || true
@@ -62,9 +63,10 @@ stop_lanes() {  # Ctrl-C or kill: each lane's pytest interrupted, its fixtures' 
     echo "===== test: lane $lane: stopped; the end of its log ($logs/$lane.log) =====" >&2
     tail -n 15 "$logs/$lane.log"
   done
-  exit 130
+  exit "$status"
 }
-trap stop_lanes INT TERM
+trap 'stop_lanes 130' INT
+trap 'stop_lanes 143' TERM
 # nothing left behind (set -e holds in a trap too: each kill may find its target gone)
 trap 'kill "${!lane_of[@]}" 2>/dev/null || true; [ -z "$beat" ] || kill -- "-$beat" 2>/dev/null || true' EXIT
 for lane in real rest; do

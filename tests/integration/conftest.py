@@ -6,6 +6,9 @@ No mocks of S3 or Redis. Everything listens on free 127.0.0.1 ports and is stopp
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from contextlib import contextmanager
 import urllib.error
 import urllib.request
@@ -32,6 +35,27 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "knot", "AWS_SECRET_ACCESS_KEY": "knot-secre
 # hidden 1024: the attention and FFN matrices are above the 1 MiB residency threshold (evictable);
 # token_embd is Q4_K so the embedding rows exercise a K-quant.
 SPEC = TinySpec(hidden=1024, ffn=1536, n_head=8, n_kv_head=2, overrides={"token_embd.weight": Q.Q4_K})
+
+
+def knot_cli(run_dir, *args, timeout_s: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`knot cluster --run-dir run_dir ARGS` -> its exit code and output. Interrupted (Ctrl-C, a
+    stopped test lane) or out of time, the CLI gets one SIGINT and up to 60 s to stop what it
+    started. Why not subprocess.run: on any exception it SIGKILLs the CLI, and a `knot cluster up`
+    killed halfway leaves the services and supervisor it had spawned (each in its own session)
+    running with no state file for `down` to find; on SIGINT the launcher stops them itself."""
+    cmd = [sys.executable, "-m", "deploy.cli", "cluster", "--run-dir", str(run_dir), *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=compose_reader.REPO_ROOT, env=env) as p:
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except BaseException:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def pytest_collection_modifyitems(items):

@@ -4,8 +4,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,15 +13,9 @@ import pytest
 import redis
 
 from deploy import cluster_secrets, launcher, seaweedfs, servers
-from deploy.local import compose_reader
 from deploy.local.server_bindings import S3Settings, S3Bucket
 
-from .conftest import http, wait_for
-
-
-def knot_cli(run_dir, *args, timeout_s=300):
-    cmd = [sys.executable, "-m", "deploy.cli", "cluster", "--run-dir", str(run_dir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=compose_reader.REPO_ROOT)
+from .conftest import http, knot_cli, wait_for
 
 
 def test_cluster_up_status_down_and_upload_once(tmp_path, knot):

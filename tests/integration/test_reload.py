@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 from common.knot import parse_header
@@ -14,8 +12,7 @@ from common.sampling import SamplingParams
 from deploy.encoder import encode
 from deploy.engine_local import LocalEngine
 from deploy import servers
-from deploy.local import compose_reader
-from tests.integration.conftest import SPEC, http
+from tests.integration.conftest import SPEC, http, knot_cli as cluster_cli
 from tests.tiny_gguf import write_tiny_gguf
 
 PROMPT = "the def the"
@@ -25,9 +22,7 @@ N = 6
 def knot_cli(run_dir, *args, port: int, timeout_s=300):
     """`knot cluster ...` with the coordinator on its own port: another cluster on this machine (the
     default KNOT_PORT's) could answer for it and serve the same test knot."""
-    cmd = [sys.executable, "-m", "deploy.cli", "cluster", "--run-dir", str(run_dir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=compose_reader.REPO_ROOT,
-                          env={**os.environ, "KNOT_PORT": str(port)})
+    return cluster_cli(run_dir, *args, timeout_s=timeout_s, env={**os.environ, "KNOT_PORT": str(port)})
 
 
 def reference(path) -> list[int]:

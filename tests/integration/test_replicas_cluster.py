@@ -14,8 +14,7 @@ from urllib.parse import urlsplit
 from common.topology import replica_service
 from deploy import launcher
 
-from .conftest import http, metric, wait_for
-from .test_launcher import knot_cli
+from .conftest import http, knot_cli, metric, wait_for
 
 PROMPT = "the def the"
 MAX_TOKENS = 160

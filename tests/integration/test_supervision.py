@@ -10,8 +10,7 @@ import time
 
 from deploy import launcher, servers
 
-from .conftest import http, metric, page_replica, wait_for
-from .test_launcher import knot_cli
+from .conftest import http, knot_cli, metric, page_replica, wait_for
 
 PROMPT = "the def the"
 MAX_TOKENS = 48
