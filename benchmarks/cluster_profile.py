@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from common import settings, wire  # noqa: E402
+from common import ops, settings, wire  # noqa: E402
 from common.models import model_for  # noqa: E402
 import deploy.kernels  # noqa: E402
 from deploy import launcher, models, servers  # noqa: E402
@@ -214,7 +214,6 @@ def _bare_head(port: int, knot: str, head: str, rows: tuple[int, int], threads: 
     HTTP, without the rest of the stack."""
     from aiohttp import web
 
-    from common import ops
     from common.quant import QTensor
 
     deploy.kernels.install(threads)  # the shards' ops: the C kernels where they built
@@ -273,16 +272,12 @@ def _listening(port: int, proc, timeout_s: float) -> None:
 def _whole_head_ms(w, h: np.ndarray, reps: int) -> float:
     """The median ms of h (1, dim) @ the whole head w, as the single process computes it (the
     installed kernels, every thread): what the fan-out stands in for."""
-    import statistics
-
-    from common import ops
-
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         ops.installed().matmul(h, w)  # (1, dim) -> (1, n_vocab)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return float(np.median(times))
 
 
 def floor(running: dict, knot: str, dim: int, reps: int) -> None:
@@ -305,7 +300,6 @@ def floor(running: dict, knot: str, dim: int, reps: int) -> None:
             return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
         return port, make
 
-    deploy.kernels.ensure_installed()
     whole = open_model(knot).tensor(head)  # (dim, n_vocab)
     ports = servers.free_ports(len(shards))
     spawn = multiprocessing.get_context("spawn")

@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(items):
     """The llama.cpp oracle's tests run last, in the order collected otherwise. Why: llama.cpp's
     threads meet at spinning barriers (OpenMP), so beside another busy process they slow far more
     than our services' tests do; last, they meet less of CI's other lane (scripts/test.sh --lanes),
-    whose heaviest setups come first (docs/lab/2026-12-08-zen3-token-against-its-floor.md).
+    whose heaviest setups come first (each lane prints its slowest tests: --durations in .ci/run).
     needs_kernels tests skip where the C kernels did not build (they are optional for users)."""
     items.sort(key=lambda item: item.get_closest_marker("oracle") is not None)  # stable
     if kernels.available():
